@@ -1,0 +1,103 @@
+"""Tiny random HF causal LMs (Qwen2 / Qwen3 / Llama) written to a local directory.
+
+Used by tests, the CPU dev mode and benchmarks: no model hub is needed. The weights are drawn
+with a standard deviation large enough that next-token distributions are far from uniform,
+so log-probs, entropies and their gradients are non-trivial numbers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ARCHS = ("qwen2", "qwen3", "llama")
+
+
+def _hf_config(arch: str, **kw):
+    import transformers
+
+    common = dict(
+        vocab_size=kw["vocab_size"],
+        hidden_size=kw["hidden_size"],
+        num_hidden_layers=kw["num_layers"],
+        num_attention_heads=kw["num_attention_heads"],
+        num_key_value_heads=kw["num_key_value_heads"],
+        intermediate_size=kw["intermediate_size"],
+        tie_word_embeddings=kw["tie_word_embeddings"],
+        rope_theta=kw["rope_theta"],
+        max_position_embeddings=kw["max_position_embeddings"],
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        attention_dropout=0.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        dtype="float32",
+    )
+    if arch == "qwen2":
+        return transformers.Qwen2Config(use_sliding_window=False, **common)
+    if arch == "qwen3":
+        head_dim = kw["hidden_size"] // kw["num_attention_heads"]
+        return transformers.Qwen3Config(use_sliding_window=False, head_dim=head_dim, attention_bias=False, **common)
+    if arch == "llama":
+        return transformers.LlamaConfig(attention_bias=False, mlp_bias=False, **common)
+    raise ValueError(f"unknown arch {arch!r}; choose one of {ARCHS}")
+
+
+def make_tiny_hf_model(
+    out_dir: str | Path,
+    arch: str = "qwen2",
+    *,
+    vocab_size: int = 128,
+    hidden_size: int = 64,
+    num_layers: int = 4,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    intermediate_size: int = 128,
+    tie_word_embeddings: bool = False,
+    rope_theta: float = 10000.0,
+    max_position_embeddings: int = 4096,
+    seed: int = 0,
+    init_std: float = 0.2,
+) -> Path:
+    """Write a randomly initialised fp32 HF model dir (config.json + model.safetensors) and return its path.
+
+    Every weight matrix is N(0, init_std^2); biases N(0, 0.02^2)-ish small noise; norm weights
+    1 + N(0, 0.1^2) (so a mis-mapped norm is visible). Deterministic in ``seed``.
+    """
+    import transformers
+
+    if hidden_size % num_attention_heads:
+        raise ValueError(f"hidden_size={hidden_size} must divide by num_attention_heads={num_attention_heads}")
+    if num_attention_heads % num_key_value_heads:
+        raise ValueError(
+            f"num_attention_heads={num_attention_heads} must divide by num_key_value_heads={num_key_value_heads}"
+        )
+    cfg = _hf_config(
+        arch,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        intermediate_size=intermediate_size,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_theta=rope_theta,
+        max_position_embeddings=max_position_embeddings,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(init_std * torch.randn(p.shape, generator=gen))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
