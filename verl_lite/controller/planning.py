@@ -1,0 +1,171 @@
+"""Micro-batch planning: which trajectories go to which DP rank and micro-batch.
+
+Pure Python (no torch.distributed): the controller runs it once per mini-batch and sends every
+DP rank its share, so all ranks agree on the number and order of micro-batches by construction.
+
+    plan = plan_micro_batches(lengths, dp_size, micro_batch_size=2)
+    plan[dp_rank] -> [[i, j], [k, l], ...]      # micro-batches of trajectory indices
+
+Two steps:
+1. DP partition: trajectories are split into ``dp_size`` groups of EQUAL size (a requirement of
+   the batch-size semantics: trajectories per mini-batch divide by DP), balanced by token count
+   (greedy longest-first into the lightest group that still has room).
+2. Micro-batches per rank: either fixed ``micro_batch_size`` trajectories each, or a token budget
+   ``max_tokens_per_micro_batch`` (first-fit-decreasing bins, then balanced). The count is then
+   made the same on every rank (the maximum over ranks, rounded up to ``vpp_multiple``) by
+   splitting the largest micro-batches; a micro-batch is empty only if a rank has fewer
+   trajectories than the required count.
+
+Planning never changes the math: the loss normalization comes from the whole mini-batch
+(``algorithms.aggregation.NormalizationPlan``), not from how it is cut.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def _check_lengths(lengths: Sequence[int]) -> list[int]:
+    out = [int(x) for x in lengths]
+    if not out:
+        raise ValueError("plan_micro_batches: got no trajectories (lengths is empty)")
+    if any(x <= 0 for x in out):
+        raise ValueError(f"plan_micro_batches: every length must be positive, got {out}")
+    return out
+
+
+def partition_over_dp(lengths: Sequence[int], dp_size: int) -> list[list[int]]:
+    """Split trajectory indices into ``dp_size`` equal-size groups with balanced token sums.
+
+    Greedy: longest trajectory first, into the group with the smallest token sum that still has
+    fewer than ``len(lengths) / dp_size`` members. Indices inside a group are sorted ascending.
+    """
+    lengths = _check_lengths(lengths)
+    if dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+    n = len(lengths)
+    if n % dp_size:
+        raise ValueError(
+            f"{n} trajectories do not divide over dp_size={dp_size}; make the mini-batch's trajectory "
+            f"count a multiple of the data-parallel size"
+        )
+    per_rank = n // dp_size
+    groups: list[list[int]] = [[] for _ in range(dp_size)]
+    loads = [0] * dp_size
+    for i in sorted(range(n), key=lambda k: (-lengths[k], k)):
+        open_ranks = [r for r in range(dp_size) if len(groups[r]) < per_rank]
+        r = min(open_ranks, key=lambda q: (loads[q], q))
+        groups[r].append(i)
+        loads[r] += lengths[i]
+    return [sorted(g) for g in groups]
+
+
+def _split_fixed(indices: list[int], micro_batch_size: int) -> list[list[int]]:
+    return [indices[k : k + micro_batch_size] for k in range(0, len(indices), micro_batch_size)]
+
+
+def _split_token_budget(indices: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """First-fit-decreasing into bins of at most ``budget`` tokens, then rebalance greedily."""
+    too_long = [i for i in indices if lengths[i] > budget]
+    if too_long:
+        raise ValueError(
+            f"trajectories {too_long} have lengths {[lengths[i] for i in too_long]} > "
+            f"max_tokens_per_micro_batch={budget}; raise the token budget to at least the longest "
+            f"sequence ({max(lengths[i] for i in too_long)})"
+        )
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(indices, key=lambda k: (-lengths[k], k)):
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= budget:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return _rebalance(indices, lengths, len(bins), budget)
+
+
+def _rebalance(indices: list[int], lengths: list[int], k: int, budget: int | None) -> list[list[int]]:
+    """Greedy LPT into ``k`` bins (lightest bin first); falls back to the FFD count if it overflows."""
+    while True:
+        bins: list[list[int]] = [[] for _ in range(k)]
+        loads = [0] * k
+        for i in sorted(indices, key=lambda q: (-lengths[q], q)):
+            b = min(range(k), key=lambda q: (loads[q], len(bins[q]), q))
+            bins[b].append(i)
+            loads[b] += lengths[i]
+        if budget is None or max(loads) <= budget:
+            return [sorted(b) for b in bins]
+        k += 1  # LPT can be worse than FFD on awkward inputs; one more bin always eventually fits
+
+
+def _pad_count(mbs: list[list[int]], lengths: list[int], target: int) -> list[list[int]]:
+    """Split the heaviest multi-trajectory micro-batches until there are ``target`` of them."""
+    mbs = [list(m) for m in mbs]
+    while len(mbs) < target:
+        splittable = [k for k, m in enumerate(mbs) if len(m) > 1]
+        if not splittable:
+            mbs.append([])  # fewer trajectories than micro-batches on this rank: unavoidable
+            continue
+        k = max(splittable, key=lambda q: (sum(lengths[i] for i in mbs[q]), -q))
+        m = sorted(mbs[k], key=lambda i: (-lengths[i], i))
+        a, b = [], []
+        la = lb = 0
+        for i in m:  # balanced two-way split
+            if la <= lb:
+                a.append(i)
+                la += lengths[i]
+            else:
+                b.append(i)
+                lb += lengths[i]
+        mbs[k : k + 1] = [sorted(a), sorted(b)]
+    return mbs
+
+
+def plan_micro_batches(
+    lengths: Sequence[int],
+    dp_size: int,
+    micro_batch_size: int | None = None,
+    max_tokens_per_micro_batch: int | None = None,
+    vpp_multiple: int = 1,
+) -> list[list[list[int]]]:
+    """Plan DP shares and micro-batches of trajectory indices (indices into ``lengths``).
+
+    Args:
+        lengths: token count (prompt + response) of each trajectory of the mini-batch.
+        dp_size: data-parallel size; ``len(lengths)`` must divide by it.
+        micro_batch_size: trajectories per micro-batch (exclusive with the token budget).
+        max_tokens_per_micro_batch: token budget per micro-batch; a longer single trajectory is an
+            error.
+        vpp_multiple: the micro-batch count is rounded up to a multiple of this (the pipeline size
+            under virtual pipeline parallelism, which megatron requires).
+
+    Returns:
+        ``plan[r]`` = list of micro-batches for DP rank r; every rank has the same count; every
+        trajectory appears exactly once. A micro-batch is empty only if a rank has fewer
+        trajectories than the common count (the engine rejects empty micro-batches, so the
+        caller should then use fewer micro-batches or a smaller VPP multiple).
+    """
+    lengths = _check_lengths(lengths)
+    if (micro_batch_size is None) == (max_tokens_per_micro_batch is None):
+        raise ValueError(
+            "plan_micro_batches: give exactly one of micro_batch_size (fixed trajectories per "
+            "micro-batch) or max_tokens_per_micro_batch (token budget)"
+        )
+    if micro_batch_size is not None and micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    if max_tokens_per_micro_batch is not None and max_tokens_per_micro_batch < 1:
+        raise ValueError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens_per_micro_batch}")
+    if vpp_multiple < 1:
+        raise ValueError(f"vpp_multiple must be >= 1, got {vpp_multiple}")
+
+    shares = partition_over_dp(lengths, dp_size)
+    if micro_batch_size is not None:
+        per_rank = [_split_fixed(s, micro_batch_size) for s in shares]
+    else:
+        per_rank = [_split_token_budget(s, lengths, max_tokens_per_micro_batch) for s in shares]
+    count = max(len(m) for m in per_rank)
+    count = -(-count // vpp_multiple) * vpp_multiple
+    return [_pad_count(m, lengths, count) for m in per_rank]

@@ -1,0 +1,117 @@
+"""Engine configuration: the optimizer and the engine itself, validated on construction.
+
+Everything here is plain data (picklable, no torch.distributed), so workers and the
+controller can build and check it before any process group exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from verl_lite.engine.distributed import ParallelConfig
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+PARAMS_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class OptimConfig:
+    """Adam(W) with decoupled weight decay, global-norm gradient clipping and an LR schedule.
+
+    Schedule (megatron ``OptimizerParamScheduler``), for optimizer step k = 1, 2, ...:
+    - warm-up: lr_k = lr * k / lr_warmup_steps for k <= lr_warmup_steps;
+    - then "constant": lr; "linear"/"cosine": decays from lr to min_lr at k = total_steps.
+    Weight decay skips biases and 1-D parameters (norms), as megatron does by default.
+    """
+
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    lr_warmup_steps: int = 0
+    lr_decay_style: str = "constant"
+    min_lr: float = 0.0
+    total_steps: int = 1
+    use_distributed_optimizer: bool = False
+
+    def __post_init__(self):
+        self.betas = tuple(float(b) for b in self.betas)
+        if not self.lr > 0:
+            raise ValueError(f"OptimConfig.lr must be > 0, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ValueError(f"OptimConfig.weight_decay must be >= 0, got {self.weight_decay}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"OptimConfig.betas must be two numbers in [0, 1), got {self.betas}")
+        if not self.eps > 0:
+            raise ValueError(f"OptimConfig.eps must be > 0, got {self.eps}")
+        if not self.clip_grad > 0:
+            raise ValueError(
+                f"OptimConfig.clip_grad must be > 0 (a global-norm threshold), got {self.clip_grad}; "
+                f"use a large value such as 1e9 to effectively disable clipping"
+            )
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ValueError(
+                f"OptimConfig.lr_decay_style={self.lr_decay_style!r} is unknown; choose one of {LR_DECAY_STYLES}"
+            )
+        if self.lr_warmup_steps < 0:
+            raise ValueError(f"OptimConfig.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
+        if self.total_steps < 1:
+            raise ValueError(f"OptimConfig.total_steps must be >= 1, got {self.total_steps}")
+        if self.lr_decay_style != "constant" and self.lr_warmup_steps >= self.total_steps:
+            raise ValueError(
+                f"OptimConfig: lr_warmup_steps={self.lr_warmup_steps} must be < total_steps={self.total_steps} "
+                f"for lr_decay_style={self.lr_decay_style!r}"
+            )
+        if not 0.0 <= self.min_lr <= self.lr:
+            raise ValueError(f"OptimConfig.min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+
+
+@dataclass
+class EngineConfig:
+    """What ``MegatronEngine`` builds.
+
+    model_path: HF model directory (config.json + safetensors).
+    parallel: TP/PP/VPP/CP/SP layout and the collective timeout.
+    calculate_per_token_loss: megatron's per-token mode (the engine hands megatron token counts
+        and scales the loss so the gradient is the same in both modes).
+    value_head: build a critic (scalar head) instead of the LM head.
+    forward_only: no DDP, no optimizer (reference policy, inference).
+    """
+
+    model_path: str
+    parallel: "ParallelConfig | None" = None
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    calculate_per_token_loss: bool = False
+    value_head: bool = False
+    forward_only: bool = False
+    seed: int = 1234
+    params_dtype: str = "float32"
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        from pathlib import Path
+
+        if self.parallel is None:
+            from verl_lite.engine.distributed import ParallelConfig
+
+            self.parallel = ParallelConfig()
+        if not self.model_path:
+            raise ValueError("EngineConfig.model_path is empty; give an HF model directory")
+        if not (Path(self.model_path) / "config.json").is_file():
+            raise ValueError(
+                f"EngineConfig.model_path={self.model_path!r} has no config.json; give an HF model directory "
+                f"(config.json + *.safetensors)"
+            )
+        if self.params_dtype not in PARAMS_DTYPES:
+            raise ValueError(f"EngineConfig.params_dtype={self.params_dtype!r}; choose one of {PARAMS_DTYPES}")
+        if not isinstance(self.optim, OptimConfig):
+            raise TypeError(f"EngineConfig.optim must be an OptimConfig, got {type(self.optim).__name__}")
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.params_dtype)

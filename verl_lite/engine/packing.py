@@ -1,0 +1,191 @@
+"""THD packing of variable-length sequences, the zig-zag split for context parallelism, and the
+way back from packed per-token outputs to right-padded response tensors.
+
+Layout of one micro-batch of b sequences (ids_i of length L_i, the last R_i tokens the response):
+
+1. Each sequence is padded (pad id 0) to P_i = ceil(L_i / m) * m, with m = ``pad_multiple``:
+   2*CP (times TP under sequence parallelism) when CP > 1, TP under sequence parallelism, else 1.
+2. Labels are computed on the full padded sequence BEFORE any split: label[t] = ids[t+1] for
+   t < L_i - 1, else 0 (padding; never read). So the label shift is right across zig-zag chunk
+   boundaries by construction.
+3. ``cu_seqlens`` = [0, P_0, P_0+P_1, ...] (global, padded; int32), ``max_seqlen`` = max P_i. Under CP
+   megatron's THD RoPE and our attention take these GLOBAL values.
+4. Zig-zag (CP > 1): each padded sequence is cut into 2*CP chunks of h_i = P_i / (2*CP) tokens;
+   CP rank r holds chunks r and 2*CP-1-r (early and late tokens together balance the causal
+   attention work). The local pack is the concatenation over sequences of those two chunks.
+
+Way back (``unpack_response``): a per-token tensor over the local pack ([T_local] or [1, T_local])
+is all-gathered over CP (detached copies; the local shard is re-inserted WITH autograd, so the
+gradient flows only through the local chunks and each token's gradient is counted once over the
+CP group), un-zig-zagged, trimmed to L_i, and sliced to the response positions: the output at
+position p predicts token p+1, so response token t (at position L_i - R_i + t) is scored at
+position L_i - R_i - 1 + t. Result: [b, W] right-padded with 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def pad_multiple(cp_size: int, tp_size: int = 1, sequence_parallel: bool = False) -> int:
+    """Multiple each sequence is padded to: 2*CP (x TP with SP) under CP; TP with SP; else 1."""
+    sp = tp_size if sequence_parallel else 1
+    return 2 * cp_size * sp if cp_size > 1 else sp
+
+
+def _ceil_to(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+@dataclass
+class PackedMicroBatch:
+    """One micro-batch packed THD, as seen by one CP rank.
+
+    input_ids, labels: [1, T_local] (the local zig-zag shard; T_local = sum_i P_i / CP).
+    real_mask: [1, T_local] bool, True on real (non-padding) positions of the local shard.
+    cu_seqlens: [b+1] int32, global padded; max_seqlen: max P_i.
+    lengths, padded_lengths, response_lengths: per-sequence L_i, P_i, R_i.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    real_mask: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    lengths: list[int]
+    padded_lengths: list[int]
+    response_lengths: list[int]
+    cp_size: int
+    cp_rank: int
+
+    @property
+    def num_local_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def num_real_local_tokens(self) -> int:
+        """Real (non-padding) tokens in this rank's chunks; sums over the CP group to sum_i L_i."""
+        return int(self.real_mask.sum())
+
+
+def zigzag_positions(padded_length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Positions (within one padded sequence) held by ``cp_rank``: chunks r and 2*CP-1-r."""
+    if cp_size == 1:
+        return torch.arange(padded_length)
+    if padded_length % (2 * cp_size):
+        raise ValueError(f"padded length {padded_length} is not a multiple of 2*CP={2 * cp_size}")
+    h = padded_length // (2 * cp_size)
+    first = torch.arange(cp_rank * h, (cp_rank + 1) * h)
+    second = torch.arange((2 * cp_size - 1 - cp_rank) * h, (2 * cp_size - cp_rank) * h)
+    return torch.cat([first, second])
+
+
+def pack_micro_batch(
+    input_ids: list[torch.Tensor],
+    response_lengths: list[int],
+    *,
+    multiple: int = 1,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+) -> PackedMicroBatch:
+    """Pack sequences THD (see module docstring). ``multiple`` must divide by 2*CP when CP > 1."""
+    if len(input_ids) == 0:
+        raise ValueError("pack_micro_batch: a micro-batch needs at least one sequence (got an empty one)")
+    if len(input_ids) != len(response_lengths):
+        raise ValueError(f"{len(input_ids)} sequences but {len(response_lengths)} response lengths")
+    if cp_size > 1 and multiple % (2 * cp_size):
+        raise ValueError(f"pad multiple {multiple} must be a multiple of 2*CP={2 * cp_size}")
+    ids_out, labels_out, real_out, lengths, padded = [], [], [], [], []
+    for k, (ids, r) in enumerate(zip(input_ids, response_lengths)):
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+        n, r = int(ids.numel()), int(r)
+        if r < 0 or r > n - 1:
+            raise ValueError(
+                f"sequence {k}: response length {r} must be in [0, L-1] with L={n} (the first token is "
+                f"prompt: the response is scored from the token before it)"
+            )
+        p = _ceil_to(n, multiple)
+        full_ids = torch.zeros(p, dtype=torch.long)
+        full_ids[:n] = ids
+        full_labels = torch.zeros(p, dtype=torch.long)
+        full_labels[: n - 1] = ids[1:]
+        full_real = torch.zeros(p, dtype=torch.bool)
+        full_real[:n] = True
+        pos = zigzag_positions(p, cp_size, cp_rank)
+        ids_out.append(full_ids[pos])
+        labels_out.append(full_labels[pos])
+        real_out.append(full_real[pos])
+        lengths.append(n)
+        padded.append(p)
+    cu = torch.zeros(len(padded) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(padded, dtype=torch.int32), 0)
+    return PackedMicroBatch(
+        input_ids=torch.cat(ids_out).unsqueeze(0),
+        labels=torch.cat(labels_out).unsqueeze(0),
+        real_mask=torch.cat(real_out).unsqueeze(0),
+        cu_seqlens=cu,
+        max_seqlen=max(padded),
+        lengths=lengths,
+        padded_lengths=padded,
+        response_lengths=[int(r) for r in response_lengths],
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+    )
+
+
+def gather_over_cp(local: torch.Tensor, cp_size: int, cp_rank: int, cp_group) -> list[torch.Tensor]:
+    """All-gather a per-token tensor over CP; only this rank's entry keeps autograd."""
+    if cp_size == 1:
+        return [local]
+    import torch.distributed as dist
+
+    shards = [torch.empty_like(local) for _ in range(cp_size)]
+    dist.all_gather(shards, local.detach().contiguous(), group=cp_group)
+    shards[cp_rank] = local
+    return shards
+
+
+def unpack_response(
+    local: torch.Tensor,
+    packed: PackedMicroBatch,
+    width: int,
+    cp_group=None,
+) -> torch.Tensor:
+    """Per-token tensor on the local pack -> [b, width] response tensor, right-padded with 0.
+
+    ``local`` is [T_local] or [1, T_local] (trailing feature dims are not supported).
+    """
+    local = local.reshape(-1)
+    if local.numel() != packed.num_local_tokens:
+        raise ValueError(f"per-token tensor has {local.numel()} entries, pack has {packed.num_local_tokens}")
+    shards = gather_over_cp(local, packed.cp_size, packed.cp_rank, cp_group)
+    return assemble_response(shards, packed, width)
+
+
+def assemble_response(shards: list[torch.Tensor], packed: PackedMicroBatch, width: int) -> torch.Tensor:
+    """Un-zig-zag the CP shards ([T_local] each, in CP rank order), trim, slice the responses."""
+    cp = packed.cp_size
+    if len(shards) != cp:
+        raise ValueError(f"got {len(shards)} shards for CP={cp}")
+    rows = []
+    offset = 0  # offset of the current sequence inside every rank's local pack
+    for n, p, r in zip(packed.lengths, packed.padded_lengths, packed.response_lengths):
+        local_len = p // cp
+        if cp == 1:
+            full = shards[0][offset : offset + p]
+        else:
+            h = p // (2 * cp)
+            chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+            for rank, shard in enumerate(shards):
+                piece = shard[offset : offset + local_len]
+                chunks[rank] = piece[:h]
+                chunks[2 * cp - 1 - rank] = piece[h:]
+            full = torch.cat(chunks)
+        offset += local_len
+        resp = full[n - r - 1 : n - 1]
+        if r > width:
+            raise ValueError(f"response length {r} exceeds the output width {width}")
+        rows.append(torch.nn.functional.pad(resp, (0, width - r)))
+    return torch.stack(rows)
