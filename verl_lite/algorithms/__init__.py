@@ -1,1 +1,56 @@
+"""Pure RL math on tensors (no torch.distributed): advantages, policy losses, the
+normalization plan, KL, value loss and the per-micro-batch objectives. See docs/algorithms.md."""
 
+from .advantages import (
+    ADVANTAGE_ESTIMATORS,
+    compute_advantage,
+    get_advantage_estimator,
+    masked_whiten,
+    register_advantage_estimator,
+)
+from .aggregation import AGG_MODES, NormalizationPlan, check_agg_mode
+from .kl import (
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    get_kl_controller,
+    kl_penalty,
+)
+from .objective import COV_MASK_KEY, IS_WEIGHTS_KEY, ActorLossConfig, actor_loss, critic_loss
+from .policy_loss import (
+    COV_SELECTION_LOSSES,
+    POLICY_LOSSES,
+    PolicyLossConfig,
+    get_policy_loss,
+    register_policy_loss,
+    select_cov_tokens,
+)
+from .value_loss import clipped_value_loss
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AGG_MODES",
+    "COV_MASK_KEY",
+    "COV_SELECTION_LOSSES",
+    "IS_WEIGHTS_KEY",
+    "POLICY_LOSSES",
+    "ActorLossConfig",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "NormalizationPlan",
+    "PolicyLossConfig",
+    "actor_loss",
+    "apply_kl_penalty",
+    "check_agg_mode",
+    "clipped_value_loss",
+    "compute_advantage",
+    "critic_loss",
+    "get_advantage_estimator",
+    "get_kl_controller",
+    "get_policy_loss",
+    "kl_penalty",
+    "masked_whiten",
+    "register_advantage_estimator",
+    "register_policy_loss",
+    "select_cov_tokens",
+]

@@ -1,0 +1,305 @@
+"""Policy losses, as PER-TOKEN losses (never aggregated here).
+
+Every loss has the signature
+
+    fn(old_log_prob, log_prob, advantages, response_mask, cfg: PolicyLossConfig,
+       is_weights=None, cov_mask=None) -> (per_token_loss [n, W], metrics: dict[str, Tensor [n, W]])
+
+and is aggregated by the caller through a `NormalizationPlan` (objective.py), so that every
+loss honours every aggregation mode and every shard/CP layout. Metrics are per-token
+indicator/value tensors (detached); callers turn them into token means with the plan.
+
+Notation: A = advantages, delta = log_prob - old_log_prob, r = exp(clamp(delta, -20, 20)),
+eps_lo / eps_hi = clip_ratio_low / clip_ratio_high (default clip_ratio), sg = stop-gradient,
+n_i = valid tokens of row i. Sequence quantities (gspo's mean log-ratio, geo_mean's mean
+clipped log-ratio) are computed from whole rows, so any shard of whole rows (and any CP rank,
+which holds full rows) sees the same values. IS weights w (optional, e.g. rollout
+correction) multiply the per-token loss.
+
+clip_cov / kl_cov select tokens from statistics of the WHOLE mini-batch. To stay shard
+invariant the selection is not made inside the loss: `select_cov_tokens` runs once per
+mini-batch (on the controller, before dispatch) and its boolean mask travels with the data
+as `cov_mask`. See docs/algorithms.md for the deviation from verl this implies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+COV_SELECTION_LOSSES = ("clip_cov", "kl_cov")
+RATIO_LOG_CLAMP = 20.0
+
+
+@dataclass
+class PolicyLossConfig:
+    """Hyper-parameters of the policy losses (verl field names and defaults)."""
+
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    clip_ratio_c: float = 3.0  # dual-clip bound for A < 0 (vanilla); must be > 1
+    tau_pos: float = 1.0  # sapo temperature for A > 0
+    tau_neg: float = 1.05  # sapo temperature for A <= 0
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 1.0
+
+    @property
+    def eps_low(self) -> float:
+        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+
+    @property
+    def eps_high(self) -> float:
+        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator: register `fn` under `name` (re-registering another function is an error)."""
+
+    def decorator(fn: PolicyLossFn) -> PolicyLossFn:
+        if name in POLICY_LOSSES and POLICY_LOSSES[name] is not fn:
+            raise ValueError(f"Policy loss {name!r} is already registered to {POLICY_LOSSES[name]}.")
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"Unknown policy loss {name!r}. Registered: {', '.join(sorted(POLICY_LOSSES))}.")
+    return POLICY_LOSSES[name]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _valid(response_mask: torch.Tensor) -> torch.Tensor:
+    return response_mask != 0
+
+
+def _row_mean(x: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """sum_t m x / max(n_i, 1) per row, padding ignored even if non-finite -> [n]."""
+    valid = _valid(response_mask)
+    total = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum(dim=-1)
+    return total / valid.sum(dim=-1).clamp(min=1).to(x.dtype)
+
+
+def _ratio(old_log_prob: torch.Tensor, log_prob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    delta = torch.clamp(log_prob - old_log_prob, min=-RATIO_LOG_CLAMP, max=RATIO_LOG_CLAMP)
+    return delta, torch.exp(delta)
+
+
+def _apply_is_weights(loss: torch.Tensor, is_weights: torch.Tensor | None) -> torch.Tensor:
+    return loss if is_weights is None else loss * is_weights.detach()
+
+
+def _indicator(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x.detach().to(dtype)
+
+
+def _require_cov_mask(name: str, cov_mask: torch.Tensor | None, ref: torch.Tensor) -> torch.Tensor:
+    if cov_mask is None:
+        raise ValueError(
+            f"policy loss {name!r} needs `cov_mask`: compute it ONCE over the whole mini-batch with "
+            f"verl_lite.algorithms.select_cov_tokens(...) before dispatch and carry it with the data."
+        )
+    if cov_mask.shape != ref.shape:
+        raise ValueError(f"cov_mask shape {tuple(cov_mask.shape)} != log_prob shape {tuple(ref.shape)}.")
+    return (cov_mask != 0).to(ref.dtype)
+
+
+# ----------------------------------------------------------------------------- losses
+
+
+@register_policy_loss("vanilla")
+def vanilla_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None, cov_mask=None):
+    """PPO clip with asymmetric range and dual clip.
+
+    c1 = max(-A r, -A clip(r, 1-eps_lo, 1+eps_hi));  l = min(c1, -A c) if A < 0 else c1.
+    """
+    if not cfg.clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c (dual-clip bound) must be > 1.0, got {cfg.clip_ratio_c}.")
+    delta, ratio = _ratio(old_log_prob, log_prob)
+    loss1 = -advantages * ratio
+    loss2 = -advantages * torch.clamp(ratio, 1 - cfg.eps_low, 1 + cfg.eps_high)
+    clipped1 = torch.maximum(loss1, loss2)
+    loss3 = -advantages * cfg.clip_ratio_c
+    clipped2 = torch.minimum(loss3, clipped1)
+    loss = torch.where(advantages < 0, clipped2, clipped1)
+    dt = log_prob.dtype
+    metrics = {
+        "pg_clipfrac": _indicator(loss2 > loss1, dt),
+        "pg_clipfrac_lower": _indicator((clipped1 > loss3) & (advantages < 0), dt),
+        "ppo_kl": -delta.detach(),
+    }
+    return _apply_is_weights(loss, is_weights), metrics
+
+
+@register_policy_loss("gspo")
+def gspo_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None, cov_mask=None):
+    """GSPO: token ratio s_i,t = exp(logp - sg(logp) + sg(mean_t delta_i)) (log clamped <= 10),
+    then PPO clip without dual clip: l = max(-A s, -A clip(s, 1-eps_lo, 1+eps_hi)).
+    The value of s_i,t is the sequence ratio; its gradient is the token's own d logp."""
+    delta = log_prob - old_log_prob
+    seq_log_ratio = _row_mean(delta, response_mask).detach()
+    log_s = torch.clamp(log_prob - log_prob.detach() + seq_log_ratio.unsqueeze(-1), max=10.0)
+    s = torch.exp(log_s)
+    loss1 = -advantages * s
+    loss2 = -advantages * torch.clamp(s, 1 - cfg.eps_low, 1 + cfg.eps_high)
+    loss = torch.maximum(loss1, loss2)
+    metrics = {"pg_clipfrac": _indicator(loss2 > loss1, log_prob.dtype), "ppo_kl": -delta.detach()}
+    return _apply_is_weights(loss, is_weights), metrics
+
+
+@register_policy_loss("gpg")
+def gpg_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None, cov_mask=None):
+    """GPG: l = -A logp (plain policy gradient, no ratio)."""
+    loss = -log_prob * advantages
+    return _apply_is_weights(loss, is_weights), {"ppo_kl": (old_log_prob - log_prob).detach()}
+
+
+@register_policy_loss("cispo")
+def cispo_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None, cov_mask=None):
+    """CISPO: l = -sg(clip(r, 1-eps_lo, 1+eps_hi)) A logp."""
+    delta, ratio = _ratio(old_log_prob, log_prob)
+    clipped = torch.clamp(ratio, 1 - cfg.eps_low, 1 + cfg.eps_high)
+    loss = -clipped.detach() * advantages * log_prob
+    metrics = {"pg_clipfrac": _indicator(ratio != clipped, log_prob.dtype), "ppo_kl": -delta.detach()}
+    return _apply_is_weights(loss, is_weights), metrics
+
+
+@register_policy_loss("sapo")
+def sapo_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None, cov_mask=None):
+    """SAPO: l = -A sigmoid(tau (r - 1)) 4 / tau, tau = tau_pos if A > 0 else tau_neg."""
+    if not (cfg.tau_pos > 0 and cfg.tau_neg > 0):
+        raise ValueError(f"sapo needs tau_pos > 0 and tau_neg > 0, got {cfg.tau_pos}, {cfg.tau_neg}.")
+    delta, ratio = _ratio(old_log_prob, log_prob)
+    tau = torch.where(
+        advantages > 0,
+        torch.tensor(cfg.tau_pos, dtype=ratio.dtype, device=ratio.device),
+        torch.tensor(cfg.tau_neg, dtype=ratio.dtype, device=ratio.device),
+    )
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    loss = -gate * advantages
+    return _apply_is_weights(loss, is_weights), {"ppo_kl": -delta.detach()}
+
+
+@register_policy_loss("geo_mean")
+def geo_mean_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None, cov_mask=None):
+    """GMPO (geometric-mean policy optimisation), as a per-token loss.
+
+    Token clip in log space: d_c = sgn(A) min(sgn(A) delta, sgn(A) clamp(delta, -eps_lo, eps_hi)).
+    Sequence loss: L_i = -mean_t(A) exp(mean_t d_c)  [x geometric mean of the row's IS weights].
+    Per-token form: l_i,t = L_i on every valid token of row i, so seq-mean-token-mean gives
+    exactly GMPO's (1/B) sum_i L_i, and every other mode weighs L_i by its row's weights.
+    """
+    delta = log_prob - old_log_prob
+    sgn = torch.sign(advantages)
+    delta_clamped = torch.clamp(delta, min=-cfg.eps_low, max=cfg.eps_high)
+    delta_min = sgn * torch.minimum(sgn * delta, sgn * delta_clamped)
+    seq_ratio = torch.exp(_row_mean(delta_min, response_mask))
+    seq_adv = _row_mean(advantages, response_mask)
+    seq_loss = -seq_adv * seq_ratio
+    if is_weights is not None:
+        seq_loss = seq_loss * torch.exp(_row_mean(torch.log(is_weights.detach() + 1e-10), response_mask))
+    loss = seq_loss.unsqueeze(-1).expand_as(log_prob)
+    clipped = delta != delta_clamped
+    dt = log_prob.dtype
+    metrics = {
+        "pg_clipfrac": _indicator(clipped & (advantages > 0), dt),
+        "pg_clipfrac_lower": _indicator(clipped & (advantages < 0), dt),
+        "ppo_kl": -delta.detach(),
+    }
+    return loss, metrics
+
+
+@register_policy_loss("clip_cov")
+def clip_cov_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None, cov_mask=None):
+    """Clip-Cov: PPO clip (no dual clip), and the selected tokens (cov_mask) get loss 0.
+
+    l = max(-A r, -A clip(r, 1-eps_lo, 1+eps_hi)) (1 - sel)."""
+    selected = _require_cov_mask("clip_cov", cov_mask, log_prob)
+    delta, ratio = _ratio(old_log_prob, log_prob)
+    loss1 = -advantages * ratio
+    loss2 = -advantages * torch.clamp(ratio, 1 - cfg.eps_low, 1 + cfg.eps_high)
+    loss = torch.maximum(loss1, loss2) * (1 - selected)
+    metrics = {
+        "pg_clipfrac": _indicator(loss2 > loss1, log_prob.dtype),
+        "cov_selected_frac": selected.detach(),
+        "ppo_kl": -delta.detach(),
+    }
+    return _apply_is_weights(loss, is_weights), metrics
+
+
+@register_policy_loss("kl_cov")
+def kl_cov_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None, cov_mask=None):
+    """KL-Cov: l = -A r + sel * ppo_kl_coef * |delta| (no clip)."""
+    selected = _require_cov_mask("kl_cov", cov_mask, log_prob)
+    delta, ratio = _ratio(old_log_prob, log_prob)
+    loss = -advantages * ratio + selected * cfg.ppo_kl_coef * delta.abs()
+    metrics = {
+        "cov_selected_frac": selected.detach(),
+        "ppo_kl": -delta.detach(),
+        "ppo_kl_abs": delta.detach().abs(),
+    }
+    return _apply_is_weights(loss, is_weights), metrics
+
+
+# ----------------------------------------------------------------------------- selection
+
+
+@torch.no_grad()
+def select_cov_tokens(
+    loss_name: str,
+    advantages: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    cfg: PolicyLossConfig,
+    seed: int = 0,
+) -> torch.Tensor:
+    """The token selection of clip_cov / kl_cov, computed ONCE over a whole mini-batch.
+
+    cov_i,t = (A_i,t - mean A) (old_logp_i,t - mean old_logp), means over the mini-batch's
+    valid tokens (N of them).
+      kl_cov:   the top max(1, floor(kl_cov_ratio N)) tokens by cov (ties: lower flat index first).
+      clip_cov: among valid tokens with clip_cov_lb < cov < clip_cov_ub, pick
+                min(max(1, floor(clip_cov_ratio N)), #candidates) uniformly at random with a
+                torch.Generator seeded by `seed` (deterministic on the controller).
+    Returns a bool mask [n, W]; every shard's `cov_mask` is its rows of this mask.
+    """
+    if loss_name not in COV_SELECTION_LOSSES:
+        raise ValueError(f"select_cov_tokens is for {COV_SELECTION_LOSSES}, got {loss_name!r}.")
+    valid = _valid(response_mask)
+    selected = torch.zeros_like(valid)
+    num_valid = int(valid.sum().item())
+    if num_valid == 0:
+        return selected
+    adv = advantages[valid].double()
+    logp = old_log_probs[valid].double()
+    cov = (adv - adv.mean()) * (logp - logp.mean())
+    flat_valid = torch.nonzero(valid.reshape(-1), as_tuple=True)[0]
+    if loss_name == "kl_cov":
+        if not cfg.kl_cov_ratio > 0:
+            raise ValueError(f"kl_cov_ratio must be > 0, got {cfg.kl_cov_ratio}.")
+        k = max(1, int(num_valid * cfg.kl_cov_ratio))
+        order = torch.sort(cov, descending=True, stable=True).indices[:k]
+        chosen = flat_valid[order]
+    else:
+        if not cfg.clip_cov_ratio > 0:
+            raise ValueError(f"clip_cov_ratio must be > 0, got {cfg.clip_cov_ratio}.")
+        k = max(1, int(cfg.clip_cov_ratio * num_valid))
+        candidates = torch.nonzero((cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub), as_tuple=True)[0]
+        generator = torch.Generator().manual_seed(int(seed))
+        perm = torch.randperm(len(candidates), generator=generator)
+        chosen = flat_valid[candidates[perm[: min(k, len(candidates))]]]
+    selected.view(-1)[chosen.to(selected.device)] = True
+    return selected

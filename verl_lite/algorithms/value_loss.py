@@ -1,0 +1,22 @@
+"""Clipped value loss (PPO critic), per token; aggregated by the caller through the plan.
+
+    v_c = clamp(v, v_old - c, v_old + c)
+    l_t = 0.5 * max((v - R)^2, (v_c - R)^2)
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def clipped_value_loss(
+    values: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor, cliprange_value: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Returns (per-token loss [n, W], {"vf_clipfrac": indicator that the clipped term won})."""
+    if not cliprange_value >= 0:
+        raise ValueError(f"cliprange_value must be >= 0, got {cliprange_value}.")
+    clipped = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
+    loss1 = (values - returns).square()
+    loss2 = (clipped - returns).square()
+    loss = 0.5 * torch.maximum(loss1, loss2)
+    return loss, {"vf_clipfrac": (loss2 > loss1).detach().to(values.dtype)}
