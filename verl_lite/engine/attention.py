@@ -1,0 +1,251 @@
+"""Core attention for megatron's ``SelfAttention``: packed THD and bshd, GQA, context parallelism.
+
+Megatron's local ``DotProductAttention`` allocates from a CUDA buffer, rejects THD and rejects
+CP, so the engine plugs this module into the layer spec as ``core_attention``.
+
+Contract (megatron-core 0.16.1, ``transformer/attention.py``; RoPE is already applied to q, k):
+
+- THD (``packed_seq_params.qkv_format == "thd"``): q ``[t, np, hn]``, k/v ``[t, ng, hn]``
+  -> ``[t, np*hn]``. Sequence i occupies rows ``cu[i]:cu[i+1]`` with
+  ``cu = cu_seqlens_q_padded`` if set, else ``cu_seqlens_q`` (the same boundaries megatron's RoPE
+  uses). Attention is causal within each (padded) sequence; padding sits at the end of a
+  sequence, so real tokens never attend to it. Rows past ``cu[-1]`` produce zeros.
+- bshd: q ``[s, b, np, hn]``, k/v ``[s, b, ng, hn]`` -> ``[s, b, np*hn]``; causal, or the
+  explicit ``attention_mask`` (megatron convention: True = masked out; it replaces causality).
+
+The math per sequence is ``softmax(q k^T * scale + mask) v`` with ``scale = softmax_scale`` or
+``1/sqrt(hn)``; each query head h uses KV group ``h // (np/ng)`` (GQA, K/V never repeated in
+memory on the SDPA path). No mask is ever built over the whole pack: the loop runs per
+sequence, and under CP a sequence's mask is ``[L/cp, L]``.
+
+Context parallelism (zig-zag): every sequence of padded length L is cut into 2*cp chunks of
+``c = L/(2*cp)`` tokens; CP rank r holds chunks r and 2*cp-1-r, so in THD the local rows of
+sequence i are ``cu[i]/cp : cu[i+1]/cp`` (``cu`` is GLOBAL). K and V are all-gathered over the CP
+group (backward: reduce-scatter, so each K/V gradient returns, summed, to its owner). A key at
+global position p_k is visible to a query at p_q iff p_k <= p_q, both in the same sequence.
+Keys stay in gathered order; only the positions matter for the mask.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+# ------------------------------------------------------------------------------------------
+# CP communication
+# ------------------------------------------------------------------------------------------
+
+
+class _AllGatherFirstDim(torch.autograd.Function):
+    """y = cat([x_0, ..., x_{n-1}], dim 0) over ``group``; backward: dx_r = sum_j dy_j[r-th block]."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        world = dist.get_world_size(group)
+        x = x.contiguous()
+        out = x.new_empty((world * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        world = dist.get_world_size(ctx.group)
+        grad_out = grad_out.contiguous()
+        grad_in = grad_out.new_empty((grad_out.shape[0] // world, *grad_out.shape[1:]))
+        dist.reduce_scatter_tensor(grad_in, grad_out, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad_in, None
+
+
+def all_gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
+    """Differentiable all-gather along dim 0 (gradients reduce-scattered back to their owners)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    return _AllGatherFirstDim.apply(x, group)
+
+
+def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
+    """Global positions (within a sequence of padded length ``seq_len``) held by ``cp_rank``.
+
+    ``[r*c, (r+1)*c) ++ [(2cp-1-r)*c, (2cp-r)*c)`` with ``c = seq_len / (2*cp)``.
+    """
+    if cp_size == 1:
+        return torch.arange(seq_len, device=device)
+    if seq_len % (2 * cp_size):
+        raise ValueError(
+            f"sequence length {seq_len} is not divisible by 2*cp = {2 * cp_size}; the packer must pad "
+            "every sequence to a multiple of 2*cp before the zig-zag split"
+        )
+    c = seq_len // (2 * cp_size)
+    first = torch.arange(cp_rank * c, (cp_rank + 1) * c, device=device)
+    second = torch.arange((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c, device=device)
+    return torch.cat([first, second])
+
+
+# ------------------------------------------------------------------------------------------
+# Kernels
+# ------------------------------------------------------------------------------------------
+
+
+def _sdpa(q, k, v, scale, *, causal: bool, allowed: torch.Tensor | None = None):
+    """q [h, Lq, d], k/v [g, Lk, d] (h % g == 0), allowed: bool [Lq, Lk] (True = attend) -> [h, Lq, d]."""
+    gqa = q.shape[0] != k.shape[0]
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed, is_causal=causal and allowed is None, scale=scale, enable_gqa=gqa
+    )
+
+
+def _flash_attn_varlen():
+    """flash-attn's varlen kernel when installed and on GPU, else None (imported lazily)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+# ------------------------------------------------------------------------------------------
+# The module
+# ------------------------------------------------------------------------------------------
+
+
+class PackedCoreAttention(torch.nn.Module):
+    """megatron ``core_attention`` for THD/bshd, GQA and zig-zag CP (see the module docstring)."""
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str = "self",
+        cp_comm_type: str | None = None,
+        softmax_scale: float | None = None,
+        pg_collection=None,
+    ):
+        super().__init__()
+        if config.attention_dropout and config.attention_dropout > 0:
+            raise ValueError(
+                f"attention_dropout={config.attention_dropout} is not supported by PackedCoreAttention; "
+                "set it to 0 (RL fine-tuning runs without dropout)"
+            )
+        if attention_type != "self":
+            raise ValueError(f"PackedCoreAttention supports self-attention only, got attention_type={attention_type!r}")
+        self.config = config
+        self.layer_number = layer_number
+        self.attn_mask_type = attn_mask_type
+        self.head_dim = config.kv_channels
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        if pg_collection is not None and getattr(pg_collection, "cp", None) is not None:
+            self.cp_group = pg_collection.cp
+        else:
+            from megatron.core import parallel_state
+
+            self.cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
+        self.cp_size = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
+        self.cp_rank = dist.get_rank(self.cp_group) if self.cp_group is not None else 0
+
+    # megatron calls forward(query, key, value, attention_mask, /, *, attn_mask_type, attention_bias, packed_seq_params)
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask=None,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
+        if attention_bias is not None:
+            raise NotImplementedError("PackedCoreAttention does not support attention_bias")
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            if attention_mask is not None:
+                raise ValueError("THD attention is causal per sequence; an explicit attention_mask is not supported")
+            return self._forward_thd(query, key, value, packed_seq_params)
+        return self._forward_bshd(query, key, value, attention_mask)
+
+    # -- THD ---------------------------------------------------------------------------------
+    def _forward_thd(self, q, k, v, psp):
+        cu = psp.cu_seqlens_q_padded if psp.cu_seqlens_q_padded is not None else psp.cu_seqlens_q
+        cu_kv = psp.cu_seqlens_kv_padded if psp.cu_seqlens_kv_padded is not None else psp.cu_seqlens_kv
+        if cu_kv is not None and not torch.equal(cu.cpu(), cu_kv.cpu()):
+            raise ValueError("self-attention needs identical q and kv cu_seqlens")
+        cp = self.cp_size
+        bounds = cu.tolist()
+        t_local = q.shape[0]
+        if bounds[-1] % cp or bounds[-1] // cp > t_local:
+            raise ValueError(
+                f"cu_seqlens[-1]={bounds[-1]} does not fit the local pack of {t_local} tokens at cp={cp}; "
+                "pass GLOBAL (padded) cu_seqlens and the zig-zag split local tokens"
+            )
+        if cp == 1:
+            flash = _flash_attn_varlen()
+            if flash is not None and q.dtype in (torch.float16, torch.bfloat16):
+                return self._thd_flash(flash, q, k, v, cu, psp)
+        np_, hn = q.shape[1], q.shape[2]
+        if cp > 1:
+            kv = torch.stack([k, v], dim=1)  # [t, 2, ng, hn]: one collective for both
+            kv_all = all_gather_first_dim(kv, self.cp_group).view(cp, t_local, *kv.shape[1:])
+        outs = []
+        for i in range(len(bounds) - 1):
+            seq_len = bounds[i + 1] - bounds[i]
+            if seq_len == 0:
+                continue
+            lo, hi = bounds[i] // cp, bounds[i + 1] // cp
+            qi = q[lo:hi].transpose(0, 1)  # [np, L/cp, hn]
+            if cp == 1:
+                oi = _sdpa(qi, k[lo:hi].transpose(0, 1), v[lo:hi].transpose(0, 1), self.scale, causal=True)
+            else:
+                kvi = kv_all[:, lo:hi].reshape(cp * (hi - lo), *kv.shape[1:])  # keys in gathered order
+                q_pos = zigzag_positions(seq_len, cp, self.cp_rank, device=q.device)
+                k_pos = torch.cat([zigzag_positions(seq_len, cp, j, device=q.device) for j in range(cp)])
+                allowed = k_pos[None, :] <= q_pos[:, None]
+                oi = _sdpa(qi, kvi[:, 0].transpose(0, 1), kvi[:, 1].transpose(0, 1), self.scale, causal=True, allowed=allowed)
+            outs.append(oi.transpose(0, 1).reshape(hi - lo, np_ * hn))
+        used = bounds[-1] // cp
+        if used < t_local:
+            outs.append(q.new_zeros(t_local - used, np_ * hn))
+        return torch.cat(outs, dim=0)
+
+    def _thd_flash(self, flash, q, k, v, cu, psp):
+        lengths = cu[1:] - cu[:-1]
+        max_len = int(lengths.max().item()) if lengths.numel() else 0
+        cu32 = cu.to(device=q.device, dtype=torch.int32)
+        used = int(cu[-1].item())
+        out = flash(q[:used], k[:used], v[:used], cu32, cu32, max_len, max_len, 0.0, softmax_scale=self.scale, causal=True)
+        out = out.reshape(used, -1)
+        if used < q.shape[0]:
+            out = torch.cat([out, out.new_zeros(q.shape[0] - used, out.shape[1])])
+        return out
+
+    # -- bshd --------------------------------------------------------------------------------
+    def _forward_bshd(self, q, k, v, attention_mask):
+        s, b, np_, hn = q.shape
+        cp = self.cp_size
+        qb = q.permute(1, 2, 0, 3)  # [b, np, s, hn]
+        if cp == 1:
+            kb, vb = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
+            if attention_mask is not None:
+                allowed = ~attention_mask.bool()
+                out = F.scaled_dot_product_attention(
+                    qb, kb, vb, attn_mask=allowed, scale=self.scale, enable_gqa=np_ != kb.shape[1]
+                )
+            else:
+                out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=self.scale, enable_gqa=np_ != kb.shape[1])
+        else:
+            if attention_mask is not None:
+                raise NotImplementedError("an explicit attention_mask under context parallelism is not supported; use THD packing")
+            kv = torch.stack([k, v], dim=1)  # [s, 2, b, ng, hn]
+            kv_all = all_gather_first_dim(kv, self.cp_group)  # [cp*s, 2, b, ng, hn], keys in gathered order
+            seq_len = cp * s
+            q_pos = zigzag_positions(seq_len, cp, self.cp_rank, device=q.device)
+            k_pos = torch.cat([zigzag_positions(seq_len, cp, j, device=q.device) for j in range(cp)])
+            allowed = k_pos[None, :] <= q_pos[:, None]
+            kb = kv_all[:, 0].permute(1, 2, 0, 3)
+            vb = kv_all[:, 1].permute(1, 2, 0, 3)
+            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed, scale=self.scale, enable_gqa=np_ != kb.shape[1])
+        return out.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)

@@ -1,0 +1,144 @@
+"""Process groups for the engine: one default group plus megatron's TP/PP/CP/DP groups.
+
+Every group carries the timeout from ``ParallelConfig.timeout_s``, so a dead or diverged peer
+turns into an error on the waiting ranks after that many seconds, never a 30-minute hang.
+On a CPU-only torch the CPU adapter is installed first and the backend is gloo; with CUDA the
+backend is nccl and the adapter stays off.
+
+Megatron's rank order is ``tp-cp-ep-dp-pp``: TP varies fastest, then CP, then DP, then PP.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from verl_lite.engine import cpu_adapter
+
+
+@dataclass
+class ParallelConfig:
+    """Model-parallel layout. DP is whatever is left: ``world_size // (tp * pp * cp)``.
+
+    tp: tensor parallel size; pp: pipeline stages; vpp: virtual stages (model chunks) per
+    pipeline rank, None to disable; cp: context parallel size; sequence_parallel: megatron
+    sequence parallelism (needs tp > 1); timeout_s: timeout of every process group.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    cp: int = 1
+    sequence_parallel: bool = False
+    timeout_s: float = 600.0
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def dp(self, world_size: int) -> int:
+        return world_size // self.model_parallel_size
+
+    def validate(self, world_size: int | None = None) -> "ParallelConfig":
+        """Raise ValueError naming the problem and the fix; return self when the layout is valid."""
+        for name in ("tp", "pp", "cp"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"parallel.{name}={v!r} must be an integer >= 1")
+        if self.vpp is not None:
+            if not isinstance(self.vpp, int) or self.vpp < 2:
+                raise ValueError(
+                    f"parallel.vpp={self.vpp!r}: virtual pipeline size must be an integer >= 2, "
+                    "or None to disable virtual pipelining"
+                )
+            if self.pp < 2:
+                raise ValueError(
+                    f"parallel.vpp={self.vpp} needs pipeline parallelism (pp > 1), got pp={self.pp}; "
+                    "set vpp=None or pp >= 2"
+                )
+        if self.sequence_parallel and self.tp < 2:
+            raise ValueError("parallel.sequence_parallel=True needs tp > 1; set sequence_parallel=False or tp >= 2")
+        if not self.timeout_s or self.timeout_s <= 0:
+            raise ValueError(f"parallel.timeout_s={self.timeout_s!r} must be a positive number of seconds")
+        if world_size is not None and world_size % self.model_parallel_size:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tp*pp*cp = {self.tp}*{self.pp}*{self.cp} "
+                f"= {self.model_parallel_size}; change the number of processes or the layout"
+            )
+        return self
+
+
+def init_distributed(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    parallel: ParallelConfig,
+    seed: int = 1234,
+) -> None:
+    """Create the default process group and megatron's model-parallel groups, and seed RNGs.
+
+    gloo on CPU (after installing the CPU adapter), nccl on GPU (device = ``LOCAL_RANK`` or
+    ``rank % device_count``). All groups use ``timeout_s``. Same seed on every rank; megatron
+    derives the per-TP-rank streams from it.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel.validate(world_size)
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        cpu_adapter.install()
+    else:
+        local_rank = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+        torch.cuda.set_device(local_rank)
+    timeout = timedelta(seconds=parallel.timeout_s)
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size or dist.get_rank() != rank:
+            raise RuntimeError(
+                f"torch.distributed is already initialised as rank {dist.get_rank()}/{dist.get_world_size()}, "
+                f"not {rank}/{world_size}; call destroy_distributed() first"
+            )
+    else:
+        dist.init_process_group(
+            backend="nccl" if on_gpu else "gloo",
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp,
+        context_parallel_size=parallel.cp,
+        distributed_timeout_minutes=parallel.timeout_s / 60.0,  # only used as timedelta(minutes=...)
+    )
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not on_gpu)
+
+
+def destroy_distributed() -> None:
+    """Tear down megatron's groups and the default group (safe to call twice)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def data_parallel_rank() -> int:
+    """Rank within the DP group (without CP)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_rank()
+
+
+def data_parallel_size() -> int:
+    """Size of the DP group (without CP)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_world_size()

@@ -1,0 +1,387 @@
+"""HF <-> megatron weights for the Qwen2 / Qwen3 / Llama family, in any TP / PP / VPP layout.
+
+Layout rules (megatron-core 0.16.1, per TP rank r of ``tp``):
+
+- ``embedding.word_embeddings.weight`` / ``output_layer.weight``: vocabulary rows
+  ``[r*V/tp, (r+1)*V/tp)`` of ``embed_tokens`` / ``lm_head`` (vocab-parallel).
+- ``linear_qkv``: the full tensor is interleaved per KV group g = 0..ng-1 as
+  ``[q heads of g (np/ng * hn rows); k_g (hn rows); v_g (hn rows)]`` (query head h belongs to group
+  ``h // (np/ng)``, as in HF's GQA), and rank r holds the r-th of ``tp`` equal row blocks. The bias
+  (Qwen2) follows the same order.
+- ``linear_fc1``: rank r holds ``[gate rows of shard r; up rows of shard r]`` (megatron splits the
+  local output in two halves for SwiGLU).
+- ``linear_proj`` (o_proj) and ``linear_fc2`` (down_proj): columns split in ``tp`` blocks.
+- Norms (and Qwen3's per-head q/k norms): replicated.
+- Layers: a chunk's ``decoder.layers[j]`` is HF layer ``layer_number - 1`` (megatron numbers layers
+  globally from 1, whatever the PP/VPP stage).
+- Tied embeddings: the last stage's copy of the embedding (``output_layer.weight`` when PP > 1) is
+  loaded from ``embed_tokens`` too and never exported.
+- Value head (critic): ``output_layer.weight [1, hidden]`` <-> ``score.weight``.
+
+``load_hf_weights`` fills the chunks in place; ``export_hf`` streams full HF tensors, one at a time,
+gathered over TP and broadcast over PP, identical on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from verl_lite.engine.model import _get, head_dim, unwrap_model
+
+# ------------------------------------------------------------------------------------------
+# The mapping
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One megatron parameter <-> one or more HF tensors.
+
+    kind: 'replicated' | 'vocab' | 'col' | 'row' | 'qkv' | 'fc1' | 'head' (value head, replicated).
+    export: False for duplicate copies (tied output layer under PP).
+    """
+
+    mcore_name: str
+    hf_names: tuple[str, ...]
+    kind: str
+    export: bool = True
+
+
+def _layer_entries(j: int, i: int, qkv_bias: bool, qk_norm: bool) -> list[_Entry]:
+    m, hf = f"decoder.layers.{j}.", f"model.layers.{i}."
+    a = hf + "self_attn."
+    out = [
+        _Entry(m + "input_layernorm.weight", (hf + "input_layernorm.weight",), "replicated"),
+        _Entry(m + "self_attention.linear_qkv.weight", (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), "qkv"),
+    ]
+    if qkv_bias:
+        out.append(_Entry(m + "self_attention.linear_qkv.bias", (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), "qkv"))
+    if qk_norm:
+        out.append(_Entry(m + "self_attention.q_layernorm.weight", (a + "q_norm.weight",), "replicated"))
+        out.append(_Entry(m + "self_attention.k_layernorm.weight", (a + "k_norm.weight",), "replicated"))
+    out += [
+        _Entry(m + "self_attention.linear_proj.weight", (a + "o_proj.weight",), "row"),
+        _Entry(m + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), "replicated"),
+        _Entry(m + "mlp.linear_fc1.weight", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"), "fc1"),
+        _Entry(m + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), "row"),
+    ]
+    return out
+
+
+def _chunk_entries(model, hf_config, value_head: bool) -> list[_Entry]:
+    """Entries for the parameters of one (unwrapped) GPTModel chunk."""
+    cfg = model.config
+    tied = bool(_get(hf_config, "tie_word_embeddings", False)) and not value_head
+    entries = []
+    if model.pre_process:
+        entries.append(_Entry("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"))
+    for j, layer in enumerate(model.decoder.layers):
+        entries += _layer_entries(j, layer.layer_number - 1, cfg.add_qkv_bias, cfg.qk_layernorm)
+    if model.post_process:
+        entries.append(_Entry("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"))
+        if value_head:
+            entries.append(_Entry("output_layer.weight", ("score.weight",), "head"))
+        elif not tied:
+            entries.append(_Entry("output_layer.weight", ("lm_head.weight",), "vocab"))
+        elif not model.pre_process:  # tied, PP > 1: the last stage's duplicate of the embedding
+            entries.append(_Entry("output_layer.weight", ("model.embed_tokens.weight",), "vocab", export=False))
+    return entries
+
+
+def _is_value_head(model) -> bool:
+    from verl_lite.engine.model import ValueHead
+
+    return model.post_process and isinstance(model.output_layer, ValueHead)
+
+
+def _chunks_value_head(models) -> bool:
+    flags = [_is_value_head(m) for m in models if m.post_process]
+    return bool(flags and flags[0])
+
+
+# ------------------------------------------------------------------------------------------
+# Shard math (HF full tensors <-> this TP rank's megatron shard)
+# ------------------------------------------------------------------------------------------
+
+
+def _qkv_heads(hf_config):
+    n_heads = _get(hf_config, "num_attention_heads")
+    n_kv = _get(hf_config, "num_key_value_heads") or n_heads
+    return n_heads, n_kv, head_dim(hf_config)
+
+
+def _interleave_qkv(q, k, v, hf_config):
+    """HF q [np*hn, ...], k/v [ng*hn, ...] -> megatron full [ng*(np/ng+2)*hn, ...]."""
+    n_heads, n_kv, hn = _qkv_heads(hf_config)
+    rest = q.shape[1:]
+    qg = q.reshape(n_kv, (n_heads // n_kv) * hn, *rest)
+    kg = k.reshape(n_kv, hn, *rest)
+    vg = v.reshape(n_kv, hn, *rest)
+    return torch.cat([qg, kg, vg], dim=1).reshape(-1, *rest)
+
+
+def _split_qkv(full, hf_config):
+    """Inverse of ``_interleave_qkv``."""
+    n_heads, n_kv, hn = _qkv_heads(hf_config)
+    rest = full.shape[1:]
+    g = full.reshape(n_kv, (n_heads // n_kv + 2) * hn, *rest)
+    q, k, v = torch.split(g, [(n_heads // n_kv) * hn, hn, hn], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def _shard(entry: _Entry, hf: list[torch.Tensor], hf_config, tp: int, r: int) -> torch.Tensor:
+    """This TP rank's megatron tensor for ``entry`` from the full HF tensors."""
+    if entry.kind in ("replicated", "head"):
+        return hf[0]
+    if entry.kind in ("vocab", "col"):
+        return hf[0].chunk(tp, dim=0)[r]
+    if entry.kind == "row":
+        return hf[0].chunk(tp, dim=1)[r]
+    if entry.kind == "qkv":
+        return _interleave_qkv(*hf, hf_config).chunk(tp, dim=0)[r]
+    if entry.kind == "fc1":
+        gate, up = hf
+        return torch.cat([gate.chunk(tp, dim=0)[r], up.chunk(tp, dim=0)[r]], dim=0)
+    raise AssertionError(entry.kind)
+
+
+def _unshard(entry: _Entry, shards: list[torch.Tensor], hf_config) -> list[torch.Tensor]:
+    """Full HF tensors for ``entry`` from the shards of all TP ranks (in TP rank order)."""
+    if entry.kind in ("replicated", "head"):
+        return [shards[0]]
+    if entry.kind in ("vocab", "col"):
+        return [torch.cat(shards, dim=0)]
+    if entry.kind == "row":
+        return [torch.cat(shards, dim=1)]
+    if entry.kind == "qkv":
+        return list(_split_qkv(torch.cat(shards, dim=0), hf_config))
+    if entry.kind == "fc1":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
+    raise AssertionError(entry.kind)
+
+
+# ------------------------------------------------------------------------------------------
+# Reading HF checkpoints
+# ------------------------------------------------------------------------------------------
+
+
+class _HFTensors:
+    """Lazy access to an HF checkpoint dir (``*.safetensors``, optionally indexed) or a state dict."""
+
+    def __init__(self, source):
+        self._sd = None
+        self._files: dict[str, str] = {}
+        if isinstance(source, Mapping):
+            self._sd = source
+            return
+        path = Path(source)
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self._files = {k: str(path / v) for k, v in weight_map.items()}
+        else:
+            files = sorted(path.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(
+                    f"no *.safetensors in {path}; save the HF model with save_pretrained(safe_serialization=True)"
+                )
+            from safetensors import safe_open
+
+            for f in files:
+                with safe_open(str(f), framework="pt") as h:
+                    for k in h.keys():
+                        self._files[k] = str(f)
+
+    def __contains__(self, name: str) -> bool:
+        return name in (self._sd if self._sd is not None else self._files)
+
+    def get(self, name: str) -> torch.Tensor:
+        if self._sd is not None:
+            return self._sd[name]
+        from safetensors import safe_open
+
+        with safe_open(self._files[name], framework="pt") as h:
+            return h.get_tensor(name)
+
+
+# ------------------------------------------------------------------------------------------
+# Public API
+# ------------------------------------------------------------------------------------------
+
+
+def _tp():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
+
+
+@torch.no_grad()
+def load_hf_weights(chunks, hf_model_dir_or_state_dict: str | os.PathLike | Mapping[str, torch.Tensor], hf_config) -> None:
+    """Copy HF weights into this rank's chunks (any TP/PP/VPP layout), in place.
+
+    Call before building the optimizer (a distributed/fp16 optimizer keeps its own main copies).
+    Raises if a chunk parameter has no HF source or a shape disagrees. For a value head,
+    ``score.weight`` is loaded when present and keeps its random init otherwise (an LM checkpoint).
+    """
+    src = _HFTensors(hf_model_dir_or_state_dict)
+    tp, r, _ = _tp()
+    models = [unwrap_model(c) for c in chunks]
+    value_head = _chunks_value_head(models)
+    for model in models:
+        params = dict(model.named_parameters())
+        entries = _chunk_entries(model, hf_config, value_head)
+        covered = set()
+        for e in entries:
+            covered.add(e.mcore_name)
+            p = params.get(e.mcore_name)
+            if p is None:
+                raise KeyError(f"megatron parameter {e.mcore_name!r} not found in the chunk; layout mismatch")
+            missing = [n for n in e.hf_names if n not in src]
+            if missing:
+                if e.kind == "head":
+                    continue
+                raise KeyError(f"HF checkpoint lacks {missing} needed for {e.mcore_name!r}")
+            t = _shard(e, [src.get(n) for n in e.hf_names], hf_config, tp, r)
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(
+                    f"shape mismatch for {e.mcore_name!r}: HF gives {tuple(t.shape)}, model has {tuple(p.shape)}"
+                )
+            p.data.copy_(t.to(dtype=p.dtype, device=p.device))
+        unmapped = sorted(set(params) - covered)
+        if unmapped:
+            raise KeyError(f"model parameters with no HF mapping: {unmapped}")
+
+
+def hf_shapes(hf_config, value_head: bool = False) -> dict[str, tuple[int, ...]]:
+    """Shapes of every HF tensor the engine exports, in export order."""
+    h = _get(hf_config, "hidden_size")
+    V = _get(hf_config, "vocab_size")
+    ffn = _get(hf_config, "intermediate_size")
+    n_heads, n_kv, hn = _qkv_heads(hf_config)
+    mt = _get(hf_config, "model_type")
+    qkv_bias = mt == "qwen2" or bool(_get(hf_config, "attention_bias", False))
+    out = {"model.embed_tokens.weight": (V, h)}
+    for i in range(_get(hf_config, "num_hidden_layers")):
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        out[p + "input_layernorm.weight"] = (h,)
+        out[a + "q_proj.weight"] = (n_heads * hn, h)
+        out[a + "k_proj.weight"] = (n_kv * hn, h)
+        out[a + "v_proj.weight"] = (n_kv * hn, h)
+        if qkv_bias:
+            out[a + "q_proj.bias"] = (n_heads * hn,)
+            out[a + "k_proj.bias"] = (n_kv * hn,)
+            out[a + "v_proj.bias"] = (n_kv * hn,)
+        if mt == "qwen3":
+            out[a + "q_norm.weight"] = (hn,)
+            out[a + "k_norm.weight"] = (hn,)
+        out[a + "o_proj.weight"] = (h, n_heads * hn)
+        out[p + "post_attention_layernorm.weight"] = (h,)
+        out[p + "mlp.gate_proj.weight"] = (ffn, h)
+        out[p + "mlp.up_proj.weight"] = (ffn, h)
+        out[p + "mlp.down_proj.weight"] = (h, ffn)
+    out["model.norm.weight"] = (h,)
+    if value_head:
+        out["score.weight"] = (1, h)
+    elif not _get(hf_config, "tie_word_embeddings", False):
+        out["lm_head.weight"] = (V, h)
+    return out
+
+
+def _tensor_of(p: torch.Tensor, attr: str) -> torch.Tensor:
+    if attr == "param":
+        return p.detach()
+    if attr == "main_grad":
+        g = getattr(p, "main_grad", None)
+        if g is None:
+            g = p.grad
+        return g.detach() if g is not None else torch.zeros_like(p)
+    if attr == "grad":
+        return p.grad.detach() if p.grad is not None else torch.zeros_like(p)
+    raise ValueError(f"attr={attr!r}: use 'param', 'main_grad' or 'grad'")
+
+
+def export_hf(chunks, hf_config, attr: str = "param") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full tensor)`` for every HF tensor, one at a time, the same on every rank.
+
+    ``attr="param"``: weights; ``attr="main_grad"``: gradients (megatron DDP's ``param.main_grad``,
+    falling back to ``.grad``; zeros when neither exists). Each tensor is all-gathered over TP by the
+    owning PP stage, then broadcast over the PP group. Collective: every rank must iterate to the end.
+    """
+    from megatron.core import parallel_state as ps
+
+    tp, _, tp_group = _tp()
+    models = [unwrap_model(c) for c in chunks]
+    value_head = _chunks_value_head(models)
+    pp = ps.get_pipeline_model_parallel_world_size()
+    pp_group = ps.get_pipeline_model_parallel_group()
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+
+    # What this rank holds: first HF name of an entry -> (entry, local tensor)
+    local: dict[str, tuple[_Entry, torch.Tensor]] = {}
+    for model in models:
+        params = dict(model.named_parameters())
+        for e in _chunk_entries(model, hf_config, value_head):
+            if e.export:
+                local[e.hf_names[0]] = (e, _tensor_of(params[e.mcore_name], attr))
+    owners: dict[str, tuple[int, str]] = {k: (pp_rank, str(t.dtype)) for k, (_, t) in local.items()}
+    if pp > 1:
+        gathered = [None] * pp
+        dist.all_gather_object(gathered, owners, group=pp_group)
+        owners = {k: v for d in gathered for k, v in d.items()}
+    shapes = hf_shapes(hf_config, value_head)
+    device = next(iter(local.values()))[1].device if local else torch.device("cpu")
+
+    names = list(shapes)
+    done = set()
+    for name in names:
+        if name in done:
+            continue
+        if name not in owners:
+            raise KeyError(f"no pipeline stage holds {name!r}; model and HF config disagree")
+        owner, dtype_str = owners[name]
+        dtype = getattr(torch, dtype_str.replace("torch.", ""))
+        entry = local[name][0] if name in local else _entry_for(name, hf_config, value_head)
+        if owner == pp_rank:
+            shard = local[name][1].contiguous()
+            if tp > 1 and entry.kind not in ("replicated", "head"):
+                shards = [torch.empty_like(shard) for _ in range(tp)]
+                dist.all_gather(shards, shard, group=tp_group)
+            else:
+                shards = [shard]
+            full = _unshard(entry, shards, hf_config)
+        else:
+            full = [torch.empty(shapes[n], dtype=dtype, device=device) for n in entry.hf_names]
+        if pp > 1:
+            src = dist.get_global_rank(pp_group, owner)
+            for t in full:
+                dist.broadcast(t, src=src, group=pp_group)
+        for n, t in zip(entry.hf_names, full):
+            done.add(n)
+            yield n, t
+
+
+def _entry_for(hf_name: str, hf_config, value_head: bool) -> _Entry:
+    """The entry whose first HF name is ``hf_name`` (for ranks that do not hold it)."""
+    if hf_name == "model.embed_tokens.weight":
+        return _Entry("embedding.word_embeddings.weight", (hf_name,), "vocab")
+    if hf_name == "model.norm.weight":
+        return _Entry("decoder.final_layernorm.weight", (hf_name,), "replicated")
+    if hf_name == "lm_head.weight":
+        return _Entry("output_layer.weight", (hf_name,), "vocab")
+    if hf_name == "score.weight":
+        return _Entry("output_layer.weight", (hf_name,), "head")
+    i = int(hf_name.split(".")[2])
+    mt = _get(hf_config, "model_type")
+    qkv_bias = mt == "qwen2" or bool(_get(hf_config, "attention_bias", False))
+    for e in _layer_entries(0, i, qkv_bias, mt == "qwen3"):
+        if e.hf_names[0] == hf_name:
+            return e
+    raise KeyError(hf_name)

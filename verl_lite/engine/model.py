@@ -1,0 +1,325 @@
+"""The model: megatron-core ``GPTModel`` with our layer spec, for the Qwen2 / Qwen3 / Llama family.
+
+- ``transformer_config_from_hf``: HF config + ``ParallelConfig`` -> megatron ``TransformerConfig``.
+- ``layer_spec``: megatron's local layer (``ColumnParallelLinear``/``RowParallelLinear``, ``SelfAttention``,
+  ``MLP``) with our ``PackedCoreAttention`` and our ``RMSNorm`` (same math as HF's, and it marks its
+  weight for megatron's sequence-parallel gradient all-reduce).
+- ``build_model_chunks``: one ``GPTModel`` per virtual pipeline stage of this rank, with the right
+  ``pre_process``/``post_process``; ``value_head=True`` swaps the LM head for a replicated
+  ``[1, hidden]`` projection (a critic).
+
+The chunks are plain megatron modules: wrap them in megatron DDP for training. Their forward is
+megatron's: ``chunk(input_ids [b, s], position_ids, attention_mask, packed_seq_params=...)`` returns
+logits ``[b, s, V/tp]`` (values ``[b, s, 1]`` for a value head) on the last stage and hidden
+states ``[s, b, h]`` elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from verl_lite.engine.attention import PackedCoreAttention
+from verl_lite.engine.distributed import ParallelConfig
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+
+
+# ------------------------------------------------------------------------------------------
+# Modules
+# ------------------------------------------------------------------------------------------
+
+
+class RMSNorm(torch.nn.Module):
+    """y = weight * x / sqrt(mean(x^2) + eps), computed in float32 and cast back (as HF does).
+
+    Built by megatron as ``RMSNorm(config=..., hidden_size=..., eps=...)``. The weight carries
+    ``sequence_parallel = config.sequence_parallel`` so that ``finalize_model_grads`` sums its
+    gradient over TP when each TP rank saw only a slice of the sequence.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+class ValueHead(torch.nn.Module):
+    """v = h @ weight^T with weight ``[1, hidden]``, replicated over TP (a critic's head).
+
+    Called like megatron's output layer: ``(hidden [s, b, h], weight=None, runtime_gather_output=None)
+    -> (values [s, b, 1], None)``. Under sequence parallelism the hidden states are gathered over
+    TP first (backward: each rank keeps its own slice of the identical full gradient).
+    """
+
+    def __init__(self, config, hidden_size: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=config.params_dtype))
+        torch.nn.init.normal_(self.weight, mean=0.0, std=config.init_method_std)
+        self.sequence_parallel = bool(config.sequence_parallel)
+
+    def forward(self, hidden: torch.Tensor, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+        return F.linear(hidden, self.weight), None
+
+
+def layer_spec(qk_layernorm: bool):
+    """megatron's local GPT layer, with ``PackedCoreAttention`` and ``RMSNorm`` (and q/k-norm when asked)."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=RMSNorm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=PackedCoreAttention,
+                    linear_proj=RowParallelLinear,
+                    q_layernorm=RMSNorm if qk_layernorm else IdentityOp,
+                    k_layernorm=RMSNorm if qk_layernorm else IdentityOp,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=RMSNorm,
+            mlp=ModuleSpec(
+                module=MLP,
+                submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+            ),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def _block_spec(config, vp_stage):
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    n = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec(config.qk_layernorm)] * n, layer_norm=RMSNorm)
+
+
+# ------------------------------------------------------------------------------------------
+# Config
+# ------------------------------------------------------------------------------------------
+
+
+def _get(hf_config, name, default=None):
+    if isinstance(hf_config, dict):
+        return hf_config.get(name, default)
+    return getattr(hf_config, name, default)
+
+
+def rope_theta(hf_config) -> float:
+    """RoPE base from either ``rope_theta`` (transformers 4) or ``rope_parameters`` (transformers 5)."""
+    params = _get(hf_config, "rope_parameters") or {}
+    scaling = _get(hf_config, "rope_scaling") or {}
+    for d in (params, scaling):
+        rope_type = d.get("rope_type", d.get("type", "default")) if isinstance(d, dict) else "default"
+        if rope_type not in ("default", None):
+            raise ValueError(
+                f"RoPE type {rope_type!r} is not supported by the engine yet (only plain RoPE); "
+                "use a model with rope_type 'default'"
+            )
+    theta = _get(hf_config, "rope_theta")
+    if theta is None and isinstance(params, dict):
+        theta = params.get("rope_theta")
+    return float(theta if theta is not None else 10000.0)
+
+
+def model_type(hf_config) -> str:
+    mt = _get(hf_config, "model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {mt!r} is not supported; the engine supports {SUPPORTED_MODEL_TYPES}")
+    return mt
+
+
+def head_dim(hf_config) -> int:
+    hd = _get(hf_config, "head_dim")
+    return int(hd) if hd else _get(hf_config, "hidden_size") // _get(hf_config, "num_attention_heads")
+
+
+def transformer_config_from_hf(
+    hf_config,
+    parallel: ParallelConfig,
+    *,
+    calculate_per_token_loss: bool = False,
+    params_dtype: torch.dtype = torch.float32,
+    **overrides,
+):
+    """Megatron ``TransformerConfig`` for an HF Qwen2/Qwen3/Llama config under ``parallel``.
+
+    Architecture: RMSNorm (eps from HF), SwiGLU (``gated_linear_unit``, silu), GQA
+    (``num_query_groups``), ``kv_channels = head_dim``, no linear biases except Qwen2's (or Llama's
+    ``attention_bias``) q/k/v bias, Qwen3's per-head q/k RMSNorm (``qk_layernorm``), no dropout.
+    Runtime: fusions off on CPU, ``use_cpu_initialization`` on CPU, ``pipeline_dtype = params_dtype``,
+    ``variable_seq_lengths=True`` with ``moe_token_dispatcher_type="alltoall"`` (required by megatron
+    even for dense models), and for virtual pipelining ``overlap_p2p_comm=True, batch_p2p_comm=False``.
+    ``overrides`` are passed to ``TransformerConfig`` last. VPP with ``batch_p2p_comm=True`` is rejected.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    mt = model_type(hf_config)
+    parallel.validate()
+    h = _get(hf_config, "hidden_size")
+    n_heads = _get(hf_config, "num_attention_heads")
+    n_kv = _get(hf_config, "num_key_value_heads") or n_heads
+    n_layers = _get(hf_config, "num_hidden_layers")
+    vocab = _get(hf_config, "vocab_size")
+    tp, pp, vpp = parallel.tp, parallel.pp, parallel.vpp
+    if _get(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={_get(hf_config, 'hidden_act')!r} is not supported (SwiGLU with silu only)")
+    if _get(hf_config, "mlp_bias", False):
+        raise ValueError("mlp_bias=True is not supported (megatron's MLP here has no biases)")
+    if n_heads % tp:
+        raise ValueError(f"num_attention_heads={n_heads} is not divisible by tp={tp}; choose tp dividing it")
+    if n_kv % tp and tp % n_kv:
+        raise ValueError(f"num_key_value_heads={n_kv} and tp={tp}: one must divide the other")
+    if vocab % tp:
+        raise ValueError(f"vocab_size={vocab} is not divisible by tp={tp}; choose tp dividing the vocabulary size")
+    if _get(hf_config, "intermediate_size") % tp:
+        raise ValueError(f"intermediate_size={_get(hf_config, 'intermediate_size')} is not divisible by tp={tp}")
+    stages = pp * (vpp or 1)
+    if n_layers % stages:
+        raise ValueError(
+            f"num_hidden_layers={n_layers} is not divisible by pp*vpp = {pp}*{vpp or 1} = {stages}; "
+            "every virtual stage must hold the same number of layers"
+        )
+    if vpp is not None and overrides.get("batch_p2p_comm", False):
+        raise ValueError(
+            "virtual pipeline parallelism with batch_p2p_comm=True is rejected: with VPP the previous and next "
+            "pipeline peers can be the same rank, batched isend/irecv to one peer are matched in the wrong order, "
+            "and training is silently wrong (measured: loss 253.18 vs 255.57, grads off x95). "
+            "Use batch_p2p_comm=False with overlap_p2p_comm=True (the default here)."
+        )
+    if vpp is not None and overrides.get("overlap_p2p_comm") is False:
+        raise ValueError(
+            "virtual pipeline parallelism with overlap_p2p_comm=False and variable sequence lengths hangs or "
+            "aborts (gloo size mismatch); leave overlap_p2p_comm=True"
+        )
+    on_gpu = torch.cuda.is_available()
+    kw = dict(
+        num_layers=n_layers,
+        hidden_size=h,
+        ffn_hidden_size=_get(hf_config, "intermediate_size"),
+        num_attention_heads=n_heads,
+        num_query_groups=n_kv,
+        kv_channels=head_dim(hf_config),
+        normalization="RMSNorm",
+        layernorm_epsilon=float(_get(hf_config, "rms_norm_eps", 1e-6)),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=(mt == "qwen2") or bool(_get(hf_config, "attention_bias", False)),
+        qk_layernorm=(mt == "qwen3"),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=float(_get(hf_config, "initializer_range", 0.02)),
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=parallel.cp,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=True,
+        apply_rope_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False,
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",
+        calculate_per_token_loss=calculate_per_token_loss,
+    )
+    if vpp is not None:
+        kw.update(overlap_p2p_comm=True, batch_p2p_comm=False)
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+# ------------------------------------------------------------------------------------------
+# Building
+# ------------------------------------------------------------------------------------------
+
+
+def _gpt_model_class():
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel
+
+
+def build_model_chunks(hf_config, tf_config, value_head: bool = False) -> list:
+    """One megatron ``GPTModel`` per virtual pipeline stage held by this rank (one without VPP).
+
+    ``pre_process`` (embedding) on the first virtual stage of the first PP rank, ``post_process``
+    (final norm + head) on the last virtual stage of the last PP rank. Embeddings are tied when the
+    HF config ties them (LM only; a value head never ties). Parameters are on the current CUDA device
+    when CUDA is available, else on cpu. Weights are randomly initialised: see ``hf_bridge``.
+    """
+    from megatron.core import parallel_state as ps
+
+    GPTModel = _gpt_model_class()
+    vpp = tf_config.virtual_pipeline_model_parallel_size
+    tied = bool(_get(hf_config, "tie_word_embeddings", False)) and not value_head
+    chunks = []
+    for stage in range(vpp or 1):
+        vp_stage = stage if vpp else None
+        pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        model = GPTModel(
+            config=tf_config,
+            transformer_layer_spec=_block_spec(tf_config, vp_stage),
+            vocab_size=_get(hf_config, "vocab_size"),
+            max_sequence_length=int(_get(hf_config, "max_position_embeddings", 4096)),
+            pre_process=pre,
+            post_process=post,
+            parallel_output=True,
+            share_embeddings_and_output_weights=tied,
+            position_embedding_type="rope",
+            rotary_base=rope_theta(hf_config),
+            vp_stage=vp_stage,
+        )
+        if post and value_head:
+            model.output_layer = ValueHead(tf_config, tf_config.hidden_size)
+            model.output_layer.weight.is_embedding_or_output_parameter = True
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    return chunks
+
+
+def unwrap_model(chunk):
+    """The ``GPTModel`` inside DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def with_overrides(tf_config, **changes):
+    """A copy of a ``TransformerConfig`` with fields changed (``dataclasses.replace``)."""
+    return dataclasses.replace(tf_config, **changes)
