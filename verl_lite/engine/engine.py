@@ -1,0 +1,487 @@
+"""``MegatronEngine``: forward-only inference and one optimizer step over packed sequences.
+
+The engine knows no RL. It takes variable-length token sequences (prompt + response), packs
+them THD per micro-batch (``packing.py``), runs megatron's pipeline schedules over the model
+chunks, turns the logits into per-token response outputs (log-probs, entropy, or values) and,
+for training, hands them to the caller's ``loss_fn``.
+
+Loss contract. ``loss_fn(outputs, data) -> (contribution, metrics)`` is called once per
+micro-batch on every last-stage rank with full-sequence ``[b, W]`` outputs (under CP every CP
+rank holds the full rows; autograd flows through its own chunks only). The objective is
+L = sum of contributions over all micro-batches and DP ranks. The engine maps it onto megatron
+so the final gradient is exactly grad L:
+
+* ``calculate_per_token_loss=False``: megatron multiplies the returned loss by CP, divides it by
+  the number of micro-batches M (``schedules.forward_step_calc_loss``), and DDP averages the
+  gradients over the DP x CP group. Each CP rank back-propagates through its own chunks, so the
+  CP ranks' gradients SUM to grad(contribution). We return ``contribution * M * DP``:
+  sum_{dp,cp,mb} grad_local(c * M * DP) * CP / M / (DP * CP) = sum_{dp,mb} grad(c) = grad L.
+* ``calculate_per_token_loss=True``: megatron does not scale the loss, DDP sums over DP x CP,
+  and ``finalize_model_grads`` divides every gradient by the token counts returned by the loss
+  function, summed over micro-batches and DP x CP (broadcast from the last PP stage). We return
+  ``(contribution * K, k_local)`` with k_local = real tokens in this rank's chunks of the
+  micro-batch and K = ``global_token_count`` = sum of sequence lengths of the whole mini-batch.
+  The k_local sum over CP to the micro-batch's tokens and over micro-batches and DP to K exactly,
+  so the gradient is sum grad(c * K) / K = grad L. The engine checks the count megatron reduced
+  equals K on every rank (all ranks see the same value, so all raise together).
+
+No denominator is computed by a collective; loss metrics are returned on output owners only
+(last PP stage, TP rank 0, CP rank 0).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
+
+import torch
+
+from verl_lite.engine.config import EngineConfig
+from verl_lite.engine.packing import PackedMicroBatch, pack_micro_batch, pad_multiple, unpack_response
+
+logger = logging.getLogger(__name__)
+
+LM_OUTPUTS = ("log_probs", "entropy")
+VALUE_OUTPUTS = ("values",)
+
+LossFn = Callable[[dict, dict], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+
+
+@dataclass
+class SequenceBatch:
+    """Sequences of one DP rank: ``input_ids[i]`` = prompt + response tokens (1-D LongTensor),
+    ``response_lengths[i]`` = how many trailing tokens are response, ``data`` = per-row tensors
+    ``[n, ...]`` handed (row-selected per micro-batch) to the loss function.
+    ``response_width`` = W of the ``[n, W]`` outputs (default: the longest response)."""
+
+    input_ids: list[torch.Tensor]
+    response_lengths: torch.Tensor
+    data: dict[str, torch.Tensor] = field(default_factory=dict)
+    response_width: int | None = None
+
+    def __post_init__(self):
+        self.response_lengths = torch.as_tensor(self.response_lengths, dtype=torch.long).reshape(-1)
+        n = len(self.input_ids)
+        if n == 0:
+            raise ValueError("SequenceBatch: no sequences")
+        if self.response_lengths.numel() != n:
+            raise ValueError(f"SequenceBatch: {n} sequences but {self.response_lengths.numel()} response lengths")
+        for k, v in self.data.items():
+            if not torch.is_tensor(v) or v.ndim == 0 or v.shape[0] != n:
+                raise ValueError(f"SequenceBatch.data[{k!r}] must be a tensor with {n} rows, got {getattr(v, 'shape', v)}")
+        longest = int(self.response_lengths.max())
+        if self.response_width is None:
+            self.response_width = longest
+        elif self.response_width < longest:
+            raise ValueError(f"SequenceBatch.response_width={self.response_width} < longest response {longest}")
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [int(x.numel()) for x in self.input_ids]
+
+    def rows(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        return {k: v[idx] for k, v in self.data.items()}
+
+
+@dataclass
+class _MicroBatch:
+    packed: PackedMicroBatch
+    data: dict[str, torch.Tensor]
+    indices: list[int]
+
+
+def _finalize_model_grads_recording(engine: "MegatronEngine"):
+    """megatron's finalize_model_grads, also recording the token count it reduced (per-token mode)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    def finalize(model, num_tokens, pg_collection=None, force_all_reduce=False):
+        finalize_model_grads(model, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+        engine._reduced_token_count = None if num_tokens is None else int(num_tokens)
+
+    return finalize
+
+
+class MegatronEngine:
+    """A megatron-core GPT (or critic) on the current process groups.
+
+    ``init_distributed`` must have run on every rank first. Public API:
+    ``infer``, ``train_step``, ``export_hf``, ``load_hf``, ``is_output_owner``.
+    """
+
+    def __init__(self, cfg: EngineConfig):
+        from megatron.core import parallel_state as ps
+        from transformers import AutoConfig
+
+        from verl_lite.engine.hf_bridge import load_hf_weights
+        from verl_lite.engine.model import build_model_chunks, transformer_config_from_hf
+
+        if not ps.model_parallel_is_initialized():
+            raise RuntimeError("MegatronEngine: call verl_lite.engine.distributed.init_distributed(...) first")
+        self.cfg = cfg
+        par = cfg.parallel
+        if (
+            ps.get_tensor_model_parallel_world_size() != par.tp
+            or ps.get_pipeline_model_parallel_world_size() != par.pp
+            or ps.get_context_parallel_world_size() != par.cp
+        ):
+            raise ValueError(
+                f"EngineConfig.parallel (tp={par.tp}, pp={par.pp}, cp={par.cp}) differs from the initialised "
+                f"groups (tp={ps.get_tensor_model_parallel_world_size()}, "
+                f"pp={ps.get_pipeline_model_parallel_world_size()}, cp={ps.get_context_parallel_world_size()})"
+            )
+        self.tp, self.pp, self.cp = par.tp, par.pp, par.cp
+        self.vpp = par.vpp or 1
+        self.dp = ps.get_data_parallel_world_size()  # without CP
+        self.cp_rank = ps.get_context_parallel_rank()
+        self.cp_group = ps.get_context_parallel_group()
+        self.pad_multiple = pad_multiple(self.cp, self.tp, par.sequence_parallel)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+        self.hf_config = AutoConfig.from_pretrained(cfg.model_path)
+        self.tf_config = transformer_config_from_hf(
+            self.hf_config,
+            par,
+            calculate_per_token_loss=cfg.calculate_per_token_loss,
+            params_dtype=cfg.torch_dtype,
+            **cfg.model_overrides,
+        )
+        self._check_p2p_settings()
+        self.chunks = build_model_chunks(self.hf_config, self.tf_config, value_head=cfg.value_head)
+        load_hf_weights(self.chunks, cfg.model_path, self.hf_config)
+        self.output_names = VALUE_OUTPUTS if cfg.value_head else LM_OUTPUTS
+        self._reduced_token_count: int | None = None
+
+        self.model = self.chunks  # what the schedules run (DDP-wrapped when training)
+        self.optimizer = None
+        self.scheduler = None
+        if not cfg.forward_only:
+            self._wrap_ddp()
+            self._build_optimizer()
+
+    # ------------------------------------------------------------------ set-up
+    def _check_p2p_settings(self):
+        c = self.tf_config
+        if self.vpp > 1 and (c.batch_p2p_comm or not c.overlap_p2p_comm):
+            raise ValueError(
+                "virtual pipeline parallelism needs overlap_p2p_comm=True and batch_p2p_comm=False: with "
+                "batched p2p, PP=2 + VPP matches isend/irecv to the same peer in the wrong order and trains "
+                "silently wrong (measured on gloo), and without overlap VPP + variable sequence lengths hangs"
+            )
+
+    def _wrap_ddp(self):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=self.cfg.optim.use_distributed_optimizer,
+            average_in_collective=False,
+        )
+        self.model = [
+            DistributedDataParallel(self.tf_config, ddp_config, chunk, disable_bucketing=(i > 0))
+            for i, chunk in enumerate(self.chunks)
+        ]
+        self.tf_config.finalize_model_grads_func = _finalize_model_grads_recording(self)
+
+    def _build_optimizer(self):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        o = self.cfg.optim
+        dtype = self.cfg.torch_dtype
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=o.lr,
+            min_lr=o.min_lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.betas[0],
+            adam_beta2=o.betas[1],
+            adam_eps=o.eps,
+            clip_grad=o.clip_grad,
+            use_distributed_optimizer=o.use_distributed_optimizer,
+            params_dtype=dtype,
+            bf16=dtype == torch.bfloat16,
+            fp16=dtype == torch.float16,
+        )
+        self.optimizer = get_megatron_optimizer(opt_config, self.model)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if o.lr_warmup_steps > 0 else o.lr,
+            max_lr=o.lr,
+            min_lr=o.min_lr,
+            lr_warmup_steps=o.lr_warmup_steps,
+            lr_decay_steps=max(o.total_steps, o.lr_warmup_steps + 1),
+            lr_decay_style=o.lr_decay_style,
+            start_wd=o.weight_decay,
+            end_wd=o.weight_decay,
+            wd_incr_steps=1,
+            wd_incr_style="constant",
+        )
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def is_output_owner(self) -> bool:
+        """Last pipeline stage, TP rank 0 and CP rank 0: where results and loss metrics are returned."""
+        from megatron.core import parallel_state as ps
+
+        return (
+            ps.is_pipeline_last_stage(ignore_virtual=True)
+            and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0
+        )
+
+    @property
+    def _is_last_stage(self) -> bool:
+        from megatron.core import parallel_state as ps
+
+        return ps.is_pipeline_last_stage(ignore_virtual=True)
+
+    # ------------------------------------------------------------------ batches
+    def _check_micro_batches(self, batch: SequenceBatch, micro_batches: list[list[int]]) -> None:
+        if not micro_batches:
+            raise ValueError("micro_batches is empty: give at least one micro-batch of row indices")
+        seen: list[int] = []
+        for k, mb in enumerate(micro_batches):
+            if len(mb) == 0:
+                raise ValueError(
+                    f"micro-batch {k} is empty; every micro-batch needs at least one sequence (plan fewer "
+                    f"micro-batches, e.g. a smaller vpp multiple or a larger micro-batch size)"
+                )
+            seen.extend(int(i) for i in mb)
+        if sorted(seen) != list(range(len(batch))):
+            raise ValueError(
+                f"micro_batches must use every row 0..{len(batch) - 1} of the batch exactly once, got {micro_batches}"
+            )
+        if self.vpp > 1 and (len(micro_batches) % self.pp or len(micro_batches) < self.pp):
+            raise ValueError(
+                f"virtual pipeline parallelism (pp={self.pp}, vpp={self.vpp}) needs the number of micro-batches "
+                f"to be a positive multiple of pp={self.pp}, got {len(micro_batches)}; plan them with "
+                f"plan_micro_batches(..., vpp_multiple={self.pp})"
+            )
+
+    def _pack(self, batch: SequenceBatch, micro_batches: list[list[int]]) -> list[_MicroBatch]:
+        out = []
+        for mb in micro_batches:
+            packed = pack_micro_batch(
+                [batch.input_ids[i] for i in mb],
+                [int(batch.response_lengths[i]) for i in mb],
+                multiple=self.pad_multiple,
+                cp_size=self.cp,
+                cp_rank=self.cp_rank,
+            )
+            out.append(_MicroBatch(packed=packed, data=batch.rows(mb), indices=list(mb)))
+        return out
+
+    def _iterators(self, mbs: list[_MicroBatch]):
+        if self.vpp > 1:
+            return [iter(mbs) for _ in range(self.vpp)]
+        return iter(mbs)
+
+    def _packed_seq_params(self, packed: PackedMicroBatch):
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = packed.cu_seqlens.to(self.device)
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=packed.max_seqlen,
+            max_seqlen_kv=packed.max_seqlen,
+        )
+
+    # ------------------------------------------------------------------ outputs
+    def _per_token_outputs(
+        self, output: torch.Tensor, mb: _MicroBatch, names: tuple[str, ...], temperature: float, width: int
+    ) -> dict[str, torch.Tensor]:
+        """Last-stage model output on the local pack -> {name: [b, W]} full rows (CP-gathered)."""
+        from verl_lite.engine.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
+
+        per_token: dict[str, torch.Tensor] = {}
+        if self.cfg.value_head:
+            per_token["values"] = output.reshape(-1).float()
+        else:
+            logits = output if temperature == 1.0 else output / temperature
+            labels = mb.packed.labels.to(logits.device)
+            if "log_probs" in names:
+                per_token["log_probs"] = vocab_parallel_log_probs(logits, labels)
+            if "entropy" in names:
+                per_token["entropy"] = vocab_parallel_entropy(logits)
+        return {k: unpack_response(v, mb.packed, width, self.cp_group) for k, v in per_token.items() if k in names}
+
+    def _check_outputs(self, outputs) -> tuple[str, ...]:
+        outputs = tuple(outputs)
+        bad = [o for o in outputs if o not in self.output_names]
+        if bad or not outputs:
+            raise ValueError(f"outputs={outputs}: this model produces {self.output_names}")
+        return outputs
+
+    def _forward_step(self, names, temperature, width, loss_func_factory, data_iterator, model):
+        mb: _MicroBatch = next(data_iterator)
+        ids = mb.packed.input_ids.to(self.device)
+        output = model(ids, None, None, packed_seq_params=self._packed_seq_params(mb.packed))
+        return output, partial(loss_func_factory, mb, names, temperature, width)
+
+    # ------------------------------------------------------------------ infer
+    @torch.no_grad()
+    def infer(
+        self,
+        batch: SequenceBatch,
+        micro_batches: list[list[int]],
+        temperature: float = 1.0,
+        outputs=("log_probs", "entropy"),
+    ) -> dict[str, torch.Tensor] | None:
+        """Forward only. Returns {name: [n, W]} in batch row order on output owners, None elsewhere."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        names = self._check_outputs(outputs if not self.cfg.value_head else VALUE_OUTPUTS)
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self._check_micro_batches(batch, micro_batches)
+        mbs = self._pack(batch, micro_batches)
+        width = batch.response_width
+
+        def collect(mb, names, temperature, width, output, non_loss_data=False):
+            if not non_loss_data:
+                raise RuntimeError("infer runs with collect_non_loss_data=True")
+            res = self._per_token_outputs(output, mb, names, temperature, width)
+            return {k: v.detach().cpu() for k, v in res.items()}
+
+        for m in self.model:
+            m.eval()
+        store = get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, names, temperature, width, collect),
+            data_iterator=self._iterators(mbs),
+            model=self.model,
+            num_microbatches=len(mbs),
+            seq_length=max(m.packed.num_local_tokens for m in mbs),
+            micro_batch_size=1,
+            forward_only=True,
+            collect_non_loss_data=True,
+        )
+        if not self.is_output_owner:
+            return None
+        result = {}
+        order = torch.as_tensor([i for m in mbs for i in m.indices])
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel())
+        for name in names:
+            result[name] = torch.cat([d[name] for d in store])[inverse]
+        return result
+
+    # ------------------------------------------------------------------ train
+    def train_step(
+        self,
+        batch: SequenceBatch,
+        micro_batches: list[list[int]],
+        loss_fn: LossFn,
+        temperature: float = 1.0,
+        outputs=None,
+        global_token_count: int | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step over this DP rank's share of a mini-batch.
+
+        ``global_token_count`` (per-token mode only) = sum of sequence lengths (prompt + response)
+        over the WHOLE mini-batch, all DP ranks; may be omitted when DP = 1.
+        Returns {"grad_norm" (before clipping), "lr", and on output owners "loss" plus the sums
+        over micro-batches of the loss metrics}.
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if self.optimizer is None:
+            raise RuntimeError("train_step on a forward_only engine; build it with forward_only=False")
+        names = self._check_outputs(outputs if outputs is not None else self.output_names)
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self._check_micro_batches(batch, micro_batches)
+        per_token = self.cfg.calculate_per_token_loss
+        if per_token:
+            if global_token_count is None:
+                if self.dp != 1:
+                    raise ValueError(
+                        "calculate_per_token_loss=True with data parallelism needs train_step(..., "
+                        "global_token_count=<sum of sequence lengths over the whole mini-batch, all DP ranks>)"
+                    )
+                global_token_count = sum(batch.lengths)
+            global_token_count = int(global_token_count)
+            if global_token_count < sum(batch.lengths):
+                raise ValueError(
+                    f"global_token_count={global_token_count} is smaller than this rank's own "
+                    f"{sum(batch.lengths)} tokens; it must be the sum of lengths over the whole mini-batch"
+                )
+        mbs = self._pack(batch, micro_batches)
+        width = batch.response_width
+        n_mb = len(mbs)
+        owner = self.is_output_owner
+
+        def loss_func(mb, names, temperature, width, output):
+            outs = self._per_token_outputs(output, mb, names, temperature, width)
+            data = {k: v.to(self.device) for k, v in mb.data.items()}
+            contribution, metrics = loss_fn(outs, data)
+            if contribution.ndim != 0:
+                raise ValueError(f"loss_fn must return a scalar contribution, got shape {tuple(contribution.shape)}")
+            report = {}
+            if owner:
+                report = {"loss": float(contribution.detach())}
+                report.update({k: float(torch.as_tensor(v).detach()) for k, v in metrics.items()})
+            if per_token:
+                k_local = torch.tensor(mb.packed.num_real_local_tokens, dtype=torch.int, device=contribution.device)
+                return contribution * global_token_count, k_local, report
+            return contribution * (n_mb * self.dp), report
+
+        for m in self.model:
+            m.train()
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._reduced_token_count = None
+        store = get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, names, temperature, width, loss_func),
+            data_iterator=self._iterators(mbs),
+            model=self.model,
+            num_microbatches=n_mb,
+            seq_length=max(m.packed.num_local_tokens for m in mbs),
+            micro_batch_size=1,
+            forward_only=False,
+        )
+        if per_token and self._reduced_token_count != global_token_count:
+            raise RuntimeError(
+                f"megatron reduced {self._reduced_token_count} tokens over DP x CP but global_token_count="
+                f"{global_token_count}: the caller's count is not the sum of sequence lengths over the whole "
+                f"mini-batch (or DP ranks were given different counts); the optimizer step was not taken"
+            )
+        self.scheduler.step(1)
+        lr = self.scheduler.get_lr({})
+        success, grad_norm, _ = self.optimizer.step()
+        if not success:
+            raise RuntimeError("the megatron optimizer skipped the step (inf/nan gradients)")
+        result = {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": float(lr)}
+        if owner and self._is_last_stage:
+            for d in store:
+                for k, v in d.items():
+                    result[k] = result.get(k, 0.0) + v
+        return result
+
+    # ------------------------------------------------------------------ weights
+    def export_hf(self, attr: str = "param"):
+        """Iterator of (hf_name, full tensor) on every rank; ``attr="main_grad"`` for the reduced grads.
+
+        With the distributed optimizer, ``main_grad`` is only valid on each rank's own shard."""
+        from verl_lite.engine.hf_bridge import export_hf
+
+        return export_hf(self.chunks, self.hf_config, attr=attr)
+
+    def load_hf(self, state_dict_or_dir, reset_optimizer: bool = True) -> None:
+        """Overwrite the weights (an HF state dict or directory); rebuild optimizer + schedule state."""
+        from verl_lite.engine.hf_bridge import load_hf_weights
+
+        with torch.no_grad():
+            load_hf_weights(self.chunks, state_dict_or_dir, self.hf_config)
+        if self.optimizer is not None and reset_optimizer:
+            for m in self.model:
+                m.zero_grad_buffer()
+            self._build_optimizer()
