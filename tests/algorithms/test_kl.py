@@ -80,3 +80,12 @@ def test_apply_kl_penalty_matches_reference(kind):
     err = max(min(current / 0.05 - 1, 0.2), -0.2)
     assert ctl.value == pytest.approx(0.3 * (1 + err * len(m) / 100), rel=1e-12)
     assert not math.isnan(ctl.value)
+
+
+def test_kl_types_lists_every_accepted_kind():
+    from verl_lite.algorithms.kl import KL_TYPES
+
+    x = torch.zeros(1, 1, dtype=torch.float64)
+    assert set(KINDS) | {k + "+" for k in KINDS} == set(KL_TYPES)
+    for kind in KL_TYPES:
+        kl_penalty(x, x, kind)

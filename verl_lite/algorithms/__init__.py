@@ -10,6 +10,7 @@ from .advantages import (
 )
 from .aggregation import AGG_MODES, NormalizationPlan, check_agg_mode
 from .kl import (
+    KL_TYPES,
     AdaptiveKLController,
     FixedKLController,
     apply_kl_penalty,
@@ -33,6 +34,7 @@ __all__ = [
     "COV_MASK_KEY",
     "COV_SELECTION_LOSSES",
     "IS_WEIGHTS_KEY",
+    "KL_TYPES",
     "POLICY_LOSSES",
     "ActorLossConfig",
     "AdaptiveKLController",

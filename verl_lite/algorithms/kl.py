@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+BASE_KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KL_TYPES = BASE_KL_TYPES + tuple(kind + "+" for kind in BASE_KL_TYPES)  # every valid `kind`
 
 
 def _kl_value(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
@@ -31,7 +32,7 @@ def _kl_value(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Te
         return torch.clamp(torch.exp(x) - x - 1.0, min=-10.0, max=10.0)
     if kind == "full":
         raise NotImplementedError("kl type 'full' (needs full-vocabulary log-probs) is not implemented.")
-    valid = ", ".join(KL_TYPES + tuple(k + "+" for k in KL_TYPES))
+    valid = ", ".join(KL_TYPES)
     raise ValueError(f"Unknown KL type {kind!r}. Valid types: {valid}.")
 
 
