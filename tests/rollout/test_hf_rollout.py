@@ -1,0 +1,169 @@
+"""HFRollout: shapes and order, EOS stop, seed determinism, log-probs vs an independent recompute, weight sync."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from verl_lite.data.char_tokenizer import build_char_tokenizer
+from verl_lite.rollout import HFRollout, make_rollout, vllm_available
+from verl_lite.rollout.hf_rollout import _filter_top_k_top_p
+from verl_lite.utils import make_tiny_hf_model
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(make_tiny_hf_model(tmp_path_factory.mktemp("m"), "qwen2", vocab_size=128, hidden_size=32, num_layers=2,
+                                  intermediate_size=64, init_std=0.3, seed=3))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()
+
+
+def _prompts(tok):
+    return [tok.encode(t, add_special_tokens=False) for t in ("12+3=", "7+88=", "x")]
+
+
+def _recompute(model, prompt, response, temperature):
+    """log p_T(response_t | prefix) with one unpadded forward, in float64."""
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].double()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    pos = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)
+    return logp[pos, torch.tensor(response)]
+
+
+def test_shapes_and_prompt_major_order(model_dir, tok):
+    r = HFRollout(model_dir, tok)
+    prompts = _prompts(tok)
+    outs = r.generate(prompts, n=3, do_sample=True, temperature=1.0, max_new_tokens=7, seed=0)
+    assert len(outs) == 9
+    for o in outs:
+        assert 1 <= len(o["response_ids"]) <= 7
+        assert o["log_probs"].shape == (len(o["response_ids"]),) and o["log_probs"].dtype == torch.float32
+        assert (o["log_probs"] <= 0).all()
+    # prompt-major: rows 3k..3k+2 belong to prompt k -> generating prompt k alone with n=3 ... greedy gives equal rows
+    greedy = r.generate(prompts, n=3, do_sample=False, max_new_tokens=7)
+    for k in range(3):
+        alone = r.generate([prompts[k]], n=1, do_sample=False, max_new_tokens=7)[0]["response_ids"]
+        assert [g["response_ids"] for g in greedy[3 * k:3 * k + 3]] == [alone] * 3
+
+
+def test_left_padding_does_not_change_results(model_dir, tok):
+    """A prompt batched with longer prompts gives the same greedy tokens and log-probs as alone."""
+    r = HFRollout(model_dir, tok)
+    prompts = _prompts(tok)
+    batched = r.generate(prompts, n=1, do_sample=False, max_new_tokens=6)
+    for p, b in zip(prompts, batched):
+        alone = r.generate([p], n=1, do_sample=False, max_new_tokens=6)[0]
+        assert alone["response_ids"] == b["response_ids"]
+        torch.testing.assert_close(alone["log_probs"], b["log_probs"], atol=1e-5, rtol=0)
+
+
+def test_eos_stop(model_dir, tok):
+    """With EOS := a token greedy decoding emits, the response is the no-EOS response cut after its first EOS."""
+    r = HFRollout(model_dir, tok)
+    prompts = _prompts(tok)
+    r.eos_token_id = -1  # matches no token: never stops early
+    full = r.generate(prompts, n=1, do_sample=False, max_new_tokens=12)
+    for f in full:
+        assert len(f["response_ids"]) == 12
+    stop_tok = full[0]["response_ids"][4]  # a token the first prompt emits at step 5
+    r.eos_token_id = stop_tok
+    cut = r.generate(prompts, n=1, do_sample=False, max_new_tokens=12)
+    for f, c in zip(full, cut):
+        ids = f["response_ids"]
+        expect = ids[: ids.index(stop_tok) + 1] if stop_tok in ids else ids
+        assert c["response_ids"] == expect
+        assert c["response_ids"].count(stop_tok) <= 1
+    assert len(cut[0]["response_ids"]) <= 5 and cut[0]["response_ids"][-1] == stop_tok
+
+
+def test_seed_determinism(model_dir, tok):
+    r = HFRollout(model_dir, tok)
+    prompts = _prompts(tok)
+    kw = dict(n=8, do_sample=True, temperature=1.3, max_new_tokens=8)
+    a = r.generate(prompts, seed=11, **kw)
+    b = r.generate(prompts, seed=11, **kw)
+    c = r.generate(prompts, seed=12, **kw)
+    assert [x["response_ids"] for x in a] == [x["response_ids"] for x in b]
+    assert [x["response_ids"] for x in a] != [x["response_ids"] for x in c]
+    # global RNG is untouched
+    torch.manual_seed(5)
+    before = torch.rand(3)
+    torch.manual_seed(5)
+    r.generate(prompts, seed=1, **kw)
+    torch.testing.assert_close(torch.rand(3), before)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, -1, 1.0), (1.5, 5, 0.9)])
+def test_log_probs_match_independent_recompute(model_dir, tok, temperature, top_k, top_p):
+    r = HFRollout(model_dir, tok)
+    prompts = _prompts(tok)
+    outs = r.generate(prompts, n=4, do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
+                      max_new_tokens=8, seed=2)
+    for i, o in enumerate(outs):
+        ref = _recompute(r.model, prompts[i // 4], o["response_ids"], temperature)
+        torch.testing.assert_close(o["log_probs"].double(), ref, atol=2e-5, rtol=0)
+
+
+def test_top_k_top_p_filter_matches_loop():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 10, dtype=torch.float64)
+    out = _filter_top_k_top_p(logits, top_k=6, top_p=0.8)
+    for row, orow in zip(logits, out):
+        order = sorted(range(10), key=lambda j: -row[j].item())[:6]
+        kept_k = torch.full((10,), float("-inf"), dtype=torch.float64)
+        kept_k[order] = row[order]
+        probs = torch.softmax(kept_k, -1)
+        keep, mass = set(), 0.0
+        for j in sorted(range(10), key=lambda j: -kept_k[j].item()):
+            if mass >= 0.8:
+                break
+            keep.add(j)
+            mass += probs[j].item()
+        for j in range(10):
+            assert (orow[j].item() == float("-inf")) == (j not in keep)
+
+
+def test_samples_respect_top_k(model_dir, tok):
+    r = HFRollout(model_dir, tok)
+    p = _prompts(tok)[:1]
+    with torch.no_grad():
+        first = r.model(input_ids=torch.tensor(p)).logits[0, -1]
+    allowed = set(torch.topk(first, 2).indices.tolist())
+    outs = r.generate(p, n=32, do_sample=True, temperature=2.0, top_k=2, max_new_tokens=1, seed=0)
+    assert {o["response_ids"][0] for o in outs} <= allowed
+
+
+def test_load_weights_changes_outputs_and_checks_names(model_dir, tok):
+    r = HFRollout(model_dir, tok)
+    prompts = _prompts(tok)
+    before = r.generate(prompts, n=1, do_sample=False, max_new_tokens=6)
+    other = make_rollout("hf", str(make_tiny_hf_model(model_dir + "_other", "qwen2", vocab_size=128, hidden_size=32,
+                                                      num_layers=2, intermediate_size=64, init_std=0.3, seed=99)), tok)
+    expect = other.generate(prompts, n=1, do_sample=False, max_new_tokens=6)
+    n = r.load_weights(((k, v.clone()) for k, v in other.model.state_dict().items()), strict=True)
+    assert n == len(other.model.state_dict())
+    after = r.generate(prompts, n=1, do_sample=False, max_new_tokens=6)
+    assert [a["response_ids"] for a in after] == [e["response_ids"] for e in expect]
+    assert [a["response_ids"] for a in after] != [b["response_ids"] for b in before]
+    with pytest.raises(ValueError, match="model.layers.0.nonexistent"):
+        r.load_weights([("model.layers.0.nonexistent", torch.zeros(1))])
+    with pytest.raises(ValueError, match="shape"):
+        r.load_weights([("lm_head.weight", torch.zeros(3, 3))])
+    with pytest.raises(ValueError, match="not provided"):
+        r.load_weights([("lm_head.weight", other.model.lm_head.weight)], strict=True)
+
+
+def test_vllm_backend_is_lazy():
+    import verl_lite.rollout.vllm_rollout  # noqa: F401  (must import without vllm)
+
+    if not vllm_available():
+        with pytest.raises((ImportError, RuntimeError)):
+            make_rollout("vllm", "/nonexistent", SimpleNamespace(eos_token_id=2))

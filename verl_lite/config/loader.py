@@ -1,0 +1,238 @@
+"""Loading the config: Hydra compose over the structured schema, unknown keys rejected.
+
+Two ways to build the entry point `python -m verl_lite.trainer.main_ppo key=value ...`:
+
+1. Recommended (no working-dir change, no Hydra output folders)::
+
+       from verl_lite.config import load_config, validate_config
+       cfg = load_config(sys.argv[1:])      # PPOConfig dataclass instance
+       validate_config(cfg)                 # before any worker starts
+
+2. With `@hydra.main` (Hydra 1.3)::
+
+       from verl_lite.config import CONFIG_DIR, register_configs, config_from_hydra
+       register_configs()                   # at import time, before hydra.main runs
+       @hydra.main(config_path=CONFIG_DIR, config_name="ppo_trainer", version_base=None)
+       def main(dict_cfg):
+           cfg = config_from_hydra(dict_cfg)   # re-checks the overrides, fills built-in defaults
+
+Both reject keys the schema does not have, including Hydra's `+key=value` additions
+(which would otherwise slip typos through), with a message naming the key and the closest
+valid one. Only free-form dict fields (`reward.custom_reward_function.reward_kwargs`) take
+new keys; there `key=value` and `+key=value` both work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from pathlib import Path
+from typing import Any
+
+from verl_lite.config.schema import PPOConfig
+
+CONFIG_DIR = str(Path(__file__).resolve().parent)
+CONFIG_NAME = "ppo_trainer"
+SCHEMA_NAME = "ppo_trainer_schema"
+ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
+DEFAULT_MODEL_DIR = ASSETS_DIR / "tiny-addition"
+DEFAULT_DATA_DIR = ASSETS_DIR / "synthetic-addition"
+
+
+class ConfigError(ValueError):
+    """A bad config. `problems` lists every problem found, each naming the key and the fix."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"invalid config ({len(self.problems)} problem(s)):\n{lines}")
+
+
+def default_model_path() -> str:
+    """The shipped tiny model (HF format, tokenizer included)."""
+    return str(DEFAULT_MODEL_DIR)
+
+
+def default_data_files() -> tuple[list[str], list[str]]:
+    """The shipped synthetic-addition parquet files: ([train], [val])."""
+    return [str(DEFAULT_DATA_DIR / "train.parquet")], [str(DEFAULT_DATA_DIR / "val.parquet")]
+
+
+def register_configs() -> None:
+    """Register the schema in Hydra's ConfigStore as `ppo_trainer_schema` (ppo_trainer.yaml's defaults list uses it)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=PPOConfig)
+
+
+# ---------------------------------------------------------------- the key space of the schema
+
+
+def _is_dataclass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _is_free_dict(tp: Any) -> bool:
+    return typing.get_origin(tp) in (dict, typing.Dict)
+
+
+def schema_keys(cls: type = PPOConfig, prefix: str = "") -> dict[str, str]:
+    """All dotted keys of the schema -> 'section' | 'leaf' | 'dict' (a free-form dict that takes any sub-key)."""
+    keys: dict[str, str] = {}
+    for name, tp in _field_types(cls).items():
+        key = f"{prefix}{name}"
+        if _is_dataclass_type(tp):
+            keys[key] = "section"
+            keys.update(schema_keys(tp, key + "."))
+        else:
+            keys[key] = "dict" if _is_free_dict(tp) else "leaf"
+    return keys
+
+
+def _free_dict_parent(key: str, keys: dict[str, str]) -> str | None:
+    parts = key.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        parent = ".".join(parts[:i])
+        if keys.get(parent) == "dict":
+            return parent
+    return None
+
+
+def unknown_key_message(key: str, keys: dict[str, str] | None = None) -> str:
+    """'unknown config key X; did you mean Y?' with the closest valid key(s)."""
+    keys = keys if keys is not None else schema_keys()
+    parts = key.split(".")
+    # Closest among the siblings of the deepest existing parent first, then among all keys.
+    parent = ""
+    for i in range(len(parts) - 1, 0, -1):
+        cand = ".".join(parts[:i])
+        if keys.get(cand) == "section":
+            parent = cand
+            break
+    siblings = [k for k in keys if k.rsplit(".", 1)[0] == parent and k.count(".") == key.count(".")] if parent else []
+    close = difflib.get_close_matches(key, siblings, n=1, cutoff=0.5) or difflib.get_close_matches(
+        key, list(keys), n=1, cutoff=0.5
+    )
+    if not close:  # the last component may exist elsewhere (e.g. 'actor.ppo_epochs' without the prefix)
+        last = parts[-1]
+        close = [k for k in keys if k.rsplit(".", 1)[-1] == last][:1]
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return f"unknown config key '{key}'{hint} (see docs/config.md for the full list)"
+
+
+def check_override_keys(overrides: list[str]) -> list[str]:
+    """Parse Hydra overrides; raise ConfigError for keys not in the schema; return the overrides to compose.
+
+    `key=value` under a free-form dict field is rewritten to `++key=value` (add or replace).
+    `hydra.*` overrides pass through untouched.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    keys = schema_keys()
+    problems, out = [], []
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides=list(overrides))
+    except Exception as e:  # hydra's grammar errors
+        raise ConfigError([f"could not parse overrides {list(overrides)}: {e}"]) from e
+    for raw, ov in zip(overrides, parsed):
+        key = ov.key_or_group
+        if key.startswith("hydra.") or key == "hydra":
+            out.append(raw)
+            continue
+        if ov.is_delete():
+            problems.append(f"'~{key}': deleting schema keys is not supported; set the key to a value instead")
+            continue
+        kind = keys.get(key)
+        if kind in ("leaf", "dict", "section"):
+            # A '+' addition of an existing key is what Hydra calls an error; accept it as a plain override.
+            out.append(raw.lstrip("+") if ov.is_add() else raw)
+            continue
+        if _free_dict_parent(key, keys) is not None:
+            out.append("++" + raw.lstrip("+"))
+            continue
+        problems.append(unknown_key_message(key, keys))
+    if problems:
+        raise ConfigError(problems)
+    return out
+
+
+# ---------------------------------------------------------------- compose and convert
+
+
+def _fill_builtin_defaults(cfg: PPOConfig) -> PPOConfig:
+    """None model path / data files -> the shipped assets; a single file path -> a one-element list."""
+    model = cfg.actor_rollout_ref.model
+    if model.path is None:
+        model.path = default_model_path()
+    if model.tokenizer_path is None:
+        model.tokenizer_path = model.path
+    train, val = default_data_files()
+    if cfg.data.train_files is None:
+        cfg.data.train_files = train
+    if cfg.data.val_files is None:
+        cfg.data.val_files = val
+    for name in ("train_files", "val_files"):
+        files = getattr(cfg.data, name)
+        if isinstance(files, str):
+            setattr(cfg.data, name, [files])
+        elif not isinstance(files, list):
+            setattr(cfg.data, name, list(files))
+    return cfg
+
+
+def to_dataclass(dict_cfg) -> PPOConfig:
+    """An OmegaConf DictConfig (already composed against the schema) -> PPOConfig with built-in defaults filled."""
+    from omegaconf import OmegaConf
+
+    obj = OmegaConf.to_object(dict_cfg)
+    if not isinstance(obj, PPOConfig):  # composed from the YAML alone
+        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PPOConfig), dict_cfg))
+    return _fill_builtin_defaults(obj)
+
+
+def load_config(overrides: list[str] | None = None) -> PPOConfig:
+    """Compose `ppo_trainer.yaml` over the structured schema with Hydra, apply `overrides`, return a PPOConfig.
+
+    Raises ConfigError naming any unknown key (plain or `+key`) and the closest valid key; a value of
+    the wrong type raises ConfigError naming the key too. Does not validate cross-key rules: call
+    `validate_config` for that.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    overrides = check_override_keys(list(overrides or []))
+    register_configs()
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+            dict_cfg = compose(config_name=CONFIG_NAME, overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        cause = f" ({e.__cause__})" if e.__cause__ is not None else ""
+        raise ConfigError([f"{e}{cause}"]) from e
+    return to_dataclass(dict_cfg)
+
+
+def config_from_hydra(dict_cfg) -> PPOConfig:
+    """For an `@hydra.main` entry: re-check the command-line overrides against the schema, then convert."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        task_overrides = list(HydraConfig.get().overrides.task)
+    except Exception:  # not running under hydra.main
+        task_overrides = []
+    check_override_keys(task_overrides)
+    return to_dataclass(dict_cfg)
+
+
+def config_to_dict(cfg: PPOConfig) -> dict:
+    """A plain nested dict (for logging, metrics headers and Ray transport)."""
+    return dataclasses.asdict(cfg)

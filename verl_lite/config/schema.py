@@ -1,0 +1,193 @@
+"""The structured config schema: one dataclass per section, verl's key names.
+
+`ppo_trainer.yaml` (next to this file) lists the same defaults for humans to read and copy;
+`tests/config` asserts that the YAML and these dataclasses agree leaf by leaf.
+
+Batch vocabulary (see docs/config.md, worded as in DESIGN.md):
+
+- `data.train_batch_size`: prompts per RL step. Trajectories per step = prompts x `rollout.n`.
+- `actor.ppo_mini_batch_size`: prompts per optimizer step (x n trajectories). Must divide the
+  step's prompts; the trajectories must divide by DP.
+- `actor.ppo_micro_batch_size_per_gpu` or `actor.use_dynamic_bsz` + `ppo_max_token_len_per_gpu`:
+  how a DP rank's share is cut for memory. It never changes the math.
+
+`None` for `actor_rollout_ref.model.path`, `data.train_files` or `data.val_files` means the
+built-in default (the shipped tiny model and the synthetic addition task); `load_config`
+fills these in, so a loaded config always holds real paths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+@dataclass
+class DataConfig:
+    train_files: Any = None  # str or list of parquet paths; None = built-in synthetic task (train split)
+    val_files: Any = None  # str or list of parquet paths; None = built-in synthetic task (val split)
+    prompt_key: str = "prompt"  # column holding the chat messages
+    reward_fn_key: str = "data_source"  # column the reward router dispatches on
+    max_prompt_length: int = 16  # tokens, after the chat template
+    max_response_length: int = 6  # tokens generated at most (EOS included)
+    train_batch_size: int = 32  # prompts per RL step
+    val_batch_size: Optional[int] = None  # prompts per validation generate call; None = all at once
+    filter_overlong_prompts: bool = True  # drop prompts longer than max_prompt_length (else see truncation)
+    truncation: str = "error"  # overlong prompt when not filtered: error | left | right
+    shuffle: bool = True
+    seed: int = 0  # data order seed
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None  # HF model dir (config.json, safetensors, tokenizer); None = shipped tiny model
+    tokenizer_path: Optional[str] = None  # None = same as path
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0  # max global grad norm
+    lr_warmup_steps: int = 0  # optimizer steps of linear warm-up
+    lr_decay_style: str = "constant"  # constant | linear | cosine
+    min_lr: float = 0.0  # floor for linear/cosine decay
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.99])
+
+
+@dataclass
+class MegatronConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None  # needs pp > 1 and layers % (pp * vpp) == 0
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False  # only meaningful with tp > 1
+    use_distributed_optimizer: bool = False
+    calculate_per_token_loss: bool = False  # megatron's loss mode; the gradient is the same in both
+    timeout_s: int = 300  # process-group timeout: a stuck collective fails after this many seconds
+
+
+@dataclass
+class PolicyLossConfig:
+    loss_mode: str = "vanilla"  # a name in verl_lite.algorithms' policy-loss registry (vanilla, gspo, ...)
+
+
+@dataclass
+class ActorConfig:
+    ppo_mini_batch_size: int = 32  # prompts per optimizer step (x rollout.n trajectories)
+    ppo_micro_batch_size_per_gpu: Optional[int] = 64  # trajectories per micro-batch on one DP rank
+    use_dynamic_bsz: bool = False  # cut micro-batches by token budget instead
+    ppo_max_token_len_per_gpu: int = 4096  # token budget per micro-batch (x CP) with use_dynamic_bsz
+    ppo_epochs: int = 1  # passes over the step's trajectories
+    shuffle: bool = False  # reshuffle trajectories between mini-batches each epoch
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None  # None = clip_ratio
+    clip_ratio_high: Optional[float] = None  # None = clip_ratio
+    clip_ratio_c: float = 3.0  # dual-clip constant (> 1)
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    loss_agg_mode: str = "token-mean"
+    loss_scale_factor: Optional[float] = None  # H for seq-mean-token-sum-norm; None = max_response_length
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+
+
+@dataclass
+class RefConfig:
+    """The frozen reference policy; it uses the actor's megatron layout."""
+
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None  # None = actor.ppo_micro_batch_size_per_gpu
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 4096
+
+
+@dataclass
+class ValKwargs:
+    do_sample: bool = False  # greedy validation by default
+    temperature: float = 1.0  # used only when do_sample
+    top_p: float = 1.0
+    top_k: int = -1
+    n: int = 1
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "hf"  # hf (transformers generate, CPU/GPU) | vllm (GPU, if installed)
+    n: int = 8  # samples per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0 = disabled
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None  # old-log-prob recompute; None = actor's micro size
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 4096
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+
+@dataclass
+class KLCtrlConfig:
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001
+    target_kl: float = 0.1  # adaptive only
+    horizon: int = 10000  # adaptive only
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"  # a name in verl_lite.algorithms' advantage registry
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"  # KL estimator for the in-reward penalty
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    path: Optional[str] = None  # python file; None = built-in default_compute_score
+    name: str = "compute_score"  # function in that file
+    reward_kwargs: Dict[str, Any] = field(default_factory=dict)  # extra keyword arguments for the function
+
+
+@dataclass
+class RewardConfig:
+    reward_manager: str = "naive"  # naive (one call per sample) | batch (one call per batch)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+
+
+@dataclass
+class TrainerConfig:
+    total_epochs: int = 1
+    total_training_steps: Optional[int] = 40  # None = total_epochs x steps per epoch
+    n_gpus_per_node: int = 1  # workers per node (on CPU: worker processes)
+    nnodes: int = 1
+    device: str = "auto"  # auto | cpu | cuda
+    test_freq: int = 10  # validate every this many steps (<= 0: never during training)
+    save_freq: int = -1  # checkpoint every this many steps (<= 0: never)
+    val_before_train: bool = True
+    output_dir: str = "outputs/verl_lite"
+    project_name: str = "verl_lite"
+    experiment_name: str = "grpo_synthetic_addition"
+    seed: int = 0
+    logger: List[str] = field(default_factory=lambda: ["console", "jsonl"])  # console | jsonl | tensorboard
+    balance_batch: bool = True
+
+
+@dataclass
+class PPOConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -1,0 +1,79 @@
+"""A character-level HF fast tokenizer with a chat template, built locally with `tokenizers`.
+
+Used by the shipped tiny model (`verl_lite/assets/tiny-*`) and by tests: no model hub needed.
+
+Vocabulary: special tokens first (ids 0..6), then every printable ASCII character and "\\n"
+as one token each; unknown characters map to `<unk>`.
+
+    id 0 <pad>   id 1 <bos>   id 2 <eos>   id 3 <unk>
+    id 4 <|system|>   id 5 <|user|>   id 6 <|assistant|>
+
+Chat template (what `apply_chat_template` renders, no spaces or newlines added):
+
+    <|system|>{system}<|user|>{user}<|assistant|>{assistant}<eos> ...
+    and, with add_generation_prompt=True, a trailing <|assistant|>.
+
+So a generated response ends with `<eos>` (id 2), which is also the model's `eos_token_id`.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}<|system|>{{ message['content'] }}"
+    "{% elif message['role'] == 'user' %}<|user|>{{ message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}<|assistant|>{{ message['content'] }}<eos>"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def char_vocab() -> dict[str, int]:
+    """Token -> id: the special tokens, then printable ASCII (minus \\t\\r\\x0b\\x0c) and '\\n'."""
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for c in chars:
+        vocab[c] = len(vocab)
+    return vocab
+
+
+def build_char_tokenizer(model_max_length: int = 4096):
+    """Return a `transformers.PreTrainedTokenizerFast` splitting text into single characters."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = char_vocab()
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    # '.' does not match '\n'; split it explicitly as well.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex("\n"), behavior="isolated"), pre_tokenizers.Split(Regex("."), behavior="isolated")]
+    )
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        model_max_length=model_max_length,
+        padding_side="left",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def save_char_tokenizer(out_dir: str | Path) -> Path:
+    """Write the tokenizer files (tokenizer.json, tokenizer_config.json with the chat template) to out_dir."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    build_char_tokenizer().save_pretrained(out)
+    return out

@@ -1,0 +1,83 @@
+"""The built-in synthetic task: multi-digit addition, in verl's parquet row format.
+
+A row (one prompt):
+
+    {"data_source": "synthetic/addition",
+     "prompt": [{"role": "user", "content": "47+385="}],
+     "ability": "arithmetic",
+     "reward_model": {"style": "rule", "ground_truth": "432"},
+     "extra_info": {"split": "train", "index": 0, "a": 47, "b": 385}}
+
+The expected response is the decimal sum and nothing else (then EOS). The rule scorer
+`score_addition` gives 1.0 for an exact match of the stripped response, else 0.0.
+
+Why this task: a ~1M-parameter character-level model learns the format and the easy digits
+after a short SFT but still fails on carries, so greedy accuracy starts partial and GRPO has
+room to improve it within minutes on a CPU.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+DATA_SOURCE = "synthetic/addition"
+
+
+def addition_prompt(a: int, b: int) -> str:
+    """The user message for a + b."""
+    return f"{a}+{b}="
+
+
+def score_addition(solution_str: str, ground_truth: str) -> float:
+    """1.0 if the response (decoded, special tokens removed, whitespace stripped) equals the sum, else 0.0."""
+    return 1.0 if solution_str.strip() == str(ground_truth).strip() else 0.0
+
+
+def _sample_pairs(n: int, max_digits: int, rng: random.Random, exclude: set) -> list[tuple[int, int]]:
+    """n distinct (a, b) pairs not in `exclude`; each operand has a uniformly drawn digit count 1..max_digits."""
+    pairs: list[tuple[int, int]] = []
+    seen = set(exclude)
+    while len(pairs) < n:
+        da, db = rng.randint(1, max_digits), rng.randint(1, max_digits)
+        a = rng.randint(0 if da == 1 else 10 ** (da - 1), 10**da - 1)
+        b = rng.randint(0 if db == 1 else 10 ** (db - 1), 10**db - 1)
+        if (a, b) in seen:
+            continue
+        seen.add((a, b))
+        pairs.append((a, b))
+    return pairs
+
+
+def make_rows(pairs: list[tuple[int, int]], split: str) -> list[dict]:
+    """verl rows for the given operand pairs."""
+    return [
+        {
+            "data_source": DATA_SOURCE,
+            "prompt": [{"role": "user", "content": addition_prompt(a, b)}],
+            "ability": "arithmetic",
+            "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+            "extra_info": {"split": split, "index": i, "a": a, "b": b},
+        }
+        for i, (a, b) in enumerate(pairs)
+    ]
+
+
+def make_synthetic_task(
+    out_dir: str | Path, n_train: int = 4096, n_val: int = 256, seed: int = 0, max_digits: int = 3
+) -> tuple[Path, Path]:
+    """Write `train.parquet` and `val.parquet` (disjoint operand pairs) to out_dir and return both paths."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(seed)
+    val_pairs = _sample_pairs(n_val, max_digits, rng, exclude=set())
+    train_pairs = _sample_pairs(n_train, max_digits, rng, exclude=set(val_pairs))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for split, pairs in (("train", train_pairs), ("val", val_pairs)):
+        path = out / f"{split}.parquet"
+        pq.write_table(pa.Table.from_pylist(make_rows(pairs, split)), path)
+        paths.append(path)
+    return paths[0], paths[1]

@@ -1,0 +1,170 @@
+"""Generation with an HF transformers causal LM (CPU or one GPU): batched, left-padded, KV-cached.
+
+`HFRollout.generate(prompt_ids, n, ...)` returns, for every prompt repeated n times in
+prompt-major order (prompt0 x n, prompt1 x n, ...), a dict
+
+    response_ids: list[int]          # generated tokens, the stopping EOS included
+    log_probs:    FloatTensor [len]  # log p_T(token_t | prompt, response[:t])
+
+where p_T = softmax(logits / T) over the FULL vocabulary at the rollout temperature T (the
+same quantity the engine recomputes as old log-probs at temperature T). top-k / top-p only
+restrict which tokens can be drawn; the reported log-probs do not renormalise over the kept
+set (verl convention). Greedy decoding (do_sample=False) picks argmax and reports log p_T with
+T = temperature if > 0 else 1.
+
+Sampling uses its own torch.Generator seeded by `seed`, so a call is reproducible and leaves
+the global RNG alone. Generation stops per sequence at EOS and for the batch when every
+sequence has stopped or max_new_tokens is reached.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Iterable
+
+import torch
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set logits outside the top-k and outside the top-p nucleus to -inf ([b, V], already temperature-scaled)."""
+    if top_k is not None and top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass strictly before it already reaches top_p (the top token is always kept)
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def _cache_of(out):
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+class HFRollout:
+    """An HF causal LM used for generation; weights are synced in place from the trainer.
+
+    model_path: local HF model dir; tokenizer: the matching HF tokenizer (eos/pad ids are read from it).
+    """
+
+    def __init__(self, model_path: str, tokenizer, dtype: torch.dtype = torch.float32, device: str | None = None):
+        import transformers
+
+        self.tokenizer = tokenizer
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device)
+        self.model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        # transformers >= 5.2x names the KV cache argument `cache` (was `past_key_values`)
+        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        self.eos_token_id = tokenizer.eos_token_id
+        if self.eos_token_id is None:
+            raise ValueError(f"tokenizer of {model_path} has no eos_token; HFRollout needs one to stop generation")
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_id
+
+    # ------------------------------------------------------------------ weight sync
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = False) -> int:
+        """Copy (hf_name, tensor) pairs into the model in place (e.g. from the engine's `export_hf()`).
+
+        Returns the number of tensors copied. An unknown name or a shape mismatch raises ValueError
+        naming it; strict=True also requires every model parameter to be covered.
+        """
+        targets = self.model.state_dict(keep_vars=True)
+        loaded: set[str] = set()
+        for name, tensor in named_tensors:
+            if name not in targets:
+                raise ValueError(f"load_weights: {name!r} is not a parameter of the rollout model ({type(self.model).__name__})")
+            target = targets[name]
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
+            target.data.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
+            loaded.add(name)
+        if strict:
+            missing = {n for n, _ in self.model.named_parameters()} - loaded
+            if missing:
+                raise ValueError(f"load_weights(strict=True): parameters not provided: {sorted(missing)}")
+        return len(loaded)
+
+    # ------------------------------------------------------------------ generation
+
+    def _left_pad(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            if s:
+                ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+                mask[i, width - len(s):] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        n: int = 1,
+        *,
+        do_sample: bool = True,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        max_new_tokens: int = 16,
+        seed: int | None = None,
+    ) -> list[dict]:
+        """Sample n responses per prompt; see the module docstring for the output contract."""
+        if n < 1:
+            raise ValueError(f"generate: n={n} must be >= 1")
+        if max_new_tokens < 1:
+            raise ValueError(f"generate: max_new_tokens={max_new_tokens} must be >= 1")
+        if any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("generate: empty prompt (no tokens); every prompt needs at least one token")
+        if do_sample and not temperature > 0:
+            raise ValueError(f"generate: temperature={temperature} must be > 0 when do_sample=True")
+        scale = float(temperature) if temperature and temperature > 0 else 1.0
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(0 if seed is None else int(seed))
+
+        seqs = [list(p) for p in prompt_ids for _ in range(n)]
+        ids, attn = self._left_pad(seqs)
+        b = ids.shape[0]
+        position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=True)
+        past, logits = _cache_of(out), out.logits[:, -1, :]
+        next_pos = position_ids[:, -1:] + 1
+
+        tokens = torch.empty((b, 0), dtype=torch.long, device=self.device)
+        logps = torch.empty((b, 0), dtype=torch.float32, device=self.device)
+        alive = torch.ones(b, dtype=torch.bool, device=self.device)
+        lengths = torch.zeros(b, dtype=torch.long, device=self.device)
+        for _ in range(max_new_tokens):
+            scaled = logits.float() / scale
+            logp_full = torch.log_softmax(scaled, dim=-1)
+            if do_sample:
+                probs = torch.softmax(_filter_top_k_top_p(scaled, top_k, top_p), dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+            else:
+                nxt = scaled.argmax(dim=-1)
+            nxt = torch.where(alive, nxt, torch.full_like(nxt, self.pad_token_id))
+            tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+            logps = torch.cat([logps, logp_full.gather(-1, nxt[:, None])], dim=1)
+            lengths += alive.long()
+            alive = alive & (nxt != self.eos_token_id)
+            if not alive.any():
+                break
+            attn = torch.cat([attn, alive.long()[:, None]], dim=1)
+            out = self.model(input_ids=nxt[:, None], attention_mask=attn, position_ids=next_pos,
+                             use_cache=True, **{self._cache_kw: past})
+            past, logits = _cache_of(out), out.logits[:, -1, :]
+            next_pos = next_pos + 1
+
+        results = []
+        for i in range(b):
+            k = int(lengths[i])
+            results.append({"response_ids": tokens[i, :k].tolist(), "log_probs": logps[i, :k].cpu()})
+        return results
