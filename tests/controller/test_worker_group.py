@@ -1,0 +1,121 @@
+"""Ray worker group: rendezvous, real gloo collectives, dispatch, and failures that never hang."""
+
+import os
+import sys
+import time
+
+import psutil
+import pytest
+import ray
+import torch
+
+from verl_lite.controller import Worker, WorkerError, WorkerGroup, start_ray, stop_ray
+from verl_lite.controller.dispatch import collect_from_owners, make_layouts, per_rank_args, shard_evenly
+from verl_lite.protocol import Batch
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class DummyWorker(Worker):
+    """DP x TP layout (TP-major inside a DP rank), TP rank 0 owns the outputs."""
+
+    def __init__(self, rank, world_size, tp=1):
+        super().__init__(rank, world_size)
+        self.tp = tp
+
+    def layout(self):
+        return {"dp_rank": self.rank // self.tp, "dp_size": self.world_size // self.tp,
+                "is_output_owner": self.rank % self.tp == 0}
+
+    def env(self):
+        return {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+
+    def all_reduce(self, value):
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size)
+        t = torch.tensor([float(value)])
+        dist.all_reduce(t)
+        return t.item()
+
+    def double(self, piece: Batch):
+        return {"y": piece["x"] * 2 + self.rank % self.tp * 1000}  # non-owners return garbage
+
+    def fail_on(self, bad_rank):
+        if self.rank == bad_rank:
+            raise ValueError(f"deliberate failure on rank {bad_rank}")
+        self.all_reduce(1.0)  # the healthy ranks block in a collective that will never complete
+        return "unreachable"
+
+    def exit_on(self, bad_rank):
+        if self.rank == bad_rank:
+            os._exit(3)
+        time.sleep(600)
+
+    def sleep(self, s):
+        time.sleep(s)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    started = start_ray(num_cpus=2)
+    yield
+    if started:
+        stop_ray()
+
+
+def _alive(pids):
+    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def _wait_gone(pids, timeout=20):
+    deadline = time.time() + timeout
+    while _alive(pids) and time.time() < deadline:
+        time.sleep(0.2)
+    return _alive(pids)
+
+
+def test_rendezvous_collectives_and_dispatch(ray_session):
+    with WorkerGroup(DummyWorker, 4, init_kwargs={"tp": 2}, timeout_s=60) as group:
+        envs = group.call_all("env")
+        assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
+        assert {e["MASTER_ADDR"] for e in envs} == {"127.0.0.1"}
+        assert len({e["MASTER_PORT"] for e in envs}) == 1
+        assert group.call_per_rank("all_reduce", [(r + 1,) for r in range(4)]) == [10.0] * 4
+        layouts = make_layouts(group.call_all("layout"))
+        batch = Batch.from_dict({"x": torch.arange(8.0).reshape(8, 1)})
+        shards = shard_evenly(batch, 2)
+        results = group.call_per_rank("double", [(p,) for p in per_rank_args(shards.pieces, layouts)])
+        out = shards.gather(collect_from_owners(results, layouts))["y"]
+        assert torch.equal(out, batch["x"] * 2)
+
+
+def test_worker_exception_names_rank_and_tears_down(ray_session):
+    group = WorkerGroup(DummyWorker, 4, timeout_s=60)
+    pids = group.call_all("pid")
+    t0 = time.time()
+    with pytest.raises(WorkerError) as info:
+        group.call_all("fail_on", 2)
+    assert time.time() - t0 < 30, "the failure must surface without waiting for the blocked ranks"
+    msg = str(info.value)
+    assert info.value.rank == 2 and "worker rank 2" in msg and "fail_on" in msg
+    assert "deliberate failure on rank 2" in msg and "in fail_on" in msg and "raise ValueError" in msg  # traceback
+    assert _wait_gone(pids) == [], "every worker process must be killed"
+    with pytest.raises(WorkerError, match="shut down"):
+        group.call_all("pid")
+
+
+def test_dead_worker_becomes_an_error(ray_session):
+    group = WorkerGroup(DummyWorker, 2, timeout_s=60)
+    pids = group.call_all("pid")
+    with pytest.raises(WorkerError, match="worker rank 1 died"):
+        group.call_all("exit_on", 1)
+    assert _wait_gone(pids) == []
+
+
+def test_timeout_becomes_an_error(ray_session):
+    group = WorkerGroup(DummyWorker, 2, timeout_s=60)
+    pids = group.call_all("pid")
+    with pytest.raises(WorkerError, match=r"did not finish within 2s on worker rank\(s\) \[0, 1\]"):
+        group.call_all("sleep", 30, timeout_s=2)
+    assert _wait_gone(pids) == []

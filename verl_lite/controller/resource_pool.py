@@ -1,0 +1,88 @@
+"""Starting Ray and reserving one bundle of resources per worker rank.
+
+- :func:`start_ray` starts a small, local, loopback-only Ray (no dashboard, quiet logs), or joins
+  the cluster named by ``RAY_ADDRESS`` when that is set. It returns whether this process started
+  Ray, so that exactly that process shuts it down (:func:`stop_ray`).
+- :class:`ResourcePool` is a placement group with one bundle per rank: one GPU per bundle when
+  GPUs exist, otherwise a fraction of a CPU, so that 4-8 workers fit on a 2-core machine (Ray
+  resources are logical; the workers then share the cores).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+
+def start_ray(num_cpus: int | None = None, num_gpus: int | None = None) -> bool:
+    """Start (or join) Ray; return True when this call started a local Ray that the caller must stop."""
+    if ray.is_initialized():
+        return False
+    quiet = dict(logging_level=logging.WARNING, log_to_driver=True, configure_logging=True)
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, **quiet)
+        return True
+    ray.init(
+        address="local",
+        include_dashboard=False,
+        num_cpus=num_cpus if num_cpus is not None else (os.cpu_count() or 1),
+        num_gpus=num_gpus,
+        _node_ip_address="127.0.0.1",
+        **quiet,
+    )
+    return True
+
+
+def stop_ray() -> None:
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def cluster_has_gpus() -> bool:
+    return ray.cluster_resources().get("GPU", 0) >= 1
+
+
+class ResourcePool:
+    """One placement-group bundle per worker rank, packed on as few nodes as possible."""
+
+    def __init__(self, world_size: int, use_gpu: bool | None = None, timeout_s: float = 120.0):
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.use_gpu = cluster_has_gpus() if use_gpu is None else use_gpu
+        if self.use_gpu:
+            self.bundle = {"CPU": 1.0, "GPU": 1.0}
+        else:
+            cpus = ray.cluster_resources().get("CPU", 1.0)
+            # Round down to a multiple of 1/100 so the bundles always fit.
+            self.bundle = {"CPU": max(0.01, min(1.0, int(100 * cpus / world_size) / 100))}
+        self.placement_group = placement_group([dict(self.bundle) for _ in range(world_size)], strategy="PACK")
+        try:
+            ray.get(self.placement_group.ready(), timeout=timeout_s)
+        except Exception as err:
+            remove_placement_group(self.placement_group)
+            raise RuntimeError(
+                f"could not reserve {world_size} x {self.bundle} in the Ray cluster within {timeout_s}s "
+                f"(cluster has {ray.cluster_resources()}); use fewer workers or a bigger cluster"
+            ) from err
+
+    def actor_options(self, rank: int) -> dict:
+        """``ray.remote(...).options(**)`` that place rank ``rank`` on its bundle."""
+        return dict(
+            num_cpus=self.bundle["CPU"],
+            num_gpus=self.bundle.get("GPU", 0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.placement_group, placement_group_bundle_index=rank
+            ),
+        )
+
+    def remove(self) -> None:
+        try:
+            remove_placement_group(self.placement_group)
+        except Exception:  # Ray already shut down
+            pass
