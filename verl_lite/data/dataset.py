@@ -1,0 +1,178 @@
+"""Parquet prompt datasets in verl's row format, chat-templated, with the overlong-prompt filter.
+
+A row:
+
+    data_source:  str                                   (routes the reward)
+    prompt:       list[{"role": str, "content": str}]   (column name = prompt_key)
+    reward_model: {"ground_truth": ..., "style": ...}   (ground_truth required)
+    extra_info:   dict | None                           (optional; passed to the reward function)
+
+`RLDataset(files, tokenizer, max_prompt_length)` reads every file (pyarrow), checks every row,
+renders the chat template with `add_generation_prompt=True` and tokenizes it without adding
+special tokens again. Prompts longer than max_prompt_length are dropped when
+filter_overlong_prompts (the count is in `num_filtered` and printed), otherwise handled by
+`truncation` ("error" raises naming the file and row, "left" keeps the last tokens, "right"
+the first). Item i is
+
+    {"prompt_ids": list[int], "data_source": str, "ground_truth": Any, "extra_info": dict,
+     "index": int}   # index: position of the row in the concatenated files
+
+`iterate_batches(dataset, batch_size, shuffle, seed, epoch)` yields lists of items; the order is
+a deterministic function of (seed, epoch) (the same on every process, no global RNG).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+TRUNCATIONS = ("error", "left", "right")
+
+
+class DataError(ValueError):
+    """A dataset file or row is not in the expected format; the message names file, row and fix."""
+
+
+def _read_rows(path: Path, prompt_key: str) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    if not path.is_file():
+        raise DataError(f"data file {str(path)!r} does not exist")
+    try:
+        table = pq.read_table(path)
+    except Exception as e:
+        raise DataError(f"{path}: cannot be read as parquet ({type(e).__name__}: {e})") from e
+    required = (prompt_key, "data_source", "reward_model")
+    missing = [c for c in required if c not in table.column_names]
+    if missing:
+        raise DataError(
+            f"{path}: missing column(s) {missing}; found {table.column_names}. Rows need "
+            f"'{prompt_key}' (chat messages), 'data_source' and 'reward_model' ({{'ground_truth': ...}}); "
+            f"set data.prompt_key if the prompt column has another name"
+        )
+    return table.to_pylist()
+
+
+def _check_row(row: dict, path: Path, i: int, prompt_key: str) -> list[dict]:
+    """Return the row's messages; raise DataError naming file and row on a bad row."""
+    where = f"{path} row {i}"
+    messages = row[prompt_key]
+    if isinstance(messages, str):
+        raise DataError(
+            f"{where}: '{prompt_key}' is a string; it must be a list of chat messages "
+            f"[{{'role': 'user', 'content': ...}}]"
+        )
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise DataError(f"{where}: '{prompt_key}' must be a non-empty list of chat messages, got {messages!r}")
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: message {j} of '{prompt_key}' must be {{'role': str, 'content': str}}, got {m!r}")
+    if not isinstance(row["data_source"], str):
+        raise DataError(f"{where}: 'data_source' must be a string, got {row['data_source']!r}")
+    rm = row["reward_model"]
+    if not isinstance(rm, dict) or rm.get("ground_truth") is None:
+        raise DataError(f"{where}: 'reward_model' must be a dict with a 'ground_truth', got {rm!r}")
+    extra = row.get("extra_info")
+    if extra is not None and not isinstance(extra, dict):
+        raise DataError(f"{where}: 'extra_info' must be a dict or null, got {type(extra).__name__}")
+    return list(messages)
+
+
+def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """Chat template with the generation prompt, tokenized without adding special tokens twice."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+class RLDataset:
+    """Prompts from parquet files, tokenized (see module docstring)."""
+
+    def __init__(
+        self,
+        files: str | Sequence[str],
+        tokenizer,
+        max_prompt_length: int,
+        prompt_key: str = "prompt",
+        filter_overlong_prompts: bool = True,
+        truncation: str = "error",
+        verbose: bool = True,
+    ):
+        if truncation not in TRUNCATIONS:
+            raise ValueError(f"truncation={truncation!r} is unknown; choose one of {TRUNCATIONS}")
+        files = [files] if isinstance(files, (str, Path)) else list(files)
+        if not files:
+            raise DataError("no data files given; set data.train_files / data.val_files")
+        self.files = [str(f) for f in files]
+        self.items: list[dict[str, Any]] = []
+        self.num_rows = 0
+        self.num_filtered = 0
+        for f in self.files:
+            path = Path(f)
+            for i, row in enumerate(_read_rows(path, prompt_key)):
+                messages = _check_row(row, path, i, prompt_key)
+                ids = encode_prompt(tokenizer, messages)
+                index = self.num_rows
+                self.num_rows += 1
+                if len(ids) > max_prompt_length:
+                    if filter_overlong_prompts:
+                        self.num_filtered += 1
+                        continue
+                    if truncation == "error":
+                        raise DataError(
+                            f"{path} row {i}: prompt has {len(ids)} tokens > data.max_prompt_length="
+                            f"{max_prompt_length}; raise max_prompt_length, set data.filter_overlong_prompts=true "
+                            f"or data.truncation=left|right"
+                        )
+                    ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
+                self.items.append(
+                    {
+                        "prompt_ids": ids,
+                        "data_source": row["data_source"],
+                        "ground_truth": row["reward_model"]["ground_truth"],
+                        "extra_info": row.get("extra_info") or {},
+                        "index": index,
+                    }
+                )
+        if verbose and self.num_filtered:
+            print(f"[verl_lite.data] dropped {self.num_filtered}/{self.num_rows} prompts longer than "
+                  f"max_prompt_length={max_prompt_length} from {self.files}")
+        if not self.items:
+            raise DataError(
+                f"{self.files}: no prompts left ({self.num_rows} rows, {self.num_filtered} longer than "
+                f"max_prompt_length={max_prompt_length}); raise data.max_prompt_length"
+            )
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.items[i]
+
+
+def epoch_order(n: int, shuffle: bool, seed: int, epoch: int) -> list[int]:
+    """The item order of one epoch: a permutation drawn from Random((seed, epoch)) or range(n)."""
+    order = list(range(n))
+    if shuffle:
+        random.Random(f"verl_lite:{seed}:{epoch}").shuffle(order)
+    return order
+
+
+def iterate_batches(
+    dataset, batch_size: int, shuffle: bool = True, seed: int = 0, epoch: int = 0, drop_last: bool = True
+) -> Iterator[list[dict[str, Any]]]:
+    """Batches of `batch_size` items in the (seed, epoch) order; the last partial batch is dropped if drop_last."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be >= 1")
+    n = len(dataset)
+    if drop_last and n < batch_size:
+        raise DataError(f"dataset has {n} prompts < batch size {batch_size}; lower data.train_batch_size or add data")
+    order = epoch_order(n, shuffle, seed, epoch)
+    stop = (n // batch_size) * batch_size if drop_last else n
+    for start in range(0, stop, batch_size):
+        yield [dataset[j] for j in order[start:start + batch_size]]
+
+
+def num_batches(dataset, batch_size: int, drop_last: bool = True) -> int:
+    n = len(dataset)
+    return n // batch_size if drop_last else -(-n // batch_size)
