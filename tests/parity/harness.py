@@ -20,6 +20,7 @@ import json
 import os
 import socket
 import tempfile
+import time
 import traceback
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -325,18 +326,22 @@ def _worker_body(rank, world, port, layout_name, cell_dicts, problem_path, refs_
             else:
                 results["infer"] = {}
         for cell in todo:
+            t0 = time.perf_counter()
             engine.load_hf(init_state)
+            t1 = time.perf_counter()
             plan = _plan(lengths, dp, cell.mb, vpp_multiple)
             _, batch, mbs = local_batch(plan)
             nplan = NormalizationPlan.from_mask(mask, cell.mode)
             loss_fn = partial(actor_loss, plan=nplan, cfg=loss_cfg(cell.loss, cell.mode))
             out = engine.train_step(batch, mbs, loss_fn, temperature=TEMPERATURE, global_token_count=sum(lengths))
+            t2 = time.perf_counter()
             ref = refs[(cell.loss, cell.mode)]
             grads = None if distopt else _compare(engine.export_hf("main_grad"), ref["grads_clipped"])
             upd = _compare(engine.export_hf("param"), ref["params_after"], base=ref["params_before"])
             gathered = [None] * world
             dist.all_gather_object(gathered, out.get("loss") if engine.is_output_owner else None)
             owners = [x for x in gathered if x is not None]
+            t3 = time.perf_counter()
             if rank == 0:
                 results["cells"][cell.key] = {
                     "grad_rel": None if grads is None else grads["rel"],
@@ -344,7 +349,7 @@ def _worker_body(rank, world, port, layout_name, cell_dicts, problem_path, refs_
                     "param_rel": upd["rel"], "update_rel": upd["update_rel"], "param_missing": upd["missing"],
                     "loss": sum(owners), "num_owners": len(owners), "ref_loss": ref["loss"],
                     "grad_norm": out["grad_norm"], "ref_grad_norm": ref["grad_norm"], "lr": out["lr"],
-                    "num_micro_batches": len(mbs),
+                    "num_micro_batches": len(mbs), "seconds": [t1 - t0, t2 - t1, t3 - t2],
                 }
         del engine
     if rank == 0:
