@@ -91,7 +91,15 @@ class WorkerGroup:
         self._owns_pool = pool is None
         self.actors: list = []
         self._alive = True
-        env_vars = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+        env_vars = {
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            # quiet workers: library warnings and progress bars once per process add nothing
+            "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore"),
+            "TRANSFORMERS_VERBOSITY": os.environ.get("TRANSFORMERS_VERBOSITY", "error"),
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+            "TQDM_DISABLE": "1",
+            **(env or {}),
+        }
         remote_cls = ray.remote(worker_cls)
         try:
             for rank in range(world_size):
