@@ -30,7 +30,7 @@ class DataConfig:
     reward_fn_key: str = "data_source"  # column the reward router dispatches on
     max_prompt_length: int = 16  # tokens, after the chat template
     max_response_length: int = 6  # tokens generated at most (EOS included)
-    train_batch_size: int = 32  # prompts per RL step
+    train_batch_size: int = 16  # prompts per RL step
     val_batch_size: Optional[int] = None  # prompts per validation generate call; None = all at once
     filter_overlong_prompts: bool = True  # drop prompts longer than max_prompt_length (else see truncation)
     truncation: str = "error"  # overlong prompt when not filtered: error | left | right
@@ -46,7 +46,7 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
+    lr: float = 1e-4
     weight_decay: float = 0.0
     clip_grad: float = 1.0  # max global grad norm
     lr_warmup_steps: int = 0  # optimizer steps of linear warm-up
@@ -74,7 +74,7 @@ class PolicyLossConfig:
 
 @dataclass
 class ActorConfig:
-    ppo_mini_batch_size: int = 32  # prompts per optimizer step (x rollout.n trajectories)
+    ppo_mini_batch_size: int = 16  # prompts per optimizer step (x rollout.n trajectories)
     ppo_micro_batch_size_per_gpu: Optional[int] = 64  # trajectories per micro-batch on one DP rank
     use_dynamic_bsz: bool = False  # cut micro-batches by token budget instead
     ppo_max_token_len_per_gpu: int = 4096  # token budget per micro-batch (x CP) with use_dynamic_bsz
@@ -169,7 +169,7 @@ class RewardConfig:
 @dataclass
 class TrainerConfig:
     total_epochs: int = 1
-    total_training_steps: Optional[int] = 40  # None = total_epochs x steps per epoch
+    total_training_steps: Optional[int] = 60  # None = total_epochs x steps per epoch
     n_gpus_per_node: int = 1  # workers per node (on CPU: worker processes)
     nnodes: int = 1
     device: str = "auto"  # auto | cpu | cuda

@@ -137,8 +137,8 @@ def validate_config(cfg: PPOConfig, world_size: int | None = None) -> Layout:
     vpp = mg.virtual_pipeline_model_parallel_size
     model_cfg = _model_config(arr.model.path) if arr.model.path else None
     if vpp is not None:
-        if vpp < 1:
-            p.append(f"{M}.virtual_pipeline_model_parallel_size={vpp} must be >= 1 or null")
+        if vpp < 2:
+            p.append(f"{M}.virtual_pipeline_model_parallel_size={vpp} must be >= 2 (model chunks per pipeline rank) or null")
         elif pp < 2:
             p.append(
                 f"{M}.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1 "
@@ -148,7 +148,7 @@ def validate_config(cfg: PPOConfig, world_size: int | None = None) -> Layout:
         layers = model_cfg.get("num_hidden_layers")
         heads = model_cfg.get("num_attention_heads")
         kv_heads = model_cfg.get("num_key_value_heads") or heads
-        stages = pp * (vpp if vpp and vpp >= 1 else 1)
+        stages = pp * (vpp if vpp and vpp >= 2 else 1)
         if layers is not None and layers % stages:
             p.append(
                 f"the model's {layers} layers must divide by pp x vpp = {pp} x {vpp or 1} = {stages}; "
@@ -159,6 +159,8 @@ def validate_config(cfg: PPOConfig, world_size: int | None = None) -> Layout:
                 f"{M}.tensor_model_parallel_size={tp} must divide the model's attention heads ({heads}) and "
                 f"key/value heads ({kv_heads})"
             )
+    if mg.sequence_parallel and ok_par and tp < 2:
+        p.append(f"{M}.sequence_parallel=true needs tensor_model_parallel_size > 1 (got {tp}); set it to false")
     if mg.timeout_s is None or mg.timeout_s <= 0:
         p.append(f"{M}.timeout_s={mg.timeout_s} must be > 0 seconds (a stuck collective fails after it)")
 

@@ -1,0 +1,194 @@
+"""Config: defaults, overrides, unknown-key rejection, YAML/schema agreement, pre-flight validation."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from verl_lite.config import (
+    CONFIG_DIR,
+    ConfigError,
+    PPOConfig,
+    config_to_dict,
+    default_model_path,
+    load_config,
+    schema_keys,
+    validate_config,
+)
+
+A = "actor_rollout_ref.actor"
+M = "actor_rollout_ref.actor.megatron"
+
+
+def _leaves(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v and k != "reward_kwargs":
+            out.update(_leaves(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def test_yaml_and_schema_defaults_agree():
+    raw = yaml.safe_load((Path(CONFIG_DIR) / "ppo_trainer.yaml").read_text())
+    raw.pop("defaults")
+    yaml_leaves = _leaves(raw)
+    schema_leaves = _leaves(dataclasses.asdict(PPOConfig()))
+    assert set(yaml_leaves) == set(schema_leaves)
+    for k, v in schema_leaves.items():
+        assert yaml_leaves[k] == v, k
+
+
+def test_defaults_load_and_fill_builtin_paths():
+    cfg = load_config([])
+    assert isinstance(cfg, PPOConfig)
+    assert cfg.actor_rollout_ref.model.path == default_model_path()
+    assert cfg.actor_rollout_ref.model.tokenizer_path == default_model_path()
+    assert isinstance(cfg.data.train_files, list) and cfg.data.train_files[0].endswith("train.parquet")
+    assert cfg.algorithm.adv_estimator == "grpo" and cfg.actor_rollout_ref.rollout.name == "hf"
+    d = config_to_dict(cfg)
+    assert d["data"]["train_batch_size"] == cfg.data.train_batch_size
+
+
+def test_overrides_apply_with_types():
+    cfg = load_config([
+        "data.train_batch_size=8", f"{A}.optim.lr=3e-4", f"{A}.megatron.virtual_pipeline_model_parallel_size=2",
+        "data.train_files=/x/a.parquet", "data.val_files=[/x/b.parquet,/x/c.parquet]", "trainer.logger=[console]",
+        "reward.custom_reward_function.reward_kwargs.alpha=2", "+reward.custom_reward_function.reward_kwargs.beta=x",
+        f"+{A}.ppo_epochs=3",  # '+' on an existing key is a plain override
+    ])
+    assert cfg.data.train_batch_size == 8 and cfg.actor_rollout_ref.actor.optim.lr == 3e-4
+    assert cfg.actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size == 2
+    assert cfg.data.train_files == ["/x/a.parquet"] and cfg.data.val_files == ["/x/b.parquet", "/x/c.parquet"]
+    assert cfg.trainer.logger == ["console"]
+    assert cfg.reward.custom_reward_function.reward_kwargs == {"alpha": 2, "beta": "x"}
+    assert cfg.actor_rollout_ref.actor.ppo_epochs == 3
+
+
+@pytest.mark.parametrize(
+    "override,suggest",
+    [
+        ("data.train_batchsize=3", "data.train_batch_size"),
+        ("+data.train_batchsize=3", "data.train_batch_size"),
+        (f"+{A}.ppo_epoch=2", f"{A}.ppo_epochs"),
+        (f"{A}.optim.learning_rate=1", f"{A}.optim.min_lr"),
+        ("actor.ppo_epochs=2", f"{A}.ppo_epochs"),
+        ("+totally_new=1", None),
+    ],
+)
+def test_unknown_keys_rejected_with_suggestion(override, suggest):
+    key = override.lstrip("+").split("=")[0]
+    with pytest.raises(ConfigError) as info:
+        load_config([override])
+    msg = str(info.value)
+    assert f"unknown config key '{key}'" in msg
+    if suggest:
+        assert f"did you mean '{suggest}'" in msg
+
+
+def test_wrong_type_names_key():
+    with pytest.raises(ConfigError, match="data.train_batch_size"):
+        load_config(["data.train_batch_size=many"])
+
+
+def test_schema_keys_cover_brief():
+    keys = schema_keys()
+    for k in ["data.filter_overlong_prompts", f"{A}.policy_loss.loss_mode", f"{M}.calculate_per_token_loss",
+              "actor_rollout_ref.rollout.val_kwargs.top_k", "algorithm.kl_ctrl.horizon",
+              "reward.custom_reward_function.reward_kwargs", "trainer.balance_batch",
+              "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"]:
+        assert k in keys, k
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _problems(overrides, world_size=None):
+    cfg = load_config(overrides)
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg, world_size=world_size)
+    return info.value.problems
+
+
+def test_default_config_is_valid_and_layout():
+    if not Path(default_model_path(), "config.json").is_file():
+        pytest.skip("shipped model not built yet (scripts/make_tiny_model.py)")
+    cfg = load_config([])
+    lay = validate_config(cfg)
+    assert lay.dp == 1 and lay.trajectories_per_step == cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
+    lay = validate_config(load_config(["trainer.n_gpus_per_node=4", f"{M}.tensor_model_parallel_size=2"]))
+    assert lay.world_size == 4 and lay.dp == 2
+    assert lay.trajectories_per_dp_rank == lay.trajectories_per_mini_batch // 2
+
+
+@pytest.mark.parametrize(
+    "overrides,world,key,fix",
+    [
+        (["data.train_batch_size=32", f"{A}.ppo_mini_batch_size=5"], None, f"{A}.ppo_mini_batch_size=5",
+         "must divide data.train_batch_size=32"),
+        ([f"{M}.tensor_model_parallel_size=3"], 4, "tp*pp*cp", "change actor_rollout_ref.actor.megatron"),
+        (["data.train_batch_size=3", f"{A}.ppo_mini_batch_size=3", "actor_rollout_ref.rollout.n=3"], 2,
+         "trajectories per mini-batch", "must divide by DP = 2"),
+        ([f"{A}.loss_agg_mode=token_mean"], None, f"{A}.loss_agg_mode='token_mean'", "choose one of"),
+        ([f"{A}.policy_loss.loss_mode=ppo"], None, f"{A}.policy_loss.loss_mode='ppo'", "choose one of"),
+        (["algorithm.adv_estimator=grpoo"], None, "algorithm.adv_estimator='grpoo'", "choose one of"),
+        (["algorithm.adv_estimator=gae"], None, "algorithm.adv_estimator='gae'", "critic-free estimator"),
+        (["actor_rollout_ref.rollout.n=1"], None, "actor_rollout_ref.rollout.n >= 2", "compares samples"),
+        ([f"{M}.virtual_pipeline_model_parallel_size=2"], None, "virtual_pipeline_model_parallel_size=2",
+         "needs pipeline_model_parallel_size > 1"),
+        ([f"{M}.pipeline_model_parallel_size=3", "trainer.n_gpus_per_node=3"], None, "layers must divide by pp x vpp",
+         "pipeline_model_parallel_size"),
+        ([f"{A}.use_dynamic_bsz=true", f"{A}.ppo_max_token_len_per_gpu=4"], None, f"{A}.ppo_max_token_len_per_gpu=4",
+         "raise it to at least"),
+        ([f"{A}.ppo_micro_batch_size_per_gpu=null"], None, f"{A}: set ppo_micro_batch_size_per_gpu", "use_dynamic_bsz"),
+        (["reward.custom_reward_function.path=/nonexistent/r.py"], None, "reward.custom_reward_function.path",
+         "give the path of a python file"),
+        (["actor_rollout_ref.model.path=/nonexistent/model"], None, "actor_rollout_ref.model.path", "HF model dir"),
+        (["data.train_files=/nonexistent/t.parquet"], None, "data.train_files", "does not exist"),
+        (["reward.reward_manager=fast"], None, "reward.reward_manager='fast'", "naive"),
+        (["actor_rollout_ref.rollout.name=sglang"], None, "actor_rollout_ref.rollout.name='sglang'", "hf"),
+        (["actor_rollout_ref.rollout.temperature=0"], None, "actor_rollout_ref.rollout.temperature=0", "> 0"),
+        ([f"{M}.sequence_parallel=true"], None, f"{M}.sequence_parallel=true", "set it to false"),
+        ([f"{A}.clip_ratio_c=0.5"], None, f"{A}.clip_ratio_c=0.5", "> 1"),
+        (["trainer.logger=[console,wandb]"], None, "trainer.logger entry 'wandb'", "choose from"),
+    ],
+)
+def test_each_validation_error_names_key_and_fix(overrides, world, key, fix):
+    problems = _problems(overrides, world)
+    hit = [p for p in problems if key in p]
+    assert hit, problems
+    assert any(fix in p for p in hit), hit
+
+
+def test_all_problems_collected_at_once():
+    problems = _problems([f"{A}.ppo_mini_batch_size=5", f"{A}.loss_agg_mode=x", "reward.reward_manager=y"])
+    assert len([p for p in problems if "ppo_mini_batch_size" in p or "loss_agg_mode" in p
+                or "reward_manager" in p]) == 3
+
+
+def test_reward_function_name_checked(tmp_path):
+    f = tmp_path / "r.py"
+    f.write_text("def my_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    problems = _problems([f"reward.custom_reward_function.path={f}"])
+    assert any("reward.custom_reward_function.name='compute_score'" in p and "my_score" in p for p in problems)
+    cfg = load_config([f"reward.custom_reward_function.path={f}", "reward.custom_reward_function.name=my_score"])
+    try:
+        validate_config(cfg)
+    except ConfigError as e:  # only unrelated problems (e.g. missing shipped assets) may remain
+        assert not any("reward" in p for p in e.problems)
+
+
+def test_docs_list_every_key():
+    doc = (Path(CONFIG_DIR).parent.parent / "docs" / "config.md").read_text()
+    for key, kind in schema_keys().items():
+        if kind != "section":
+            assert f"`{key.rsplit('.', 1)[-1]}" in doc or f".{key.rsplit('.', 1)[-1]}`" in doc, key
+    design_vocab = [
+        "- `data.train_batch_size`: prompts per RL step. Trajectories per step = prompts x `rollout.n`.",
+        "- `actor.ppo_mini_batch_size`: prompts per optimizer step (x n trajectories). Must divide the\n"
+        "  step's prompts; the trajectories must divide by DP.",
+    ]
+    for line in design_vocab:
+        assert line in doc
