@@ -79,6 +79,32 @@ def all_cells() -> list[Cell]:
     return [Cell(lo, mo, pt, mb) for pt in (False, True) for lo in LOSSES for mo in MODES for mb in MB_SCHEMES]
 
 
+CRITIC_LAYOUTS = ("single", "tp2_pp2", "cp2_dp2")
+
+
+def cells_for(layout: str) -> list[Cell]:
+    """The cells one launch of ``layout`` runs.
+
+    The single process runs the full product (losses x modes x per-token x micro-batching). Every
+    other layout runs every (loss, mode, per-token) combination once, with the micro-batching
+    scheme rotated by layout, so each layout sees all three schemes and, over the layouts, every
+    full combination is covered several times (a covering design; it keeps CI at ~1/3 the cost).
+    """
+    if layout == "single":
+        cells = all_cells()
+    elif layout == "dp2_distopt":
+        cells = [c for c in all_cells() if c.mb == "three" and c.mode in ("token-mean", "seq-mean-token-mean")]
+    elif layout == "tp2_sp":
+        cells = [c for c in all_cells() if c.mb == "budget" and c.mode in ("token-mean", "seq-mean-token-sum-norm")]
+    else:
+        offset = list(LAYOUTS).index(layout)
+        combos = [(pt, lo, mo) for pt in (False, True) for lo in LOSSES for mo in MODES]
+        cells = [Cell(lo, mo, pt, MB_SCHEMES[(k + offset) % 3]) for k, (pt, lo, mo) in enumerate(combos)]
+    if layout in CRITIC_LAYOUTS:
+        cells += critic_cells()
+    return cells
+
+
 # ---------------------------------------------------------------------------------- problem
 def make_problem(root: Path) -> Path:
     """Tiny Qwen2 (q/k/v bias, untied) + a ragged batch with one fully masked trajectory."""
@@ -109,6 +135,9 @@ def make_problem(root: Path) -> Path:
         "mask": mask,
         "advantages": torch.randn(NUM_SEQS, width, generator=g) * mask,
         "noise": 0.3 * torch.randn(NUM_SEQS, width, generator=g),
+        "score_weight": 0.3 * torch.randn(1, 32, generator=g),
+        "old_values": torch.randn(NUM_SEQS, width, generator=g),
+        "returns": torch.randn(NUM_SEQS, width, generator=g),
     }
     path = root / "problem.pt"
     torch.save(prob, path)
@@ -190,6 +219,64 @@ def reference_step(prob, loss: str, mode: str, old_lp: torch.Tensor) -> dict:
     }
 
 
+CLIPRANGE_VALUE = 0.2
+CRITIC_MODES = ("token-mean", "seq-mean-token-mean")
+
+
+def critic_cells() -> list[Cell]:
+    return [Cell("critic", mo, pt, mb) for pt in (False, True) for mo, mb in zip(CRITIC_MODES, ("three", "budget"))]
+
+
+def reference_values(model, score_w, prob):
+    """float64 critic values [n, W]: final-norm hidden states @ score_w^T at the scoring positions."""
+    width = prob["mask"].shape[1]
+    rows = []
+    for ids, r in zip(prob["ids"], prob["resp_lens"].tolist()):
+        h = model.model(ids.unsqueeze(0)).last_hidden_state[0]
+        v = (h @ score_w.T).squeeze(-1)
+        n = ids.numel()
+        rows.append(torch.nn.functional.pad(v[n - r - 1 : n - 1], (0, width - r)))
+    return torch.stack(rows)
+
+
+def critic_reference_step(prob, mode: str) -> dict:
+    """Same as reference_step for the critic: clipped value loss through the plan."""
+    from verl_lite.algorithms.aggregation import NormalizationPlan
+    from verl_lite.algorithms.objective import critic_loss
+
+    o = optim_kwargs()
+    model = _hf_model(prob["model_dir"])
+    score = torch.nn.Parameter(prob["score_weight"].double().clone())
+    params = {f"model.{k}": p for k, p in model.model.named_parameters()}
+    params["score.weight"] = score
+    values = reference_values(model, score, prob)
+    mask = prob["mask"].double()
+    data = {"response_mask": mask, "old_values": prob["old_values"].double(), "returns": prob["returns"].double()}
+    L, _ = critic_loss({"values": values}, data, NormalizationPlan.from_mask(mask, mode), CLIPRANGE_VALUE)
+    L.backward()
+    grads = {k: p.grad.detach().clone() for k, p in params.items()}
+    norm = torch.sqrt(sum((g**2).sum() for g in grads.values()))
+    coef = min(1.0, o["clip_grad"] / (float(norm) + 1e-6))
+    for p in params.values():
+        p.grad.mul_(coef)
+    decay = [p for k, p in params.items() if p.ndim > 1 and not k.endswith(".bias")]
+    no_decay = [p for k, p in params.items() if not (p.ndim > 1 and not k.endswith(".bias"))]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=o["lr"], betas=o["betas"], eps=o["eps"],
+    )
+    before = {k: p.detach().clone() for k, p in params.items()}
+    opt.step()
+    return {
+        "loss": float(L.detach()),
+        "grad_norm": float(norm),
+        "grads_clipped": {k: g * coef for k, g in grads.items()},
+        "params_before": before,
+        "params_after": {k: p.detach().clone() for k, p in params.items()},
+        "values": values.detach(),
+    }
+
+
 def make_references(root: Path, problem_path: Path) -> Path:
     prob = torch.load(problem_path)
     old_lp = old_log_probs(prob)
@@ -197,6 +284,8 @@ def make_references(root: Path, problem_path: Path) -> Path:
     for loss in LOSSES:
         for mode in MODES:
             refs[(loss, mode)] = reference_step(prob, loss, mode, old_lp)
+    for mode in CRITIC_MODES:
+        refs[("critic", mode)] = critic_reference_step(prob, mode)
     path = root / "refs.pt"
     torch.save(refs, path)
     return path
@@ -260,14 +349,16 @@ def _worker_body(rank, world, port, layout_name, cell_dicts, problem_path, refs_
     from megatron.core import parallel_state as ps
 
     from verl_lite.algorithms.aggregation import NormalizationPlan
-    from verl_lite.algorithms.objective import actor_loss
+    from verl_lite.algorithms.objective import actor_loss, critic_loss
     from verl_lite.engine.config import EngineConfig, OptimConfig
     from verl_lite.engine.distributed import ParallelConfig, destroy_distributed, init_distributed
     from verl_lite.engine.engine import MegatronEngine, SequenceBatch
 
+    t_start = time.perf_counter()
     _, par_kw, distopt = LAYOUTS[layout_name]
     par = ParallelConfig(**par_kw, timeout_s=timeout_s)
     init_distributed(rank, world, "127.0.0.1", port, par, seed=1234)
+    timeline = {"init": time.perf_counter() - t_start}
     prob = torch.load(problem_path)
     refs = torch.load(refs_path)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -277,11 +368,14 @@ def _worker_body(rank, world, port, layout_name, cell_dicts, problem_path, refs_
         "response_mask": mask,
         "old_log_probs": refs["old_log_probs"].float(),
         "advantages": prob["advantages"].float(),
+        "old_values": prob["old_values"].float(),
+        "returns": prob["returns"].float(),
     }
-    init_state = {k: v.float() for k, v in refs[(LOSSES[0], MODES[0])]["params_before"].items()}
+    actor_state = {k: v.float() for k, v in refs[(LOSSES[0], MODES[0])]["params_before"].items()}
+    critic_state = {k: v.float() for k, v in refs[("critic", CRITIC_MODES[0])]["params_before"].items()}
     vpp_multiple = par.pp if par.vpp else 1
     cells = [Cell(**c) for c in cell_dicts]
-    results: dict = {"cells": {}, "infer": None}
+    results: dict = {"cells": {}, "infer": {}, "timeline": timeline}
 
     def local_batch(plan):
         rows = sorted(i for mb in plan[dp_rank] for i in mb)
@@ -294,64 +388,78 @@ def _worker_body(rank, world, port, layout_name, cell_dicts, problem_path, refs_
         )
         return rows, batch, [[pos[i] for i in mb] for mb in plan[dp_rank]]
 
-    for per_token in (False, True):
-        todo = [c for c in cells if c.per_token == per_token]
-        if not todo:
-            continue
-        cfg = EngineConfig(
-            model_path=prob["model_dir"], parallel=par,
-            optim=OptimConfig(**optim_kwargs(), use_distributed_optimizer=distopt),
-            calculate_per_token_loss=per_token,
-        )
-        engine = MegatronEngine(cfg)
-        if results["infer"] is None:  # forward-only outputs on the whole batch, gathered to rank 0
-            plan = _plan(lengths, dp, "three", vpp_multiple)
-            rows, batch, mbs = local_batch(plan)
-            out = engine.infer(batch, mbs, temperature=TEMPERATURE)
-            gathered = [None] * world
-            dist.all_gather_object(gathered, (rows, out) if engine.is_output_owner else None)
-            if rank == 0:
-                lp = torch.zeros_like(mask)
-                ent = torch.zeros_like(mask)
-                for item in gathered:
-                    if item is not None:
-                        lp[item[0]] = item[1]["log_probs"]
-                        ent[item[0]] = item[1]["entropy"]
-                ref = refs[(LOSSES[0], MODES[0])]
-                results["infer"] = {
-                    "log_probs": lp.tolist(), "entropy": ent.tolist(),
-                    "lp_err": float((lp.double() - ref["log_probs"]).abs().max()),
-                    "ent_err": float((ent.double() - ref["entropy"]).abs().max()),
-                }
-            else:
-                results["infer"] = {}
-        for cell in todo:
+    def gather_rows(engine, rows, out, names):
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (rows, out) if engine.is_output_owner else None)
+        full = {k: torch.zeros_like(mask) for k in names}
+        for item in gathered:
+            if item is not None:
+                for k in names:
+                    full[k][item[0]] = item[1][k]
+        return full
+
+    for critic in (False, True):
+        for per_token in (False, True):
+            todo = [c for c in cells if c.per_token == per_token and (c.loss == "critic") == critic]
+            if not todo:
+                continue
             t0 = time.perf_counter()
-            engine.load_hf(init_state)
-            t1 = time.perf_counter()
-            plan = _plan(lengths, dp, cell.mb, vpp_multiple)
-            _, batch, mbs = local_batch(plan)
-            nplan = NormalizationPlan.from_mask(mask, cell.mode)
-            loss_fn = partial(actor_loss, plan=nplan, cfg=loss_cfg(cell.loss, cell.mode))
-            out = engine.train_step(batch, mbs, loss_fn, temperature=TEMPERATURE, global_token_count=sum(lengths))
-            t2 = time.perf_counter()
-            ref = refs[(cell.loss, cell.mode)]
-            grads = None if distopt else _compare(engine.export_hf("main_grad"), ref["grads_clipped"])
-            upd = _compare(engine.export_hf("param"), ref["params_after"], base=ref["params_before"])
-            gathered = [None] * world
-            dist.all_gather_object(gathered, out.get("loss") if engine.is_output_owner else None)
-            owners = [x for x in gathered if x is not None]
-            t3 = time.perf_counter()
-            if rank == 0:
-                results["cells"][cell.key] = {
-                    "grad_rel": None if grads is None else grads["rel"],
-                    "grad_missing": None if grads is None else grads["missing"],
-                    "param_rel": upd["rel"], "update_rel": upd["update_rel"], "param_missing": upd["missing"],
-                    "loss": sum(owners), "num_owners": len(owners), "ref_loss": ref["loss"],
-                    "grad_norm": out["grad_norm"], "ref_grad_norm": ref["grad_norm"], "lr": out["lr"],
-                    "num_micro_batches": len(mbs), "seconds": [t1 - t0, t2 - t1, t3 - t2],
-                }
-        del engine
+            cfg = EngineConfig(
+                model_path=prob["model_dir"], parallel=par,
+                optim=OptimConfig(**optim_kwargs(), use_distributed_optimizer=distopt),
+                calculate_per_token_loss=per_token, value_head=critic,
+            )
+            engine = MegatronEngine(cfg)
+            if critic:
+                engine.load_hf(critic_state)
+            timeline[f"build critic={critic} pt={per_token}"] = time.perf_counter() - t0
+            infer_key = "values" if critic else "log_probs"
+            if infer_key not in results["infer"]:  # forward-only outputs on the whole batch, gathered
+                names = ("values",) if critic else ("log_probs", "entropy")
+                rows, batch, mbs = local_batch(_plan(lengths, dp, "three", vpp_multiple))
+                full = gather_rows(engine, rows, engine.infer(batch, mbs, temperature=TEMPERATURE), names)
+                if critic:
+                    ref = refs[("critic", CRITIC_MODES[0])]
+                    results["infer"]["values"] = full["values"].tolist()
+                    results["infer"]["values_err"] = float((full["values"].double() - ref["values"]).abs().max())
+                else:
+                    ref = refs[(LOSSES[0], MODES[0])]
+                    results["infer"]["log_probs"] = full["log_probs"].tolist()
+                    results["infer"]["entropy"] = full["entropy"].tolist()
+                    results["infer"]["lp_err"] = float((full["log_probs"].double() - ref["log_probs"]).abs().max())
+                    results["infer"]["ent_err"] = float((full["entropy"].double() - ref["entropy"]).abs().max())
+            for cell in todo:
+                t0 = time.perf_counter()
+                engine.load_hf(critic_state if critic else actor_state)
+                t1 = time.perf_counter()
+                plan = _plan(lengths, dp, cell.mb, vpp_multiple)
+                _, batch, mbs = local_batch(plan)
+                nplan = NormalizationPlan.from_mask(mask, cell.mode)
+                if critic:
+                    loss_fn = partial(critic_loss, plan=nplan, cliprange_value=CLIPRANGE_VALUE)
+                else:
+                    loss_fn = partial(actor_loss, plan=nplan, cfg=loss_cfg(cell.loss, cell.mode))
+                out = engine.train_step(batch, mbs, loss_fn, temperature=TEMPERATURE,
+                                        global_token_count=sum(lengths))
+                t2 = time.perf_counter()
+                ref = refs[(cell.loss, cell.mode)]
+                grads = None if distopt else _compare(engine.export_hf("main_grad"), ref["grads_clipped"])
+                upd = _compare(engine.export_hf("param"), ref["params_after"], base=ref["params_before"])
+                gathered = [None] * world
+                dist.all_gather_object(gathered, out.get("loss") if engine.is_output_owner else None)
+                owners = [x for x in gathered if x is not None]
+                t3 = time.perf_counter()
+                if rank == 0:
+                    results["cells"][cell.key] = {
+                        "grad_rel": None if grads is None else grads["rel"],
+                        "grad_missing": None if grads is None else grads["missing"],
+                        "param_rel": upd["rel"], "update_rel": upd["update_rel"], "param_missing": upd["missing"],
+                        "loss": sum(owners), "num_owners": len(owners), "ref_loss": ref["loss"],
+                        "grad_norm": out["grad_norm"], "ref_grad_norm": ref["grad_norm"], "lr": out["lr"],
+                        "num_micro_batches": len(mbs), "seconds": [t1 - t0, t2 - t1, t3 - t2],
+                    }
+            del engine
+    timeline["total"] = time.perf_counter() - t_start
     if rank == 0:
         Path(out_path).write_text(json.dumps(results))
     dist.barrier()
