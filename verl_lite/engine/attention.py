@@ -38,6 +38,10 @@ import torch.nn.functional as F
 # CP communication
 # ------------------------------------------------------------------------------------------
 
+# torch >= 2.13 renames all_gather_into_tensor / reduce_scatter_tensor to *_single
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class _AllGatherFirstDim(torch.autograd.Function):
     """y = cat([x_0, ..., x_{n-1}], dim 0) over ``group``; backward: dx_r = sum_j dy_j[r-th block]."""
@@ -48,7 +52,7 @@ class _AllGatherFirstDim(torch.autograd.Function):
         world = dist.get_world_size(group)
         x = x.contiguous()
         out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x, group=group)
+        _all_gather_single(out, x, group=group)
         return out
 
     @staticmethod
@@ -56,7 +60,7 @@ class _AllGatherFirstDim(torch.autograd.Function):
         world = dist.get_world_size(ctx.group)
         grad_out = grad_out.contiguous()
         grad_in = grad_out.new_empty((grad_out.shape[0] // world, *grad_out.shape[1:]))
-        dist.reduce_scatter_tensor(grad_in, grad_out, op=dist.ReduceOp.SUM, group=ctx.group)
+        _reduce_scatter_single(grad_in, grad_out, group=ctx.group)
         return grad_in, None
 
 

@@ -84,7 +84,8 @@ def init_distributed(
 
     gloo on CPU (after installing the CPU adapter), nccl on GPU (device = ``LOCAL_RANK`` or
     ``rank % device_count``). All groups use ``timeout_s``. Same seed on every rank; megatron
-    derives the per-TP-rank streams from it.
+    derives the per-TP-rank streams from it. Calling it again in an initialised process (same
+    rank and world size) keeps the default group and rebuilds megatron's groups for ``parallel``.
     """
     from megatron.core import parallel_state, tensor_parallel
 
@@ -110,6 +111,8 @@ def init_distributed(
             world_size=world_size,
             timeout=timeout,
         )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,

@@ -95,15 +95,9 @@ def _chunk_entries(model, hf_config, value_head: bool) -> list[_Entry]:
     return entries
 
 
-def _is_value_head(model) -> bool:
-    from verl_lite.engine.model import ValueHead
-
-    return model.post_process and isinstance(model.output_layer, ValueHead)
-
-
 def _chunks_value_head(models) -> bool:
-    flags = [_is_value_head(m) for m in models if m.post_process]
-    return bool(flags and flags[0])
+    """Whether the chunks form a value model (set by ``build_model_chunks`` on every stage)."""
+    return bool(getattr(models[0], "is_value_model", False))
 
 
 # ------------------------------------------------------------------------------------------

@@ -304,6 +304,7 @@ def build_model_chunks(hf_config, tf_config, value_head: bool = False) -> list:
             rotary_base=rope_theta(hf_config),
             vp_stage=vp_stage,
         )
+        model.is_value_model = value_head  # read by hf_bridge on every stage
         if post and value_head:
             model.output_layer = ValueHead(tf_config, tf_config.hidden_size)
             model.output_layer.weight.is_embedding_or_output_parameter = True

@@ -2,7 +2,8 @@
 
 The LM head is a megatron ``ColumnParallelLinear`` with ``parallel_output=True``: TP rank r holds
 logits for the vocabulary slice ``[r*V/tp, (r+1)*V/tp)``. Both functions take that local slice,
-``[..., V/tp]``, and return per-token values ``[...]``, identical on every TP rank, in float32.
+``[..., V/tp]``, and return per-token values ``[...]``, identical on every TP rank, in float32
+(float64 for float64 input).
 Gradients flow to the local slice only; megatron's column-parallel backward sums the slices'
 contributions to the hidden states over TP.
 """
@@ -21,21 +22,27 @@ def _tp_group(group):
     return parallel_state.get_tensor_model_parallel_group()
 
 
-def _fp32_copy(x: torch.Tensor) -> torch.Tensor:
-    return x.clone() if x.dtype == torch.float32 else x.float()
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """float32, or float64 when the input is float64."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _fresh_copy(x: torch.Tensor) -> torch.Tensor:
+    dtype = _compute_dtype(x)
+    return x.clone() if x.dtype == dtype else x.to(dtype)
 
 
 def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[labels] over the full (TP-sharded) vocabulary.
 
-    logits: ``[..., V/tp]`` local slice; labels: ``[...]`` global token ids. Returns float32 ``[...]``.
+    logits: ``[..., V/tp]`` local slice; labels: ``[...]`` global token ids. Returns ``[...]`` (>= float32).
     Uses megatron's ``vocab_parallel_cross_entropy`` (which overwrites its input, hence the copy).
     """
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on the token dims")
-    return -vocab_parallel_cross_entropy(_fp32_copy(logits), labels)
+    return -vocab_parallel_cross_entropy(_fresh_copy(logits), labels)
 
 
 class _VocabParallelEntropy(torch.autograd.Function):
@@ -47,7 +54,7 @@ class _VocabParallelEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, group) -> torch.Tensor:
-        x = logits.float()
+        x = logits.to(_compute_dtype(logits))
         world = dist.get_world_size(group) if group is not None else 1
         m = x.max(dim=-1, keepdim=True).values
         if world > 1:
@@ -67,14 +74,14 @@ class _VocabParallelEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         logits, lse, mean_x = ctx.saved_tensors
-        x = logits.float()
+        x = logits.to(_compute_dtype(logits))
         p = torch.exp(x - lse)
         grad = grad_out.unsqueeze(-1) * p * (mean_x - x)
         return grad.to(logits.dtype), None
 
 
 def vocab_parallel_entropy(logits: torch.Tensor, group=None) -> torch.Tensor:
-    """Entropy of softmax(logits) over the full vocabulary; logits ``[..., V/tp]`` -> float32 ``[...]``.
+    """Entropy of softmax(logits) over the full vocabulary; logits ``[..., V/tp]`` -> ``[...]`` (>= float32).
 
     ``group`` defaults to megatron's tensor-parallel group.
     """
