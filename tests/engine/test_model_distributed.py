@@ -23,6 +23,8 @@ import torch
 from .conftest import attention_module, dense_causal_attention, pack, pipeline_forward, spawn_ranks, use_layout, zigzag_split
 
 ARCHS = [("qwen2", False), ("qwen2", True), ("qwen3", False), ("qwen3", True), ("llama", False), ("llama", True)]
+LLAMA3_ROPE = dict(rope_theta=500000.0, max_position_embeddings=16384, rope_scaling=dict(
+    rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192))
 LENGTHS = [7, 13, 1, 20, 6]
 LOGP_TOL = 1e-5
 ENT_TOL = 1e-5
@@ -40,8 +42,10 @@ def models(tmp_path_factory):
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, 128, (n,), generator=gen) for n in LENGTHS]
     out = {}
-    for arch, tied in ARCHS:
-        path = make_tiny_hf_model(root / f"{arch}_{int(tied)}", arch, tie_word_embeddings=tied, seed=3)
+    for arch, tied in ARCHS + [("llama3rope", False)]:
+        extra = LLAMA3_ROPE if arch == "llama3rope" else {}
+        hf_arch = "llama" if arch == "llama3rope" else arch
+        path = make_tiny_hf_model(root / f"{arch}_{int(tied)}", hf_arch, tie_word_embeddings=tied, seed=3, **extra)
         hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
         hf64 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
         logp, ent = [], []
@@ -259,9 +263,10 @@ def _run(rank, world, layouts, seqs, models, extra):
 
 
 ONE_PER_ARCH = [("qwen2", False), ("qwen3", True), ("llama", False)]
+ALL_ARCHS = ARCHS + [("llama3rope", False)]
 # (name, ParallelConfig kwargs, models ("all" or a list), also check the value-head model)
 LAYOUTS_2 = [
-    ("tp1_dp2", dict(), ONE_PER_ARCH, False),
+    ("tp1_dp2", dict(), ONE_PER_ARCH + [("llama3rope", False)], False),
     ("tp2", dict(tp=2), "all", True),
     ("tp2_sp", dict(tp=2, sequence_parallel=True), [("qwen3", True)], True),
     ("pp2", dict(pp=2), "all", True),
@@ -280,16 +285,36 @@ LAYOUTS_4 = [
 EXTRA_4 = dict(vocab=("tp2_pp2",), cp_attention=("cp4", "cp2_tp2_sp"))
 
 
+def _print_worst(results, world):
+    worst = {}
+    for res in results:
+        for per_model in res["layouts"].values():
+            for r in per_model.values():
+                for k in ("lp_err", "ent_err", "value_err"):
+                    if k in r:
+                        worst[k] = max(worst.get(k, 0.0), r[k])
+        for group in ("vocab", "cp_attention"):
+            for r in res.get(group, {}).values():
+                for k, v in r.items():
+                    if isinstance(v, float):
+                        worst[f"{group}.{k}"] = max(worst.get(f"{group}.{k}", 0.0), v)
+    print(f"\n{world} ranks, worst errors:", {k: f"{v:.1e}" for k, v in sorted(worst.items())})
+
+
 @pytest.fixture(scope="module")
 def two_ranks(models):
     seqs, m = models
-    return spawn_ranks(_run, 2, LAYOUTS_2, seqs, m, EXTRA_2)
+    results = spawn_ranks(_run, 2, LAYOUTS_2, seqs, m, EXTRA_2)
+    _print_worst(results, 2)
+    return results
 
 
 @pytest.fixture(scope="module")
 def four_ranks(models):
     seqs, m = models
-    return spawn_ranks(_run, 4, LAYOUTS_4, seqs, m, EXTRA_4)
+    results = spawn_ranks(_run, 4, LAYOUTS_4, seqs, m, EXTRA_4)
+    _print_worst(results, 4)
+    return results
 
 
 def _launch(request, name):

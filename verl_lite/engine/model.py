@@ -129,21 +129,39 @@ def _get(hf_config, name, default=None):
     return getattr(hf_config, name, default)
 
 
-def rope_theta(hf_config) -> float:
-    """RoPE base from either ``rope_theta`` (transformers 4) or ``rope_parameters`` (transformers 5)."""
-    params = _get(hf_config, "rope_parameters") or {}
-    scaling = _get(hf_config, "rope_scaling") or {}
-    for d in (params, scaling):
-        rope_type = d.get("rope_type", d.get("type", "default")) if isinstance(d, dict) else "default"
-        if rope_type not in ("default", None):
-            raise ValueError(
-                f"RoPE type {rope_type!r} is not supported by the engine yet (only plain RoPE); "
-                "use a model with rope_type 'default'"
-            )
+_LLAMA3_FIXED = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+
+
+def rope_settings(hf_config) -> dict:
+    """GPTModel RoPE arguments from the HF config: ``rotary_base`` and, for Llama-3 style scaling,
+    ``rope_scaling=True, rope_scaling_factor``. Reads ``rope_theta``/``rope_scaling`` (transformers 4)
+    or ``rope_parameters`` (transformers 5). Other RoPE variants are rejected."""
+    params = _get(hf_config, "rope_parameters") or _get(hf_config, "rope_scaling") or {}
     theta = _get(hf_config, "rope_theta")
-    if theta is None and isinstance(params, dict):
-        theta = params.get("rope_theta")
-    return float(theta if theta is not None else 10000.0)
+    if theta is None:
+        theta = params.get("rope_theta", 10000.0)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    out = dict(rotary_base=float(theta), rope_scaling=False, rope_scaling_factor=8.0)
+    if rope_type in ("default", None):
+        return out
+    if rope_type == "llama3":
+        # megatron's RotaryEmbedding._apply_scaling hard-codes these three values
+        fixed = {k: float(params.get(k, v)) for k, v in _LLAMA3_FIXED.items()}
+        if fixed != _LLAMA3_FIXED:
+            raise ValueError(
+                f"llama3 RoPE scaling with {fixed} is not supported; megatron implements only {_LLAMA3_FIXED}"
+            )
+        out.update(rope_scaling=True, rope_scaling_factor=float(params["factor"]))
+        return out
+    raise ValueError(
+        f"RoPE type {rope_type!r} is not supported by the engine yet (supported: 'default', 'llama3'); "
+        "use a model with one of those"
+    )
+
+
+def rope_theta(hf_config) -> float:
+    """RoPE base (``rope_settings(hf_config)["rotary_base"]``)."""
+    return rope_settings(hf_config)["rotary_base"]
 
 
 def model_type(hf_config) -> str:
@@ -171,6 +189,7 @@ def transformer_config_from_hf(
     Architecture: RMSNorm (eps from HF), SwiGLU (``gated_linear_unit``, silu), GQA
     (``num_query_groups``), ``kv_channels = head_dim``, no linear biases except Qwen2's (or Llama's
     ``attention_bias``) q/k/v bias, Qwen3's per-head q/k RMSNorm (``qk_layernorm``), no dropout.
+    RoPE: plain or Llama-3 scaled (see ``rope_settings``).
     Runtime: fusions off on CPU, ``use_cpu_initialization`` on CPU, ``pipeline_dtype = params_dtype``,
     ``variable_seq_lengths=True`` with ``moe_token_dispatcher_type="alltoall"`` (required by megatron
     even for dense models), and for virtual pipelining ``overlap_p2p_comm=True, batch_p2p_comm=False``.
@@ -179,6 +198,7 @@ def transformer_config_from_hf(
     from megatron.core.transformer import TransformerConfig
 
     mt = model_type(hf_config)
+    rope_settings(hf_config)  # rejects unsupported RoPE variants early
     parallel.validate()
     h = _get(hf_config, "hidden_size")
     n_heads = _get(hf_config, "num_attention_heads")
@@ -301,7 +321,7 @@ def build_model_chunks(hf_config, tf_config, value_head: bool = False) -> list:
             parallel_output=True,
             share_embeddings_and_output_weights=tied,
             position_embedding_type="rope",
-            rotary_base=rope_theta(hf_config),
+            **rope_settings(hf_config),
             vp_stage=vp_stage,
         )
         model.is_value_model = value_head  # read by hf_bridge on every stage

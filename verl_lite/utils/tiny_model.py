@@ -27,6 +27,7 @@ def _hf_config(arch: str, **kw):
         tie_word_embeddings=kw["tie_word_embeddings"],
         rope_theta=kw["rope_theta"],
         max_position_embeddings=kw["max_position_embeddings"],
+        **({"rope_scaling": dict(kw["rope_scaling"])} if kw["rope_scaling"] else {}),
         rms_norm_eps=1e-6,
         hidden_act="silu",
         attention_dropout=0.0,
@@ -58,13 +59,15 @@ def make_tiny_hf_model(
     tie_word_embeddings: bool = False,
     rope_theta: float = 10000.0,
     max_position_embeddings: int = 4096,
+    rope_scaling: dict | None = None,
     seed: int = 0,
-    init_std: float = 0.2,
+    init_std: float = 0.1,
 ) -> Path:
     """Write a randomly initialised fp32 HF model dir (config.json + model.safetensors) and return its path.
 
     Every weight matrix is N(0, init_std^2); biases N(0, 0.02^2)-ish small noise; norm weights
-    1 + N(0, 0.1^2) (so a mis-mapped norm is visible). Deterministic in ``seed``.
+    1 + N(0, 0.1^2) (so a mis-mapped norm is visible). Deterministic in ``seed``. ``rope_scaling``
+    (e.g. ``{"rope_type": "llama3", "factor": 8.0, ...}``) is passed to the HF config as is.
     """
     import transformers
 
@@ -85,6 +88,7 @@ def make_tiny_hf_model(
         tie_word_embeddings=tie_word_embeddings,
         rope_theta=rope_theta,
         max_position_embeddings=max_position_embeddings,
+        rope_scaling=rope_scaling,
     )
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
