@@ -26,6 +26,26 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+def init_model(out: Path, args) -> Path:
+    """A Qwen2-architecture model with transformers' standard initialisation (N(0, 0.02), unit norms, zero biases)."""
+    import torch
+    import transformers
+
+    from verl_lite.data.char_tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+    cfg = transformers.Qwen2Config(
+        vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads,
+        intermediate_size=args.intermediate_size, max_position_embeddings=128, tie_word_embeddings=False,
+        rope_theta=10000.0, rms_norm_eps=1e-6, use_sliding_window=False, bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID, pad_token_id=PAD_ID, initializer_range=0.02,
+    )
+    torch.manual_seed(args.seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", default=str(ROOT / "verl_lite/assets/tiny-addition"))
@@ -53,7 +73,6 @@ def main() -> None:
     from verl_lite.data import make_synthetic_task, save_char_tokenizer
     from verl_lite.data.char_tokenizer import char_vocab
     from verl_lite.trainer.sft import SFTConfig, run_sft
-    from verl_lite.utils import make_tiny_hf_model
 
     if args.vocab_size < len(char_vocab()):
         raise SystemExit(f"--vocab-size must be >= {len(char_vocab())} (the char vocabulary)")
@@ -63,11 +82,7 @@ def main() -> None:
     print(f"data: {train} ({args.n_train} rows), {val} ({args.n_val} rows)")
 
     with tempfile.TemporaryDirectory() as tmp:
-        init = make_tiny_hf_model(
-            Path(tmp) / "init", "qwen2", vocab_size=args.vocab_size, hidden_size=args.hidden_size,
-            num_layers=args.num_layers, num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads,
-            intermediate_size=args.intermediate_size, max_position_embeddings=128, init_std=0.02, seed=args.seed,
-        )
+        init = init_model(Path(tmp) / "init", args)
         save_char_tokenizer(init)
         out = Path(args.model_dir)
         if out.exists():

@@ -192,3 +192,30 @@ def test_docs_list_every_key():
     ]
     for line in design_vocab:
         assert line in doc
+
+
+HYDRA_MAIN = '''
+import hydra
+from verl_lite.config import CONFIG_DIR, register_configs, config_from_hydra
+register_configs()
+@hydra.main(config_path=CONFIG_DIR, config_name="ppo_trainer", version_base=None)
+def main(dict_cfg):
+    cfg = config_from_hydra(dict_cfg)
+    print("TBS", cfg.data.train_batch_size, cfg.actor_rollout_ref.model.path is not None)
+main()
+'''
+
+
+def test_hydra_main_entry(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "entry.py"
+    script.write_text(HYDRA_MAIN)
+    ok = subprocess.run([sys.executable, str(script), "data.train_batch_size=8", f"hydra.run.dir={tmp_path}/o"],
+                        capture_output=True, text=True, timeout=120)
+    assert "TBS 8 True" in ok.stdout, ok.stderr[-2000:]
+    bad = subprocess.run([sys.executable, str(script), "+data.train_batchsize=8", f"hydra.run.dir={tmp_path}/o"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0
+    assert "unknown config key 'data.train_batchsize'; did you mean 'data.train_batch_size'" in bad.stdout + bad.stderr

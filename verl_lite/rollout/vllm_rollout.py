@@ -2,9 +2,11 @@
 
 `VLLMRollout` has HFRollout's interface (`generate`, `load_weights`). vllm is imported in
 the constructor, so importing this module never fails on a CPU-only install.
-Log-probs: vLLM returns log-probs of the sampled tokens under its sampling distribution;
-we request `logprobs=0` with the temperature applied (vLLM's default "processed" mode is not
-used), so they are log p_T(token) as with HFRollout. Tested only where vllm + a GPU exist.
+Log-probs: we ask vLLM for the sampled token's log-prob (`logprobs=0`) in its
+`processed_logprobs` mode, i.e. after temperature scaling, to match HFRollout's log p_T. Whether
+vLLM applies top-k/top-p before that point depends on its version; the engine's recomputed
+old log-probs are what the loss uses, and the trainer reports the difference as a metric.
+NOT tested in this repository's CI (no GPU); treat it as a starting point.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ class VLLMRollout:
         self.tokenizer = tokenizer
         self.eos_token_id = tokenizer.eos_token_id
         self.llm = LLM(model=model_path, dtype=str(dtype).replace("torch.", ""), gpu_memory_utilization=gpu_memory_utilization,
-                       max_model_len=max_model_len, enforce_eager=True, logprobs_mode="raw_logprobs")
+                       max_model_len=max_model_len, enforce_eager=True, logprobs_mode="processed_logprobs")
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:  # pragma: no cover - GPU only
         """Push (hf_name, tensor) pairs into the vLLM model runner."""
