@@ -63,6 +63,9 @@ def test_first_update_matches_one_worker(tiny_assets, shared_ray, algo, layout):
     assert abs(ref_first["loss"]) > 1e-6 and ref_first["grad_norm"] > 1e-6, "the check needs a non-trivial update"
     assert _rel(first["loss"], ref_first["loss"]) < 1e-5, (first["loss"], ref_first["loss"])
     assert _rel(first["grad_norm"], ref_first["grad_norm"]) < 1e-5, (first["grad_norm"], ref_first["grad_norm"])
+    # weight sync: after the first update the rollout samples from the updated actor, so its
+    # log-probs agree with the engine's recompute (a stale rollout would be off by ~lr-sized steps)
+    assert hist[2]["rollout/logprob_diff_max"] < 1e-4 and ref_hist[2]["rollout/logprob_diff_max"] < 1e-4
     # two mini-batches per step, two steps; every number finite
     assert len(updates) == 2 and all(len(u) == 2 for u in updates)
     assert all(math.isfinite(v) for u in updates for s in u for v in s.values())

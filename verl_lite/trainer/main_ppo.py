@@ -8,6 +8,9 @@ progress display, and writes into ``trainer.output_dir``:
 - ``curves.png``: training reward and held-out accuracy against the step;
 - ``summary.json``: initial vs final held-out accuracy.
 
+``--recipe FILE.yaml`` (repeatable) applies a YAML file of overrides (nested keys, as in
+ppo_trainer.yaml) before the command-line ones, e.g. ``--recipe recipes/gspo_cpu.yaml``.
+
 Also works under ``ray job submit --address ... -- python -m verl_lite.trainer.main_ppo ...``
 (Ray is joined through ``RAY_ADDRESS``).
 """
@@ -62,6 +65,46 @@ def run(overrides: list[str]) -> dict:
     return summary
 
 
+def recipe_overrides(path: str) -> list[str]:
+    """A YAML file of nested keys -> Hydra ``key=value`` overrides."""
+    from omegaconf import OmegaConf
+
+    if not Path(path).is_file():
+        raise ConfigError([f"--recipe {path}: no such file"])
+    flat: list[str] = []
+
+    def walk(node, prefix):
+        for key, value in node.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, dict) and value and name != "reward.custom_reward_function.reward_kwargs":
+                walk(value, name + ".")
+            else:
+                text = "null" if value is None else json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+                flat.append(f"{name}={text}")
+
+    walk(OmegaConf.to_container(OmegaConf.load(path)), "")
+    return flat
+
+
+def expand_recipes(argv: list[str]) -> list[str]:
+    """``--recipe FILE`` / ``--recipe=FILE`` arguments -> their overrides, in place."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--recipe":
+            if i + 1 >= len(argv):
+                raise ConfigError(["--recipe needs a file path"])
+            out += recipe_overrides(argv[i + 1])
+            i += 2
+            continue
+        if a.startswith("--recipe="):
+            out += recipe_overrides(a.split("=", 1)[1])
+        else:
+            out.append(a)
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
@@ -71,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     from verl_lite.reward import RewardError
 
     try:
-        summary = run(argv)
+        summary = run(expand_recipes(argv))
     except ConfigError as err:
         print(f"verl_lite: {err}", file=sys.stderr)
         return 2

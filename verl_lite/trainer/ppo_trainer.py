@@ -288,12 +288,12 @@ class PPOTrainer:
         for epoch in range(a.ppo_epochs):
             for k, rows in enumerate(self.mini_batches(len(batch), epoch)):
                 mini = batch.select(rows).columns(keys)
-                plan = NormalizationPlan.from_mask(mini["response_mask"], a.loss_agg_mode, horizon=horizon)
-                if plan.num_tokens == 0:
+                if not bool((mini["response_mask"] != 0).any()):
                     raise ValueError(
                         f"mini-batch {k} of epoch {epoch} at step {self.global_step} has no valid response token "
                         f"(N = 0): the loss is undefined; check the rollout (max_response_length) and the data"
                     )
+                plan = NormalizationPlan.from_mask(mini["response_mask"], a.loss_agg_mode, horizon=horizon)
                 lengths = self._lengths(mini)
                 shards = shard_by_plan(
                     mini, lengths, self.dp,
