@@ -10,7 +10,8 @@ Per layout and HF model, every rank:
   zig-zag share, under PP the last stage compares;
 - for a value-head (critic) model: values vs ``final_norm(h) @ score^T`` from float64 HF hidden
   states, and the export round trip of ``score.weight``.
-Also: vocab-parallel log-prob/entropy values and gradients at TP2 vs float64 autograd; CP2/CP4
+Also: gradients of a weighted log-prob sum through the model, exported with
+``export_hf(attr="main_grad")``, vs float64 HF gradients (TP1, TP2, CP2, CP4); vocab-parallel log-prob/entropy values and gradients at TP2 vs float64 autograd; CP2/CP4
 attention outputs and q/K/V gradients vs a dense float64 reference; and bounded waits (a
 collective whose peer never joins fails within the group timeout, for megatron's TP/PP/DP/CP groups).
 """
@@ -66,6 +67,14 @@ def models(tmp_path_factory):
             h = hf64(s[None], output_hidden_states=True).hidden_states[-1][0]
             values.append((h @ score.double().T)[:, 0])
     out["critic"] = dict(path=path, score=score, values=values)
+    # gradient reference: L = sum_i sum_t w_i,t * log p(s_i[t+1] | s_i[:t+1]), float64 HF
+    weights = [torch.randn(max(n - 1, 0), generator=gen, dtype=torch.float64) for n in LENGTHS]
+    hf64.zero_grad()
+    for s, w in zip(seqs, weights):
+        lp = hf64(s[None]).logits[0].log_softmax(-1)[:-1].gather(-1, s[1:, None])[:, 0]
+        (lp * w).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in hf64.named_parameters() if p.grad is not None}
+    out["grads"] = dict(path=path, weights=weights, grads=grads)
     return seqs, out
 
 
@@ -87,7 +96,7 @@ def _check_layout(rank, world, parallel, seqs, models, which, vh_check: bool):
     labels, _, _ = pack(labels_full, cp, cp_rank, multiple=tp if parallel.sequence_parallel else 1)
     res = {}
     for key, m in models.items():
-        if key == "critic" or (which != "all" and key not in which):
+        if key in ("critic", "grads") or (which != "all" and key not in which):
             continue
         cfg = transformers.AutoConfig.from_pretrained(m["path"])
         chunks = build_model_chunks(cfg, transformer_config_from_hf(cfg, parallel))
@@ -135,6 +144,43 @@ def _check_layout(rank, world, parallel, seqs, models, which, vh_check: bool):
             r.update(value_err=err)
         res["critic"] = r
     return res
+
+
+def _grad_export_check(rank, world, parallel, seqs, g):
+    """Backward of L = sum w * log p through the model (no DDP: grads in .grad, summed over CP by
+    hand as DDP would), then ``export_hf(attr="main_grad")`` vs float64 HF gradients."""
+    import torch.distributed as dist
+    import transformers
+    from megatron.core import parallel_state as ps
+
+    from verl_lite.engine.hf_bridge import export_hf, load_hf_weights
+    from verl_lite.engine.model import build_model_chunks, transformer_config_from_hf
+    from verl_lite.engine.vocab_parallel import vocab_parallel_log_probs
+
+    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    cfg = transformers.AutoConfig.from_pretrained(g["path"])
+    chunks = build_model_chunks(cfg, transformer_config_from_hf(cfg, parallel))
+    load_hf_weights(chunks, g["path"], cfg)
+    ids, psp, where = pack(seqs, cp, cp_rank)
+    labels, _, _ = pack([torch.cat([s[1:], s.new_zeros(1)]) for s in seqs], cp, cp_rank)
+    w_local = torch.zeros(ids.shape[0])
+    for w_pos, w in zip(where, g["weights"]):
+        for t in range(len(w)):
+            if w_pos[t] >= 0:
+                w_local[w_pos[t]] = float(w[t])
+    logits = chunks[0](ids[None], None, None, packed_seq_params=psp)
+    (vocab_parallel_log_probs(logits[0], labels) * w_local).sum().backward()
+    if cp > 1:
+        for p in chunks[0].parameters():
+            dist.all_reduce(p.grad, group=ps.get_context_parallel_group())
+    diff2 = ref2 = 0.0
+    worst = 0.0
+    for name, t in export_hf(chunks, cfg, attr="main_grad"):
+        ref = g["grads"][name]
+        d = (t.double() - ref).norm().item()
+        diff2, ref2 = diff2 + d**2, ref2 + ref.norm().item() ** 2
+        worst = max(worst, d / max(ref.norm().item(), 1e-12))
+    return dict(global_rel=(diff2 / ref2) ** 0.5, worst_tensor_rel=worst)
 
 
 def _vocab_parallel_check(rank):
@@ -251,6 +297,8 @@ def _run(rank, world, layouts, seqs, models, extra):
         t0 = time.time()
         parallel = ParallelConfig(timeout_s=120.0, **kw)
         out["layouts"][name] = _check_layout(rank, world, parallel, seqs, models, which, vh)
+        if name in extra.get("grads", ()):
+            out.setdefault("grads", {})[name] = _grad_export_check(rank, world, parallel, seqs, models["grads"])
         if name in extra.get("vocab", ()):
             out.setdefault("vocab", {})[name] = _vocab_parallel_check(rank)
         if name in extra.get("cp_attention", ()):
@@ -273,7 +321,7 @@ LAYOUTS_2 = [
     ("pp2_vpp2", dict(pp=2, vpp=2), "all", False),
     ("cp2", dict(cp=2), ONE_PER_ARCH, True),
 ]
-EXTRA_2 = dict(vocab=("tp2",), cp_attention=("cp2",), timeouts=True)
+EXTRA_2 = dict(vocab=("tp2",), cp_attention=("cp2",), grads=("tp1_dp2", "tp2", "cp2"), timeouts=True)
 
 LAYOUTS_4 = [
     ("tp2_pp2", dict(tp=2, pp=2), "all", True),
@@ -282,7 +330,7 @@ LAYOUTS_4 = [
     ("cp4", dict(cp=4), [("qwen3", False)], False),
     ("cp2_tp2_sp", dict(cp=2, tp=2, sequence_parallel=True), [("qwen2", False)], True),
 ]
-EXTRA_4 = dict(vocab=("tp2_pp2",), cp_attention=("cp4", "cp2_tp2_sp"))
+EXTRA_4 = dict(vocab=("tp2_pp2",), cp_attention=("cp4", "cp2_tp2_sp"), grads=("cp4",))
 
 
 def _print_worst(results, world):
@@ -293,7 +341,7 @@ def _print_worst(results, world):
                 for k in ("lp_err", "ent_err", "value_err"):
                     if k in r:
                         worst[k] = max(worst.get(k, 0.0), r[k])
-        for group in ("vocab", "cp_attention"):
+        for group in ("vocab", "cp_attention", "grads"):
             for r in res.get(group, {}).values():
                 for k, v in r.items():
                     if isinstance(v, float):
@@ -373,6 +421,14 @@ def test_cp_attention_outputs_and_kv_grads(request, layout):
         r = res["cp_attention"][layout]
         for k, err in r.items():
             assert err < 1e-12, f"rank {rank}: {k}={err:.2e}"
+
+
+@pytest.mark.parametrize("layout", ["tp1_dp2", "tp2", "cp2", "cp4"])
+def test_gradient_export_matches_hf_gradients(request, layout):
+    for rank, res in enumerate(_launch(request, layout)):
+        r = res["grads"][layout]
+        assert r["global_rel"] < 1e-5, f"rank {rank}: |g - g_hf| / |g_hf| = {r['global_rel']:.2e}"
+        assert r["worst_tensor_rel"] < 1e-4, f"rank {rank}: worst tensor rel error {r['worst_tensor_rel']:.2e}"
 
 
 def test_every_group_wait_is_bounded(two_ranks):
