@@ -273,7 +273,16 @@ def _timeout_check(rank, world):
         ("dp", dict(), ps.get_data_parallel_group),
         ("cp", dict(cp=2), ps.get_context_parallel_group),
     ]
-    out = {}
+    def backend_timeout(group):
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+    # every group megatron created holds the configured timeout; the default group the launch's
+    use_layout(rank, world, ParallelConfig(timeout_s=2.0, tp=2))
+    configured = {"default": backend_timeout(dist.distributed_c10d._get_default_group())}
+    for attr, value in vars(ps).items():
+        if isinstance(value, dist.ProcessGroup):
+            configured[attr] = backend_timeout(value)
+    out = {"configured": configured}
     for name, kw, get_group in cases:
         use_layout(rank, world, ParallelConfig(timeout_s=2.0, **kw))
         if rank == 0:
@@ -431,7 +440,18 @@ def test_gradient_export_matches_hf_gradients(request, layout):
         assert r["worst_tensor_rel"] < 1e-4, f"rank {rank}: worst tensor rel error {r['worst_tensor_rel']:.2e}"
 
 
+def test_every_group_carries_the_configured_timeout(two_ranks):
+    for rank, res in enumerate(two_ranks):
+        configured = dict(res["timeouts"]["configured"])
+        assert configured.pop("default") == 120.0, f"rank {rank}: default group timeout"
+        assert len(configured) >= 6, f"rank {rank}: found only {sorted(configured)}"
+        wrong = {k: v for k, v in configured.items() if v != 2.0}
+        assert not wrong, f"rank {rank}: groups without the configured 2 s timeout: {wrong}"
+
+
 def test_every_group_wait_is_bounded(two_ranks):
     for name, r in two_ranks[0]["timeouts"].items():
+        if name == "configured":
+            continue
         assert r["raised"], f"{name} group: a collective with a missing peer returned instead of failing"
         assert 1.0 <= r["elapsed"] < 30.0, f"{name} group: failed after {r['elapsed']:.1f}s, timeout was 2s"

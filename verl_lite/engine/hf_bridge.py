@@ -289,6 +289,15 @@ def hf_shapes(hf_config, value_head: bool = False) -> dict[str, tuple[int, ...]]
     return out
 
 
+def _dtype_of(p: torch.Tensor, attr: str) -> torch.dtype:
+    g = None
+    if attr == "main_grad":
+        g = getattr(p, "main_grad", None)
+    if attr in ("main_grad", "grad") and g is None:
+        g = p.grad
+    return g.dtype if g is not None else p.dtype
+
+
 def _tensor_of(p: torch.Tensor, attr: str) -> torch.Tensor:
     if attr == "param":
         return p.detach()
@@ -318,14 +327,16 @@ def export_hf(chunks, hf_config, attr: str = "param") -> Iterator[tuple[str, tor
     pp_group = ps.get_pipeline_model_parallel_group()
     pp_rank = ps.get_pipeline_model_parallel_rank()
 
-    # What this rank holds: first HF name of an entry -> (entry, local tensor)
+    if attr not in ("param", "main_grad", "grad"):
+        raise ValueError(f"attr={attr!r}: use 'param', 'main_grad' or 'grad'")
+    # What this rank holds: first HF name of an entry -> (entry, parameter)
     local: dict[str, tuple[_Entry, torch.Tensor]] = {}
     for model in models:
         params = dict(model.named_parameters())
         for e in _chunk_entries(model, hf_config, value_head):
             if e.export:
-                local[e.hf_names[0]] = (e, _tensor_of(params[e.mcore_name], attr))
-    owners: dict[str, tuple[int, str]] = {k: (pp_rank, str(t.dtype)) for k, (_, t) in local.items()}
+                local[e.hf_names[0]] = (e, params[e.mcore_name])
+    owners: dict[str, tuple[int, str]] = {k: (pp_rank, str(_dtype_of(p, attr))) for k, (_, p) in local.items()}
     if pp > 1:
         gathered = [None] * pp
         dist.all_gather_object(gathered, owners, group=pp_group)
@@ -344,7 +355,7 @@ def export_hf(chunks, hf_config, attr: str = "param") -> Iterator[tuple[str, tor
         dtype = getattr(torch, dtype_str.replace("torch.", ""))
         entry = local[name][0] if name in local else _entry_for(name, hf_config, value_head)
         if owner == pp_rank:
-            shard = local[name][1].contiguous()
+            shard = _tensor_of(local[name][1], attr).contiguous()
             if tp > 1 and entry.kind not in ("replicated", "head"):
                 shards = [torch.empty_like(shard) for _ in range(tp)]
                 dist.all_gather(shards, shard, group=tp_group)
