@@ -1,0 +1,23 @@
+"""The worker's only data transform: a Batch piece -> the engine's SequenceBatch."""
+
+import torch
+
+from verl_lite.protocol import Batch
+from verl_lite.workers.actor_rollout_ref import sequence_batch
+
+
+def test_sequence_batch_joins_prompt_and_valid_response_tokens():
+    responses = torch.tensor([[7, 8, 2, 0], [9, 2, 0, 0], [4, 4, 4, 4]])
+    mask = (torch.arange(4)[None, :] < torch.tensor([3, 2, 4])[:, None]).float()
+    adv = torch.randn(3, 4)
+    piece = Batch.from_dict(
+        {"responses": responses, "response_mask": mask, "advantages": adv, "old_log_probs": torch.zeros(3, 4),
+         "entropy": torch.ones(3, 4)},
+        {"prompt_ids": [[5, 6], [5], [1, 2, 3]], "uid": ["a", "b", "c"]},
+    )
+    sb = sequence_batch(piece, with_loss_data=True)
+    assert [x.tolist() for x in sb.input_ids] == [[5, 6, 7, 8, 2], [5, 9, 2], [1, 2, 3, 4, 4, 4, 4]]
+    assert sb.response_lengths.tolist() == [3, 2, 4] and sb.response_width == 4
+    assert set(sb.data) == {"response_mask", "advantages", "old_log_probs"}  # only what the loss reads
+    assert torch.equal(sb.data["advantages"], adv)
+    assert sequence_batch(piece).data == {}
