@@ -183,6 +183,31 @@ def _grad_export_check(rank, world, parallel, seqs, g):
     return dict(global_rel=(diff2 / ref2) ** 0.5, worst_tensor_rel=worst)
 
 
+def _bridge_error_check(rank, parallel, models):
+    """load_hf_weights names the missing tensor / the shape mismatch."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from verl_lite.engine.hf_bridge import load_hf_weights
+    from verl_lite.engine.model import build_model_chunks, transformer_config_from_hf
+
+    path = models[("qwen2", False)]["path"]
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    chunks = build_model_chunks(cfg, transformer_config_from_hf(cfg, parallel))
+    out = {}
+    sd = load_file(f"{path}/model.safetensors")
+    for case, bad in [
+        ("missing", {k: v for k, v in sd.items() if k != "model.layers.1.mlp.up_proj.weight"}),
+        ("shape", {**sd, "model.layers.0.self_attn.o_proj.weight": sd["model.layers.0.self_attn.o_proj.weight"][:, :-2]}),
+    ]:
+        try:
+            load_hf_weights(chunks, bad, cfg)
+            out[case] = "no error"
+        except (KeyError, ValueError) as e:
+            out[case] = str(e)
+    return out
+
+
 def _vocab_parallel_check(rank):
     """vocab_parallel_entropy (float64) and vocab_parallel_log_probs (float32: megatron's cross
     entropy computes in float32) values and gradients vs float64 autograd on the full vocabulary."""
@@ -308,6 +333,8 @@ def _run(rank, world, layouts, seqs, models, extra):
         out["layouts"][name] = _check_layout(rank, world, parallel, seqs, models, which, vh)
         if name in extra.get("grads", ()):
             out.setdefault("grads", {})[name] = _grad_export_check(rank, world, parallel, seqs, models["grads"])
+        if name in extra.get("bridge_errors", ()):
+            out["bridge_errors"] = _bridge_error_check(rank, parallel, models)
         if name in extra.get("vocab", ()):
             out.setdefault("vocab", {})[name] = _vocab_parallel_check(rank)
         if name in extra.get("cp_attention", ()):
@@ -330,11 +357,12 @@ LAYOUTS_2 = [
     ("pp2_vpp2", dict(pp=2, vpp=2), "all", False),
     ("cp2", dict(cp=2), ONE_PER_ARCH, True),
 ]
-EXTRA_2 = dict(vocab=("tp2",), cp_attention=("cp2",), grads=("tp1_dp2", "tp2", "cp2"), timeouts=True)
+EXTRA_2 = dict(bridge_errors=("tp2",), vocab=("tp2",), cp_attention=("cp2",), grads=("tp1_dp2", "tp2", "cp2"), timeouts=True)
 
 LAYOUTS_4 = [
     ("tp2_pp2", dict(tp=2, pp=2), "all", True),
     ("pp2_vpp2_tp2", dict(tp=2, pp=2, vpp=2), [("qwen2", True)], False),
+    ("tp2_sp_pp2", dict(tp=2, pp=2, sequence_parallel=True), [("qwen3", True)], True),
     ("pp4", dict(pp=4), [("llama", True)], False),
     ("cp4", dict(cp=4), [("qwen3", False)], False),
     ("cp2_tp2_sp", dict(cp=2, tp=2, sequence_parallel=True), [("qwen2", False)], True),
@@ -438,6 +466,13 @@ def test_gradient_export_matches_hf_gradients(request, layout):
         r = res["grads"][layout]
         assert r["global_rel"] < 1e-5, f"rank {rank}: |g - g_hf| / |g_hf| = {r['global_rel']:.2e}"
         assert r["worst_tensor_rel"] < 1e-4, f"rank {rank}: worst tensor rel error {r['worst_tensor_rel']:.2e}"
+
+
+def test_load_errors_name_the_problem(two_ranks):
+    for res in two_ranks:
+        errors = res["bridge_errors"]
+        assert "model.layers.1.mlp.up_proj.weight" in errors["missing"]
+        assert "shape mismatch" in errors["shape"] and "linear_proj" in errors["shape"]
 
 
 def test_every_group_carries_the_configured_timeout(two_ranks):

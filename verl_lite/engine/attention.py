@@ -189,7 +189,7 @@ class PackedCoreAttention(torch.nn.Module):
         if cp == 1:
             flash = _flash_attn_varlen()
             if flash is not None and q.dtype in (torch.float16, torch.bfloat16):
-                return self._thd_flash(flash, q, k, v, cu, psp)
+                return self._thd_flash(flash, q, k, v, cu)
         np_, hn = q.shape[1], q.shape[2]
         if cp > 1:
             kv = torch.stack([k, v], dim=1)  # [t, 2, ng, hn]: one collective for both
@@ -211,11 +211,11 @@ class PackedCoreAttention(torch.nn.Module):
                 oi = _sdpa(qi, kvi[:, 0].transpose(0, 1), kvi[:, 1].transpose(0, 1), self.scale, causal=True, allowed=allowed)
             outs.append(oi.transpose(0, 1).reshape(hi - lo, np_ * hn))
         used = bounds[-1] // cp
-        if used < t_local:
+        if used < t_local or not outs:
             outs.append(q.new_zeros(t_local - used, np_ * hn))
         return torch.cat(outs, dim=0)
 
-    def _thd_flash(self, flash, q, k, v, cu, psp):
+    def _thd_flash(self, flash, q, k, v, cu):
         lengths = cu[1:] - cu[:-1]
         max_len = int(lengths.max().item()) if lengths.numel() else 0
         cu32 = cu.to(device=q.device, dtype=torch.int32)
