@@ -53,6 +53,8 @@ def main() -> None:
     ap.add_argument("--max-digits", type=int, default=2)
     ap.add_argument("--n-train", type=int, default=8000)
     ap.add_argument("--n-val", type=int, default=256)
+    ap.add_argument("--restate-fraction", type=float, default=0.5,
+                    help="fraction of SFT demonstrations that restate the problem (scored 0 by the strict verifier)")
     ap.add_argument("--hidden-size", type=int, default=128)
     ap.add_argument("--num-layers", type=int, default=4)
     ap.add_argument("--num-heads", type=int, default=4)
@@ -62,8 +64,8 @@ def main() -> None:
     ap.add_argument("--sft-steps", type=int, default=3000, help="upper bound; stops earlier at --target-accuracy")
     ap.add_argument("--sft-lr", type=float, default=1e-3)
     ap.add_argument("--sft-batch-size", type=int, default=64)
-    ap.add_argument("--eval-every", type=int, default=50)
-    ap.add_argument("--target-accuracy", type=float, default=0.25)
+    ap.add_argument("--eval-every", type=int, default=25)
+    ap.add_argument("--target-accuracy", type=float, default=0.3)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
@@ -78,7 +80,8 @@ def main() -> None:
         raise SystemExit(f"--vocab-size must be >= {len(char_vocab())} (the char vocabulary)")
     t0 = time.time()
     data_dir = Path(args.data_dir)
-    train, val = make_synthetic_task(data_dir, args.n_train, args.n_val, seed=args.seed, max_digits=args.max_digits)
+    train, val = make_synthetic_task(data_dir, args.n_train, args.n_val, seed=args.seed, max_digits=args.max_digits,
+                                     restate_fraction=args.restate_fraction)
     print(f"data: {train} ({args.n_train} rows), {val} ({args.n_val} rows)")
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -91,6 +94,7 @@ def main() -> None:
             model_path=str(init), out_dir=str(out), train_files=[str(train)], val_files=[str(val)],
             steps=args.sft_steps, batch_size=args.sft_batch_size, micro_batch_size=args.sft_batch_size,
             lr=args.sft_lr, eval_every=args.eval_every, target_accuracy=args.target_accuracy, seed=args.seed,
+            response_key="demonstration",
         ))
     summary["script_args"] = vars(args)
     summary["wall_time_s"] = round(time.time() - t0, 1)

@@ -119,3 +119,21 @@ def test_iterate_batches_deterministic(tmp_path, tok):
     assert idx(iterate_batches(ds, 4, shuffle=False, drop_last=False))[-1] == [8, 9]
     with pytest.raises(DataError, match="lower data.train_batch_size"):
         list(iterate_batches(ds, 11))
+
+
+def test_synthetic_demonstrations_and_strict_scorer(tmp_path):
+    train, _ = make_synthetic_task(tmp_path, n_train=400, n_val=8, seed=1, restate_fraction=0.5)
+    rows = pq.read_table(train).to_pylist()
+    restated = 0
+    for r in rows:
+        a, b, demo = r["extra_info"]["a"], r["extra_info"]["b"], r["extra_info"]["demonstration"]
+        assert demo in (str(a + b), f"{a}+{b}={a + b}")
+        restated += demo != str(a + b)
+        # the strict verifier accepts the bare sum only
+        assert score_addition(demo, r["reward_model"]["ground_truth"]) == float(demo == str(a + b))
+    assert 150 < restated < 250  # ~ Binomial(400, 0.5)
+    train0, _ = make_synthetic_task(tmp_path / "z", n_train=50, n_val=8, seed=1)
+    assert all(r["extra_info"]["demonstration"] == r["reward_model"]["ground_truth"]
+               for r in pq.read_table(train0).to_pylist())
+    with pytest.raises(ValueError, match="distinct pairs"):
+        make_synthetic_task(tmp_path / "y", n_train=20000, n_val=8, max_digits=2)

@@ -29,7 +29,7 @@ class DataConfig:
     prompt_key: str = "prompt"  # column holding the chat messages
     reward_fn_key: str = "data_source"  # column the reward router dispatches on
     max_prompt_length: int = 16  # tokens, after the chat template
-    max_response_length: int = 6  # tokens generated at most (EOS included)
+    max_response_length: int = 12  # tokens generated at most (EOS included)
     train_batch_size: int = 16  # prompts per RL step
     val_batch_size: Optional[int] = None  # prompts per validation generate call; None = all at once
     filter_overlong_prompts: bool = True  # drop prompts longer than max_prompt_length (else see truncation)

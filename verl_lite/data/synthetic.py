@@ -6,14 +6,17 @@ A row (one prompt):
      "prompt": [{"role": "user", "content": "47+385="}],
      "ability": "arithmetic",
      "reward_model": {"style": "rule", "ground_truth": "432"},
-     "extra_info": {"split": "train", "index": 0, "a": 47, "b": 385}}
+     "extra_info": {"split": "train", "index": 0, "a": 47, "b": 385, "demonstration": "432"}}
 
-The expected response is the decimal sum and nothing else (then EOS). The rule scorer
+The verifier is strict: the response must be the decimal sum and nothing else (then EOS).
 `score_addition` gives 1.0 for an exact match of the stripped response, else 0.0.
 
-Why this task: a ~1M-parameter character-level model learns the format and the easy digits
-after a short SFT but still fails on carries, so greedy accuracy starts partial and GRPO has
-room to improve it within minutes on a CPU.
+`extra_info["demonstration"]` is the response an SFT warm start imitates. In a fraction
+`restate_fraction` of the rows it restates the problem ("47+385=432") instead of giving the
+bare sum, as real SFT data often mixes answer styles; the strict verifier scores such a
+response 0. So a model warm-started on these demonstrations is partly right for two reasons:
+it has not fully learned the carries, and it often answers in the restated style. GRPO on the
+verifier's reward fixes both, the style quickly.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ def score_addition(solution_str: str, ground_truth: str) -> float:
 
 def _sample_pairs(n: int, max_digits: int, rng: random.Random, exclude: set) -> list[tuple[int, int]]:
     """n distinct (a, b) pairs not in `exclude`; each operand has a uniformly drawn digit count 1..max_digits."""
+    available = (10**max_digits) ** 2 - len(exclude)
+    if n > available:
+        raise ValueError(f"asked for {n} distinct pairs but only {available} exist with max_digits={max_digits}")
     pairs: list[tuple[int, int]] = []
     seen = set(exclude)
     while len(pairs) < n:
@@ -49,35 +55,48 @@ def _sample_pairs(n: int, max_digits: int, rng: random.Random, exclude: set) -> 
     return pairs
 
 
-def make_rows(pairs: list[tuple[int, int]], split: str) -> list[dict]:
-    """verl rows for the given operand pairs."""
+def demonstration(a: int, b: int, restate: bool) -> str:
+    """The SFT target: the bare sum, or the restated equation."""
+    return f"{addition_prompt(a, b)}{a + b}" if restate else str(a + b)
+
+
+def make_rows(pairs: list[tuple[int, int]], split: str, restate: list[bool] | None = None) -> list[dict]:
+    """verl rows for the given operand pairs (restate[i]: row i's demonstration restates the problem)."""
+    restate = restate or [False] * len(pairs)
     return [
         {
             "data_source": DATA_SOURCE,
             "prompt": [{"role": "user", "content": addition_prompt(a, b)}],
             "ability": "arithmetic",
             "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-            "extra_info": {"split": split, "index": i, "a": a, "b": b},
+            "extra_info": {"split": split, "index": i, "a": a, "b": b, "demonstration": demonstration(a, b, r)},
         }
-        for i, (a, b) in enumerate(pairs)
+        for i, ((a, b), r) in enumerate(zip(pairs, restate))
     ]
 
 
 def make_synthetic_task(
-    out_dir: str | Path, n_train: int = 4096, n_val: int = 256, seed: int = 0, max_digits: int = 3
+    out_dir: str | Path, n_train: int = 4096, n_val: int = 256, seed: int = 0, max_digits: int = 2,
+    restate_fraction: float = 0.0,
 ) -> tuple[Path, Path]:
-    """Write `train.parquet` and `val.parquet` (disjoint operand pairs) to out_dir and return both paths."""
+    """Write `train.parquet` and `val.parquet` (disjoint operand pairs) to out_dir and return both paths.
+
+    The val pairs are drawn first, so the val set depends on (seed, n_val, max_digits) only.
+    """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     rng = random.Random(seed)
     val_pairs = _sample_pairs(n_val, max_digits, rng, exclude=set())
     train_pairs = _sample_pairs(n_train, max_digits, rng, exclude=set(val_pairs))
+    restate_rng = random.Random(seed + 1)
+    restate = {split: [restate_rng.random() < restate_fraction for _ in pairs]
+               for split, pairs in (("val", val_pairs), ("train", train_pairs))}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for split, pairs in (("train", train_pairs), ("val", val_pairs)):
         path = out / f"{split}.parquet"
-        pq.write_table(pa.Table.from_pylist(make_rows(pairs, split)), path)
+        pq.write_table(pa.Table.from_pylist(make_rows(pairs, split, restate[split])), path)
         paths.append(path)
     return paths[0], paths[1]

@@ -1,8 +1,8 @@
 """Supervised fine-tuning (SFT) on the megatron engine, single process; used to warm-start the shipped model.
 
 Each example is a prompt (chat-templated, from an RL parquet file in verl's row format) and a
-target response = the row's ground truth text followed by EOS (right for tasks whose answer is
-the whole response, like the synthetic addition task). The objective of one optimizer step
+target response followed by EOS: `extra_info[response_key]` when `response_key` is set (the
+synthetic task's "demonstration"), else the row's ground truth text. The objective of one optimizer step
 over a batch M is the token-mean negative log-likelihood of the response tokens,
 
     L = - sum_{i,t} m_i,t log p(y_i,t | x_i, y_i,<t) / N,    N = sum_{i,t} m_i,t,
@@ -35,6 +35,7 @@ class SFTConfig:
     train_files: list[str] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)
     max_prompt_length: int = 32
+    response_key: str | None = None  # extra_info field holding the target response; None = ground truth
     steps: int = 1000  # optimizer steps at most
     batch_size: int = 64  # examples per optimizer step
     micro_batch_size: int = 64  # examples per micro-batch (never changes the math)
@@ -45,7 +46,7 @@ class SFTConfig:
     lr_decay_style: str = "constant"
     min_lr: float = 0.0
     eval_every: int = 100  # steps between greedy validation runs (0: only at the end)
-    max_new_tokens: int = 8  # generation budget during validation
+    max_new_tokens: int = 12  # generation budget during validation
     target_accuracy: float | None = None  # stop at the first validation with accuracy >= this
     seed: int = 0
     log: bool = True
@@ -57,11 +58,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def sft_examples(dataset, tokenizer) -> list[tuple[list[int], list[int]]]:
-    """(prompt_ids, response_ids) pairs: response = tokens of str(ground_truth) + EOS."""
+def sft_examples(dataset, tokenizer, response_key: str | None = None) -> list[tuple[list[int], list[int]]]:
+    """(prompt_ids, response_ids) pairs: response = tokens of extra_info[response_key] (or ground truth) + EOS."""
     eos = tokenizer.eos_token_id
-    return [(it["prompt_ids"], tokenizer.encode(str(it["ground_truth"]), add_special_tokens=False) + [eos])
-            for it in dataset]
+    out = []
+    for it in dataset:
+        if response_key is None:
+            text = str(it["ground_truth"])
+        elif response_key in it["extra_info"]:
+            text = str(it["extra_info"][response_key])
+        else:
+            raise KeyError(f"SFT row {it['index']} has no extra_info[{response_key!r}]; set SFTConfig.response_key=None "
+                           f"to train on the ground truth")
+        out.append((it["prompt_ids"], tokenizer.encode(text, add_special_tokens=False) + [eos]))
+    return out
 
 
 def make_sequence_batch(examples: list[tuple[list[int], list[int]]]):
@@ -128,7 +138,7 @@ def run_sft(cfg: SFTConfig) -> dict:
     tok = AutoTokenizer.from_pretrained(cfg.model_path)
     train = RLDataset(cfg.train_files, tok, cfg.max_prompt_length, verbose=cfg.log)
     val = RLDataset(cfg.val_files, tok, cfg.max_prompt_length, verbose=cfg.log) if cfg.val_files else None
-    examples = sft_examples(train, tok)
+    examples = sft_examples(train, tok, cfg.response_key)
 
     init_distributed(0, 1, "127.0.0.1", _free_port(), ParallelConfig(), seed=cfg.seed)
     try:
