@@ -12,6 +12,9 @@ The chunks are plain megatron modules: wrap them in megatron DDP for training. T
 megatron's: ``chunk(input_ids [b, s], position_ids, attention_mask, packed_seq_params=...)`` returns
 logits ``[b, s, V/tp]`` (values ``[b, s, 1]`` for a value head) on the last stage and hidden
 states ``[s, b, h]`` elsewhere.
+
+On a CPU-only torch the model relies on ``cpu_adapter`` (installed by ``init_distributed`` and by
+``build_model_chunks``): megatron's RoPE moves its frequencies to ``torch.cuda.current_device()``.
 """
 
 from __future__ import annotations
@@ -303,6 +306,9 @@ def build_model_chunks(hf_config, tf_config, value_head: bool = False) -> list:
     """
     from megatron.core import parallel_state as ps
 
+    from verl_lite.engine import cpu_adapter
+
+    cpu_adapter.install()  # no-op on GPU or when init_distributed already did it (RoPE needs it on CPU)
     GPTModel = _gpt_model_class()
     vpp = tf_config.virtual_pipeline_model_parallel_size
     tied = bool(_get(hf_config, "tie_word_embeddings", False)) and not value_head
