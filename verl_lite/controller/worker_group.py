@@ -83,7 +83,7 @@ class WorkerGroup:
         pool: ResourcePool | None = None,
         timeout_s: float = 1800.0,
         env: dict[str, str] | None = None,
-        local: bool = True,
+        local: bool | None = None,
     ):
         self.world_size = world_size
         self.timeout_s = timeout_s
@@ -108,8 +108,8 @@ class WorkerGroup:
                 opts["max_concurrency"] = 1
                 self.actors.append(remote_cls.options(**opts).remote(rank, world_size, **(init_kwargs or {})))
             address, port = self._wait([self.actors[0].rendezvous_address.remote()], "rendezvous_address", [0])[0]
-            if local:
-                address = "127.0.0.1"
+            if local if local is not None else not os.environ.get("RAY_ADDRESS"):
+                address = "127.0.0.1"  # a local Ray: rendezvous over loopback only
             self.master_addr, self.master_port = address, port
             self.call_all("set_rendezvous", address, port)
         except BaseException:

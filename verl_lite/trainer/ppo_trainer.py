@@ -382,13 +382,23 @@ class PPOTrainer:
         size = self.cfg.data.val_batch_size or len(rows)
         sampling = dict(do_sample=vk.do_sample, temperature=vk.temperature, top_p=vk.top_p, top_k=vk.top_k,
                         max_new_tokens=self.cfg.data.max_response_length)
-        all_scores = []
+        all_scores, all_correct = [], []
         for k in range(0, len(rows), size):
             seed = (self.cfg.trainer.seed + 12345 + k) if vk.do_sample else None
             batch = self.generate(rows[k:k + size], vk.n, sampling, seed)
-            all_scores.append(self.score(batch)[0])
-        scores = torch.cat(all_scores)
-        return {"val/reward_mean": float(scores.mean()), "val/accuracy": float((scores > 0).float().mean())}
+            scores, extra = self.score(batch)
+            all_scores.append(scores)
+            all_correct.append(self.correct(scores, extra))
+        scores, correct = torch.cat(all_scores), torch.cat(all_correct)
+        return {"val/reward_mean": float(scores.mean()), "val/accuracy": float(correct.float().mean())}
+
+    @staticmethod
+    def correct(scores: torch.Tensor, extra: dict) -> torch.Tensor:
+        """Per-sample correctness: the reward's own ``acc`` field when it returns one, else the full score 1.0
+        (so shaped rewards with partial credit do not count as correct)."""
+        if extra.get("acc") is not None and all(a is not None for a in extra["acc"]):
+            return torch.as_tensor([bool(a) for a in extra["acc"]])
+        return scores >= 1.0
 
     # ================================================================ the loop
     def fit(self, on_step: Callable[[dict], None] | None = None) -> list[dict]:
