@@ -14,8 +14,8 @@ Contract (megatron-core 0.16.1, ``transformer/attention.py``; RoPE is already ap
   explicit ``attention_mask`` (megatron convention: True = masked out; it replaces causality).
 
 The math per sequence is ``softmax(q k^T * scale + mask) v`` with ``scale = softmax_scale`` or
-``1/sqrt(hn)``; each query head h uses KV group ``h // (np/ng)`` (GQA, K/V never repeated in
-memory on the SDPA path). No mask is ever built over the whole pack: the loop runs per
+``1/sqrt(hn)``; each query head h uses KV group ``h // (np/ng)`` (GQA: this module never
+repeats K/V; SDPA's ``enable_gqa`` does the grouping). No mask is ever built over the whole pack: the loop runs per
 sequence, and under CP a sequence's mask is ``[L/cp, L]``.
 
 Context parallelism (zig-zag): every sequence of padded length L is cut into 2*cp chunks of
