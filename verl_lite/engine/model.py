@@ -19,8 +19,6 @@ On a CPU-only torch the model relies on ``cpu_adapter`` (installed by ``init_dis
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 
@@ -346,7 +344,3 @@ def unwrap_model(chunk):
         chunk = chunk.module
     return chunk
 
-
-def with_overrides(tf_config, **changes):
-    """A copy of a ``TransformerConfig`` with fields changed (``dataclasses.replace``)."""
-    return dataclasses.replace(tf_config, **changes)
