@@ -466,6 +466,25 @@ def _worker_body(rank, world, port, layout_name, cell_dicts, problem_path, refs_
     destroy_distributed()
 
 
+RESULTS: dict[str, dict] = {}  # layout -> rank 0's results, filled by the tests (one launch each)
+
+
+def summary_lines() -> list[str]:
+    """One line per layout run: worst errors over its cells and where its time went."""
+    lines = []
+    for name, res in RESULTS.items():
+        cells = res["cells"].values()
+        worst = {k: max((c[k] or 0.0) for c in cells) for k in ("grad_rel", "param_rel", "update_rel")}
+        loss = max(abs(c["loss"] - c["ref_loss"]) / max(1.0, abs(c["ref_loss"])) for c in cells)
+        tl = res.get("timeline", {})
+        lines.append(
+            f"{name:12s} cells={len(res['cells']):2d} grad={worst['grad_rel']:.1e} param={worst['param_rel']:.1e} "
+            f"update={worst['update_rel']:.1e} loss={loss:.1e} init={tl.get('init', 0):.1f}s "
+            f"total={tl.get('total', 0):.1f}s cells_s={sum(sum(c['seconds']) for c in cells):.1f}s"
+        )
+    return lines
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

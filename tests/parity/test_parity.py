@@ -18,7 +18,7 @@ see harness.py), per cell:
   and the pre-clip grad norm the reference norm.
 Every batch has ragged (odd) lengths, so no sequence divides by 2*CP, and one fully masked
 trajectory. Forward-only log-probs/entropy of each layout are checked against HF (1e-5) and,
-at CP2 and CP4, against the single-process engine (1e-6).
+at CP2 and CP4, against the single-process engine (1e-6 relative to max(1, |value|)).
 """
 
 from __future__ import annotations
@@ -44,13 +44,10 @@ def problem(tmp_path_factory):
     return problem_path, refs_path
 
 
-_RESULTS: dict[str, dict] = {}
-
-
 def layout_results(name: str, problem) -> dict:
-    if name not in _RESULTS:
-        _RESULTS[name] = H.run_layout(name, H.cells_for(name), *problem)
-    return _RESULTS[name]
+    if name not in H.RESULTS:  # one launch per layout per session, shared by the tests below
+        H.RESULTS[name] = H.run_layout(name, H.cells_for(name), *problem)
+    return H.RESULTS[name]
 
 
 def _check_cells(res: dict, check_grads: bool = True):
@@ -116,4 +113,6 @@ def test_cp_log_probs_and_entropy_equal_cp1(cp_layout, problem):
     other = layout_results(cp_layout, problem)["infer"]
     for key in ("log_probs", "entropy"):
         a, b = torch.tensor(base[key]), torch.tensor(other[key])
-        assert (a - b).abs().max() <= 1e-6, f"{key}: CP1 vs {cp_layout} max diff {(a - b).abs().max():.2e}"
+        # 1e-6 relative to max(1, |value|): |log p| ~ 5 here, where one float32 ulp is 4.8e-7
+        err = ((a - b).abs() / a.abs().clamp(min=1.0)).max()
+        assert err <= 1e-6, f"{key}: CP1 vs {cp_layout} max rel diff {err:.2e}, abs {(a - b).abs().max():.2e}"
