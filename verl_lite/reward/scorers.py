@@ -4,10 +4,12 @@
 
 - GSM8K (`openai/gsm8k`): the last `#### <number>` in the last 300 characters of the
   response, with `,` and `$` removed, must equal the ground truth string -> 1.0, else 0.0.
-- MATH-style (`\\boxed{}`; data sources containing "math", "aime", "amc", "olympiad"): the content
-  of the LAST `\\boxed{...}` (or `\\fbox{...}`), normalised (spaces, `\\left/\\right`, `\\!`,
-  `dfrac/tfrac -> frac`, `^\\circ`, `\\$`, units of text, trailing `.`/zeros, `0.5 -> \\frac{1}{2}`
-  is NOT attempted) equals the normalised ground truth -> 1.0, else 0.0.
+- MATH-style (`\\boxed{}`; data sources containing "math", "aime", "amc", "olympiad", "boxed"):
+  the content of the LAST `\\boxed{...}` (or `\\fbox{...}`) and the ground truth are normalised
+  (`normalize_math_answer`: spaces, `\\left/\\right`, `\\!`, `dfrac/tfrac -> frac`, `^\\circ`,
+  `$`, trailing text units, `\\frac12 -> \\frac{1}{2}`, `a/b -> \\frac{a}{b}`, `0.5 -> \\frac{1}{2}`,
+  `5.00 -> 5`, `1,000 -> 1000`, a short `x =` prefix dropped) and compared as strings -> 1.0, else
+  0.0. No symbolic equivalence (sympy) is attempted.
 - The synthetic task (`synthetic/addition`): exact match of the stripped response.
 """
 
