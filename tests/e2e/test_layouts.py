@@ -33,10 +33,16 @@ _runs: dict = {}
 def run(assets, algo, layout):
     key = (algo, layout)
     if key not in _runs:
-        from verl_lite.config import load_config
+        from verl_lite.config import default_data_files, default_model_path, load_config
         from verl_lite.trainer.ppo_trainer import PPOTrainer
 
-        cfg = load_config(tiny_overrides(assets, **ALGOS[algo], **LAYOUTS[layout]))
+        # the shipped checkpoint and data with the built-in verifier: responses of varied length
+        # (so GRPO's token-mean and GSPO's sequence-level objective differ) and mixed rewards
+        train, val = default_data_files()
+        shipped = {"actor_rollout_ref.model.path": default_model_path(), "data.train_files": train[0],
+                   "data.val_files": val[0], "reward.custom_reward_function.path": "null",
+                   "data.max_response_length": 10}
+        cfg = load_config(tiny_overrides(assets, **shipped, **ALGOS[algo], **LAYOUTS[layout]))
         trainer = PPOTrainer(cfg)
         history = trainer.fit()
         _runs[key] = (history, trainer.update_history)
@@ -69,3 +75,10 @@ def test_first_update_matches_one_worker(tiny_assets, shared_ray, algo, layout):
     # two mini-batches per step, two steps; every number finite
     assert len(updates) == 2 and all(len(u) == 2 for u in updates)
     assert all(math.isfinite(v) for u in updates for s in u for v in s.values())
+
+
+def test_grpo_and_gspo_are_different_objectives(tiny_assets, shared_ray):
+    """Guards the matrix above against a degenerate batch (equal lengths make the two coincide)."""
+    grpo = run(tiny_assets, "grpo", "1")[1][0][0]
+    gspo = run(tiny_assets, "gspo", "1")[1][0][0]
+    assert _rel(grpo["loss"], gspo["loss"]) > 1e-3 and _rel(grpo["grad_norm"], gspo["grad_norm"]) > 1e-3
