@@ -35,19 +35,35 @@ def run(overrides: list[str]) -> dict:
     out = Path(cfg.trainer.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=1, default=str))
-    writer = JsonlWriter(out / "metrics.jsonl")
+    writer = JsonlWriter(out / "metrics.jsonl")  # always written: the summary reads it
+    tensorboard = None
+    if "tensorboard" in cfg.trainer.logger:
+        from torch.utils.tensorboard import SummaryWriter
+
+        tensorboard = SummaryWriter(str(out / "tensorboard"))
     records: list[dict] = []
 
     def on_step(record: dict) -> None:
         records.append(record)
         writer.write(record)
-        display.update(record)
+        if tensorboard is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    tensorboard.add_scalar(key, value, record["step"])
+        if display is not None:
+            display.update(record)
 
+    display = None
     try:
-        with ProgressDisplay(trainer.total_steps(), title=cfg.trainer.experiment_name) as display:
+        if "console" in cfg.trainer.logger:
+            with ProgressDisplay(trainer.total_steps(), title=cfg.trainer.experiment_name) as display:
+                trainer.fit(on_step=on_step)
+        else:
             trainer.fit(on_step=on_step)
     finally:
         writer.close()
+        if tensorboard is not None:
+            tensorboard.close()
         if records:
             plot_curves(records, out / "curves.png")
     vals = [(r["step"], r["val/accuracy"]) for r in records if r.get("val/accuracy") is not None]
