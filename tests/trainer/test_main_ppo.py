@@ -1,5 +1,7 @@
 """CLI helpers: --recipe YAML files become Hydra overrides that the config loader accepts."""
 
+from pathlib import Path
+
 import pytest
 
 from verl_lite.config import ConfigError, load_config
@@ -18,8 +20,9 @@ def test_recipe_expands_to_overrides_before_cli_ones(tmp_path):
 
 
 def test_shipped_recipes_load():
+    recipes = Path(__file__).resolve().parents[2] / "recipes"
     for name in ("gspo_cpu", "tp2pp2_cpu"):
-        load_config(expand_recipes([f"--recipe=recipes/{name}.yaml"]))
+        load_config(expand_recipes([f"--recipe={recipes / name}.yaml"]))
 
 
 def test_missing_recipe_is_a_config_error():

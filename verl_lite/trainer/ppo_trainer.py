@@ -26,6 +26,7 @@ import os
 import random
 from typing import Any, Callable, Iterator
 
+import ray
 import torch
 
 from verl_lite.algorithms import ActorLossConfig, NormalizationPlan, apply_kl_penalty, compute_advantage, get_kl_controller
@@ -244,7 +245,8 @@ class PPOTrainer:
             max_tokens_per_micro_batch=max_tokens * self._cp() if use_dynamic else None,
             vpp_multiple=self._vpp_multiple(),
         )
-        args = [(p, m, self.cfg.actor_rollout_ref.rollout.temperature)
+        # one object-store copy per DP piece, shared by its TP/PP/CP peers
+        args = [(ray.put(p), m, self.cfg.actor_rollout_ref.rollout.temperature)
                 for p, m in zip(shards.pieces, shards.micro_batches)]
         results = self.group.call_per_rank(method, per_rank_args(args, self.layouts))
         return shards.gather(collect_from_owners(results, self.layouts))
@@ -306,7 +308,8 @@ class PPOTrainer:
                                            "plan": plan, "global_token_count": sum(lengths)})
         temperature = self.cfg.actor_rollout_ref.rollout.temperature
         results = self.group.call_per_rank(
-            "update_actor", [(jobs, self.loss_cfg, temperature) for jobs in per_rank_args(jobs_per_dp, self.layouts)]
+            "update_actor",
+            per_rank_args([(ray.put(jobs), self.loss_cfg, temperature) for jobs in jobs_per_dp], self.layouts),
         )
         owners = collect_from_owners(results, self.layouts)  # [dp][step] -> dict
         merged = []
