@@ -2,8 +2,9 @@
 
 One 2-process launch (PP2 + VPP2, per-token mode) checks: micro-batch count not a multiple of PP
 under VPP, an empty micro-batch, rows used twice, a wrong global token count (detected after
-megatron's reduction, identically on both ranks, before the optimizer step), and that a correct
-step still works afterwards. Config validation is checked in-process.
+megatron's reduction, identically on both ranks, before the optimizer step), that a correct
+step still works afterwards, and the LR schedule (warm-up then linear decay). Config validation
+is checked in-process.
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ def _rank(rank, port, model_dir, out_dir):
     attempt("good", lambda: res.update(engine.train_step(batch, [[0, 1], [2, 3]], _loss)))
     outcome["good_result"] = res
     outcome["owner"] = engine.is_output_owner
+    # LR schedule: warm-up 2 steps to 1e-3, then linear decay to 1e-4 at step 4
+    sched = MegatronEngine(EngineConfig(model_dir, par, OptimConfig(
+        lr=1e-3, min_lr=1e-4, lr_warmup_steps=2, lr_decay_style="linear", total_steps=4)))
+    outcome["lrs"] = [sched.train_step(batch, [[0, 1], [2, 3]], _loss)["lr"] for _ in range(4)]
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcome))
     destroy_distributed()
 
@@ -83,6 +88,7 @@ def test_bad_micro_batches_and_counts_raise_on_every_rank(model_dir, tmp_path):
         assert "megatron reduced 27 tokens" in o["bad_count"] and "not taken" in o["bad_count"]
         assert o["good"] is None
         assert o["good_result"]["grad_norm"] > 0 and o["good_result"]["lr"] == pytest.approx(1e-3)
+        assert o["lrs"] == pytest.approx([5e-4, 1e-3, 5.5e-4, 1e-4])
     owner = [o for o in outs if o["owner"]]
     assert len(owner) == 1 and "loss" in owner[0]["good_result"] and owner[0]["good_result"]["n"] == 16
     assert all("loss" not in o["good_result"] for o in outs if not o["owner"])
