@@ -107,7 +107,7 @@ class PPOTrainer:
 
         d = self.cfg.data
         kw = dict(tokenizer=self.tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
-                  filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation, verbose=False)
+                  filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation)
         return RLDataset(d.train_files, **kw), RLDataset(d.val_files, **kw)
 
     def _worker_config(self) -> WorkerConfig:
@@ -133,7 +133,7 @@ class PPOTrainer:
         )
 
     def start(self) -> None:
-        """Start (or join) Ray, create the workers, build engines and rollouts, sync weights."""
+        """Start (or join) Ray, create the workers, build engines and rollouts (both load ``model.path``)."""
         if self.group is not None:
             return
         self._owns_ray = start_ray(num_cpus=os.cpu_count() or 1)
