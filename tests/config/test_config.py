@@ -97,7 +97,7 @@ def test_schema_keys_cover_brief():
     keys = schema_keys()
     for k in ["data.filter_overlong_prompts", f"{A}.policy_loss.loss_mode", f"{M}.calculate_per_token_loss",
               "actor_rollout_ref.rollout.val_kwargs.top_k", "algorithm.kl_ctrl.horizon",
-              "reward.custom_reward_function.reward_kwargs", "trainer.balance_batch",
+              "reward.custom_reward_function.reward_kwargs", "trainer.worker_timeout_s",
               "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"]:
         assert k in keys, k
 
@@ -131,6 +131,8 @@ def test_default_config_is_valid_and_layout():
         ([f"{M}.tensor_model_parallel_size=3"], 4, "tp*pp*cp", "change actor_rollout_ref.actor.megatron"),
         (["data.train_batch_size=3", f"{A}.ppo_mini_batch_size=3", "actor_rollout_ref.rollout.n=3"], 2,
          "trajectories per mini-batch", "must divide by DP = 2"),
+        (["trainer.save_freq=5"], None, "trainer.save_freq=5", "set trainer.save_freq=-1"),
+        (["trainer.worker_timeout_s=0"], None, "trainer.worker_timeout_s=0", "must be > 0"),
         ([f"{A}.loss_agg_mode=token_mean"], None, f"{A}.loss_agg_mode='token_mean'", "choose one of"),
         ([f"{A}.policy_loss.loss_mode=ppo"], None, f"{A}.policy_loss.loss_mode='ppo'", "choose one of"),
         (["algorithm.adv_estimator=grpoo"], None, "algorithm.adv_estimator='grpoo'", "choose one of"),

@@ -172,16 +172,15 @@ class TrainerConfig:
     total_training_steps: Optional[int] = 60  # None = total_epochs x steps per epoch
     n_gpus_per_node: int = 1  # workers per node (on CPU: worker processes)
     nnodes: int = 1
-    device: str = "auto"  # auto | cpu | cuda
     test_freq: int = 10  # validate every this many steps (<= 0: never during training)
-    save_freq: int = -1  # checkpoint every this many steps (<= 0: never)
+    save_freq: int = -1  # checkpointing is not implemented yet: only <= 0 (never) is accepted
     val_before_train: bool = True
     output_dir: str = "outputs/verl_lite"
     project_name: str = "verl_lite"
     experiment_name: str = "grpo_synthetic_addition"
     seed: int = 0
     logger: List[str] = field(default_factory=lambda: ["console", "jsonl"])  # console | jsonl | tensorboard
-    balance_batch: bool = True
+    worker_timeout_s: float = 1800.0  # the driver waits this long for any worker call, then tears the group down
 
 
 @dataclass

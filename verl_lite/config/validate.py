@@ -20,7 +20,6 @@ REWARD_MANAGERS = ("naive", "batch")
 TRUNCATIONS = ("error", "left", "right")
 KL_CTRL_TYPES = ("fixed", "adaptive")
 LOGGERS = ("console", "jsonl", "tensorboard")
-DEVICES = ("auto", "cpu", "cuda")
 CRITIC_ESTIMATORS = ("gae",)  # need a value model, which verl_lite's loop does not run yet
 
 
@@ -295,8 +294,10 @@ def validate_config(cfg: PPOConfig, world_size: int | None = None) -> Layout:
         )
 
     # ---- trainer
-    if tr.device not in DEVICES:
-        p.append(f"trainer.device={tr.device!r} is unknown; choose one of {list(DEVICES)}")
+    if tr.save_freq > 0:
+        p.append(f"trainer.save_freq={tr.save_freq}: checkpointing is not implemented yet; set trainer.save_freq=-1")
+    if not tr.worker_timeout_s > 0:
+        p.append(f"trainer.worker_timeout_s={tr.worker_timeout_s} must be > 0 (seconds the driver waits for a worker call)")
     for lg in tr.logger:
         if lg not in LOGGERS:
             p.append(f"trainer.logger entry {lg!r} is unknown; choose from {list(LOGGERS)}")

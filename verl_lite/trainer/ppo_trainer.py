@@ -80,7 +80,7 @@ class PPOTrainer:
         self.tokenizer = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or arr.model.path)
         self.reward_manager = RewardManager(cfg.reward, self.tokenizer, compute_score=reward_fn)
         self.train_dataset, self.val_dataset = self._make_datasets()
-        self.worker_timeout_s = worker_timeout_s or getattr(cfg.trainer, "worker_timeout_s", None) or 1800.0
+        self.worker_timeout_s = worker_timeout_s or cfg.trainer.worker_timeout_s
         self.need_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         self.kl_ctrl = get_kl_controller(**vars(cfg.algorithm.kl_ctrl)) if cfg.algorithm.use_kl_in_reward else None
         self.loss_cfg = ActorLossConfig(
