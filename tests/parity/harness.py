@@ -413,6 +413,12 @@ def _worker_body(rank, world, port, layout_name, cell_dicts, problem_path, refs_
             if critic:
                 engine.load_hf(critic_state)
             timeline[f"build critic={critic} pt={per_token}"] = time.perf_counter() - t0
+            key = "critic_export_max_abs" if critic else "export_max_abs"
+            if key not in results:  # HF -> engine -> HF must be bit-exact
+                state = critic_state if critic else actor_state
+                diffs = [float((t - state[n]).abs().max()) if n in state else float("inf")
+                         for n, t in engine.export_hf("param")]
+                results[key] = max(diffs) if len(diffs) == len(state) else float("inf")
             infer_key = "values" if critic else "log_probs"
             if infer_key not in results["infer"]:  # forward-only outputs on the whole batch, gathered
                 names = ("values",) if critic else ("log_probs", "entropy")

@@ -17,7 +17,8 @@ see harness.py), per cell:
 - the reported loss (summed over the output owners, one per DP rank) equals the reference L
   and the pre-clip grad norm the reference norm.
 Every batch has ragged (odd) lengths, so no sequence divides by 2*CP, and one fully masked
-trajectory. Forward-only log-probs/entropy of each layout are checked against HF (1e-5) and,
+trajectory. Each layout's export of the freshly loaded weights is bit-exact (HF -> engine -> HF).
+Forward-only log-probs/entropy of each layout are checked against HF (1e-5) and,
 at CP2 and CP4, against the single-process engine (1e-6 relative to max(1, |value|)).
 """
 
@@ -83,8 +84,10 @@ def test_layout_matches_single_process_reference(layout, problem):
     _check_cells(res)
     inf = res["infer"]
     assert inf["lp_err"] < 1e-5 and inf["ent_err"] < 1e-5, {k: v for k, v in inf.items() if k.endswith("err")}
+    assert res["export_max_abs"] == 0.0, "HF -> engine -> HF export is not bit-exact"
     if layout in H.CRITIC_LAYOUTS:
         assert inf["values_err"] < 1e-5, inf["values_err"]
+        assert res["critic_export_max_abs"] == 0.0
 
 
 def test_matrix_covers_every_combination_in_several_layouts():
