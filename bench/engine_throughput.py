@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import socket
 import tempfile
 import time
 from functools import partial
@@ -28,12 +27,7 @@ from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from verl_lite.utils.net import free_port as _free_port
 
 
 def _loss(outputs, data):

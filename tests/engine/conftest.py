@@ -11,19 +11,14 @@ layout without relaunching processes.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 
 import torch
 import torch.multiprocessing as mp
 
+from verl_lite.utils.net import free_port
+
 DEFAULT_TIMEOUT_S = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank, world_size, port, out_dir, timeout_s, fn, args):

@@ -10,19 +10,13 @@ is checked in-process.
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 
 from verl_lite.engine.config import EngineConfig, OptimConfig
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from verl_lite.utils.net import free_port as _free_port
 
 
 def _loss(outputs, data):

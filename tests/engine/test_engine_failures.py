@@ -11,22 +11,16 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import socket
 import time
 from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
+from verl_lite.utils.net import free_port as _free_port
 
 TIMEOUT_S = 10.0
 SLACK_S = 20.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _failing_loss(kind: str, rank: int, outputs, data):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -27,6 +26,8 @@ from functools import partial
 from pathlib import Path
 
 import torch
+
+from verl_lite.utils.net import free_port
 
 LOSSES = ("vanilla", "gspo")
 MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -85,21 +86,15 @@ CRITIC_LAYOUTS = ("single", "tp2_pp2", "cp2_dp2")
 def cells_for(layout: str) -> list[Cell]:
     """The cells one launch of ``layout`` runs.
 
-    The single process runs the full product (losses x modes x per-token x micro-batching). Every
-    other layout runs every (loss, mode, per-token) combination once, with the micro-batching
-    scheme rotated by layout, so each layout sees all three schemes and, over the layouts, every
-    full combination is covered several times (a covering design; it keeps CI at ~1/3 the cost).
+    Every matrix layout runs the full product (losses x modes x per-token x micro-batching);
+    the two extra layouts (distributed optimizer, sequence parallelism) run a slice of it.
     """
-    if layout == "single":
-        cells = all_cells()
-    elif layout == "dp2_distopt":
+    if layout == "dp2_distopt":
         cells = [c for c in all_cells() if c.mb == "three" and c.mode in ("token-mean", "seq-mean-token-mean")]
     elif layout == "tp2_sp":
         cells = [c for c in all_cells() if c.mb == "budget" and c.mode in ("token-mean", "seq-mean-token-sum-norm")]
     else:
-        offset = list(LAYOUTS).index(layout)
-        combos = [(pt, lo, mo) for pt in (False, True) for lo in LOSSES for mo in MODES]
-        cells = [Cell(lo, mo, pt, MB_SCHEMES[(k + offset) % 3]) for k, (pt, lo, mo) in enumerate(combos)]
+        cells = all_cells()
     if layout in CRITIC_LAYOUTS:
         cells += critic_cells()
     return cells
@@ -186,7 +181,6 @@ def reference_step(prob, loss: str, mode: str, old_lp: torch.Tensor) -> dict:
     from verl_lite.algorithms.aggregation import NormalizationPlan
     from verl_lite.algorithms.objective import actor_loss
 
-    o = optim_kwargs()
     model = _hf_model(prob["model_dir"])
     params = dict(model.named_parameters())
     lp, ent = reference_outputs(model, prob)
@@ -194,14 +188,22 @@ def reference_step(prob, loss: str, mode: str, old_lp: torch.Tensor) -> dict:
     data = {"response_mask": mask, "old_log_probs": old_lp.double(), "advantages": prob["advantages"].double()}
     plan = NormalizationPlan.from_mask(mask, mode)
     L, _ = actor_loss({"log_probs": lp, "entropy": ent}, data, plan, loss_cfg(loss, mode))
+    return {**reference_update(params, L), "log_probs": lp.detach(), "entropy": ent.detach()}
+
+
+def reference_update(params: dict, L: torch.Tensor) -> dict:
+    """Backward L, clip the global grad norm as megatron does, take one AdamW step (float64).
+
+    Weight decay on matrices only (not biases / norms), as megatron's optimizer groups it."""
+    o = optim_kwargs()
     L.backward()
     grads = {k: p.grad.detach().clone() for k, p in params.items()}
     norm = torch.sqrt(sum((g**2).sum() for g in grads.values()))
     coef = min(1.0, o["clip_grad"] / (float(norm) + 1e-6))
-    decay = [p for k, p in params.items() if p.ndim > 1 and not k.endswith(".bias")]
-    no_decay = [p for k, p in params.items() if not (p.ndim > 1 and not k.endswith(".bias"))]
     for p in params.values():
         p.grad.mul_(coef)
+    decay = [p for k, p in params.items() if p.ndim > 1 and not k.endswith(".bias")]
+    no_decay = [p for k, p in params.items() if not (p.ndim > 1 and not k.endswith(".bias"))]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": o["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
         lr=o["lr"], betas=o["betas"], eps=o["eps"],
@@ -214,8 +216,6 @@ def reference_step(prob, loss: str, mode: str, old_lp: torch.Tensor) -> dict:
         "grads_clipped": {k: g * coef for k, g in grads.items()},
         "params_before": before,
         "params_after": {k: p.detach().clone() for k, p in params.items()},
-        "log_probs": lp.detach(),
-        "entropy": ent.detach(),
     }
 
 
@@ -244,7 +244,6 @@ def critic_reference_step(prob, mode: str) -> dict:
     from verl_lite.algorithms.aggregation import NormalizationPlan
     from verl_lite.algorithms.objective import critic_loss
 
-    o = optim_kwargs()
     model = _hf_model(prob["model_dir"])
     score = torch.nn.Parameter(prob["score_weight"].double().clone())
     params = {f"model.{k}": p for k, p in model.model.named_parameters()}
@@ -253,28 +252,7 @@ def critic_reference_step(prob, mode: str) -> dict:
     mask = prob["mask"].double()
     data = {"response_mask": mask, "old_values": prob["old_values"].double(), "returns": prob["returns"].double()}
     L, _ = critic_loss({"values": values}, data, NormalizationPlan.from_mask(mask, mode), CLIPRANGE_VALUE)
-    L.backward()
-    grads = {k: p.grad.detach().clone() for k, p in params.items()}
-    norm = torch.sqrt(sum((g**2).sum() for g in grads.values()))
-    coef = min(1.0, o["clip_grad"] / (float(norm) + 1e-6))
-    for p in params.values():
-        p.grad.mul_(coef)
-    decay = [p for k, p in params.items() if p.ndim > 1 and not k.endswith(".bias")]
-    no_decay = [p for k, p in params.items() if not (p.ndim > 1 and not k.endswith(".bias"))]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": o["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=o["lr"], betas=o["betas"], eps=o["eps"],
-    )
-    before = {k: p.detach().clone() for k, p in params.items()}
-    opt.step()
-    return {
-        "loss": float(L.detach()),
-        "grad_norm": float(norm),
-        "grads_clipped": {k: g * coef for k, g in grads.items()},
-        "params_before": before,
-        "params_after": {k: p.detach().clone() for k, p in params.items()},
-        "values": values.detach(),
-    }
+    return {**reference_update(params, L), "values": values.detach()}
 
 
 def make_references(root: Path, problem_path: Path) -> Path:
@@ -491,12 +469,6 @@ def summary_lines() -> list[str]:
     return lines
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_layout(layout_name: str, cells: list[Cell], problem_path: Path, refs_path: Path, timeout_s: float = 180):
     """Spawn the layout's processes, run all cells, return rank 0's JSON results."""
     import torch.multiprocessing as mp
@@ -507,7 +479,7 @@ def run_layout(layout_name: str, cells: list[Cell], problem_path: Path, refs_pat
     try:
         mp.spawn(
             _worker,
-            args=(world, _free_port(), layout_name, [asdict(c) for c in cells], str(problem_path), str(refs_path),
+            args=(world, free_port(), layout_name, [asdict(c) for c in cells], str(problem_path), str(refs_path),
                   str(out_path), timeout_s),
             nprocs=world,
             join=True,

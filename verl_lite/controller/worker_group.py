@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import time
 from typing import Any, Sequence
 
@@ -23,6 +22,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from verl_lite.controller.resource_pool import ResourcePool
+from verl_lite.utils.net import free_port
 
 
 def _strip_ansi(text: str) -> str:
@@ -51,10 +51,7 @@ class Worker:
     def rendezvous_address(self) -> tuple[str, int]:
         """(address, free port) on this worker's node: called on rank 0 only."""
         address = ray.util.get_node_ip_address()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return address, port
+        return address, free_port(address)
 
     def set_rendezvous(self, master_addr: str, master_port: int) -> None:
         self.master_addr, self.master_port = master_addr, master_port

@@ -20,12 +20,12 @@ first evaluation reaching it, which is how the shipped checkpoint is kept PARTIA
 from __future__ import annotations
 
 import json
-import socket
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from verl_lite.utils.net import free_port as _free_port
 
 
 @dataclass
@@ -50,12 +50,6 @@ class SFTConfig:
     target_accuracy: float | None = None  # stop at the first validation with accuracy >= this
     seed: int = 0
     log: bool = True
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sft_examples(dataset, tokenizer, response_key: str | None = None) -> list[tuple[list[int], list[int]]]:
