@@ -237,8 +237,14 @@ class PPOTrainer:
         resp = batch["response_mask"].sum(-1).long().tolist()
         return [len(p) + r for p, r in zip(batch["prompt_ids"], resp)]
 
-    def _infer(self, method: str, batch: Batch, micro_batch_size, use_dynamic: bool, max_tokens: int) -> dict:
-        """Run a forward-only engine method over the batch, split by DP rank; outputs in row order."""
+    def _infer(self, method: str, batch: Batch, sizes) -> dict:
+        """Run a forward-only engine method over the batch, split by DP rank; outputs in row order.
+
+        ``sizes`` is the config section holding ``log_prob_micro_batch_size_per_gpu`` (falls back to
+        the actor's micro-batch size), ``log_prob_use_dynamic_bsz`` and ``log_prob_max_token_len_per_gpu``."""
+        micro_batch_size = (sizes.log_prob_micro_batch_size_per_gpu
+                            or self.cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu)
+        use_dynamic, max_tokens = sizes.log_prob_use_dynamic_bsz, sizes.log_prob_max_token_len_per_gpu
         shards = shard_by_plan(
             batch.columns(ROLLOUT_COLUMNS), self._lengths(batch), self.dp,
             micro_batch_size=None if use_dynamic else micro_batch_size,
@@ -259,18 +265,10 @@ class PPOTrainer:
         return mg.pipeline_model_parallel_size if mg.virtual_pipeline_model_parallel_size else 1
 
     def compute_old_log_probs(self, batch: Batch) -> dict:
-        arr = self.cfg.actor_rollout_ref
-        r = arr.rollout
-        return self._infer("compute_log_prob", batch,
-                           r.log_prob_micro_batch_size_per_gpu or arr.actor.ppo_micro_batch_size_per_gpu,
-                           r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu)
+        return self._infer("compute_log_prob", batch, self.cfg.actor_rollout_ref.rollout)
 
     def compute_ref_log_probs(self, batch: Batch) -> dict:
-        arr = self.cfg.actor_rollout_ref
-        r = arr.ref
-        return self._infer("compute_ref_log_prob", batch,
-                           r.log_prob_micro_batch_size_per_gpu or arr.actor.ppo_micro_batch_size_per_gpu,
-                           r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu)
+        return self._infer("compute_ref_log_prob", batch, self.cfg.actor_rollout_ref.ref)
 
     def mini_batches(self, num_trajectories: int, epoch: int) -> list[list[int]]:
         """Trajectory indices of each mini-batch of one epoch (whole prompt groups unless shuffled)."""
