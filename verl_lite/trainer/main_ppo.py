@@ -138,10 +138,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"verl_lite: the run stopped: {err}", file=sys.stderr)
         return 1
     a0, a1 = summary["initial_val_accuracy"], summary["final_val_accuracy"]
-    print(f"\nsummary: {summary['steps']} steps; held-out accuracy "
-          f"{'-' if a0 is None else f'{a0:.3f}'} (step {summary['initial_val_step']}) -> "
-          f"{'-' if a1 is None else f'{a1:.3f}'} (step {summary['final_val_step']})"
-          + ("" if a0 is None or a1 is None else f", {100 * (a1 - a0):+.1f} points"))
+    if a0 is None:
+        accuracy = "no validation ran (trainer.test_freq <= 0 and trainer.val_before_train=false)"
+    else:
+        accuracy = (f"held-out accuracy {a0:.3f} (step {summary['initial_val_step']}) -> "
+                    f"{a1:.3f} (step {summary['final_val_step']}), {100 * (a1 - a0):+.1f} points")
+    print(f"\nsummary: {summary['steps']} steps; {accuracy}")
     print(f"metrics: {summary['metrics']}\ncurve:   {summary['curve']}")
     return 0
 
