@@ -1,4 +1,5 @@
-"""HFRollout: shapes and order, EOS stop, seed determinism, log-probs vs an independent recompute, weight sync."""
+"""HFRollout: shapes and order, EOS stop, seed determinism, layout independence of batched sampling,
+Gumbel-max draws vs the softmax they sample, log-probs vs an independent recompute, weight sync."""
 
 from types import SimpleNamespace
 
@@ -7,7 +8,7 @@ import torch
 
 from verl_lite.data.char_tokenizer import build_char_tokenizer
 from verl_lite.rollout import HFRollout, make_rollout, vllm_available
-from verl_lite.rollout.hf_rollout import _filter_top_k_top_p
+from verl_lite.rollout.hf_rollout import _filter_top_k_top_p, counter_uniform, gumbel_max_sample
 from verl_lite.utils import make_tiny_hf_model
 
 torch.set_num_threads(1)
@@ -99,6 +100,79 @@ def test_seed_determinism(model_dir, tok):
     torch.manual_seed(5)
     r.generate(prompts, seed=1, **kw)
     torch.testing.assert_close(torch.rand(3), before)
+
+
+def _varied_prompts(tok):
+    texts = ("12+3=", "7+88=", "x", "40+40=", "5+5=", "99+1=", "3+", "61+27=")
+    return [tok.encode(t, add_special_tokens=False) for t in texts]
+
+
+def test_samples_do_not_depend_on_layout_or_batch_composition(model_dir, tok):
+    """With one seed per prompt, sample k of prompt p is the same whether the prompts go to one
+    worker in one call, to 4 workers (4 calls over contiguous splits), in a shuffled batch, or
+    alone; and the first n samples of n' > n are the n samples."""
+    r = HFRollout(model_dir, tok)
+    prompts = _varied_prompts(tok)
+    seeds = [1000 + 17 * p for p in range(len(prompts))]
+    kw = dict(do_sample=True, temperature=1.0, top_k=-1, top_p=1.0, max_new_tokens=8)
+    n = 4
+
+    def by_prompt(outs, idx, per=n):
+        return {p: outs[j * per:(j + 1) * per] for j, p in enumerate(idx)}
+
+    one = by_prompt(r.generate(prompts, n=n, seeds=seeds, **kw), range(len(prompts)))
+    four = {}
+    for lo, hi in ((0, 2), (2, 4), (4, 6), (6, 8)):
+        four.update(by_prompt(r.generate(prompts[lo:hi], n=n, seeds=seeds[lo:hi], **kw), range(lo, hi)))
+    order = [5, 0, 7, 2, 6, 1, 4, 3]
+    shuffled = by_prompt(r.generate([prompts[p] for p in order], n=n, seeds=[seeds[p] for p in order], **kw), order)
+    alone = {p: r.generate([prompts[p]], n=n, seeds=[seeds[p]], **kw) for p in (2, 5)}
+    wider = by_prompt(r.generate(prompts[:3], n=2 * n, seeds=seeds[:3], **kw), range(3), per=2 * n)
+    distinct = set()
+    for p in range(len(prompts)):
+        ref = one[p]
+        distinct.update(tuple(o["response_ids"]) for o in ref)
+        for other in (four[p], shuffled[p], alone.get(p, ref), wider[p][:n] if p < 3 else ref):
+            assert [o["response_ids"] for o in other] == [o["response_ids"] for o in ref], p
+            for a, b in zip(other, ref):
+                torch.testing.assert_close(a["log_probs"], b["log_probs"], atol=1e-5, rtol=0)
+    assert len(distinct) > len(prompts), "samples of a prompt must differ from each other (sample ids key the noise)"
+    # a prompt's samples change with its seed
+    moved = r.generate(prompts[:1], n=n, seeds=[seeds[0] + 1], **kw)
+    assert [o["response_ids"] for o in moved] != [o["response_ids"] for o in one[0]]
+
+
+def test_counter_uniform_is_a_function_of_its_key_only():
+    seeds = torch.tensor([3, 3, 7, 2**40 + 3])
+    samples = torch.tensor([0, 1, 0, 0])
+    u = counter_uniform(seeds, samples, position=5, vocab_size=64)
+    assert u.dtype == torch.float64 and u.shape == (4, 64) and (u > 0).all() and (u < 1).all()
+    for i in range(4):  # the same values for a row computed alone
+        torch.testing.assert_close(counter_uniform(seeds[i:i + 1], samples[i:i + 1], 5, 64)[0], u[i], atol=0, rtol=0)
+    # every key component matters (seed incl. its high bits, sample id, position)
+    assert len({tuple(row.tolist()) for row in u}) == 4
+    assert not torch.equal(counter_uniform(seeds, samples, 6, 64), u)
+    big = counter_uniform(torch.arange(4000), torch.zeros(4000, dtype=torch.long), 0, 16).flatten()
+    assert abs(float(big.mean()) - 0.5) < 0.01 and abs(float(big.var()) - 1 / 12) < 0.005
+    # neighbouring tokens are uncorrelated
+    assert abs(float(torch.corrcoef(torch.stack([big[:-1], big[1:]]))[0, 1])) < 0.02
+
+
+@pytest.mark.parametrize("top_k", [-1, 3])
+def test_gumbel_max_draws_follow_the_softmax(top_k):
+    """Frequencies of 40000 draws (different sample ids) vs softmax(filtered logits): chi-square."""
+    logits = torch.tensor([[1.5, 0.2, -0.7, 2.0, 0.0, -3.0, 1.0, -1.2]])
+    rows = 40000
+    filtered = _filter_top_k_top_p(logits, top_k, 1.0).expand(rows, -1)
+    u = counter_uniform(torch.full((rows,), 123), torch.arange(rows), position=0, vocab_size=8)
+    draws = gumbel_max_sample(filtered, u)
+    counts = torch.bincount(draws, minlength=8).double()
+    probs = torch.softmax(filtered[0].double(), -1)
+    kept = probs > 0
+    assert counts[~kept].sum() == 0
+    expected = probs[kept] * rows
+    chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
+    assert chi2 < 30.0, (chi2, counts.tolist(), expected.tolist())  # p < 1e-4 at <= 7 degrees of freedom
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, -1, 1.0), (1.5, 5, 0.9)])

@@ -7,14 +7,23 @@ prompt-major order (prompt0 x n, prompt1 x n, ...), a dict
     log_probs:    FloatTensor [len]  # log p_T(token_t | prompt, response[:t])
 
 where p_T = softmax(logits / T) over the FULL vocabulary at the rollout temperature T (the
-same quantity the engine recomputes as old log-probs at temperature T). top-k / top-p only
-restrict which tokens can be drawn; the reported log-probs do not renormalise over the kept
+same quantity the engine recomputes as old log-probs at temperature T), in fp32. top-k / top-p
+only restrict which tokens can be drawn; the reported log-probs do not renormalise over the kept
 set (verl convention). Greedy decoding (do_sample=False) picks argmax and reports log p_T with
 T = temperature if > 0 else 1.
 
-Sampling uses its own torch.Generator seeded by `seed`, so a call is reproducible and leaves
-the global RNG alone. Generation stops per sequence at EOS and for the batch when every
-sequence has stopped or max_new_tokens is reached.
+Sampling is ONE batched call for all prompts x n samples and still layout independent: every
+row draws its token by Gumbel-max, ``argmax(filtered logits / T + G)``, with Gumbel noise
+``G[v] = -log(-log(u[v]))`` from a counter-based hash ``u = hash(seed, sample id, position, v)``
+(``counter_uniform``). So the draws of a row depend on (its seed, its sample id, the position)
+only: not on which other prompts share the batch, on the batch size or on the worker layout.
+With ``seeds`` (one per prompt) sample k of prompt p is keyed (seeds[p], k); with a single
+``seed`` row i of the call is keyed (seed, i). Gumbel-max draws exactly from
+softmax(filtered logits / T). (The logits themselves come from a batched forward; batched and
+single-row float kernels agree to ~1e-6, so a different batch can flip a draw only where two
+perturbed logits tie to that precision.) A call leaves the global RNG alone. Generation stops
+per sequence at EOS and for the batch when every sequence has stopped or max_new_tokens is
+reached.
 """
 
 from __future__ import annotations
@@ -38,6 +47,42 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for uint32 values held in int64, without int64 overflow."""
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (hi + x * (c & 0xFFFF)) & _M32
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser (a bijection with full avalanche) on uint32 values held in int64."""
+    x = x & _M32
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def counter_uniform(seeds: torch.Tensor, sample_ids: torch.Tensor, position: int, vocab_size: int) -> torch.Tensor:
+    """Uniforms in (0, 1), float64 ``[b, vocab_size]``: entry (i, v) is a hash of
+    (seeds[i], sample_ids[i], position, v) and nothing else (same values on any device, in any batch)."""
+    s = seeds.to(torch.int64)
+    row = _fmix32(_fmix32(_fmix32(s & _M32) ^ _fmix32((s >> 32) & _M32) ^ 0x9E3779B9) ^ (sample_ids.to(torch.int64) & _M32))
+    row = _fmix32(row ^ _fmix32(torch.full_like(row, (int(position) * 0x632BE5AB + 0x2545F491) & _M32)))
+    v = torch.arange(vocab_size, dtype=torch.int64, device=row.device)
+    h = _fmix32(_fmix32(row[:, None] ^ _mul32(v, 0x9E3779B1)[None, :]) + 0x7F4A7C15)
+    return (h.double() + 0.5) / 2.0**32
+
+
+def gumbel_max_sample(scaled_logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One draw per row from softmax(scaled_logits) (-inf entries never drawn): argmax(logits + Gumbel(u))."""
+    gumbel = -torch.log(-torch.log(uniforms))
+    return (scaled_logits.double() + gumbel).argmax(dim=-1)
 
 
 def _cache_of(out):
@@ -116,8 +161,10 @@ class HFRollout:
         top_k: int = -1,
         max_new_tokens: int = 16,
         seed: int | None = None,
+        seeds: list[int] | None = None,
     ) -> list[dict]:
-        """Sample n responses per prompt; see the module docstring for the output contract."""
+        """Sample n responses per prompt in one batched call; see the module docstring for the
+        output contract and for how ``seed`` / ``seeds`` (one per prompt) key the random draws."""
         if n < 1:
             raise ValueError(f"generate: n={n} must be >= 1")
         if max_new_tokens < 1:
@@ -126,45 +173,53 @@ class HFRollout:
             raise ValueError("generate: empty prompt (no tokens); every prompt needs at least one token")
         if do_sample and not temperature > 0:
             raise ValueError(f"generate: temperature={temperature} must be > 0 when do_sample=True")
+        if seeds is not None and len(seeds) != len(prompt_ids):
+            raise ValueError(f"generate: {len(seeds)} seeds for {len(prompt_ids)} prompts; give one seed per prompt")
+        if seeds is not None and seed is not None:
+            raise ValueError("generate: give either seed (one per call) or seeds (one per prompt), not both")
         scale = float(temperature) if temperature and temperature > 0 else 1.0
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(0 if seed is None else int(seed))
 
         seqs = [list(p) for p in prompt_ids for _ in range(n)]
         ids, attn = self._left_pad(seqs)
         b = ids.shape[0]
+        if seeds is not None:  # sample k of prompt p: (seeds[p], k)
+            row_seeds = torch.tensor([int(s) for s in seeds for _ in range(n)], dtype=torch.int64, device=self.device)
+            row_samples = torch.arange(n, dtype=torch.int64, device=self.device).repeat(len(prompt_ids))
+        else:  # row i of this call: (seed, i)
+            row_seeds = torch.full((b,), 0 if seed is None else int(seed), dtype=torch.int64, device=self.device)
+            row_samples = torch.arange(b, dtype=torch.int64, device=self.device)
+
         position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=True)
         past, logits = _cache_of(out), out.logits[:, -1, :]
         next_pos = position_ids[:, -1:] + 1
 
-        tokens = torch.empty((b, 0), dtype=torch.long, device=self.device)
-        logps = torch.empty((b, 0), dtype=torch.float32, device=self.device)
+        tokens = torch.full((b, max_new_tokens), self.pad_token_id, dtype=torch.long, device=self.device)
+        logps = torch.zeros((b, max_new_tokens), dtype=torch.float32, device=self.device)
         alive = torch.ones(b, dtype=torch.bool, device=self.device)
         lengths = torch.zeros(b, dtype=torch.long, device=self.device)
-        for _ in range(max_new_tokens):
+        attn = torch.cat([attn, attn.new_zeros((b, max_new_tokens))], dim=1)  # filled in as tokens are kept
+        width = ids.shape[1]
+        for t in range(max_new_tokens):
             scaled = logits.float() / scale
             logp_full = torch.log_softmax(scaled, dim=-1)
             if do_sample:
-                probs = torch.softmax(_filter_top_k_top_p(scaled, top_k, top_p), dim=-1)
-                nxt = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+                u = counter_uniform(row_seeds, row_samples, t, scaled.shape[-1])
+                nxt = gumbel_max_sample(_filter_top_k_top_p(scaled, top_k, top_p), u)
             else:
                 nxt = scaled.argmax(dim=-1)
             nxt = torch.where(alive, nxt, torch.full_like(nxt, self.pad_token_id))
-            tokens = torch.cat([tokens, nxt[:, None]], dim=1)
-            logps = torch.cat([logps, logp_full.gather(-1, nxt[:, None])], dim=1)
+            tokens[:, t] = nxt
+            logps[:, t] = logp_full.gather(-1, nxt[:, None]).squeeze(-1)
             lengths += alive.long()
             alive = alive & (nxt != self.eos_token_id)
-            if not alive.any():
+            if t + 1 == max_new_tokens or not bool(alive.any()):
                 break
-            attn = torch.cat([attn, alive.long()[:, None]], dim=1)
-            out = self.model(input_ids=nxt[:, None], attention_mask=attn, position_ids=next_pos,
+            attn[:, width + t] = alive.long()
+            out = self.model(input_ids=nxt[:, None], attention_mask=attn[:, : width + t + 1], position_ids=next_pos,
                              use_cache=True, **{self._cache_kw: past})
             past, logits = _cache_of(out), out.logits[:, -1, :]
             next_pos = next_pos + 1
 
-        results = []
-        for i in range(b):
-            k = int(lengths[i])
-            results.append({"response_ids": tokens[i, :k].tolist(), "log_probs": logps[i, :k].cpu()})
-        return results
+        tokens, logps, lengths = tokens.cpu(), logps.cpu(), lengths.tolist()
+        return [{"response_ids": tokens[i, :k].tolist(), "log_probs": logps[i, :k].clone()} for i, k in enumerate(lengths)]
