@@ -111,7 +111,8 @@ class MegatronEngine:
     """A megatron-core GPT (or critic) on the current process groups.
 
     ``init_distributed`` must have run on every rank first. Public API:
-    ``infer``, ``train_step``, ``export_hf``, ``load_hf``, ``is_output_owner``.
+    ``infer``, ``train_step``, ``export_hf``, ``load_hf``, ``save_checkpoint``, ``load_checkpoint``,
+    ``is_output_owner``.
     """
 
     def __init__(self, cfg: EngineConfig):
@@ -485,3 +486,17 @@ class MegatronEngine:
             for m in self.model:
                 m.zero_grad_buffer()
             self._build_optimizer()
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, directory) -> None:
+        """Model + optimizer + LR schedule into ``directory`` (megatron dist_checkpointing; collective)."""
+        from verl_lite.engine.checkpoint import save_engine_state
+
+        save_engine_state(self, directory)
+
+    def load_checkpoint(self, directory) -> dict:
+        """Load a :meth:`save_checkpoint` directory, resharding into this engine's layout (collective).
+        Returns the saver's description; raises ``CheckpointLayoutError`` for an unsupported change."""
+        from verl_lite.engine.checkpoint import load_engine_state
+
+        return load_engine_state(self, directory)

@@ -1,0 +1,363 @@
+"""Engine state <-> megatron-core ``dist_checkpointing`` (sharded, layout-independent).
+
+    save_engine_state(engine, directory)   # collective: every rank of the engine's groups
+    load_engine_state(engine, directory)   # collective; the layout may differ from the saver's
+
+What is saved: the model chunks' ``sharded_state_dict()`` (global tensor keys with per-layer
+offsets, so TP/PP/VPP/CP/DP may all change between save and load), the optimizer state (Adam
+moments and fp32 master weights; the distributed optimizer in megatron's
+``fully_sharded_model_space`` format, which is reshardable in every dimension and loads into the
+non-distributed optimizer too) and the LR schedule (plain numbers). The engine draws no random
+numbers while training (dropout is 0 in ``model.transformer_config_from_hf``; sampling lives in
+the rollout with per-call seeds), so there is no engine RNG to store.
+
+What loading reads, and why nothing arbitrary is unpickled (``torch_dist`` backend):
+
+- ``metadata.json``: JSON (megatron's format marker).
+- ``.metadata``: torch.distributed.checkpoint's index, written with ``pickle``. It is read here
+  through :class:`RestrictedUnpickler`, which allows only the dataclasses of
+  ``torch.distributed.checkpoint.metadata`` / ``filesystem``, ``torch.Size``, dtypes,
+  ``torch.memory_format``/``layout`` and builtins containers; anything else raises
+  ``pickle.UnpicklingError`` naming the global.
+- ``__*_*.distcp``: tensor bytes, read by torch with ``torch.load(weights_only=True)``.
+- ``common.pt``: the non-tensor part (optimizer param-group hyper-parameters, step counters,
+  the scheduler's numbers), read with ``torch.load(weights_only=True)`` (:class:`SafeCommonLoad`).
+- ShardedObjects (pickled byte blobs) are never requested: the state dict is checked to hold
+  none before loading (:func:`_reject_sharded_objects`).
+
+Unsupported changes raise :class:`CheckpointLayoutError` naming the mismatch (a different model
+architecture / tensor shapes, LM head vs value head, or a checkpoint without optimizer state
+loaded into a trainable engine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import pickle
+from pathlib import Path
+
+import torch
+
+# Reshardable in TP, PP, VPP, CP and DP, and readable by the regular optimizer.
+SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+FORMAT_FILE = "verl_lite_engine.json"
+FORMAT_VERSION = 1
+
+
+class CheckpointLayoutError(ValueError):
+    """A checkpoint cannot be loaded into this engine (the message says which change is not supported)."""
+
+
+# ---------------------------------------------------------------------------- safe unpickling
+_ALLOWED_MODULE_PREFIXES = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.filesystem",
+    "torch.distributed.checkpoint.planner",
+    "torch.distributed.checkpoint._extension",
+    "torch.distributed.checkpoint._storage_utils",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+)
+_ALLOWED_GLOBALS = {
+    ("torch", "Size"),
+    ("torch", "device"),
+    ("torch", "memory_format"),
+    ("torch", "layout"),
+    ("torch", "dtype"),
+    ("torch.serialization", "_get_layout"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("_codecs", "encode"),
+}
+_ALLOWED_TORCH_ATTRS = {name for name in dir(torch) if isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format, torch.layout))}
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Unpickles torch.distributed.checkpoint metadata only (see the module docstring)."""
+
+    def find_class(self, module: str, name: str):
+        allowed = (
+            (module, name) in _ALLOWED_GLOBALS
+            or any(module == p or module.startswith(p + ".") for p in _ALLOWED_MODULE_PREFIXES)
+            or (module == "torch" and name in _ALLOWED_TORCH_ATTRS)
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(
+                f"checkpoint metadata refers to {module}.{name}, which is not a torch.distributed.checkpoint "
+                f"metadata type; refusing to unpickle it (the file is not a checkpoint written by verl_lite)"
+            )
+        return super().find_class(module, name)
+
+
+class _RestrictedPickleModule:
+    """Stands in for the ``pickle`` module inside torch.distributed.checkpoint.filesystem while loading."""
+
+    def __getattr__(self, name):
+        return getattr(pickle, name)
+
+    @staticmethod
+    def load(file, **_kw):
+        return RestrictedUnpickler(file).load()
+
+    @staticmethod
+    def loads(data, **_kw):
+        return RestrictedUnpickler(io.BytesIO(data)).load()
+
+
+@contextlib.contextmanager
+def restricted_metadata_unpickling():
+    """While active, torch.distributed.checkpoint reads ``.metadata`` through :class:`RestrictedUnpickler`."""
+    from torch.distributed.checkpoint import filesystem
+
+    original = filesystem.pickle
+    filesystem.pickle = _RestrictedPickleModule()
+    try:
+        yield
+    finally:
+        filesystem.pickle = original
+
+
+def _safe_common_strategy():
+    from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME, TorchCommonLoadStrategy
+
+    class SafeCommonLoad(TorchCommonLoadStrategy):
+        """``common.pt`` with ``torch.load(weights_only=True)``; ShardedObjects are refused."""
+
+        def load_common(self, checkpoint_dir):
+            path = Path(checkpoint_dir) / COMMON_STATE_FNAME
+            if not path.is_file():
+                raise CheckpointLayoutError(f"{checkpoint_dir}: no {COMMON_STATE_FNAME}; not a complete engine checkpoint")
+            return torch.load(path, map_location="cpu", weights_only=True)
+
+        def load_sharded_objects(self, sharded_objects_state_dict, checkpoint_dir):
+            _reject_sharded_objects(sharded_objects_state_dict)
+            return sharded_objects_state_dict
+
+    return SafeCommonLoad()
+
+
+def _reject_sharded_objects(sharded_state_dict) -> None:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    objects = [v.key for v in nested_values(sharded_state_dict) if isinstance(v, ShardedObject)]
+    if objects:
+        raise CheckpointLayoutError(
+            f"the engine state holds ShardedObjects {objects[:3]} (pickled blobs); verl_lite refuses to load "
+            f"pickled objects from a checkpoint"
+        )
+
+
+# ---------------------------------------------------------------------------- state dicts
+def _is_empty_extra_state(value) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, io.BytesIO):
+        return value.getbuffer().nbytes == 0
+    return isinstance(value, torch.Tensor) and value.numel() == 0
+
+
+def _drop_empty_extra_state(node):
+    """Remove the ``*._extra_state`` ShardedObjects megatron's local linear layers emit with no content
+    (they would be pickled blobs); raise for one that holds data (it could not be restored)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    if isinstance(node, dict):
+        out = {}
+        for k, v in node.items():
+            if isinstance(v, ShardedObject) and v.key.endswith("_extra_state"):
+                if not _is_empty_extra_state(v.data):
+                    raise CheckpointLayoutError(f"{v.key} holds extra state, which verl_lite cannot store without pickling")
+                continue
+            out[k] = _drop_empty_extra_state(v)
+        return out
+    if isinstance(node, list):
+        return [_drop_empty_extra_state(v) for v in node]
+    return node
+
+
+def _model_sharded_state_dict(engine) -> dict:
+    from verl_lite.engine.model import unwrap_model
+
+    return {f"model{i}": _drop_empty_extra_state(unwrap_model(c).sharded_state_dict())
+            for i, c in enumerate(engine.chunks)}
+
+
+def _init_optimizer_state(optimizer) -> None:
+    """Give every parameter Adam state (zeros, step 0) so megatron can describe the state to load into
+    (a fresh distributed optimizer has none and its ``state_dict()`` needs a step). The load overwrites it."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                st = inner.state[p]
+                if len(st) == 0:
+                    st["exp_avg"] = torch.zeros_like(p.data)
+                    st["exp_avg_sq"] = torch.zeros_like(p.data)
+                    st["step"] = torch.zeros((), dtype=torch.float32)
+
+
+@contextlib.contextmanager
+def _torch_adam_step_fix(optimizer):
+    """megatron-core 0.16.1, distributed optimizer on torch's Adam (no Apex/TE): loading the
+    ``fully_reshardable`` format copies every per-parameter state key from the checkpoint, but the
+    checkpoint's per-parameter tensors exclude ``step`` (it travels in the param groups and is already
+    restored), so ``_set_main_param_and_optimizer_states`` raises ``KeyError: 'step'``. While active,
+    the missing ``step`` is filled with the value already restored (a copy onto itself)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer):
+            continue
+        original = opt._set_main_param_and_optimizer_states
+
+        def set_states(model_param, tensors, opt=opt, original=original):
+            group_index, group_order = opt.model_param_group_index_map[model_param]
+            state = opt.optimizer.state[opt.optimizer.param_groups[group_index]["params"][group_order]]
+            if "step" in state and "step" not in tensors:
+                tensors = dict(tensors, step=state["step"])
+            original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = set_states
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    """megatron's load_state_dict gives every parameter the SAME ``step`` tensor; torch's Adam increments
+    each parameter's step in place, so a shared one would advance once per parameter per optimizer step
+    (wrong bias correction from the second step after a resume on). Give each parameter its own copy."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in opt.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].detach().clone()
+
+
+def _engine_sharded_state_dict(engine, is_loading: bool, with_optimizer: bool) -> dict:
+    state = _model_sharded_state_dict(engine)
+    if with_optimizer:
+        if is_loading:
+            _init_optimizer_state(engine.optimizer)
+        state["optimizer"] = engine.optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=SHARDING_METADATA)
+        state["scheduler"] = engine.scheduler.state_dict()
+    return state
+
+
+def _describe(engine) -> dict:
+    """What the saver was (written as JSON next to the shards; compared on load for clear errors)."""
+    hf = engine.hf_config
+    return {
+        "format_version": FORMAT_VERSION,
+        "layout": {"tp": engine.tp, "pp": engine.pp, "vpp": engine.vpp, "cp": engine.cp, "dp": engine.dp},
+        "value_head": bool(engine.cfg.value_head),
+        "with_optimizer": engine.optimizer is not None,
+        "use_distributed_optimizer": bool(engine.optimizer is not None and engine.cfg.optim.use_distributed_optimizer),
+        "model": {k: getattr(hf, k, None) for k in (
+            "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "intermediate_size", "tie_word_embeddings")},
+    }
+
+
+def _barrier():
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def save_engine_state(engine, directory: str | Path) -> None:
+    """Write the engine's model (+ optimizer + LR schedule when trainable) into ``directory``.
+
+    Collective over every rank of the engine. ``directory`` must be empty or absent and be on a
+    file system all ranks see. Each tensor shard is written once (replicas deduplicated)."""
+    from megatron.core import dist_checkpointing
+
+    directory = Path(directory)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    _barrier()
+    state = _engine_sharded_state_dict(engine, is_loading=False, with_optimizer=engine.optimizer is not None)
+    _reject_sharded_objects(state)
+    dist_checkpointing.save(state, str(directory), sharded_strategy=("torch_dist", 1),
+                            validate_access_integrity=True, content_metadata=SHARDING_METADATA)
+    if rank == 0:
+        (directory / FORMAT_FILE).write_text(json.dumps(_describe(engine), indent=1))
+    _barrier()
+
+
+def read_engine_description(directory: str | Path) -> dict:
+    path = Path(directory) / FORMAT_FILE
+    if not path.is_file():
+        raise CheckpointLayoutError(f"{directory}: no {FORMAT_FILE}; not an engine checkpoint written by verl_lite")
+    return json.loads(path.read_text())
+
+
+def check_compatible(engine, saved: dict) -> None:
+    """Raise :class:`CheckpointLayoutError` for a change resharding cannot do (the parallel layout may change)."""
+    here = _describe(engine)
+    if saved.get("format_version") != FORMAT_VERSION:
+        raise CheckpointLayoutError(f"engine checkpoint format {saved.get('format_version')} != {FORMAT_VERSION}")
+    diffs = [f"{k}: saved {saved['model'].get(k)!r}, now {v!r}" for k, v in here["model"].items()
+             if saved["model"].get(k) != v]
+    if diffs:
+        raise CheckpointLayoutError("the checkpoint holds a different model architecture (not a layout change): "
+                                    + "; ".join(diffs))
+    if saved["value_head"] != here["value_head"]:
+        kind = {True: "a critic (value head)", False: "an LM (policy)"}
+        raise CheckpointLayoutError(f"the checkpoint holds {kind[saved['value_head']]} but this engine is "
+                                    f"{kind[here['value_head']]}")
+    if here["with_optimizer"] and saved["with_optimizer"] and (
+            here["use_distributed_optimizer"] != saved["use_distributed_optimizer"]):
+        raise CheckpointLayoutError(
+            f"the checkpoint was saved with use_distributed_optimizer={saved['use_distributed_optimizer']} and this "
+            f"engine has {here['use_distributed_optimizer']}: switching the optimizer kind on resume is not supported "
+            f"(the two store different master-weight tensors); resume with the saved setting (TP/PP/VPP/CP/DP may change)")
+    if here["with_optimizer"] and not saved["with_optimizer"]:
+        raise CheckpointLayoutError("the checkpoint holds no optimizer state (saved by a forward-only engine) but "
+                                    "this engine trains; load the weights with load_hf or save from a trainable engine")
+
+
+def load_engine_state(engine, directory: str | Path) -> dict:
+    """Load a checkpoint written by :func:`save_engine_state`, at this engine's (possibly different) layout.
+
+    Collective. Returns the saver's description (``layout`` etc.). Raises
+    :class:`CheckpointLayoutError` for an unsupported change (see :func:`check_compatible`)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import CheckpointingException
+
+    directory = Path(directory)
+    saved = read_engine_description(directory)
+    check_compatible(engine, saved)
+    with_optimizer = engine.optimizer is not None
+    state = _engine_sharded_state_dict(engine, is_loading=True, with_optimizer=with_optimizer)
+    _reject_sharded_objects(state)
+    try:
+        with restricted_metadata_unpickling():
+            loaded = dist_checkpointing.load(state, str(directory), sharded_strategy=None,
+                                             common_strategy=_safe_common_strategy(), strict="raise_all")
+    except CheckpointingException as err:
+        raise CheckpointLayoutError(f"{directory}: dist_checkpointing could not map the saved tensors onto this "
+                                    f"engine: {err}") from err
+    for i, chunk in enumerate(engine.chunks):
+        from verl_lite.engine.model import unwrap_model
+
+        missing, unexpected = unwrap_model(chunk).load_state_dict(loaded[f"model{i}"], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise CheckpointLayoutError(f"model chunk {i}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if with_optimizer:
+        with _torch_adam_step_fix(engine.optimizer):
+            engine.optimizer.load_state_dict(loaded["optimizer"])
+        _unshare_adam_steps(engine.optimizer)
+        engine.scheduler.load_state_dict(loaded["scheduler"])
+    _barrier()
+    return saved
