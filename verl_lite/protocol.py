@@ -124,3 +124,15 @@ class Batch:
 
     def to(self, device) -> "Batch":
         return Batch(self.tensors.to(device), self.non_tensors)
+
+
+def response_lengths(response_mask: torch.Tensor) -> torch.Tensor:
+    """Tokens of each response row [n]: the last position with a non-zero mask, plus one.
+
+    The mask may have holes (e.g. observation tokens of a multi-turn rollout, m = 0 inside the
+    response); those tokens are still part of the sequence the model reads, so the length is
+    NOT ``mask.sum(-1)``. A row with no valid token has length 0.
+    """
+    valid = response_mask != 0
+    positions = torch.arange(1, response_mask.shape[-1] + 1, device=response_mask.device)
+    return (valid * positions).amax(dim=-1).long() if response_mask.shape[-1] else valid.sum(-1).long()

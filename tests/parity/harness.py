@@ -80,9 +80,6 @@ def all_cells() -> list[Cell]:
     return [Cell(lo, mo, pt, mb) for pt in (False, True) for lo in LOSSES for mo in MODES for mb in MB_SCHEMES]
 
 
-CRITIC_LAYOUTS = ("single", "tp2_pp2", "cp2_dp2")
-
-
 def cells_for(layout: str) -> list[Cell]:
     """The cells one launch of ``layout`` runs.
 
@@ -94,9 +91,7 @@ def cells_for(layout: str) -> list[Cell]:
     elif layout == "tp2_sp":
         cells = [c for c in all_cells() if c.mb == "budget" and c.mode in ("token-mean", "seq-mean-token-sum-norm")]
     else:
-        cells = all_cells()
-    if layout in CRITIC_LAYOUTS:
-        cells += critic_cells()
+        cells = all_cells() + critic_cells()  # the critic's value loss: the same full product
     return cells
 
 
@@ -220,11 +215,11 @@ def reference_update(params: dict, L: torch.Tensor) -> dict:
 
 
 CLIPRANGE_VALUE = 0.2
-CRITIC_MODES = ("token-mean", "seq-mean-token-mean")
 
 
 def critic_cells() -> list[Cell]:
-    return [Cell("critic", mo, pt, mb) for pt in (False, True) for mo, mb in zip(CRITIC_MODES, ("three", "budget"))]
+    """Clipped value loss x five modes x per-token off/on x three micro-batchings."""
+    return [Cell("critic", mo, pt, mb) for pt in (False, True) for mo in MODES for mb in MB_SCHEMES]
 
 
 def reference_values(model, score_w, prob):
@@ -262,7 +257,7 @@ def make_references(root: Path, problem_path: Path) -> Path:
     for loss in LOSSES:
         for mode in MODES:
             refs[(loss, mode)] = reference_step(prob, loss, mode, old_lp)
-    for mode in CRITIC_MODES:
+    for mode in MODES:
         refs[("critic", mode)] = critic_reference_step(prob, mode)
     path = root / "refs.pt"
     torch.save(refs, path)
@@ -350,7 +345,7 @@ def _worker_body(rank, world, port, layout_name, cell_dicts, problem_path, refs_
         "returns": prob["returns"].float(),
     }
     actor_state = {k: v.float() for k, v in refs[(LOSSES[0], MODES[0])]["params_before"].items()}
-    critic_state = {k: v.float() for k, v in refs[("critic", CRITIC_MODES[0])]["params_before"].items()}
+    critic_state = {k: v.float() for k, v in refs[("critic", MODES[0])]["params_before"].items()}
     vpp_multiple = par.pp if par.vpp else 1
     cells = [Cell(**c) for c in cell_dicts]
     results: dict = {"cells": {}, "infer": {}, "timeline": timeline}
@@ -403,7 +398,7 @@ def _worker_body(rank, world, port, layout_name, cell_dicts, problem_path, refs_
                 rows, batch, mbs = local_batch(_plan(lengths, dp, "three", vpp_multiple))
                 full = gather_rows(engine, rows, engine.infer(batch, mbs, temperature=TEMPERATURE), names)
                 if critic:
-                    ref = refs[("critic", CRITIC_MODES[0])]
+                    ref = refs[("critic", MODES[0])]
                     results["infer"]["values"] = full["values"].tolist()
                     results["infer"]["values_err"] = float((full["values"].double() - ref["values"]).abs().max())
                 else:

@@ -29,7 +29,6 @@ def test_mini_batch_without_response_tokens_is_rejected_before_dispatch(trainer)
          "old_log_probs": torch.zeros(n, w), "advantages": torch.zeros(n, w)},
         {"prompt_ids": [[5, 6]] * n},
     )
-    trainer.dp = 1
-    assert trainer.group is None  # nothing started: the check runs on the driver before any dispatch
-    with pytest.raises(ValueError, match=r"mini-batch 1 of epoch 0 .* no valid response token \(N = 0\)"):
+    assert trainer.actor is None  # nothing started: the check runs on the driver before any dispatch
+    with pytest.raises(ValueError, match=r"actor mini-batch 1 of epoch 0 .* no valid response token \(N = 0\)"):
         trainer.update_actor(batch)

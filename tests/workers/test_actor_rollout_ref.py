@@ -2,8 +2,9 @@
 
 import torch
 
-from verl_lite.protocol import Batch
-from verl_lite.workers.actor_rollout_ref import sequence_batch
+from verl_lite.protocol import Batch, response_lengths
+from verl_lite.workers.actor_rollout_ref import ACTOR_LOSS_KEYS
+from verl_lite.workers.engine_worker import sequence_batch
 
 
 def test_sequence_batch_joins_prompt_and_valid_response_tokens():
@@ -15,9 +16,20 @@ def test_sequence_batch_joins_prompt_and_valid_response_tokens():
          "entropy": torch.ones(3, 4)},
         {"prompt_ids": [[5, 6], [5], [1, 2, 3]], "uid": ["a", "b", "c"]},
     )
-    sb = sequence_batch(piece, with_loss_data=True)
+    sb = sequence_batch(piece, ACTOR_LOSS_KEYS)
     assert [x.tolist() for x in sb.input_ids] == [[5, 6, 7, 8, 2], [5, 9, 2], [1, 2, 3, 4, 4, 4, 4]]
     assert sb.response_lengths.tolist() == [3, 2, 4] and sb.response_width == 4
     assert set(sb.data) == {"response_mask", "advantages", "old_log_probs"}  # only what the loss reads
     assert torch.equal(sb.data["advantages"], adv)
     assert sequence_batch(piece).data == {}
+
+
+def test_masks_with_holes_keep_every_response_token():
+    """Observation tokens (m = 0 inside the response) stay in the sequence; only trailing padding goes."""
+    responses = torch.tensor([[7, 8, 9, 3, 0], [4, 5, 6, 0, 0]])
+    mask = torch.tensor([[1, 0, 0, 1, 0], [0, 1, 0, 0, 0]], dtype=torch.float32)
+    assert response_lengths(mask).tolist() == [4, 2]
+    assert response_lengths(torch.zeros(2, 3)).tolist() == [0, 0]
+    piece = Batch.from_dict({"responses": responses, "response_mask": mask}, {"prompt_ids": [[1], [2, 2]]})
+    sb = sequence_batch(piece)
+    assert [x.tolist() for x in sb.input_ids] == [[1, 7, 8, 9, 3], [2, 2, 4, 5]]

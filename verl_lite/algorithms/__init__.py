@@ -3,6 +3,8 @@ normalization plan, KL, value loss and the per-micro-batch objectives. See docs/
 
 from .advantages import (
     ADVANTAGE_ESTIMATORS,
+    ESTIMATOR_NEEDS,
+    estimator_needs,
     compute_advantage,
     get_advantage_estimator,
     masked_whiten,
@@ -18,21 +20,25 @@ from .kl import (
     kl_penalty,
 )
 from .objective import COV_MASK_KEY, IS_WEIGHTS_KEY, ActorLossConfig, actor_loss, critic_loss
+from .dapo import groups_with_signal, overlong_penalty
 from .policy_loss import (
     COV_SELECTION_LOSSES,
+    LOSS_NEEDS,
     POLICY_LOSSES,
     PolicyLossConfig,
     get_policy_loss,
     register_policy_loss,
     select_cov_tokens,
 )
-from .value_loss import clipped_value_loss
+from .value_loss import clipped_value_loss, explained_variance
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGG_MODES",
     "COV_MASK_KEY",
     "COV_SELECTION_LOSSES",
+    "ESTIMATOR_NEEDS",
+    "LOSS_NEEDS",
     "IS_WEIGHTS_KEY",
     "KL_TYPES",
     "POLICY_LOSSES",
@@ -45,6 +51,10 @@ __all__ = [
     "apply_kl_penalty",
     "check_agg_mode",
     "clipped_value_loss",
+    "estimator_needs",
+    "explained_variance",
+    "groups_with_signal",
+    "overlong_penalty",
     "compute_advantage",
     "critic_loss",
     "get_advantage_estimator",

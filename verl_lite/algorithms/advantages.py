@@ -13,18 +13,36 @@ from typing import Callable, Sequence
 import torch
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}
+# What an estimator needs besides the rewards, read by pre-flight validation and the trainer:
+#   "critic"            values from a value model (the trainer runs the critic role)
+#   "baseline_rollout"  reward_baselines: the score of one greedy response per prompt
+#   "groups"            several samples per prompt (rollout.n >= 2) sharing a uid
+ESTIMATOR_NEEDS: dict[str, frozenset[str]] = {}
+ESTIMATOR_REQUIREMENTS = ("critic", "baseline_rollout", "groups")
 GRPO_EPS = 1e-6
 WHITEN_EPS = 1e-8
 
 
-def register_advantage_estimator(name: str):
+def register_advantage_estimator(name: str, needs: tuple[str, ...] = ()):
+    """Decorator: register ``fn`` under ``name``; ``needs`` lists its ESTIMATOR_REQUIREMENTS."""
+    unknown = set(needs) - set(ESTIMATOR_REQUIREMENTS)
+    if unknown:
+        raise ValueError(f"unknown estimator requirements {sorted(unknown)}; choose from {ESTIMATOR_REQUIREMENTS}")
+
     def decorator(fn):
         if name in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS[name] is not fn:
             raise ValueError(f"Advantage estimator {name!r} is already registered.")
         ADVANTAGE_ESTIMATORS[name] = fn
+        ESTIMATOR_NEEDS[name] = frozenset(needs)
         return fn
 
     return decorator
+
+
+def estimator_needs(name: str) -> frozenset[str]:
+    """The requirements of a registered estimator (see ESTIMATOR_NEEDS)."""
+    get_advantage_estimator(name)
+    return ESTIMATOR_NEEDS[name]
 
 
 def get_advantage_estimator(name: str) -> Callable:
@@ -138,7 +156,7 @@ def _outcome(a: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor
 # ----------------------------------------------------------------------------- estimators
 
 
-@register_advantage_estimator("gae")
+@register_advantage_estimator("gae", needs=("critic",))
 def gae_advantage(token_level_rewards, response_mask, *, values=None, gamma=1.0, lam=1.0, **_):
     """GAE, backwards over t; observation tokens (m = 0) carry next value and lastgaelam through.
 
@@ -162,7 +180,7 @@ def gae_advantage(token_level_rewards, response_mask, *, values=None, gamma=1.0,
     return masked_whiten(adv, m) * m, returns
 
 
-@register_advantage_estimator("grpo")
+@register_advantage_estimator("grpo", needs=("groups",))
 def grpo_advantage(token_level_rewards, response_mask, *, index=None, norm_adv_by_std_in_grpo=True, **_):
     """a_i = (s_i - mean_g) / (std_g + 1e-6) (unbiased std); Dr.GRPO (norm off): s_i - mean_g."""
     scores = token_level_rewards.sum(dim=-1)
@@ -174,7 +192,7 @@ def grpo_advantage(token_level_rewards, response_mask, *, index=None, norm_adv_b
     return _outcome(a, response_mask)
 
 
-@register_advantage_estimator("grpo_passk")
+@register_advantage_estimator("grpo_passk", needs=("groups",))
 def grpo_passk_advantage(token_level_rewards, response_mask, *, index=None, norm_adv_by_std_in_grpo=True, **_):
     """Only the group's best row gets r_max - r_2nd [/ (std_g + 1e-6)]; others 0. Groups need >= 2 rows."""
     scores = token_level_rewards.sum(dim=-1)
@@ -193,7 +211,7 @@ def grpo_passk_advantage(token_level_rewards, response_mask, *, index=None, norm
     return _outcome(a, response_mask)
 
 
-@register_advantage_estimator("rloo")
+@register_advantage_estimator("rloo", needs=("groups",))
 def rloo_advantage(token_level_rewards, response_mask, *, index=None, **_):
     """a_i = k/(k-1) (s_i - mean_g) for a group of k > 1; singleton: s_i."""
     scores = token_level_rewards.sum(dim=-1)
@@ -203,7 +221,7 @@ def rloo_advantage(token_level_rewards, response_mask, *, index=None, **_):
     return _outcome(a, response_mask)
 
 
-@register_advantage_estimator("opo")
+@register_advantage_estimator("opo", needs=("groups",))
 def opo_advantage(token_level_rewards, response_mask, *, index=None, **_):
     """a_i = s_i - sum_g n_j s_j / sum_g n_j (length-weighted baseline); singleton (or all
     rows of the group empty): baseline 0."""
@@ -218,7 +236,7 @@ def opo_advantage(token_level_rewards, response_mask, *, index=None, **_):
     return _outcome(scores - baseline[gid], response_mask)
 
 
-@register_advantage_estimator("gpg")
+@register_advantage_estimator("gpg", needs=("groups",))
 def gpg_advantage(token_level_rewards, response_mask, *, index=None, **_):
     """a_i = alpha (s_i - mean_g), alpha = n / max(#{s_i != 0}, 1) over the batch (f_norm = 1)."""
     scores = token_level_rewards.sum(dim=-1)
@@ -242,7 +260,7 @@ def reinforce_plus_plus_advantage(token_level_rewards, response_mask, *, gamma=1
     return masked_whiten(returns, m) * m, returns
 
 
-@register_advantage_estimator("reinforce_plus_plus_baseline")
+@register_advantage_estimator("reinforce_plus_plus_baseline", needs=("groups",))
 def reinforce_plus_plus_baseline_advantage(token_level_rewards, response_mask, *, index=None, **_):
     """a_i = s_i - mean_g (singleton mean 0), tiled over tokens, then masked_whiten * m over the batch."""
     scores = token_level_rewards.sum(dim=-1)
@@ -254,7 +272,7 @@ def reinforce_plus_plus_baseline_advantage(token_level_rewards, response_mask, *
     return adv, adv
 
 
-@register_advantage_estimator("remax")
+@register_advantage_estimator("remax", needs=("baseline_rollout",))
 def remax_advantage(token_level_rewards, response_mask, *, reward_baselines=None, **_):
     """returns_t = sum_{t' >= t} r_t' m_t' ; advantages = (returns - b_i) m (b_i: the greedy sample's score)."""
     if reward_baselines is None:

@@ -55,7 +55,8 @@ def actor_loss(
     """One micro-batch's share of the actor objective.
 
     outputs: "log_probs" [b, W] (autograd), optionally "entropy" [b, W].
-    data:    "response_mask", "old_log_probs", "advantages"; "ref_log_probs" if use_kl_loss;
+    data:    "response_mask", "advantages"; "old_log_probs" (absent: on-policy, old = sg(log_probs));
+             "ref_log_probs" if use_kl_loss;
              optional "is_weights"; "cov_mask" for clip_cov / kl_cov.
     Returns (contribution scalar, metrics of detached scalars that sum across shards).
     """
@@ -73,8 +74,11 @@ def actor_loss(
             f"policy_loss={cfg.policy_loss!r} needs data[{COV_MASK_KEY!r}] computed once per mini-batch with "
             "select_cov_tokens (the controller does this before dispatch)."
         )
+    # On-policy (one epoch, one mini-batch per RL step): the old policy IS the current one, so
+    # old = sg(log_probs): every ratio is 1 in value and the gradient is the policy gradient.
+    old_log_probs = data["old_log_probs"] if "old_log_probs" in data else log_probs.detach()
     pg, pg_metrics = pg_fn(
-        data["old_log_probs"], log_probs, data["advantages"], mask, cfg, data.get(IS_WEIGHTS_KEY), cov_mask
+        old_log_probs, log_probs, data["advantages"], mask, cfg, data.get(IS_WEIGHTS_KEY), cov_mask
     )
     pg_contribution = plan.aggregate(pg, mask)
     total = pg_contribution
@@ -98,6 +102,7 @@ def actor_loss(
         if cfg.entropy_coeff != 0:
             total = total - cfg.entropy_coeff * entropy_contribution
         metrics["entropy"] = _scalar(entropy_contribution)
+        metrics["entropy_token_mean"] = _scalar(plan.token_mean(entropy, mask))
 
     metrics["loss"] = _scalar(total)
     return total, metrics

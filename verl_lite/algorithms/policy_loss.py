@@ -32,6 +32,10 @@ import torch
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+# What a loss needs besides (old) log-probs and advantages, read by validation and the trainer:
+#   "cov_mask"  the mini-batch token selection of select_cov_tokens (computed before dispatch
+#               from old log-probs, so the trainer always runs the old-log-prob pass)
+LOSS_NEEDS: dict[str, frozenset[str]] = {}
 COV_SELECTION_LOSSES = ("clip_cov", "kl_cov")
 RATIO_LOG_CLAMP = 20.0
 
@@ -61,13 +65,15 @@ class PolicyLossConfig:
         return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator: register `fn` under `name` (re-registering another function is an error)."""
+def register_policy_loss(name: str, needs: tuple[str, ...] = ()) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator: register `fn` under `name` (re-registering another function is an error);
+    ``needs`` lists what it needs (see LOSS_NEEDS)."""
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
         if name in POLICY_LOSSES and POLICY_LOSSES[name] is not fn:
             raise ValueError(f"Policy loss {name!r} is already registered to {POLICY_LOSSES[name]}.")
         POLICY_LOSSES[name] = fn
+        LOSS_NEEDS[name] = frozenset(needs)
         return fn
 
     return decorator
@@ -222,7 +228,7 @@ def geo_mean_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_wei
     return loss, metrics
 
 
-@register_policy_loss("clip_cov")
+@register_policy_loss("clip_cov", needs=("cov_mask",))
 def clip_cov_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None, cov_mask=None):
     """Clip-Cov: PPO clip (no dual clip), and the selected tokens (cov_mask) get loss 0.
 
@@ -240,7 +246,7 @@ def clip_cov_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_wei
     return _apply_is_weights(loss, is_weights), metrics
 
 
-@register_policy_loss("kl_cov")
+@register_policy_loss("kl_cov", needs=("cov_mask",))
 def kl_cov_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None, cov_mask=None):
     """KL-Cov: l = -A r + sel * ppo_kl_coef * |delta| (no clip)."""
     selected = _require_cov_mask("kl_cov", cov_mask, log_prob)

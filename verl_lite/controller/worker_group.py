@@ -81,7 +81,11 @@ class WorkerGroup:
         timeout_s: float = 1800.0,
         env: dict[str, str] | None = None,
         local: bool | None = None,
+        bundle_offset: int = 0,
+        share: float = 1.0,
     ):
+        """``bundle_offset``/``share``: rank r runs on bundle ``bundle_offset + r`` of ``pool`` and
+        takes ``share`` of it (roles colocated on the same bundles split them)."""
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.pool = pool or ResourcePool(world_size)
@@ -100,7 +104,7 @@ class WorkerGroup:
         remote_cls = ray.remote(worker_cls)
         try:
             for rank in range(world_size):
-                opts = self.pool.actor_options(rank)
+                opts = self.pool.actor_options(bundle_offset + rank, share)
                 opts["runtime_env"] = {"env_vars": env_vars}
                 opts["max_concurrency"] = 1
                 self.actors.append(remote_cls.options(**opts).remote(rank, world_size, **(init_kwargs or {})))

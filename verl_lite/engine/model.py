@@ -53,6 +53,9 @@ class RMSNorm(torch.nn.Module):
         return self.weight * y.to(x.dtype)
 
 
+VALUE_HEAD_SEED = 0
+
+
 class ValueHead(torch.nn.Module):
     """v = h @ weight^T with weight ``[1, hidden]``, replicated over TP (a critic's head).
 
@@ -63,8 +66,11 @@ class ValueHead(torch.nn.Module):
 
     def __init__(self, config, hidden_size: int):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=config.params_dtype))
-        torch.nn.init.normal_(self.weight, mean=0.0, std=config.init_method_std)
+        # A fresh head is drawn from its own generator, so it is the same in every layout (the
+        # global RNG has seen a layout-dependent number of draws by now).
+        generator = torch.Generator().manual_seed(VALUE_HEAD_SEED)
+        weight = torch.randn(1, hidden_size, generator=generator, dtype=torch.float32) * config.init_method_std
+        self.weight = torch.nn.Parameter(weight.to(config.params_dtype))
         self.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, hidden: torch.Tensor, weight=None, runtime_gather_output=None):

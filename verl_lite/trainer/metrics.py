@@ -57,6 +57,18 @@ def mean_dicts(dicts: list[dict]) -> dict[str, float]:
     return {k: v / len(dicts) for k, v in total.items()} if dicts else {}
 
 
+def merge_owner_steps(owners: list[list[dict]]) -> list[dict]:
+    """Owners' results ``[dp][step]`` -> one dict per optimizer step: loss metrics summed over the
+    DP owners (each is that rank's share of the mini-batch value), grad norm and lr from DP rank 0
+    (the same on every rank)."""
+    merged = []
+    for step in range(len(owners[0])):
+        per_dp = [owners[d][step] for d in range(len(owners))]
+        loss_metrics = sum_dicts([{k: v for k, v in r.items() if k not in ("grad_norm", "lr")} for r in per_dp])
+        merged.append({**loss_metrics, "grad_norm": per_dp[0]["grad_norm"], "lr": per_dp[0]["lr"]})
+    return merged
+
+
 class JsonlWriter:
     """One JSON object per line (non-finite floats written as null)."""
 
@@ -75,15 +87,20 @@ class JsonlWriter:
 
 
 def plot_curves(records: list[dict], path: str | Path) -> Path:
-    """Training reward and held-out accuracy against the step (matplotlib, Agg backend)."""
+    """Training reward and held-out accuracy against the step (matplotlib, Agg backend); with a
+    critic, a second panel shows the value loss and the explained variance."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    train = [(r["step"], r["reward/mean"]) for r in records if r.get("reward/mean") is not None]
-    val = [(r["step"], r["val/accuracy"]) for r in records if r.get("val/accuracy") is not None]
+    def series(key):
+        return [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+
+    critic = series("critic/vf_loss")
+    fig, axes = plt.subplots(1, 2 if critic else 1, figsize=(12 if critic else 7, 4), squeeze=False)
+    ax = axes[0][0]
+    train, val = series("reward/mean"), series("val/accuracy")
     if train:
         ax.plot(*zip(*train), label="train reward (mean)", color="tab:blue")
     if val:
@@ -92,6 +109,15 @@ def plot_curves(records: list[dict], path: str | Path) -> Path:
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
+    if critic:
+        ax = axes[0][1]
+        ax.plot(*zip(*critic), label="critic value loss", color="tab:red")
+        explained = series("critic/explained_variance")
+        if explained:
+            ax.plot(*zip(*explained), label="explained variance", color="tab:green")
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper right")
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=100)

@@ -1,23 +1,30 @@
 """The PPO-family loop on a single controller (verl's step order).
 
     trainer = PPOTrainer(cfg)            # validates the config; nothing started yet
-    history = trainer.fit()              # starts Ray + workers, trains, validates, tears down
+    history = trainer.fit()              # starts Ray + role groups, trains, validates, tears down
 
 One RL step:
-    1. generate      n responses per prompt (uid per prompt), split over the workers
-    2. reward        score every response; the score sits at its last valid token
-    3. old log-probs the engine recomputes them (+ entropy); rollout-vs-engine diff is logged
+    1. generate      n responses per prompt (uid per prompt); DAPO's dynamic sampling keeps
+                     generating until enough prompt groups carry a learning signal
+    2. reward        score every response (+ DAPO overlong shaping); the score sits at the
+                     response's last valid token; remax also scores one greedy response per prompt
+    3. old log-probs the actor recomputes them, unless they provably equal the current policy's
+                     (one epoch, one mini-batch, nothing else reads them): then the update takes
+                     them from its own forward (``actor/old_log_prob_recomputed`` = 0)
     4. ref log-probs when the KL loss or the in-reward KL needs them
-    5. KL in reward  (optional) token_level_rewards = scores - beta * KL
-    6. advantages    on the driver (algorithms.compute_advantage)
-    7. actor update  for each of ppo_epochs, for each mini-batch: the driver builds the
-                     NormalizationPlan from the WHOLE mini-batch, plans micro-batches per DP
-                     rank, and the workers take one optimizer step
-    8. weight sync   actor -> rollout, in process
-    9. metrics, validation every test_freq
+    5. values        the critic's values, when the estimator needs a critic (gae)
+    6. KL in reward  (optional) token_level_rewards = scores - beta * KL
+    7. advantages    on the driver (algorithms.compute_advantage)
+    8. critic update for each critic epoch and mini-batch: one optimizer step (clipped value loss)
+    9. actor update  for each epoch and mini-batch: the driver builds the NormalizationPlan from
+                     the WHOLE mini-batch (and clip_cov/kl_cov's token selection), the actor
+                     role plans micro-batches per DP rank, the workers take one optimizer step
+   10. weight sync   actor -> rollout, in process
+   11. metrics, validation every test_freq
 
 No formula lives here: the math is in ``verl_lite.algorithms``, the data movement in
-``verl_lite.controller``. GRPO, GSPO, ... differ only by config.
+``verl_lite.controller`` (one ``RoleGroup`` per role, each with its own layout and process
+group). GRPO, GSPO, DAPO, PPO ... differ only by config.
 """
 
 from __future__ import annotations
@@ -26,36 +33,56 @@ import os
 import random
 from typing import Any, Callable, Iterator
 
-import ray
 import torch
 
-from verl_lite.algorithms import ActorLossConfig, NormalizationPlan, apply_kl_penalty, compute_advantage, get_kl_controller
-from verl_lite.controller import (
-    WorkerGroup,
-    collect_from_owners,
-    make_layouts,
-    per_rank_args,
-    shard_by_plan,
-    start_ray,
-    stop_ray,
+from verl_lite.algorithms import (
+    LOSS_NEEDS,
+    ActorLossConfig,
+    NormalizationPlan,
+    apply_kl_penalty,
+    compute_advantage,
+    estimator_needs,
+    explained_variance,
+    get_kl_controller,
+    groups_with_signal,
+    overlong_penalty,
+    select_cov_tokens,
 )
-from verl_lite.protocol import Batch
+from verl_lite.controller import MicroBatching, ResourcePool, RoleGroup, start_ray, stop_ray
+from verl_lite.protocol import Batch, response_lengths
 from verl_lite.reward import RewardError, RewardManager
+from verl_lite.rollout import rollout_kwargs
 from verl_lite.trainer import metrics as M
-from verl_lite.workers import ActorRolloutRefWorker, WorkerConfig
+from verl_lite.workers import ActorRolloutRefWorker, CriticWorker, EngineWorkerConfig, WorkerConfig
 
 ROLLOUT_COLUMNS = ["prompt_ids", "responses", "response_mask"]
 
 
-def _split_contiguous(n: int, parts: int) -> list[range]:
-    """``n`` items into ``parts`` contiguous near-equal ranges (the first ones one longer)."""
-    base, extra = divmod(n, parts)
-    out, start = [], 0
-    for p in range(parts):
-        size = base + (1 if p < extra else 0)
-        out.append(range(start, start + size))
-        start += size
-    return out
+class DynamicSamplingError(RuntimeError):
+    """DAPO's dynamic sampling hit ``algorithm.filter_groups.max_num_gen_batches``."""
+
+
+def _engine_fields(model_path: str, mg, opt, total_steps: int, seed: int) -> dict:
+    """The EngineWorkerConfig fields of one role from its ``megatron`` and ``optim`` sections."""
+    return dict(
+        model_path=model_path,
+        tp=mg.tensor_model_parallel_size,
+        pp=mg.pipeline_model_parallel_size,
+        vpp=mg.virtual_pipeline_model_parallel_size,
+        cp=mg.context_parallel_size,
+        sequence_parallel=mg.sequence_parallel,
+        timeout_s=mg.timeout_s,
+        optim=dict(lr=opt.lr, weight_decay=opt.weight_decay, clip_grad=opt.clip_grad, betas=tuple(opt.betas),
+                   lr_warmup_steps=opt.lr_warmup_steps, lr_decay_style=opt.lr_decay_style, min_lr=opt.min_lr,
+                   total_steps=max(1, total_steps)),
+        calculate_per_token_loss=mg.calculate_per_token_loss,
+        use_distributed_optimizer=mg.use_distributed_optimizer,
+        seed=seed,
+    )
+
+
+def _vpp_multiple(mg) -> int:
+    return mg.pipeline_model_parallel_size if mg.virtual_pipeline_model_parallel_size else 1
 
 
 class PPOTrainer:
@@ -72,6 +99,7 @@ class PPOTrainer:
         from transformers import AutoTokenizer
 
         from verl_lite.config import validate_config
+        from verl_lite.config.preflight import preflight
 
         self.cfg = cfg
         self.layout = validate_config(cfg, world_size=world_size)  # before anything starts
@@ -80,26 +108,27 @@ class PPOTrainer:
         self.tokenizer = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or arr.model.path)
         self.reward_manager = RewardManager(cfg.reward, self.tokenizer, compute_score=reward_fn)
         self.train_dataset, self.val_dataset = self._make_datasets()
+        preflight(cfg, self.train_dataset, self.val_dataset, self.tokenizer, self.reward_manager)  # before any worker
         self.worker_timeout_s = worker_timeout_s or cfg.trainer.worker_timeout_s
+        self.estimator_needs = estimator_needs(cfg.algorithm.adv_estimator)
+        self.use_critic = "critic" in self.estimator_needs
         self.need_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         self.kl_ctrl = get_kl_controller(**vars(cfg.algorithm.kl_ctrl)) if cfg.algorithm.use_kl_in_reward else None
+        actor, pl = arr.actor, arr.actor.policy_loss
         self.loss_cfg = ActorLossConfig(
-            clip_ratio=arr.actor.clip_ratio,
-            clip_ratio_low=arr.actor.clip_ratio_low,
-            clip_ratio_high=arr.actor.clip_ratio_high,
-            clip_ratio_c=arr.actor.clip_ratio_c,
-            policy_loss=arr.actor.policy_loss.loss_mode,
-            loss_agg_mode=arr.actor.loss_agg_mode,
-            entropy_coeff=arr.actor.entropy_coeff,
-            use_kl_loss=arr.actor.use_kl_loss,
-            kl_loss_coef=arr.actor.kl_loss_coef,
-            kl_loss_type=arr.actor.kl_loss_type,
+            clip_ratio=actor.clip_ratio, clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
+            clip_ratio_c=actor.clip_ratio_c, tau_pos=pl.tau_pos, tau_neg=pl.tau_neg,
+            clip_cov_ratio=pl.clip_cov_ratio, clip_cov_lb=pl.clip_cov_lb, clip_cov_ub=pl.clip_cov_ub,
+            kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef,
+            policy_loss=pl.loss_mode, loss_agg_mode=actor.loss_agg_mode, entropy_coeff=actor.entropy_coeff,
+            use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type,
         )
-        self.group: WorkerGroup | None = None
-        self.layouts = None
+        self.actor: RoleGroup | None = None
+        self.critic: RoleGroup | None = None
+        self.pool: ResourcePool | None = None
         self._owns_ray = False
         self.global_step = 0
-        self.update_history: list[list[dict]] = []  # per RL step: the per-optimizer-step results
+        self.update_history: list[list[dict]] = []  # per RL step: the actor's per-optimizer-step results
 
     # ================================================================ set-up / teardown
     def _make_datasets(self):
@@ -110,48 +139,54 @@ class PPOTrainer:
                   filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation)
         return RLDataset(d.train_files, **kw), RLDataset(d.val_files, **kw)
 
-    def _worker_config(self) -> WorkerConfig:
+    def _actor_config(self) -> WorkerConfig:
         arr = self.cfg.actor_rollout_ref
-        mg, opt = arr.actor.megatron, arr.actor.optim
         return WorkerConfig(
-            model_path=arr.model.path,
+            **_engine_fields(arr.model.path, arr.actor.megatron, arr.actor.optim, self.total_optimizer_steps(),
+                             self.cfg.trainer.seed),
             tokenizer_path=arr.model.tokenizer_path or arr.model.path,
-            tp=mg.tensor_model_parallel_size,
-            pp=mg.pipeline_model_parallel_size,
-            vpp=mg.virtual_pipeline_model_parallel_size,
-            cp=mg.context_parallel_size,
-            sequence_parallel=mg.sequence_parallel,
-            timeout_s=mg.timeout_s,
-            optim=dict(lr=opt.lr, weight_decay=opt.weight_decay, clip_grad=opt.clip_grad, betas=tuple(opt.betas),
-                       lr_warmup_steps=opt.lr_warmup_steps, lr_decay_style=opt.lr_decay_style, min_lr=opt.min_lr,
-                       total_steps=max(1, self.total_optimizer_steps())),
-            calculate_per_token_loss=mg.calculate_per_token_loss,
-            use_distributed_optimizer=mg.use_distributed_optimizer,
             need_ref=self.need_ref,
             rollout_name=arr.rollout.name,
-            seed=self.cfg.trainer.seed,
+            rollout_kwargs=rollout_kwargs(arr.rollout, self.cfg.data.max_prompt_length + self.cfg.data.max_response_length),
         )
 
+    def _critic_config(self) -> EngineWorkerConfig:
+        c = self.cfg.critic
+        return EngineWorkerConfig(**_engine_fields(c.model.path or self.cfg.actor_rollout_ref.model.path, c.megatron,
+                                                   c.optim, self.total_critic_steps(), self.cfg.trainer.seed))
+
     def start(self) -> None:
-        """Start (or join) Ray, create the workers, build engines and rollouts (both load ``model.path``)."""
-        if self.group is not None:
+        """Start (or join) Ray, place the roles, build engines and rollouts."""
+        if self.actor is not None:
             return
         self._owns_ray = start_ray(num_cpus=os.cpu_count() or 1)
         try:
-            self.group = WorkerGroup(ActorRolloutRefWorker, self.world_size,
-                                     init_kwargs={"cfg": self._worker_config()}, timeout_s=self.worker_timeout_s)
-            self.group.call_all("init_model")
-            self.layouts = make_layouts(self.group.call_all("layout"))
-            self.dp = self.layouts[0].dp_size
+            c = self.cfg.critic
+            separate = self.use_critic and c.num_workers is not None
+            self.pool = ResourcePool(self.world_size + (self.layout.critic_world_size if separate else 0))
+            colocated_share = 0.5 if self.use_critic and not separate else 1.0
+            mg = self.cfg.actor_rollout_ref.actor.megatron
+            self.actor = RoleGroup("actor", ActorRolloutRefWorker, self.world_size, self._actor_config(), self.pool,
+                                   self.worker_timeout_s, cp=mg.context_parallel_size, vpp_multiple=_vpp_multiple(mg),
+                                   share=colocated_share)
+            if self.use_critic:
+                self.critic = RoleGroup(
+                    "critic", CriticWorker, self.layout.critic_world_size, self._critic_config(), self.pool,
+                    self.worker_timeout_s, cp=c.megatron.context_parallel_size, vpp_multiple=_vpp_multiple(c.megatron),
+                    bundle_offset=self.world_size if separate else 0, share=colocated_share)
         except BaseException:
             self.close()
             raise
 
     def close(self) -> None:
-        """Kill the workers and stop Ray if this trainer started it (idempotent)."""
-        if self.group is not None:
-            self.group.shutdown()
-            self.group = None
+        """Kill every role's workers and stop Ray if this trainer started it (idempotent)."""
+        for role in (self.actor, self.critic):
+            if role is not None:
+                role.shutdown()
+        self.actor = self.critic = None
+        if self.pool is not None:
+            self.pool.remove()
+            self.pool = None
         if self._owns_ray:
             stop_ray()
             self._owns_ray = False
@@ -174,6 +209,45 @@ class PPOTrainer:
     def total_optimizer_steps(self) -> int:
         return self.total_steps() * self.layout.optimizer_steps_per_rl_step
 
+    def _critic_mini_batch_size(self) -> int:
+        return self.cfg.critic.ppo_mini_batch_size or self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+
+    def _critic_epochs(self) -> int:
+        return self.cfg.critic.ppo_epochs or self.cfg.actor_rollout_ref.actor.ppo_epochs
+
+    def total_critic_steps(self) -> int:
+        per_step = self.cfg.data.train_batch_size // self._critic_mini_batch_size() * self._critic_epochs()
+        return self.total_steps() * per_step
+
+    def old_log_probs_from_update(self) -> bool:
+        """True when the old log-probs provably equal the current policy's at the update: one
+        epoch, one mini-batch per step, and nothing before the update reads them (no in-reward
+        KL, no clip_cov/kl_cov selection)."""
+        a = self.cfg.actor_rollout_ref.actor
+        return (a.ppo_epochs == 1 and a.ppo_mini_batch_size == self.cfg.data.train_batch_size
+                and not self.cfg.algorithm.use_kl_in_reward and not LOSS_NEEDS[a.policy_loss.loss_mode])
+
+    # micro-batching of each role's passes (config sections in verl's names)
+    def _actor_update_sizing(self) -> MicroBatching:
+        a = self.cfg.actor_rollout_ref.actor
+        return MicroBatching.of(a.use_dynamic_bsz, a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu)
+
+    def _log_prob_sizing(self, section) -> MicroBatching:
+        """``section`` holds ``log_prob_*`` keys (rollout: old log-probs, ref); null sizes follow the actor."""
+        return MicroBatching.of(section.log_prob_use_dynamic_bsz,
+                                section.log_prob_micro_batch_size_per_gpu
+                                or self.cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu,
+                                section.log_prob_max_token_len_per_gpu)
+
+    def _critic_sizing(self, forward: bool) -> MicroBatching:
+        c = self.cfg.critic
+        micro = c.ppo_micro_batch_size_per_gpu or self.cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
+        budget = c.ppo_max_token_len_per_gpu
+        if forward:
+            micro = c.forward_micro_batch_size_per_gpu or micro
+            budget = c.forward_max_token_len_per_gpu or budget
+        return MicroBatching.of(c.use_dynamic_bsz, micro, budget)
+
     # ================================================================ data
     def _train_batches(self) -> Iterator[list[dict]]:
         """Prompt batches (lists of dataset rows) forever, one epoch after another."""
@@ -186,22 +260,19 @@ class PPOTrainer:
             epoch += 1
 
     # ================================================================ stages
-    def generate(self, rows: list[dict], n: int, sampling: dict, seed: int | None) -> Batch:
-        """n responses per prompt, prompts split over all workers (each process holds a full rollout
+    def generate(self, rows: list[dict], n: int, sampling: dict, seed: int | None, uid_prefix: str = "") -> Batch:
+        """n responses per prompt, prompts split over all actor workers (each holds a full rollout
         model). With a seed, prompt p is sampled with its own seed ``seed + p``, so the rollouts do
         not depend on the layout. Trajectory p * n + k is sample k of prompt p."""
         prompts = [list(r["prompt_ids"]) for r in rows]
-        ranges = _split_contiguous(len(prompts), self.world_size)
-        args = [([prompts[i] for i in rg], None if seed is None else [seed + i for i in rg], dict(sampling, n=n))
-                for rg in ranges]
-        per_rank = self.group.call_per_rank("generate", args)
-        outs = [o for rank_out in per_rank for o in rank_out]
+        seeds = None if seed is None else [seed + p for p in range(len(prompts))]
+        outs = self.actor.generate(prompts, seeds, dict(sampling, n=n))
         width = max(len(o["response_ids"]) for o in outs)
-        N = len(outs)
+        num = len(outs)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        responses = torch.full((N, width), pad, dtype=torch.long)
-        mask = torch.zeros((N, width), dtype=torch.float32)
-        rollout_lp = torch.zeros((N, width), dtype=torch.float32)
+        responses = torch.full((num, width), pad, dtype=torch.long)
+        mask = torch.zeros((num, width), dtype=torch.float32)
+        rollout_lp = torch.zeros((num, width), dtype=torch.float32)
         for i, o in enumerate(outs):
             k = len(o["response_ids"])
             responses[i, :k] = torch.as_tensor(o["response_ids"], dtype=torch.long)
@@ -215,7 +286,7 @@ class PPOTrainer:
             {"responses": responses, "response_mask": mask, "rollout_log_probs": rollout_lp},
             {
                 "prompt_ids": repeat(prompts),
-                "uid": repeat([f"{self.global_step}-{p}" for p in range(len(rows))]),
+                "uid": repeat([f"{self.global_step}-{uid_prefix}{p}" for p in range(len(rows))]),
                 "data_source": repeat([r["data_source"] for r in rows]),
                 "ground_truth": repeat([r["ground_truth"] for r in rows]),
                 "extra_info": repeat([r.get("extra_info") for r in rows]),
@@ -225,7 +296,7 @@ class PPOTrainer:
     def score(self, batch: Batch) -> tuple[torch.Tensor, dict]:
         """Scores [n] of the responses (the reward manager decodes them and names the function and
         the sample in any RewardError: a raise, a non-number, NaN/inf, or a wrong count)."""
-        lengths = batch["response_mask"].sum(-1).long().tolist()
+        lengths = response_lengths(batch["response_mask"]).tolist()
         responses = [batch["responses"][i, :k].tolist() for i, k in enumerate(lengths)]
         scores, extra = self.reward_manager(responses, batch["data_source"], batch["ground_truth"],
                                             batch["extra_info"])
@@ -233,119 +304,181 @@ class PPOTrainer:
             raise RewardError(f"reward returned {scores.numel()} scores for {len(batch)} responses")
         return scores.float(), extra
 
-    def _lengths(self, batch: Batch) -> list[int]:
-        resp = batch["response_mask"].sum(-1).long().tolist()
-        return [len(p) + r for p, r in zip(batch["prompt_ids"], resp)]
+    def shaped_scores(self, batch: Batch, m: dict) -> tuple[torch.Tensor, dict]:
+        """Scores plus DAPO's overlong penalty when ``reward.overlong_buffer.enable``."""
+        scores, extra = self.score(batch)
+        ob = self.cfg.reward.overlong_buffer
+        if ob.enable:
+            penalty = overlong_penalty(response_lengths(batch["response_mask"]), self.cfg.data.max_response_length,
+                                       ob.len, ob.penalty_factor).float()
+            scores = scores + penalty
+            m["reward/overlong_penalty_mean"] = float(penalty.mean())
+            m["reward/overlong_fraction"] = float((penalty < 0).float().mean())
+        return scores, extra
 
-    def _infer(self, method: str, batch: Batch, sizes) -> dict:
-        """Run a forward-only engine method over the batch, split by DP rank; outputs in row order.
+    def generate_and_score(self, rows: list[dict], more_rows: Callable[[], list[dict]] | None,
+                           m: dict) -> tuple[Batch, torch.Tensor, dict]:
+        """Rollouts and scores of one step. With ``algorithm.filter_groups.enable`` (DAPO dynamic
+        sampling) groups without spread in their metric are dropped and ``more_rows()`` supplies
+        further prompts until ``data.train_batch_size`` groups remain (at most
+        ``filter_groups.max_num_gen_batches`` rounds)."""
+        cfg, r = self.cfg, self.cfg.actor_rollout_ref.rollout
+        sampling = dict(do_sample=True, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                        max_new_tokens=cfg.data.max_response_length)
+        base_seed = (cfg.trainer.seed * 1_000_003 + self.global_step * 10_007) % (2**31 - 2**20)
+        fg = cfg.algorithm.filter_groups
+        if not fg.enable:
+            batch = self.generate(rows, r.n, sampling, base_seed)
+            scores, extra = self.shaped_scores(batch, m)
+            return batch, scores, extra
+        kept: list[tuple[Batch, torch.Tensor, dict]] = []
+        num_groups = dropped = 0
+        for round_index in range(fg.max_num_gen_batches):
+            if round_index > 0:
+                rows = more_rows() if more_rows is not None else rows
+            seed = base_seed + round_index * 100_003
+            batch = self.generate(rows, r.n, sampling, seed, uid_prefix=f"r{round_index}-")
+            scores, extra = self.shaped_scores(batch, m)
+            metric = self.correct(scores, extra).float() if fg.metric == "acc" else scores
+            keep_uids = set(groups_with_signal(metric.tolist(), batch["uid"]))
+            dropped += len(rows) - len(keep_uids)
+            keep = [i for i, uid in enumerate(batch["uid"]) if uid in keep_uids]
+            if keep:
+                kept.append((batch.select(keep), scores[keep], {k: [v[i] for i in keep] for k, v in extra.items()}))
+            num_groups += len(keep_uids)
+            if num_groups >= cfg.data.train_batch_size:
+                break
+        else:
+            raise DynamicSamplingError(
+                f"dynamic sampling (algorithm.filter_groups) found only {num_groups} of {cfg.data.train_batch_size} "
+                f"prompt groups with a non-constant {fg.metric!r} in {fg.max_num_gen_batches} generation rounds at "
+                f"step {self.global_step + 1}; raise algorithm.filter_groups.max_num_gen_batches, or check the "
+                f"reward (every sample of most prompts scores the same)")
+        batch = Batch.concat([b for b, _, _ in kept]).select(range(cfg.data.train_batch_size * r.n))
+        scores = torch.cat([s for _, s, _ in kept])[: len(batch)]
+        extra = {k: [v for _, _, e in kept for v in e[k]][: len(batch)] for k in kept[0][2]}
+        m["dynamic_sampling/groups_dropped"] = dropped
+        m["dynamic_sampling/generation_rounds"] = round_index + 1
+        return batch, scores, extra
 
-        ``sizes`` is the config section holding ``log_prob_micro_batch_size_per_gpu`` (falls back to
-        the actor's micro-batch size), ``log_prob_use_dynamic_bsz`` and ``log_prob_max_token_len_per_gpu``."""
-        micro_batch_size = (sizes.log_prob_micro_batch_size_per_gpu
-                            or self.cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu)
-        use_dynamic, max_tokens = sizes.log_prob_use_dynamic_bsz, sizes.log_prob_max_token_len_per_gpu
-        shards = shard_by_plan(
-            batch.columns(ROLLOUT_COLUMNS), self._lengths(batch), self.dp,
-            micro_batch_size=None if use_dynamic else micro_batch_size,
-            max_tokens_per_micro_batch=max_tokens * self._cp() if use_dynamic else None,
-            vpp_multiple=self._vpp_multiple(),
-        )
-        # one object-store copy per DP piece, shared by its TP/PP/CP peers
-        args = [(ray.put(p), m, self.cfg.actor_rollout_ref.rollout.temperature)
-                for p, m in zip(shards.pieces, shards.micro_batches)]
-        results = self.group.call_per_rank(method, per_rank_args(args, self.layouts))
-        return shards.gather(collect_from_owners(results, self.layouts))
-
-    def _cp(self) -> int:
-        return self.cfg.actor_rollout_ref.actor.megatron.context_parallel_size
-
-    def _vpp_multiple(self) -> int:
-        mg = self.cfg.actor_rollout_ref.actor.megatron
-        return mg.pipeline_model_parallel_size if mg.virtual_pipeline_model_parallel_size else 1
+    def greedy_baseline(self, rows: list[dict], n: int) -> torch.Tensor:
+        """remax: the score of one greedy response per prompt, repeated for its n samples."""
+        r = self.cfg.actor_rollout_ref.rollout
+        sampling = dict(do_sample=False, temperature=r.temperature, top_p=1.0, top_k=-1,
+                        max_new_tokens=self.cfg.data.max_response_length)
+        greedy = self.generate(rows, 1, sampling, seed=None, uid_prefix="greedy-")
+        scores, _ = self.shaped_scores(greedy, {})
+        return scores.repeat_interleave(n)
 
     def compute_old_log_probs(self, batch: Batch) -> dict:
-        return self._infer("compute_log_prob", batch, self.cfg.actor_rollout_ref.rollout)
+        return self.actor.infer("compute_log_prob", batch.columns(ROLLOUT_COLUMNS),
+                                self._log_prob_sizing(self.cfg.actor_rollout_ref.rollout),
+                                self.cfg.actor_rollout_ref.rollout.temperature)
 
     def compute_ref_log_probs(self, batch: Batch) -> dict:
-        return self._infer("compute_ref_log_prob", batch, self.cfg.actor_rollout_ref.ref)
+        return self.actor.infer("compute_ref_log_prob", batch.columns(ROLLOUT_COLUMNS),
+                                self._log_prob_sizing(self.cfg.actor_rollout_ref.ref),
+                                self.cfg.actor_rollout_ref.rollout.temperature)
 
-    def mini_batches(self, num_trajectories: int, epoch: int) -> list[list[int]]:
-        """Trajectory indices of each mini-batch of one epoch (whole prompt groups unless shuffled)."""
-        a = self.cfg.actor_rollout_ref.actor
-        size = a.ppo_mini_batch_size * self.cfg.actor_rollout_ref.rollout.n
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        return self.critic.infer("compute_values", batch.columns(ROLLOUT_COLUMNS), self._critic_sizing(True))["values"]
+
+    def _mini_batch_rows(self, num_trajectories: int, prompts_per_mini_batch: int, shuffle: bool,
+                         epoch: int, salt: int) -> list[list[int]]:
+        size = prompts_per_mini_batch * self.cfg.actor_rollout_ref.rollout.n
         order = list(range(num_trajectories))
-        if a.shuffle:
-            random.Random(self.cfg.trainer.seed * 7919 + self.global_step * 104729 + epoch).shuffle(order)
+        if shuffle:
+            random.Random(self.cfg.trainer.seed * 7919 + self.global_step * 104729 + epoch + salt).shuffle(order)
         return [order[k:k + size] for k in range(0, num_trajectories, size)]
 
-    def update_actor(self, batch: Batch) -> list[dict]:
-        """ppo_epochs x mini-batches optimizer steps; returns per-step merged results."""
+    def mini_batches(self, num_trajectories: int, epoch: int) -> list[list[int]]:
+        """Trajectory indices of each actor mini-batch of one epoch (whole prompt groups unless shuffled)."""
         a = self.cfg.actor_rollout_ref.actor
-        horizon = a.loss_scale_factor if a.loss_scale_factor is not None else self.cfg.data.max_response_length
-        keys = ROLLOUT_COLUMNS + ["old_log_probs", "advantages"] + (["ref_log_probs"] if a.use_kl_loss else [])
-        jobs_per_dp: list[list[dict]] = [[] for _ in range(self.dp)]
-        for epoch in range(a.ppo_epochs):
-            for k, rows in enumerate(self.mini_batches(len(batch), epoch)):
+        return self._mini_batch_rows(num_trajectories, a.ppo_mini_batch_size, a.shuffle, epoch, salt=0)
+
+    def _plans(self, batch: Batch, keys: list[str], rows_per_epoch, epochs: int, mode: str, horizon: float,
+               role: str) -> list[tuple[Batch, NormalizationPlan]]:
+        """(mini-batch, NormalizationPlan of the WHOLE mini-batch) for every optimizer step, in order.
+        A mini-batch with no valid token (N = 0) is rejected here, before any dispatch."""
+        out = []
+        for epoch in range(epochs):
+            for k, rows in enumerate(rows_per_epoch(epoch)):
                 mini = batch.select(rows).columns(keys)
                 if not bool((mini["response_mask"] != 0).any()):
                     raise ValueError(
-                        f"mini-batch {k} of epoch {epoch} at step {self.global_step} has no valid response token "
-                        f"(N = 0): the loss is undefined; check the rollout (max_response_length) and the data"
+                        f"{role} mini-batch {k} of epoch {epoch} at step {self.global_step} has no valid response "
+                        f"token (N = 0): the loss is undefined; check the rollout (max_response_length) and the data"
                     )
-                plan = NormalizationPlan.from_mask(mini["response_mask"], a.loss_agg_mode, horizon=horizon)
-                lengths = self._lengths(mini)
-                shards = shard_by_plan(
-                    mini, lengths, self.dp,
-                    micro_batch_size=None if a.use_dynamic_bsz else a.ppo_micro_batch_size_per_gpu,
-                    max_tokens_per_micro_batch=a.ppo_max_token_len_per_gpu * self._cp() if a.use_dynamic_bsz else None,
-                    vpp_multiple=self._vpp_multiple(),
-                )
-                for d in range(self.dp):
-                    jobs_per_dp[d].append({"piece": shards.pieces[d], "micro_batches": shards.micro_batches[d],
-                                           "plan": plan, "global_token_count": sum(lengths)})
-        temperature = self.cfg.actor_rollout_ref.rollout.temperature
-        results = self.group.call_per_rank(
-            "update_actor",
-            per_rank_args([(ray.put(jobs), self.loss_cfg, temperature) for jobs in jobs_per_dp], self.layouts),
-        )
-        owners = collect_from_owners(results, self.layouts)  # [dp][step] -> dict
-        merged = []
-        for s in range(len(owners[0])):
-            per_dp = [owners[d][s] for d in range(self.dp)]
-            loss_metrics = M.sum_dicts([{k: v for k, v in r.items() if k not in ("grad_norm", "lr")} for r in per_dp])
-            merged.append({**loss_metrics, "grad_norm": per_dp[0]["grad_norm"], "lr": per_dp[0]["lr"]})
-        return merged
+                out.append((mini, NormalizationPlan.from_mask(mini["response_mask"], mode, horizon=horizon)))
+        return out
+
+    def _horizon(self) -> float:
+        a = self.cfg.actor_rollout_ref.actor
+        return a.loss_scale_factor if a.loss_scale_factor is not None else self.cfg.data.max_response_length
+
+    def update_actor(self, batch: Batch) -> list[dict]:
+        """ppo_epochs x mini-batches optimizer steps; returns per-step results merged over DP."""
+        a = self.cfg.actor_rollout_ref.actor
+        keys = ROLLOUT_COLUMNS + ["advantages"] + [k for k in ("old_log_probs", "ref_log_probs") if k in batch]
+        plans = self._plans(batch, keys, lambda epoch: self.mini_batches(len(batch), epoch), a.ppo_epochs,
+                            a.loss_agg_mode, self._horizon(), "actor")
+        if LOSS_NEEDS[a.policy_loss.loss_mode] & {"cov_mask"}:  # selection over the whole mini-batch
+            plans = [(mini.set("cov_mask", select_cov_tokens(
+                a.policy_loss.loss_mode, mini["advantages"], mini["old_log_probs"], mini["response_mask"],
+                self.loss_cfg, seed=self.cfg.trainer.seed * 65_537 + self.global_step * 131 + k)), plan)
+                for k, (mini, plan) in enumerate(plans)]
+        owners = self.actor.train("update_actor", plans, self._actor_update_sizing(), self.loss_cfg,
+                                  self.cfg.actor_rollout_ref.rollout.temperature)
+        return M.merge_owner_steps(owners)
+
+    def update_critic(self, batch: Batch) -> list[dict]:
+        """Critic epochs x mini-batches optimizer steps of the clipped value loss."""
+        c = self.cfg.critic
+        mode = c.loss_agg_mode or self.cfg.actor_rollout_ref.actor.loss_agg_mode
+        rows = lambda epoch: self._mini_batch_rows(len(batch), self._critic_mini_batch_size(), c.shuffle,  # noqa: E731
+                                                   epoch, salt=1)
+        plans = self._plans(batch, ROLLOUT_COLUMNS + ["old_values", "returns"], rows, self._critic_epochs(), mode,
+                            self._horizon(), "critic")
+        owners = self.critic.train("update_critic", plans, self._critic_sizing(False), c.cliprange_value)
+        return M.merge_owner_steps(owners)
 
     def sync_weights(self) -> None:
-        self.group.call_all("sync_rollout_weights")
+        self.actor.call_all("sync_rollout_weights")
 
     # ================================================================ one step
-    def step(self, rows: list[dict]) -> dict[str, Any]:
-        """One RL step on a batch of prompt rows; returns its metrics."""
+    def step(self, rows: list[dict], more_rows: Callable[[], list[dict]] | None = None) -> dict[str, Any]:
+        """One RL step on a batch of prompt rows (``more_rows`` feeds dynamic sampling); returns its metrics."""
         cfg, arr = self.cfg, self.cfg.actor_rollout_ref
         m: dict[str, Any] = {"step": self.global_step + 1}
+        recompute_old = not self.old_log_probs_from_update()
+        update_actor = self.global_step >= cfg.trainer.critic_warmup
         with M.timer(m, "step"):
             with M.timer(m, "generate"):
-                r = arr.rollout
-                sampling = dict(do_sample=True, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                max_new_tokens=cfg.data.max_response_length)
-                seed = (cfg.trainer.seed * 1_000_003 + self.global_step * 10_007) % (2**31 - 2**20)
-                batch = self.generate(rows, r.n, sampling, seed)
+                batch, scores, _ = self.generate_and_score(rows, more_rows, m)
             mask = batch["response_mask"]
-            with M.timer(m, "reward"):
-                scores, _ = self.score(batch)
-                last = (mask.sum(-1).long() - 1).clamp(min=0)
-                token_scores = torch.zeros_like(mask)
-                token_scores[torch.arange(len(batch)), last] = scores
-            with M.timer(m, "old_log_prob"):
-                old = self.compute_old_log_probs(batch)
-                batch.set("old_log_probs", old["log_probs"]).set("entropy", old["entropy"])
-                m["rollout/logprob_diff_mean"], m["rollout/logprob_diff_max"] = M.masked_abs_diff(
-                    batch["rollout_log_probs"], old["log_probs"], mask)
+            last = (response_lengths(mask) - 1).clamp(min=0)
+            token_scores = torch.zeros_like(mask)
+            token_scores[torch.arange(len(batch)), last] = scores
+            baselines = None
+            if "baseline_rollout" in self.estimator_needs:
+                with M.timer(m, "baseline_rollout"):
+                    baselines = self.greedy_baseline(self._prompt_rows(batch, arr.rollout.n), arr.rollout.n)
+                m.update(M.stats("remax/baseline_reward", baselines))
+            if recompute_old:
+                with M.timer(m, "old_log_prob"):
+                    old = self.compute_old_log_probs(batch)
+                    batch.set("old_log_probs", old["log_probs"]).set("entropy", old["entropy"])
+                    m["rollout/logprob_diff_mean"], m["rollout/logprob_diff_max"] = M.masked_abs_diff(
+                        batch["rollout_log_probs"], old["log_probs"], mask)
+            m["actor/old_log_prob_recomputed"] = float(recompute_old)
             if self.need_ref:
                 with M.timer(m, "ref_log_prob"):
                     batch.set("ref_log_probs", self.compute_ref_log_probs(batch)["ref_log_probs"])
+            values = None
+            if self.use_critic:
+                with M.timer(m, "values"):
+                    values = self.compute_values(batch)
+                    batch.set("old_values", values)
             if cfg.algorithm.use_kl_in_reward:
                 token_rewards, kl_metrics = apply_kl_penalty(token_scores, batch["old_log_probs"],
                                                             batch["ref_log_probs"], mask, self.kl_ctrl,
@@ -355,25 +488,44 @@ class PPOTrainer:
                 token_rewards = token_scores
             with M.timer(m, "advantage"):
                 advantages, returns = compute_advantage(
-                    cfg.algorithm.adv_estimator, token_rewards, mask, index=batch["uid"],
-                    gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
+                    cfg.algorithm.adv_estimator, token_rewards, mask, index=batch["uid"], values=values,
+                    reward_baselines=baselines, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
                     norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
                 )
                 batch.set("advantages", advantages).set("returns", returns)
-            with M.timer(m, "update_actor"):
-                updates = self.update_actor(batch)
-            with M.timer(m, "sync_weights"):
-                self.sync_weights()
+            if self.use_critic:
+                with M.timer(m, "update_critic"):
+                    critic_updates = self.update_critic(batch)
+                m.update({f"critic/{k}": v for k, v in M.mean_dicts(critic_updates).items()})
+                m["critic/explained_variance"] = explained_variance(values, returns, mask)
+                m["critic/values_mean"] = M.masked_mean(values, mask)
+                m["critic/returns_mean"] = M.masked_mean(returns, mask)
+            updates: list[dict] = []
+            if update_actor:
+                with M.timer(m, "update_actor"):
+                    updates = self.update_actor(batch)
+                with M.timer(m, "sync_weights"):
+                    self.sync_weights()
         self.global_step += 1
         self.update_history.append(updates)
         m.update(M.stats("reward", scores))
-        m["response_length/mean"] = float(mask.sum(-1).mean())
+        m["response_length/mean"] = float(response_lengths(mask).float().mean())
         m["advantages/mean"] = M.masked_mean(advantages, mask)
         # loss terms: mean over this step's optimizer steps of each mini-batch's summed contribution
-        m.update({f"actor/{'entropy_term' if k == 'entropy' else k}": v for k, v in M.mean_dicts(updates).items()})
-        m["actor/entropy"] = M.masked_mean(batch["entropy"], mask)  # token mean over the rollouts
+        merged = M.mean_dicts(updates)
+        entropy_mean = merged.pop("entropy_token_mean", None)
+        m.update({f"actor/{'entropy_term' if k == 'entropy' else k}": v for k, v in merged.items()})
+        # token mean over the rollouts (from the old-log-prob pass, or the on-policy update's forward)
+        m["actor/entropy"] = M.masked_mean(batch["entropy"], mask) if "entropy" in batch else entropy_mean
         m["actor/num_updates"] = len(updates)
         return m
+
+    @staticmethod
+    def _prompt_rows(batch: Batch, n: int) -> list[dict]:
+        """One row per prompt group of a rollout batch (trajectory p * n is the first sample of prompt p)."""
+        return [{"prompt_ids": batch["prompt_ids"][i], "data_source": batch["data_source"][i],
+                 "ground_truth": batch["ground_truth"][i], "extra_info": batch["extra_info"][i]}
+                for i in range(0, len(batch), n)]
 
     # ================================================================ validation
     def validate(self) -> dict[str, float]:
@@ -419,7 +571,7 @@ class PPOTrainer:
                     on_step(record)
             batches = self._train_batches()
             for _ in range(self.total_steps()):
-                record = self.step(next(batches))
+                record = self.step(next(batches), more_rows=lambda: next(batches))
                 last = self.global_step == self.total_steps()
                 if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last):
                     with M.timer(record, "validate"):

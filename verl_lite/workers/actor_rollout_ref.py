@@ -3,16 +3,16 @@
 - actor:    a trainable ``MegatronEngine`` (this rank's TP/PP/CP shard);
 - ref:      a frozen forward-only ``MegatronEngine`` on the same process groups (only when the
             KL loss or the in-reward KL needs it);
-- rollout:  a full HF model per process (``HFRollout``), weights copied in-process from the
-            actor's ``export_hf()`` after every update.
+- rollout:  a full generation model per process (a ``verl_lite.rollout`` backend), weights
+            copied in-process from the actor's ``export_hf()`` after every update.
 
 Every method is a thin shell: unpack what the controller sent, call the engine or the rollout,
 hand the result back. Which rows, which micro-batches, the normalization plan and the token
 counts all come from the controller; nothing here does RL math.
 
 Batches arrive as :class:`verl_lite.protocol.Batch` pieces holding ``prompt_ids`` (list of
-token lists), ``responses`` [n, W] (right-padded) and ``response_mask`` [n, W], plus the
-per-token tensors the loss needs (``old_log_probs``, ``advantages``, ``ref_log_probs``).
+token lists), ``responses`` [n, W] (right-padded) and ``response_mask`` [n, W] (holes allowed),
+plus the per-token tensors the loss needs (``old_log_probs``, ``advantages``, ...).
 """
 
 from __future__ import annotations
@@ -20,86 +20,46 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import partial
 
-import torch
-
-from verl_lite.controller.worker_group import Worker
 from verl_lite.protocol import Batch
+from verl_lite.workers.engine_worker import EngineWorker, EngineWorkerConfig, sequence_batch
 
-LOSS_DATA_KEYS = ("response_mask", "old_log_probs", "advantages", "ref_log_probs", "is_weights")
+ACTOR_LOSS_KEYS = ("response_mask", "old_log_probs", "advantages", "ref_log_probs", "is_weights", "cov_mask")
 
 
 @dataclass
-class WorkerConfig:
-    """What one actor/rollout/ref process builds (plain data, sent once by the controller)."""
+class WorkerConfig(EngineWorkerConfig):
+    """The actor's engine layout plus what the colocated ref and rollout need."""
 
-    model_path: str
-    tokenizer_path: str
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None
-    cp: int = 1
-    sequence_parallel: bool = False
-    timeout_s: float = 300.0
-    optim: dict = field(default_factory=dict)  # verl_lite.engine.config.OptimConfig fields
-    calculate_per_token_loss: bool = False
-    use_distributed_optimizer: bool = False
+    tokenizer_path: str = ""
     need_ref: bool = False
     rollout_name: str = "hf"
-    seed: int = 0
+    rollout_kwargs: dict = field(default_factory=dict)  # backend settings passed to make_rollout
 
 
-def sequence_batch(piece: Batch, with_loss_data: bool = False):
-    """A Batch piece -> the engine's ``SequenceBatch`` (input_ids = prompt + response tokens)."""
-    from verl_lite.engine.engine import SequenceBatch
-
-    mask = piece["response_mask"]
-    lengths = mask.sum(-1).long()
-    responses = piece["responses"]
-    input_ids = [
-        torch.cat([torch.as_tensor(p, dtype=torch.long), responses[i, : int(lengths[i])].long()])
-        for i, p in enumerate(piece["prompt_ids"])
-    ]
-    data = {}
-    if with_loss_data:
-        data = {k: piece[k] for k in LOSS_DATA_KEYS if k in piece}
-    return SequenceBatch(input_ids, lengths, data, response_width=mask.shape[1])
-
-
-class ActorRolloutRefWorker(Worker):
+class ActorRolloutRefWorker(EngineWorker):
     def __init__(self, rank: int, world_size: int, cfg: WorkerConfig):
-        super().__init__(rank, world_size)
-        self.cfg = cfg
+        super().__init__(rank, world_size, cfg)
         self.actor = self.ref = self.rollout = None
 
     # ------------------------------------------------------------------ set-up
     def init_model(self) -> None:
         from transformers import AutoTokenizer
 
-        from verl_lite.engine.config import EngineConfig, OptimConfig
-        from verl_lite.engine.distributed import ParallelConfig, init_distributed
+        from verl_lite.engine.config import EngineConfig
         from verl_lite.engine.engine import MegatronEngine
         from verl_lite.rollout import make_rollout
 
         c = self.cfg
-        parallel = ParallelConfig(tp=c.tp, pp=c.pp, vpp=c.vpp, cp=c.cp, sequence_parallel=c.sequence_parallel,
-                                  timeout_s=c.timeout_s)
-        init_distributed(self.rank, self.world_size, self.master_addr, self.master_port, parallel, seed=c.seed)
-        optim = OptimConfig(**c.optim, use_distributed_optimizer=c.use_distributed_optimizer)
-        self.actor = MegatronEngine(EngineConfig(
-            model_path=c.model_path, parallel=parallel, optim=optim,
-            calculate_per_token_loss=c.calculate_per_token_loss, seed=c.seed,
-        ))
+        parallel = self._init_world()
+        self.actor = MegatronEngine(self._train_config(parallel))
         if c.need_ref:
             self.ref = MegatronEngine(EngineConfig(model_path=c.model_path, parallel=parallel, forward_only=True,
                                                    seed=c.seed))
-        tokenizer = AutoTokenizer.from_pretrained(c.tokenizer_path)
-        self.rollout = make_rollout(c.rollout_name, c.model_path, tokenizer)
+        tokenizer = AutoTokenizer.from_pretrained(c.tokenizer_path or c.model_path)
+        self.rollout = make_rollout(c.rollout_name, c.model_path, tokenizer, **c.rollout_kwargs)
 
-    def layout(self) -> dict:
-        from verl_lite.engine.distributed import data_parallel_rank, data_parallel_size
-
-        return {"dp_rank": data_parallel_rank(), "dp_size": data_parallel_size(),
-                "is_output_owner": bool(self.actor.is_output_owner)}
+    def _owner_engine(self):
+        return self.actor
 
     # ------------------------------------------------------------------ rollout
     def generate(self, prompt_ids: list[list[int]], seeds: list[int] | None, sampling: dict) -> list[dict]:
@@ -125,7 +85,7 @@ class ActorRolloutRefWorker(Worker):
 
     def sync_rollout_weights(self) -> int:
         """Copy the actor's current weights into the rollout model (every rank takes part: export gathers)."""
-        return self.rollout.load_weights(self.actor.export_hf(), strict=True)
+        return self.rollout.load_weights(self.actor.export_hf())
 
     # ------------------------------------------------------------------ log-probs
     def compute_log_prob(self, piece: Batch, micro_batches: list[list[int]], temperature: float) -> dict | None:
@@ -140,22 +100,15 @@ class ActorRolloutRefWorker(Worker):
 
     # ------------------------------------------------------------------ update
     def update_actor(self, jobs: list[dict], loss_cfg, temperature: float) -> list[dict]:
-        """One optimizer step per job, in order. A job (one mini-batch's share of this DP rank):
-        ``piece`` (Batch), ``micro_batches`` (local row indices), ``plan`` (the mini-batch's
-        NormalizationPlan), ``global_token_count`` (sum of sequence lengths over the mini-batch).
-        Returns the engine's step metrics per job (loss metrics on output owners only)."""
+        """One optimizer step per job (see ``RoleGroup.train``), in order. Returns the engine's
+        step metrics per job (loss metrics on output owners only)."""
         from verl_lite.algorithms import actor_loss
 
         results = []
         for job in jobs:
             loss_fn = partial(actor_loss, plan=job["plan"], cfg=loss_cfg)
             results.append(self.actor.train_step(
-                sequence_batch(job["piece"], with_loss_data=True), job["micro_batches"], loss_fn,
+                sequence_batch(job["piece"], ACTOR_LOSS_KEYS), job["micro_batches"], loss_fn,
                 temperature=temperature, global_token_count=job["global_token_count"],
             ))
         return results
-
-    def shutdown(self) -> None:
-        from verl_lite.engine.distributed import destroy_distributed
-
-        destroy_distributed()

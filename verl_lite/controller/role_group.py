@@ -1,0 +1,139 @@
+"""One role of the RL job (actor/rollout/ref, critic, ...) on its own workers and layout.
+
+A :class:`RoleGroup` owns a :class:`WorkerGroup` whose workers form ONE torch.distributed world
+with the role's own TP/PP/CP/DP layout. The trainer talks to roles only through it:
+
+    actor.generate(prompts, seeds, sampling)          # every rank holds a full rollout model
+    actor.infer("compute_log_prob", batch, sizing)    # forward-only, rows back in batch order
+    critic.train("update_critic", jobs, ...)          # one optimizer step per job, owners' results
+
+For DP-dispatched calls it: plans micro-batches per DP rank (``planning.py``), puts each DP
+piece in the object store ONCE (shared by its TP/PP/CP peers), calls every rank with its DP
+rank's piece, keeps the output owners' results (last PP stage, TP rank 0, CP rank 0) and puts
+rows back in the batch's order. No RL math lives here.
+
+Placement: roles share one :class:`ResourcePool`. A role is either colocated on another role's
+bundles (each takes a share of the bundle: verl's colocation, separate processes on the same
+devices) or placed on bundles of its own (``bundle_offset``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import ray
+
+from verl_lite.controller.dispatch import collect_from_owners, make_layouts, per_rank_args, shard_by_plan
+from verl_lite.controller.resource_pool import ResourcePool
+from verl_lite.controller.worker_group import WorkerGroup
+from verl_lite.protocol import Batch, response_lengths
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How a DP rank's share is cut for memory (never changes the math).
+
+    Either ``micro_batch_size`` trajectories per micro-batch, or (``max_tokens`` set) a token
+    budget per micro-batch and per CP rank (the plan uses ``max_tokens * cp``)."""
+
+    micro_batch_size: int | None = None
+    max_tokens: int | None = None
+
+    @classmethod
+    def of(cls, use_dynamic: bool, micro_batch_size: int | None, max_tokens: int) -> "MicroBatching":
+        return cls(max_tokens=max_tokens) if use_dynamic else cls(micro_batch_size=micro_batch_size)
+
+
+def sequence_lengths(batch: Batch) -> list[int]:
+    """prompt + response tokens of every row (what the engine packs)."""
+    responses = response_lengths(batch["response_mask"]).tolist()
+    return [len(p) + r for p, r in zip(batch["prompt_ids"], responses)]
+
+
+def split_contiguous(n: int, parts: int) -> list[range]:
+    """``n`` items into ``parts`` contiguous near-equal ranges (the first ones one longer)."""
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for part in range(parts):
+        size = base + (1 if part < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+class RoleGroup:
+    """The workers of one role; see the module docstring.
+
+    ``cp`` and ``vpp_multiple`` (= pp when virtual PP is on, else 1) come from the role's layout:
+    token budgets scale with CP, and micro-batch counts must be a multiple of ``vpp_multiple``.
+    """
+
+    def __init__(self, name: str, worker_cls: type, world_size: int, worker_cfg: Any, pool: ResourcePool,
+                 timeout_s: float, cp: int = 1, vpp_multiple: int = 1, bundle_offset: int = 0, share: float = 1.0):
+        self.name = name
+        self.cp, self.vpp_multiple = cp, vpp_multiple
+        self.group = WorkerGroup(worker_cls, world_size, init_kwargs={"cfg": worker_cfg}, pool=pool,
+                                 timeout_s=timeout_s, bundle_offset=bundle_offset, share=share)
+        try:
+            self.group.call_all("init_model")
+            self.layouts = make_layouts(self.group.call_all("layout"))
+        except BaseException:
+            self.shutdown()
+            raise
+        self.world_size = world_size
+        self.dp = self.layouts[0].dp_size
+
+    # ------------------------------------------------------------------ plain calls
+    def call_all(self, method: str, *args, **kwargs) -> list[Any]:
+        return self.group.call_all(method, *args, **kwargs)
+
+    def pids(self) -> list[int]:
+        return self.group.call_all("pid")
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: list[list[int]], seeds: list[int] | None, sampling: dict) -> list[dict]:
+        """Prompts split contiguously over ALL ranks (each holds a full rollout model);
+        outputs prompt-major: ``sampling['n']`` per prompt, in prompt order."""
+        ranges = split_contiguous(len(prompts), self.world_size)
+        args = [([prompts[i] for i in rg], None if seeds is None else [seeds[i] for i in rg], sampling)
+                for rg in ranges]
+        return [o for rank_out in self.group.call_per_rank("generate", args) for o in rank_out]
+
+    # ------------------------------------------------------------------ DP-dispatched calls
+    def _shards(self, batch: Batch, lengths: Sequence[int], sizing: MicroBatching):
+        return shard_by_plan(
+            batch, lengths, self.dp,
+            micro_batch_size=sizing.micro_batch_size,
+            max_tokens_per_micro_batch=None if sizing.max_tokens is None else sizing.max_tokens * self.cp,
+            vpp_multiple=self.vpp_multiple,
+        )
+
+    def infer(self, method: str, batch: Batch, sizing: MicroBatching, *args) -> dict:
+        """Forward-only ``method(piece, micro_batches, *args)`` over the batch; outputs [n, ...] in row order."""
+        shards = self._shards(batch, sequence_lengths(batch), sizing)
+        pieces = [(ray.put(piece), mbs, *args) for piece, mbs in zip(shards.pieces, shards.micro_batches)]
+        results = self.group.call_per_rank(method, per_rank_args(pieces, self.layouts))
+        return shards.gather(collect_from_owners(results, self.layouts))
+
+    def train(self, method: str, mini_batches: Sequence[tuple[Batch, Any]], sizing: MicroBatching,
+              *args) -> list[list[dict]]:
+        """One optimizer step per ``(mini_batch, loss_plan)``, in order, in ONE call per rank.
+
+        Each job sent to DP rank d: its ``piece`` of the mini-batch, the ``micro_batches`` of that
+        piece, the mini-batch's ``plan`` and ``global_token_count`` (sum of sequence lengths over
+        the whole mini-batch, for megatron's per-token mode). Returns the owners' results
+        ``[dp][step]``."""
+        jobs_per_dp: list[list[dict]] = [[] for _ in range(self.dp)]
+        for mini, plan in mini_batches:
+            lengths = sequence_lengths(mini)
+            shards = self._shards(mini, lengths, sizing)
+            for d in range(self.dp):
+                jobs_per_dp[d].append({"piece": shards.pieces[d], "micro_batches": shards.micro_batches[d],
+                                       "plan": plan, "global_token_count": sum(lengths)})
+        results = self.group.call_per_rank(
+            method, per_rank_args([(ray.put(jobs), *args) for jobs in jobs_per_dp], self.layouts))
+        return collect_from_owners(results, self.layouts)

@@ -1,0 +1,44 @@
+"""The critic role: a value-head ``MegatronEngine`` on its own workers and layout.
+
+Thin shell: the controller sends the rows, the micro-batch plan, the normalization plan and
+the token counts; the value loss itself is ``algorithms.critic_loss``.
+
+Initial weights: ``model_path`` (the actor's HF checkpoint or ``critic.model.path``); the value
+head ``score.weight`` is loaded when the checkpoint has one, else freshly initialised (the same
+in every layout, see ``engine.model.ValueHead``).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from verl_lite.workers.engine_worker import EngineWorker, sequence_batch
+
+CRITIC_LOSS_KEYS = ("response_mask", "old_values", "returns")
+
+
+class CriticWorker(EngineWorker):
+    def init_model(self) -> None:
+        from verl_lite.engine.engine import MegatronEngine
+
+        self.critic = MegatronEngine(self._train_config(self._init_world(), value_head=True))
+
+    def _owner_engine(self):
+        return self.critic
+
+    def compute_values(self, piece, micro_batches: list[list[int]]) -> dict | None:
+        """Values [n, W] of this DP rank's piece (None off the output owner)."""
+        return self.critic.infer(sequence_batch(piece), micro_batches, outputs=("values",))
+
+    def update_critic(self, jobs: list[dict], cliprange_value: float) -> list[dict]:
+        """One optimizer step per job (see ``RoleGroup.train``); loss metrics on output owners only."""
+        from verl_lite.algorithms import critic_loss
+
+        results = []
+        for job in jobs:
+            loss_fn = partial(critic_loss, plan=job["plan"], cliprange_value=cliprange_value)
+            results.append(self.critic.train_step(
+                sequence_batch(job["piece"], CRITIC_LOSS_KEYS), job["micro_batches"], loss_fn,
+                global_token_count=job["global_token_count"],
+            ))
+        return results

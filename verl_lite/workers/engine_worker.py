@@ -1,0 +1,91 @@
+"""The base of every worker role that hosts a ``MegatronEngine``: its own torch.distributed world.
+
+A role's workers (one Ray actor per engine rank) join ONE process group with the role's own
+TP/PP/VPP/CP layout (DP = world / (tp * pp * cp)); two roles never share a group, so the actor
+and the critic can use different layouts on the same machines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from verl_lite.controller.worker_group import Worker
+from verl_lite.protocol import Batch, response_lengths
+
+
+@dataclass
+class EngineWorkerConfig:
+    """What an engine role builds (plain data, sent once by the controller)."""
+
+    model_path: str
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    cp: int = 1
+    sequence_parallel: bool = False
+    timeout_s: float = 300.0
+    optim: dict = field(default_factory=dict)  # verl_lite.engine.config.OptimConfig fields
+    calculate_per_token_loss: bool = False
+    use_distributed_optimizer: bool = False
+    seed: int = 0
+
+
+def sequence_batch(piece: Batch, loss_keys: tuple[str, ...] = ()):
+    """A Batch piece -> the engine's ``SequenceBatch`` (input_ids = prompt + response tokens).
+
+    The response length of a row is its last valid position + 1 (``response_lengths``): a mask
+    may have holes, whose tokens stay in the sequence. ``loss_keys`` present in the piece travel
+    to the loss as per-token data."""
+    from verl_lite.engine.engine import SequenceBatch
+
+    mask = piece["response_mask"]
+    lengths = response_lengths(mask)
+    responses = piece["responses"]
+    input_ids = [
+        torch.cat([torch.as_tensor(p, dtype=torch.long), responses[i, : int(lengths[i])].long()])
+        for i, p in enumerate(piece["prompt_ids"])
+    ]
+    data = {k: piece[k] for k in loss_keys if k in piece}
+    return SequenceBatch(input_ids, lengths, data, response_width=mask.shape[1])
+
+
+class EngineWorker(Worker):
+    """Joins the role's process group and reports its place for dispatch."""
+
+    def __init__(self, rank: int, world_size: int, cfg: EngineWorkerConfig):
+        super().__init__(rank, world_size)
+        self.cfg = cfg
+
+    def _init_world(self):
+        """init_distributed with this role's layout; returns the ``ParallelConfig``."""
+        from verl_lite.engine.distributed import ParallelConfig, init_distributed
+
+        c = self.cfg
+        parallel = ParallelConfig(tp=c.tp, pp=c.pp, vpp=c.vpp, cp=c.cp, sequence_parallel=c.sequence_parallel,
+                                  timeout_s=c.timeout_s)
+        init_distributed(self.rank, self.world_size, self.master_addr, self.master_port, parallel, seed=c.seed)
+        return parallel
+
+    def _train_config(self, parallel, **kwargs):
+        from verl_lite.engine.config import EngineConfig, OptimConfig
+
+        c = self.cfg
+        optim = OptimConfig(**c.optim, use_distributed_optimizer=c.use_distributed_optimizer)
+        return EngineConfig(model_path=c.model_path, parallel=parallel, optim=optim,
+                            calculate_per_token_loss=c.calculate_per_token_loss, seed=c.seed, **kwargs)
+
+    def _owner_engine(self):
+        raise NotImplementedError
+
+    def layout(self) -> dict:
+        from verl_lite.engine.distributed import data_parallel_rank, data_parallel_size
+
+        return {"dp_rank": data_parallel_rank(), "dp_size": data_parallel_size(),
+                "is_output_owner": bool(self._owner_engine().is_output_owner)}
+
+    def shutdown(self) -> None:
+        from verl_lite.engine.distributed import destroy_distributed
+
+        destroy_distributed()
