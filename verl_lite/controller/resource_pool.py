@@ -18,29 +18,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 
-def start_ray(num_cpus: int | None = None, num_gpus: int | None = None) -> bool:
-    """Start (or join) Ray; return True when this call started a local Ray that the caller must stop."""
-    if ray.is_initialized():
-        return False
-    quiet = dict(logging_level=logging.WARNING, log_to_driver=True, configure_logging=True)
-    address = os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, **quiet)
-        return True
-    ray.init(
-        address="local",
-        include_dashboard=False,
-        num_cpus=num_cpus if num_cpus is not None else (os.cpu_count() or 1),
-        num_gpus=num_gpus,
-        _node_ip_address="127.0.0.1",
-        **quiet,
-    )
-    return True
-
-
-def stop_ray() -> None:
-    if ray.is_initialized():
-        ray.shutdown()
+from verl_lite.controller.local_ray import start_ray, stop_ray  # noqa: E402,F401  (loopback-only local Ray)
 
 
 def cluster_has_gpus() -> bool:

@@ -68,6 +68,8 @@ def _check_row(row: dict, path: Path, i: int, prompt_key: str) -> list[dict]:
     for j, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise DataError(f"{where}: message {j} of '{prompt_key}' must be {{'role': str, 'content': str}}, got {m!r}")
+    if not any(m["content"].strip() for m in messages):
+        raise DataError(f"{where}: every message of '{prompt_key}' has empty content; give the prompt text or drop the row")
     if not isinstance(row["data_source"], str):
         raise DataError(f"{where}: 'data_source' must be a string, got {row['data_source']!r}")
     rm = row["reward_model"]

@@ -4,7 +4,13 @@
     scores, extra = manager(response_ids_list, data_sources, ground_truths, extra_infos)
 """
 
-from verl_lite.reward.manager import REWARD_MANAGERS, RewardError, RewardManager, load_reward_function
+from verl_lite.reward.manager import (
+    REWARD_MANAGERS,
+    RewardConfigError,
+    RewardError,
+    RewardManager,
+    load_reward_function,
+)
 from verl_lite.reward.scorers import (
     boxed_math_score,
     default_compute_score,
@@ -17,6 +23,7 @@ from verl_lite.reward.scorers import (
 
 __all__ = [
     "REWARD_MANAGERS",
+    "RewardConfigError",
     "RewardError",
     "RewardManager",
     "boxed_math_score",

@@ -13,7 +13,15 @@ A dict result needs "score"; its other keys go to `extra`. Responses are decoded
 
 Any failure raises `RewardError` naming the function (file:name) and the sample (index and
 data_source): the function raising (original exception chained), a non-number, NaN or inf,
-a dict without "score", or a batched function returning the wrong number of scores.
+a dict without "score", a batched function returning the wrong number of scores, a call that
+does not return within `reward.timeout_s` (per batch call), or the reward process dying.
+
+Where the code runs (`verl_lite.reward.sandbox`): a reward FILE (`custom_reward_function.path`)
+is imported once, in its own process, started when the manager is built (before Ray); a hang
+is killed there, a crash cannot take the driver down. A Python callable (`compute_score=`) and
+the built-in scorer run in a thread of the driver under the same time bound. Set-up problems
+(the file fails to import, defines no such function, or cannot take `reward_kwargs`) raise
+`RewardConfigError`, a `ConfigError` (exit 2), before anything starts. Call `close()` when done.
 """
 
 from __future__ import annotations
@@ -26,13 +34,19 @@ from typing import Any, Callable
 
 import torch
 
+from verl_lite.config.loader import ConfigError
 from verl_lite.reward.scorers import default_compute_score
 
 REWARD_MANAGERS = ("naive", "batch")
+KEY = "reward.custom_reward_function"
 
 
 class RewardError(RuntimeError):
     """A reward function failed or returned something that is not a finite score."""
+
+
+class RewardConfigError(ConfigError, RewardError):
+    """The reward function cannot be set up as configured (found before the run starts)."""
 
 
 def load_reward_function(path: str, name: str = "compute_score") -> Callable:
@@ -72,25 +86,59 @@ class RewardManager:
     """
 
     def __init__(self, reward_cfg, tokenizer, compute_score: Callable | None = None):
+        from verl_lite.reward.sandbox import InProcessReward, RewardCallFailed, RewardProcess
+
         self.mode = reward_cfg.reward_manager
         if self.mode not in REWARD_MANAGERS:
             raise ValueError(f"reward.reward_manager={self.mode!r} is unknown; choose one of {list(REWARD_MANAGERS)}")
         custom = reward_cfg.custom_reward_function
         self.reward_kwargs = dict(custom.reward_kwargs or {})
-        if compute_score is not None:
-            self.fn, self.fn_name = compute_score, getattr(compute_score, "__qualname__", repr(compute_score))
-        elif custom.path:
-            self.fn, self.fn_name = load_reward_function(custom.path, custom.name), f"{custom.path}:{custom.name}"
-        else:
-            self.fn, self.fn_name = default_compute_score, "verl_lite.reward.default_compute_score"
-            if self.mode == "batch":
-                self.fn = _batched(default_compute_score)
+        self.timeout_s = getattr(reward_cfg, "timeout_s", None)
         self.tokenizer = tokenizer
+        if compute_score is not None:
+            self.fn_name = getattr(compute_score, "__qualname__", repr(compute_score))
+            self.runner = InProcessReward(compute_score)
+        elif custom.path:
+            self.fn_name = f"{custom.path}:{custom.name}"
+            if not Path(custom.path).is_file():
+                raise RewardConfigError([f"{KEY}.path={custom.path!r} does not exist; give the path of a python file "
+                                         f"defining {custom.name!r}"])
+            try:
+                self.runner = RewardProcess(custom.path, custom.name, self.mode, list(self.reward_kwargs))
+            except RewardCallFailed as e:
+                if e.kind == "load" and str(e) == "missing":
+                    raise RewardConfigError([f"{KEY}.name={custom.name!r}: {custom.path} defines no function "
+                                             f"{custom.name!r}; set {KEY}.name to a function of that file"]) from None
+                if e.kind == "load":
+                    raise RewardConfigError([f"{KEY}.path={custom.path!r} fails to import ({e}); fix the file"]) from None
+                raise RewardError(f"the reward process for {self.fn_name} could not start: {e}") from None
+        else:
+            self.fn_name = "verl_lite.reward.default_compute_score"
+            self.runner = InProcessReward(default_compute_score if self.mode == "naive"
+                                          else _batched(default_compute_score))
+        problem = self.runner.signature_problem(self.mode, list(self.reward_kwargs))
+        if problem:
+            self.close()
+            raise RewardConfigError([
+                f"{KEY}.reward_kwargs={self.reward_kwargs} do not fit the reward function {self.fn_name} "
+                f"(reward.reward_manager={self.mode}): {problem}; add the missing parameters to the function or "
+                f"remove the extra keys from {KEY}.reward_kwargs"])
+
+    def pids(self) -> list[int]:
+        """Process ids of the reward process (empty when the reward runs in the driver)."""
+        pid = getattr(self.runner, "pid", lambda: None)()
+        return [pid] if pid else []
+
+    def close(self) -> None:
+        """Stop the reward process (idempotent)."""
+        self.runner.close()
 
     def decode(self, responses: list[list[int]]) -> list[str]:
         return [self.tokenizer.decode(list(r), skip_special_tokens=True) for r in responses]
 
     def __call__(self, responses, data_sources, ground_truths, extra_infos=None):
+        from verl_lite.reward.sandbox import RewardCallFailed
+
         n = len(responses)
         extra_infos = list(extra_infos) if extra_infos is not None else [None] * n
         data_sources, ground_truths = list(data_sources), list(ground_truths)
@@ -100,26 +148,26 @@ class RewardManager:
                 f"ground_truths, {len(extra_infos)} extra_infos; pass one of each per response"
             )
         texts = self.decode(responses)
-        if self.mode == "naive":
-            results = []
-            for i, text in enumerate(texts):
-                try:
-                    results.append(self.fn(data_source=data_sources[i], solution_str=text,
-                                           ground_truth=ground_truths[i], extra_info=extra_infos[i], **self.reward_kwargs))
-                except Exception as e:
-                    raise RewardError(
-                        f"reward function {self.fn_name} raised {type(e).__name__}: {e} on sample {i} "
-                        f"(data_source={data_sources[i]!r})"
-                    ) from e
-        else:
-            try:
-                results = self.fn(data_sources=data_sources, solution_strs=texts, ground_truths=ground_truths,
-                                  extra_infos=extra_infos, **self.reward_kwargs)
-            except Exception as e:
+        batched = self.mode == "batch"
+        label = f"batched reward function {self.fn_name}" if batched else f"reward function {self.fn_name}"
+        try:
+            results = self.runner(self.mode, texts, data_sources, ground_truths, extra_infos, self.reward_kwargs,
+                                  self.timeout_s)
+        except RewardCallFailed as e:
+            i = e.sample
+            at = (f"on sample {i} (data_source={data_sources[i]!r}) of a batch of {n}" if i is not None
+                  else f"on a batch of {n} samples (samples 0..{n - 1}, data_sources={sorted(set(map(str, data_sources)))})")
+            if e.kind == "timeout":
                 raise RewardError(
-                    f"batched reward function {self.fn_name} raised {type(e).__name__}: {e} on a batch of {n} "
-                    f"samples (data_sources={sorted(set(map(str, data_sources)))})"
-                ) from e
+                    f"{label} did not return within reward.timeout_s={self.timeout_s}s {at}; the call was "
+                    f"abandoned; make the function faster or raise reward.timeout_s"
+                ) from None
+            if e.kind == "died":
+                raise RewardError(f"{label}: {e} {at}; a fresh reward process starts on the next call") from None
+            if e.kind == "bad_result":
+                raise RewardError(f"{label} {e}") from None
+            raise RewardError(f"{label} raised {e} {at}") from e.cause
+        if batched:
             try:
                 results = list(results)
             except TypeError as e:

@@ -8,8 +8,20 @@ progress display, and writes into ``trainer.output_dir``:
 - ``curves.png``: training reward and held-out accuracy against the step;
 - ``summary.json``: initial vs final held-out accuracy.
 
+Each run writes into a fresh directory ``<trainer.output_dir>/<experiment_name>-<UTC time>``
+(``<trainer.output_dir>/latest`` points at the newest), so no run overwrites another's results;
+it is created and checked writable before Ray starts. It also holds ``config.json``,
+``summary.json`` (``status``: completed | failed | interrupted; ``startup_s``) and ``run.log``
+(the full traceback of a failure).
+
 ``--recipe FILE.yaml`` (repeatable) applies a YAML file of overrides (nested keys, as in
-ppo_trainer.yaml) before the command-line ones, e.g. ``--recipe recipes/gspo_cpu.yaml``.
+ppo_trainer.yaml) before the command-line ones, e.g. ``--recipe recipes/gspo.yaml``.
+
+Failures end as one readable block on stderr (what failed, the key or file/row, the fix) with
+exit code 2 for bad input (config, data, output dir) and 1 for runtime failures; ``--debug`` or
+``VERL_LITE_DEBUG=1`` also prints the traceback. SIGINT / SIGTERM stop the run within a few
+seconds (the current metrics line is finished, every worker and the local Ray are stopped) and
+exit 130 / 143.
 
 Also works under ``ray job submit --address ... -- python -m verl_lite.trainer.main_ppo ...``
 (Ray is joined through ``RAY_ADDRESS``).
@@ -18,22 +30,126 @@ Also works under ``ray job submit --address ... -- python -m verl_lite.trainer.m
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 from verl_lite.config import ConfigError, config_to_dict, load_config
+from verl_lite.errors import RunFailure, RunInterrupted, describe
+
+DEBUG_ENV = "VERL_LITE_DEBUG"
+STOP_GRACE_S = 10.0  # after SIGINT/SIGTERM the run is force-stopped if its teardown takes longer
 
 
-def run(overrides: list[str]) -> dict:
+class RunState:
+    """What a run has got to: filled by :func:`run`, read by :func:`main` to report a failure."""
+
+    def __init__(self):
+        self.run_dir: Path | None = None
+        self.trainer = None
+
+
+class _Signals:
+    """SIGINT/SIGTERM -> :class:`RunInterrupted` in the main thread (deferred while a metrics line is
+    written), plus a watchdog that SIGKILLs the run's processes and exits if teardown overruns."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._deferring = 0
+        self._pending: int | None = None
+        self._previous: dict = {}
+
+    def install(self) -> None:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            self._previous[s] = signal.getsignal(s)
+            signal.signal(s, self._handle)
+
+    def restore(self) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None:
+            return  # a repeated signal: the first one is being handled, the watchdog bounds it
+        self.received = signum
+        threading.Thread(target=self._watchdog, args=(signum,), name="verl_lite-stop-watchdog", daemon=True).start()
+        if self._deferring:
+            self._pending = signum
+            return
+        raise RunInterrupted(signum)
+
+    @staticmethod
+    def _watchdog(signum: int) -> None:
+        time.sleep(STOP_GRACE_S)
+        import psutil
+
+        procs = psutil.Process().children(recursive=True)
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(procs, timeout=3.0)
+        print(f"verl_lite: stopped by {signal.Signals(signum).name}; teardown overran {STOP_GRACE_S:.0f}s, "
+              f"{len(procs)} process(es) of the run were killed", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+    @contextmanager
+    def deferred(self):
+        """A signal arriving inside the block is raised when the block ends (never mid-line)."""
+        self._deferring += 1
+        try:
+            yield
+        finally:
+            self._deferring -= 1
+            if not self._deferring and self._pending is not None:
+                signum, self._pending = self._pending, None
+                raise RunInterrupted(signum)
+
+
+_SIGNALS = _Signals()
+
+
+def _warn(message: str) -> None:
+    print(f"verl_lite: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _seconds_since_process_start() -> float:
+    import psutil
+
+    return time.time() - psutil.Process().create_time()
+
+
+def run(overrides: list[str], state: RunState | None = None) -> dict:
     """Train with the given overrides; returns the summary dict (raises on any error)."""
+    from verl_lite.config.preflight import check_model_files
+    from verl_lite.trainer.ppo_trainer import PPOTrainer
+    from verl_lite.trainer.run_dir import make_run_dir
+
+    state = state if state is not None else RunState()
+    cfg = load_config(overrides)
+    check_model_files(cfg)  # a broken config.json before the tokenizer reads it
+    trainer = PPOTrainer(cfg)  # validates the config, the data and the reward function; nothing is started yet
+    state.trainer = trainer
+    try:
+        out = make_run_dir(cfg.trainer.output_dir, cfg.trainer.experiment_name)
+        state.run_dir = out
+        return _train(cfg, trainer, out)
+    finally:
+        trainer.reward_manager.close()
+
+
+def _train(cfg, trainer, out: Path) -> dict:
     from verl_lite.trainer.display import ProgressDisplay
     from verl_lite.trainer.metrics import JsonlWriter, plot_curves
-    from verl_lite.trainer.ppo_trainer import PPOTrainer
+    from verl_lite.trainer.signal_watch import ZeroSignalWatch
 
-    cfg = load_config(overrides)
-    trainer = PPOTrainer(cfg)  # validates the config; nothing is started yet
-    out = Path(cfg.trainer.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=1, default=str))
     writer = JsonlWriter(out / "metrics.jsonl")  # always written: the summary reads it
     tensorboard = None
@@ -42,42 +158,71 @@ def run(overrides: list[str]) -> dict:
 
         tensorboard = SummaryWriter(str(out / "tensorboard"))
     records: list[dict] = []
+    watch = ZeroSignalWatch()
+    display = None
 
     def on_step(record: dict) -> None:
         records.append(record)
-        writer.write(record)
+        with _SIGNALS.deferred():
+            try:
+                writer.write(record)
+            except OSError as e:
+                raise RunFailure(f"writing {writer.path} failed at step {record.get('step')} ({e.strerror or e})",
+                                 "free disk space or set trainer.output_dir to a disk with room") from None
         if tensorboard is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
                     tensorboard.add_scalar(key, value, record["step"])
+        warning = watch.update(record)
+        if warning:
+            _warn(warning)
         if display is not None:
             display.update(record)
 
-    display = None
+    summary = {"status": "failed", "steps": 0, "startup_s": None}
     try:
+        trainer.start()  # Ray + workers + engines (fit() finds them started)
+        summary["startup_s"] = round(_seconds_since_process_start(), 2)
         if "console" in cfg.trainer.logger:
             with ProgressDisplay(trainer.total_steps(), title=cfg.trainer.experiment_name) as display:
                 trainer.fit(on_step=on_step)
         else:
             trainer.fit(on_step=on_step)
+        summary["status"] = "completed"
+    except RunInterrupted as e:
+        summary["status"] = f"interrupted ({signal.Signals(e.signum).name})"
+        raise
     finally:
-        writer.close()
+        trainer.close()
+        try:
+            writer.close()
+        except OSError:
+            pass
         if tensorboard is not None:
             tensorboard.close()
         if records:
-            plot_curves(records, out / "curves.png")
-    vals = [(r["step"], r["val/accuracy"]) for r in records if r.get("val/accuracy") is not None]
-    summary = {
-        "steps": trainer.global_step,
-        "initial_val_accuracy": vals[0][1] if vals else None,
-        "initial_val_step": vals[0][0] if vals else None,
-        "final_val_accuracy": vals[-1][1] if vals else None,
-        "final_val_step": vals[-1][0] if vals else None,
-        "total_time_s": sum(r.get("timing_s/step", 0.0) + r.get("timing_s/validate", 0.0) for r in records),
-        "metrics": str(out / "metrics.jsonl"),
-        "curve": str(out / "curves.png"),
-    }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+            try:
+                plot_curves(records, out / "curves.png")
+            except Exception as e:  # a plot never hides the run's own result or error
+                _warn(f"could not draw {out / 'curves.png'}: {type(e).__name__}: {e}")
+        vals = [(r["step"], r["val/accuracy"]) for r in records if r.get("val/accuracy") is not None]
+        summary.update({
+            "steps": trainer.global_step,
+            "initial_val_accuracy": vals[0][1] if vals else None,
+            "initial_val_step": vals[0][0] if vals else None,
+            "final_val_accuracy": vals[-1][1] if vals else None,
+            "final_val_step": vals[-1][0] if vals else None,
+            "total_time_s": sum(r.get("timing_s/step", 0.0) + r.get("timing_s/validate", 0.0) for r in records),
+            "run_dir": str(out),
+            "metrics": str(out / "metrics.jsonl"),
+            "curve": str(out / "curves.png"),
+        })
+        try:
+            (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        except OSError as e:
+            if summary["status"] == "completed":
+                raise RunFailure(f"writing {out / 'summary.json'} failed ({e.strerror or e})",
+                                 "free disk space or set trainer.output_dir to a disk with room") from None
     return summary
 
 
@@ -121,29 +266,58 @@ def expand_recipes(argv: list[str]) -> list[str]:
     return out
 
 
+def _report(err: BaseException, state: RunState, debug: bool) -> int:
+    """Print the one readable block (and the traceback when debugging); log the traceback in the run dir."""
+    code, block = describe(err)
+    tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    log_note = ""
+    if state.run_dir is not None:
+        try:
+            with open(state.run_dir / "run.log", "a") as f:
+                f.write(f"{block}\n\n{tb}")
+            log_note = f"; log: {state.run_dir / 'run.log'}"
+        except OSError:
+            pass
+    if debug:
+        print(tb, file=sys.stderr)
+    elif not isinstance(err, RunInterrupted):
+        block += f"\n  (full traceback: --debug or {DEBUG_ENV}=1{log_note})"
+    print(block, file=sys.stderr, flush=True)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """The CLI: exit 0 on success, 2 on bad input, 1 on a runtime failure, 130/143 on SIGINT/SIGTERM."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
-    from verl_lite.controller import WorkerError
-    from verl_lite.reward import RewardError
-
+    debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
+    state = RunState()
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    if in_main_thread:
+        _SIGNALS.received = None
+        _SIGNALS.install()
     try:
-        summary = run(expand_recipes(argv))
-    except ConfigError as err:
-        print(f"verl_lite: {err}", file=sys.stderr)
-        return 2
-    except (RewardError, WorkerError) as err:
-        print(f"verl_lite: the run stopped: {err}", file=sys.stderr)
-        return 1
+        summary = run(expand_recipes(argv), state)
+    except BaseException as err:  # noqa: BLE001 - every failure becomes one block and an exit code
+        if isinstance(err, SystemExit):
+            raise
+        return _report(err, state, debug)
+    finally:
+        from verl_lite.reward.sandbox import close_all
+
+        close_all()  # the reward process, also when the trainer was never fully built
+        if in_main_thread:
+            _SIGNALS.restore()
     a0, a1 = summary["initial_val_accuracy"], summary["final_val_accuracy"]
     if a0 is None:
         accuracy = "no validation ran (trainer.test_freq <= 0 and trainer.val_before_train=false)"
     else:
         accuracy = (f"held-out accuracy {a0:.3f} (step {summary['initial_val_step']}) -> "
                     f"{a1:.3f} (step {summary['final_val_step']}), {100 * (a1 - a0):+.1f} points")
-    print(f"\nsummary: {summary['steps']} steps; {accuracy}")
+    print(f"\nsummary: {summary['steps']} steps; {accuracy}; start-up {summary['startup_s']} s")
     print(f"metrics: {summary['metrics']}\ncurve:   {summary['curve']}")
     return 0
 

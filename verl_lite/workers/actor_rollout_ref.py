@@ -112,3 +112,29 @@ class ActorRolloutRefWorker(EngineWorker):
                 temperature=temperature, global_token_count=job["global_token_count"],
             ))
         return results
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, path: str, hf_dir: str | None = None) -> None:
+        """The actor's engine state (+ this rank's RNG) into ``path``; with ``hf_dir`` also the policy as an
+        HF directory. Collective over the role. The reference policy is the initial model: not saved."""
+        from verl_lite.engine.checkpoint import save_hf_pretrained, save_role_state
+
+        tokenizer = self.cfg.tokenizer_path or self.cfg.model_path
+        save_role_state(self.actor, path, tokenizer_path=tokenizer)
+        if hf_dir is not None:
+            save_hf_pretrained(self.actor, self.actor.hf_config, hf_dir, tokenizer_path=tokenizer)
+
+    def load_checkpoint(self, path: str) -> dict:
+        """Load a :meth:`save_checkpoint` directory (any layout) and refresh the rollout's weights. Collective."""
+        from verl_lite.engine.checkpoint import load_role_state
+
+        info = load_role_state(self.actor, path)
+        self.sync_rollout_weights()
+        return info
+
+    def export_hf_dir(self, hf_dir: str) -> None:
+        """The current policy as an HF directory (safetensors + config + tokenizer). Collective."""
+        from verl_lite.engine.checkpoint import save_hf_pretrained
+
+        save_hf_pretrained(self.actor, self.actor.hf_config, hf_dir,
+                           tokenizer_path=self.cfg.tokenizer_path or self.cfg.model_path)

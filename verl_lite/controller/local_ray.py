@@ -1,0 +1,158 @@
+"""Starting and stopping Ray for one run: a minimal loopback-only local Ray, or joining a cluster.
+
+:func:`start_ray` either joins the cluster named by ``RAY_ADDRESS`` (multi-node) or starts a
+local Ray that:
+
+- listens on 127.0.0.1 only: every server of the run (GCS, raylet, object manager, the
+  driver's and the workers' core-worker ports, the dashboard/runtime-env agents) binds the
+  node address, and Ray rewrites ``_node_ip_address="127.0.0.1"`` to the routable address
+  unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (Ray's "single-machine" switch) is set while
+  it starts; this module sets it for the start only;
+- runs its workers at normal priority (Ray's default ``worker_niceness`` is 15, which starved
+  runs on a busy machine) and has no dashboard, no usage-stats reporting;
+- is retried a bounded number of times (``ray.init`` times out under load: "The current node
+  timed out during startup"), then fails with :class:`RayStartError` saying what to try.
+
+Multi-node users start Ray themselves (``ray start --head --node-ip-address=<routable ip>`` on
+the head, ``ray start --address=<head>:6379`` on the others) and set ``RAY_ADDRESS``; nothing
+here then changes Ray's networking.
+
+:func:`stop_ray` shuts down what :func:`start_ray` started, SIGKILLs any process of that Ray
+that outlives the shutdown (found by pid: the processes Ray's node started and their
+descendants), and removes the run's Ray session directory (``VERL_LITE_KEEP_RAY_SESSION=1``
+keeps it for debugging).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import time
+
+import psutil
+import ray
+
+from verl_lite.errors import RayStartError
+
+RAY_START_ATTEMPTS = 3
+LOCAL_SYSTEM_CONFIG = {"worker_niceness": 0}
+_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+_session_dir: str | None = None  # the session directory of the local Ray this process started
+
+
+def _quiet() -> dict:
+    return dict(logging_level=logging.WARNING, log_to_driver=True, configure_logging=True)
+
+
+def _init_local(num_cpus: int | None, num_gpus: int | None) -> None:
+    from ray._private import ray_constants
+
+    saved_env, saved_flag = os.environ.get(_LOOPBACK_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[_LOOPBACK_ENV] = "0"  # inherited by every process Ray spawns now
+    ray_constants.ENABLE_RAY_CLUSTER = False  # this process read the variable at import time
+    try:
+        ray.init(
+            address="local",
+            include_dashboard=False,
+            num_cpus=num_cpus if num_cpus is not None else (os.cpu_count() or 1),
+            num_gpus=num_gpus,
+            _node_ip_address="127.0.0.1",
+            _system_config=dict(LOCAL_SYSTEM_CONFIG),
+            **_quiet(),
+        )
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        if saved_env is None:
+            os.environ.pop(_LOOPBACK_ENV, None)
+        else:
+            os.environ[_LOOPBACK_ENV] = saved_env
+
+
+def start_ray(num_cpus: int | None = None, num_gpus: int | None = None, attempts: int = RAY_START_ATTEMPTS) -> bool:
+    """Start (or join) Ray; return True when this call started or joined Ray and the caller must stop it.
+
+    Leaves the process's SIGINT/SIGTERM handlers as they were (``ray.init`` replaces SIGTERM's).
+    """
+    global _session_dir
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage report leaves the machine
+    address = os.environ.get("RAY_ADDRESS")
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    last: BaseException | None = None
+    for attempt in range(1, attempts + 1):
+        try:
+            if address:
+                ray.init(address=address, **_quiet())
+            else:
+                _init_local(num_cpus, num_gpus)
+                _session_dir = ray._private.worker._global_node.get_session_dir_path()
+            last = None
+            break
+        except Exception as err:  # Ray raises plain Exception / ConnectionError / TimeoutError here
+            last = err
+            _shutdown_quietly()
+            if attempt < attempts:
+                time.sleep(2.0 * attempt)
+        finally:
+            for s, h in handlers.items():
+                if h is not None:
+                    signal.signal(s, h)
+    if last is not None:
+        where = f"join the Ray cluster at RAY_ADDRESS={address}" if address else "start a local Ray"
+        fix = (
+            "check that the cluster is up (`ray status`) and reachable from this machine"
+            if address else
+            "the machine may be overloaded or short of memory or /tmp space: check `uptime`, `free -h`, `df -h /tmp`, "
+            "stop stray Ray instances (`ray stop`), then retry"
+        )
+        raise RayStartError(f"could not {where} after {attempts} attempts: {type(last).__name__}: "
+                            f"{str(last).splitlines()[0] if str(last) else ''}", fix) from last
+    return True
+
+
+def _ray_process_tree() -> list[psutil.Process]:
+    """The processes the local Ray node of this process started, and their descendants (by pid)."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    procs: dict[int, psutil.Process] = {}
+    if node is None:
+        return []
+    for infos in getattr(node, "all_processes", {}).values():
+        for info in infos:
+            try:
+                p = psutil.Process(info.process.pid)
+                procs[p.pid] = p
+                for c in p.children(recursive=True):
+                    procs[c.pid] = c
+            except (psutil.Error, AttributeError):
+                pass
+    return list(procs.values())
+
+
+def _shutdown_quietly() -> None:
+    try:
+        ray.shutdown()
+    except Exception:
+        pass
+
+
+def stop_ray(grace_s: float = 5.0) -> None:
+    """Shut Ray down; SIGKILL what survives of the local Ray this process started; drop its session dir."""
+    global _session_dir
+    if not ray.is_initialized():
+        return
+    tree = _ray_process_tree()
+    _shutdown_quietly()
+    _, alive = psutil.wait_procs(tree, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=2.0)
+    if _session_dir and not os.environ.get("VERL_LITE_KEEP_RAY_SESSION"):
+        shutil.rmtree(_session_dir, ignore_errors=True)
+    _session_dir = None

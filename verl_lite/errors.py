@@ -1,0 +1,91 @@
+"""User-facing failures: one readable block, an exit code, and the fix.
+
+Every failure that reaches the command line ends as :func:`describe`'s block::
+
+    verl_lite: <what failed, naming the key or the file/row>
+      fix: <what to change>                      (when the message does not already say it)
+      (full traceback: VERL_LITE_DEBUG=1 or --debug; log: <run dir>/run.log)
+
+Exit codes: ``2`` bad input (a config key, a data file, the output directory), ``1`` a runtime
+failure (reward, worker, Ray start-up, disk), ``130`` / ``143`` stopped by SIGINT / SIGTERM.
+"""
+
+from __future__ import annotations
+
+import signal
+
+EXIT_RUNTIME = 1
+EXIT_BAD_INPUT = 2
+EXIT_SIGINT = 128 + signal.SIGINT  # 130
+EXIT_SIGTERM = 128 + signal.SIGTERM  # 143
+
+
+class UserError(Exception):
+    """A failure the user can act on: ``what`` failed, ``fix`` says what to change."""
+
+    exit_code = EXIT_RUNTIME
+
+    def __init__(self, what: str, fix: str | None = None):
+        self.what, self.fix = what, fix
+        super().__init__(what if fix is None else f"{what}; {fix}")
+
+
+class BadInput(UserError):
+    """Bad input found before anything started (exit 2)."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class RunFailure(UserError):
+    """The run started and then failed (exit 1)."""
+
+    exit_code = EXIT_RUNTIME
+
+
+class RayStartError(RunFailure):
+    """Ray did not start (or could not be joined) within the bounded retries."""
+
+
+class RunInterrupted(BaseException):
+    """SIGINT / SIGTERM arrived: unwinds the run like KeyboardInterrupt (``except Exception`` does not catch it)."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def describe(err: BaseException) -> tuple[int, str]:
+    """(exit code, the one readable block without the traceback hint) for any exception."""
+    from verl_lite.config import ConfigError
+    from verl_lite.data import DataError
+
+    try:
+        from verl_lite.controller.worker_group import WorkerError
+    except Exception:  # pragma: no cover - Ray missing
+        WorkerError = ()  # type: ignore[assignment]
+    from verl_lite.reward import RewardError
+
+    if isinstance(err, RunInterrupted):
+        return err.exit_code, f"verl_lite: {err}"
+    if isinstance(err, ConfigError):
+        return EXIT_BAD_INPUT, f"verl_lite: {err}"
+    if isinstance(err, DataError):
+        return EXIT_BAD_INPUT, f"verl_lite: bad data: {err}"
+    if isinstance(err, UserError):
+        fix = f"\n  fix: {err.fix}" if err.fix else ""
+        return err.exit_code, f"verl_lite: {err.what}{fix}"
+    if isinstance(err, RewardError):
+        return EXIT_RUNTIME, f"verl_lite: the run stopped: {err}"
+    if WorkerError and isinstance(err, WorkerError):
+        head = str(err).split("\n--- worker rank", 1)[0]  # the worker traceback goes to the log only
+        return EXIT_RUNTIME, f"verl_lite: the run stopped: {head}"
+    if isinstance(err, KeyboardInterrupt):
+        return EXIT_SIGINT, "verl_lite: stopped by SIGINT"
+    return EXIT_RUNTIME, (
+        f"verl_lite: internal error: {type(err).__name__}: {err}\n"
+        f"  fix: this is a bug in verl_lite or an unchecked input; rerun with VERL_LITE_DEBUG=1 and report the traceback"
+    )

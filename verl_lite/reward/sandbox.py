@@ -1,0 +1,219 @@
+"""Running reward code where a hang or a crash cannot take the driver down, with a time bound per call.
+
+- :class:`RewardProcess`: a user reward FILE runs in its own persistent process
+  (``sandbox_child.py``, started once; the file is imported there once). Each batch call waits
+  at most ``timeout_s``; past it the process is SIGKILLed and a :class:`TimeoutError`-like
+  :class:`RewardCallFailed` says which sample it was stuck on. If the process dies (segfault,
+  ``os._exit``), the call fails at once naming its exit status. The process dies with the driver
+  (``PR_SET_PDEATHSIG``) and on :meth:`close`.
+- :class:`InProcessReward`: a Python callable (the Python API's ``reward_fn``, or the built-in
+  scorer) runs in a daemon thread of the driver, awaited with the same bound; a call past the
+  bound is abandoned (the thread cannot be killed) and reported the same way.
+
+Both return the raw results (one per sample, or the batched function's return value); checking
+them is the manager's job.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Callable
+
+from verl_lite.reward.sandbox_child import HEADER
+
+CHILD = Path(__file__).with_name("sandbox_child.py")
+START_TIMEOUT_S = 60.0  # importing a reward file (it may import torch, a tokenizer, ...)
+_LIVE: "weakref.WeakSet[RewardProcess]" = weakref.WeakSet()
+
+
+def close_all() -> None:
+    """Stop every reward process of this driver (the CLI calls it on the way out, whatever happened)."""
+    for proc in list(_LIVE):
+        proc.close()
+
+
+class RewardCallFailed(Exception):
+    """A reward call failed. ``kind``: raised | timeout | died | bad_result | load; ``sample``: index or None."""
+
+    def __init__(self, kind: str, message: str, sample: int | None = None, cause: BaseException | None = None,
+                 remote_traceback: str | None = None):
+        super().__init__(message)
+        self.kind, self.sample, self.cause, self.remote_traceback = kind, sample, cause, remote_traceback
+
+
+def _call_fn(fn: Callable, mode: str, texts, data_sources, ground_truths, extra_infos, kwargs, progress: list):
+    if mode == "naive":
+        results = []
+        for i, text in enumerate(texts):
+            progress[0] = i
+            results.append(fn(data_source=data_sources[i], solution_str=text, ground_truth=ground_truths[i],
+                              extra_info=extra_infos[i], **kwargs))
+        progress[0] = None
+        return results
+    return fn(data_sources=data_sources, solution_strs=texts, ground_truths=ground_truths,
+              extra_infos=extra_infos, **kwargs)
+
+
+class InProcessReward:
+    """A callable awaited in a daemon thread for at most ``timeout_s`` per call."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def signature_problem(self, mode: str, kwarg_names: list[str]) -> str | None:
+        from verl_lite.reward.sandbox_child import _signature_problem
+
+        return _signature_problem(self.fn, mode, kwarg_names)
+
+    def __call__(self, mode, texts, data_sources, ground_truths, extra_infos, kwargs, timeout_s: float | None):
+        box: dict[str, Any] = {}
+        progress: list = [None]
+
+        def target():
+            try:
+                box["ok"] = _call_fn(self.fn, mode, texts, data_sources, ground_truths, extra_infos, kwargs, progress)
+            except BaseException as e:  # reported on the calling thread
+                box["err"] = e
+
+        thread = threading.Thread(target=target, name="verl_lite-reward", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            raise RewardCallFailed("timeout", f"did not return within {timeout_s}s", sample=progress[0])
+        if "err" in box:
+            e = box["err"]
+            raise RewardCallFailed("raised", f"{type(e).__name__}: {e}", sample=progress[0], cause=e)
+        return box["ok"]
+
+    def close(self) -> None:
+        pass
+
+
+class RewardProcess:
+    """The reward file ``path``:``name`` in its own process (see module docstring)."""
+
+    def __init__(self, path: str, name: str, mode: str, kwarg_names: list[str]):
+        self.path, self.name, self.mode, self.kwarg_names = str(path), name, mode, list(kwarg_names)
+        self.proc: subprocess.Popen | None = None
+        self.signature = None
+        _LIVE.add(self)
+        self._start()
+
+    # ------------------------------------------------------------ process
+    def _start(self) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-u", str(CHILD)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env, close_fds=True)
+        self._send(("init", self.path, self.name, self.mode, self.kwarg_names))
+        reply = self._recv(time.monotonic() + START_TIMEOUT_S, during="importing the reward file")
+        if reply[0] == "load_error":
+            self.close()
+            raise RewardCallFailed("load", reply[2] if reply[1] == "import" else "missing")
+        self.signature = reply[1]
+
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def close(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        try:
+            proc.stdin.close()
+        except Exception:
+            pass
+        try:
+            proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5.0)
+        for f in (proc.stdout,):
+            try:
+                f.close()
+            except Exception:
+                pass
+
+    def _kill(self) -> None:
+        if self.proc is not None:
+            try:
+                self.proc.send_signal(signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.close()
+
+    # ------------------------------------------------------------ protocol
+    def _send(self, message) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            self.proc.stdin.write(HEADER.pack(len(data)) + data)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # the process died; _recv reports how
+
+    def _read_exact(self, n: int, deadline: float, during: str, sample) -> bytes:
+        fd = self.proc.stdout.fileno()
+        chunks, got = [], 0
+        while got < n:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RewardCallFailed("timeout", "timeout", sample=sample)
+            ready, _, _ = select.select([fd], [], [], min(remaining, 1.0))
+            if not ready:
+                continue
+            chunk = os.read(fd, n - got)
+            if not chunk:
+                code = self.proc.wait(timeout=5.0)
+                how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+                raise RewardCallFailed("died", f"the reward process {how} while {during}", sample=sample)
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
+
+    def _recv(self, deadline: float, during: str, sample=None):
+        (n,) = HEADER.unpack(self._read_exact(HEADER.size, deadline, during, sample))
+        return pickle.loads(self._read_exact(n, deadline, during, sample))
+
+    # ------------------------------------------------------------ calls
+    def signature_problem(self, mode: str, kwarg_names: list[str]) -> str | None:
+        return self.signature
+
+    def __call__(self, mode, texts, data_sources, ground_truths, extra_infos, kwargs, timeout_s: float | None):
+        if self.proc is None:  # killed by an earlier timeout: start afresh
+            self._start()
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
+        self._send(("call", mode, list(texts), list(data_sources), list(ground_truths), list(extra_infos),
+                    dict(kwargs)))
+        sample = None
+        try:
+            while True:
+                reply = self._recv(deadline, during="scoring", sample=sample)
+                if reply[0] == "progress":
+                    sample = reply[1]
+                    continue
+                break
+        except RewardCallFailed as e:
+            self._kill()
+            if e.kind == "timeout":
+                raise RewardCallFailed("timeout", f"did not return within {timeout_s}s", sample=sample) from None
+            raise
+        if reply[0] == "ok":
+            return reply[1]
+        if reply[0] == "bad_result":
+            raise RewardCallFailed("bad_result", reply[1])
+        _, sample, type_name, message, payload, tb = reply
+        cause = None
+        if payload is not None:
+            try:
+                cause = pickle.loads(payload)
+            except Exception:
+                cause = None
+        raise RewardCallFailed("raised", f"{type_name}: {message}", sample=sample, cause=cause, remote_traceback=tb)

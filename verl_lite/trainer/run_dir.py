@@ -1,0 +1,73 @@
+"""Where a run writes: a fresh directory per run, so that no run ever overwrites another's results.
+
+    run_dir = make_run_dir(cfg.trainer.output_dir, cfg.trainer.experiment_name)
+    # -> <output_dir>/<experiment_name>-<UTC yyyymmdd-HHMMSS>[-k], created atomically and checked writable;
+    #    <output_dir>/latest points at it
+
+Two runs started in the same second (or from the same working directory) get different
+directories (``-2``, ``-3``, ... by ``mkdir`` without ``exist_ok``, which is atomic). A directory that
+cannot be created or written raises :class:`~verl_lite.errors.BadInput` naming
+``trainer.output_dir`` before anything else starts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+from verl_lite.errors import BadInput
+
+LATEST = "latest"
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "run"
+
+
+def make_run_dir(output_dir: str, experiment_name: str, now: float | None = None) -> Path:
+    """Create and return a fresh, writable run directory under ``output_dir`` (see module docstring)."""
+    root = Path(output_dir).expanduser().resolve()
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if now is None else now))
+    base = f"{_safe(experiment_name)}-{stamp}"
+    fix = "set trainer.output_dir to a directory you can write (it is created if missing)"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BadInput(f"trainer.output_dir={output_dir!r}: cannot create {root} ({e.strerror or e})", fix) from None
+    for k in range(1, 1000):
+        run = root / (base if k == 1 else f"{base}-{k}")
+        try:
+            run.mkdir()
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise BadInput(f"trainer.output_dir={output_dir!r}: cannot create a run directory in {root} "
+                           f"({e.strerror or e})", fix) from None
+        break
+    else:  # pragma: no cover
+        raise BadInput(f"trainer.output_dir={output_dir!r}: 999 runs named {base} already exist", fix)
+    probe = run / ".write_check"
+    try:
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise BadInput(f"trainer.output_dir={output_dir!r}: {run} is not writable ({e.strerror or e})", fix) from None
+    _point_latest(root, run)
+    return run
+
+
+def _point_latest(root: Path, run: Path) -> None:
+    """``<root>/latest`` -> the new run (replaced atomically; skipped where symlinks are not possible)."""
+    tmp = root / f".{LATEST}.{os.getpid()}"
+    try:
+        if tmp.is_symlink():
+            tmp.unlink()
+        tmp.symlink_to(run.name)
+        os.replace(tmp, root / LATEST)
+    except OSError:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
