@@ -165,7 +165,9 @@ def test_default_config_is_valid_and_layout():
         (["actor_rollout_ref.rollout.temperature=0"], None, "actor_rollout_ref.rollout.temperature=0", "> 0"),
         ([f"{M}.sequence_parallel=true"], None, f"{M}.sequence_parallel=true", "set it to false"),
         ([f"{A}.clip_ratio_c=0.5"], None, f"{A}.clip_ratio_c=0.5", "> 1"),
-        (["trainer.logger=[console,wandb]"], None, "trainer.logger entry 'wandb'", "choose from"),
+        (["trainer.logger=[console,mlflow]"], None, "trainer.logger entry 'mlflow'", "choose from"),
+        (["trainer.log_freq=0"], None, "trainer.log_freq=0", "must be >= 1"),
+        (["trainer.max_actor_ckpt_to_keep=0"], None, "trainer.max_actor_ckpt_to_keep=0", "must be >= 1"),
     ],
 )
 def test_each_validation_error_names_key_and_fix(overrides, world, key, fix):

@@ -7,6 +7,7 @@ from verl_lite.engine.packing import (
     assemble_response,
     pack_micro_batch,
     pad_multiple,
+    unpack_response,
     zigzag_positions,
 )
 
@@ -77,6 +78,32 @@ def test_only_local_shard_keeps_autograd():
         torch.testing.assert_close(local.grad, torch.cat(expected), rtol=0, atol=0)
         total += float(local.grad.sum())
     assert total == sum(resp)  # each response token's gradient counted once over the CP group
+
+
+@pytest.mark.parametrize("multiple", [1, 4])
+def test_cp1_unpack_matches_a_per_sequence_loop_values_and_grads(multiple):
+    """The one-gather CP=1 path of unpack_response vs slicing each sequence by hand (incl. an
+    empty response and padding), forward values and the gradient of a weighted sum."""
+    seqs, resp = _seqs([7, 3, 9, 5]), [3, 0, 8, 1]
+    pk = pack_micro_batch(seqs, resp, multiple=multiple)
+    width = 9
+    vals = torch.randn(pk.num_local_tokens, dtype=torch.float64)
+    weights = torch.randn(len(seqs), width, dtype=torch.float64)
+    local = vals.clone().requires_grad_(True)
+    out = unpack_response(local.unsqueeze(0), pk, width)
+    (out * weights).sum().backward()
+    ref = vals.clone().requires_grad_(True)
+    rows, offset = [], 0
+    for n, p, r in zip(pk.lengths, pk.padded_lengths, resp):
+        piece = ref[offset + n - r - 1: offset + n - 1]
+        rows.append(torch.cat([piece, piece.new_zeros(width - r)]))
+        offset += p
+    expected = torch.stack(rows)
+    (expected * weights).sum().backward()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    torch.testing.assert_close(local.grad, ref.grad, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="exceeds the output width"):
+        unpack_response(vals, pk, 7)
 
 
 def test_bad_inputs_raise():

@@ -65,7 +65,8 @@ def test_thd_uses_padded_boundaries_when_given():
 
 
 def test_thd_never_attends_across_the_whole_pack(monkeypatch):
-    """Every SDPA call sees keys from one sequence only: no [T, T] mask over the pack."""
+    """No SDPA call sees more keys than the longest sequence and none takes a mask: no [T, T]
+    mask over the pack (at CP=1 one batched call over [b, max_len])."""
     import verl_lite.engine.attention as attention
 
     seen = []
@@ -79,7 +80,7 @@ def test_thd_never_attends_across_the_whole_pack(monkeypatch):
     bounds = [0, 5, 9, 16]
     q, k, v = _qkv(16, 2, 2, 4, dtype=torch.float32)
     attention_module(4)(q, k, v, None, attn_mask_type=None, attention_bias=None, packed_seq_params=_thd_params(bounds))
-    assert [s for s, _ in seen] == [5, 4, 7]
+    assert seen and all(s <= 7 for s, _ in seen)
     assert all(m is None for _, m in seen)
 
 

@@ -15,8 +15,10 @@ Contract (megatron-core 0.16.1, ``transformer/attention.py``; RoPE is already ap
 
 The math per sequence is ``softmax(q k^T * scale + mask) v`` with ``scale = softmax_scale`` or
 ``1/sqrt(hn)``; each query head h uses KV group ``h // (np/ng)`` (GQA: this module never
-repeats K/V; SDPA's ``enable_gqa`` does the grouping). No mask is ever built over the whole pack: the loop runs per
-sequence, and under CP a sequence's mask is ``[L/cp, L]``.
+repeats K/V, except on the CP=1 THD path below). No mask is ever built over the whole pack. At CP=1
+all sequences of a pack go through ONE causal SDPA call on ``[b, max_len]`` (each sequence
+zero-padded at its end, which causality hides from its real tokens); under CP the loop runs per
+sequence and a sequence's mask is ``[L/cp, L]``.
 
 Context parallelism (zig-zag): every sequence of padded length L is cut into 2*cp chunks of
 ``c = L/(2*cp)`` tokens; CP rank r holds chunks r and 2*cp-1-r, so in THD the local rows of
@@ -190,6 +192,7 @@ class PackedCoreAttention(torch.nn.Module):
             flash = _flash_attn_varlen()
             if flash is not None and q.dtype in (torch.float16, torch.bfloat16):
                 return self._thd_flash(flash, q, k, v, cu)
+            return self._thd_batched(q, k, v, bounds)
         np_, hn = q.shape[1], q.shape[2]
         if cp > 1:
             kv = torch.stack([k, v], dim=1)  # [t, 2, ng, hn]: one collective for both
@@ -214,6 +217,46 @@ class PackedCoreAttention(torch.nn.Module):
         if used < t_local or not outs:
             outs.append(q.new_zeros(t_local - used, np_ * hn))
         return torch.cat(outs, dim=0)
+
+    def _thd_batched(self, q, k, v, bounds: list[int]):
+        """cp == 1: every sequence of the pack in ONE causal SDPA call.
+
+        The sequences are gathered into ``[b, max_len]``; the slots past a sequence's end read an
+        arbitrary row and causality alone hides them from that sequence's real queries, so each
+        real row's output is its own sequence's attention. The real rows are read back in pack
+        order; rows past ``cu[-1]`` are zeros. Both gathers have gather backwards
+        (``regather.gather_rows``): the pad slots get no gradient, exactly as they influence
+        no real output."""
+        from verl_lite.engine.regather import gather_rows, invert_index
+
+        t_local, np_, hn = q.shape
+        used = bounds[-1]
+        starts = torch.tensor(bounds[:-1], dtype=torch.long)
+        lengths = torch.tensor(bounds[1:], dtype=torch.long) - starts
+        max_len = int(lengths.max()) if lengths.numel() else 0
+        if max_len == 0:
+            return q.new_zeros(t_local, np_ * hn)
+        b = lengths.numel()
+        offsets = torch.arange(max_len, dtype=torch.long)
+        valid = (offsets[None, :] < lengths[:, None]).reshape(-1)
+        index = torch.where(valid, (starts[:, None] + offsets[None, :]).reshape(-1), 0).to(q.device)
+        valid = valid.to(q.device)
+        inverse = invert_index(index, valid, t_local)  # token -> its slot (-1 past cu[-1])
+        slot_to_token = torch.where(valid, index, -1)
+
+        def gather(x):  # [t, heads, hn] -> [b, heads, max_len, hn]
+            return gather_rows(x, index, inverse).view(b, max_len, *x.shape[1:]).permute(0, 2, 1, 3)
+
+        qb, kb, vb = gather(q), gather(k), gather(v)
+        if kb.shape[1] != np_:  # GQA: SDPA's CPU fast kernels take equal head counts
+            rep = np_ // kb.shape[1]
+            kb, vb = kb.repeat_interleave(rep, dim=1), vb.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=self.scale)
+        out = out.permute(0, 2, 1, 3).reshape(b * max_len, np_ * hn)
+        out = gather_rows(out, inverse[:used], slot_to_token)
+        if used < t_local:
+            out = torch.cat([out, out.new_zeros(t_local - used, np_ * hn)])
+        return out
 
     def _thd_flash(self, flash, q, k, v, cu):
         lengths = cu[1:] - cu[:-1]

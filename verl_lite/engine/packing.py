@@ -160,8 +160,28 @@ def unpack_response(
     local = local.reshape(-1)
     if local.numel() != packed.num_local_tokens:
         raise ValueError(f"per-token tensor has {local.numel()} entries, pack has {packed.num_local_tokens}")
+    if packed.cp_size == 1:
+        return _gather_responses(local, packed, width)
     shards = gather_over_cp(local, packed.cp_size, packed.cp_rank, cp_group)
     return assemble_response(shards, packed, width)
+
+
+def _gather_responses(local: torch.Tensor, packed: PackedMicroBatch, width: int) -> torch.Tensor:
+    """CP = 1: ``assemble_response`` as one gather (with a gather backward). Response token t of
+    sequence i is scored at pack position start_i + L_i - R_i - 1 + t; entries t >= R_i are 0."""
+    from verl_lite.engine.regather import gather_rows, invert_index
+
+    responses = torch.tensor(packed.response_lengths, dtype=torch.long)
+    if int(responses.max()) > width:
+        raise ValueError(f"response length {int(responses.max())} exceeds the output width {width}")
+    padded = torch.tensor(packed.padded_lengths, dtype=torch.long)
+    first = torch.cumsum(padded, 0) - padded + torch.tensor(packed.lengths, dtype=torch.long) - responses - 1
+    offsets = torch.arange(width, dtype=torch.long)
+    valid = (offsets[None, :] < responses[:, None]).reshape(-1).to(local.device)
+    index = torch.where(valid, (first[:, None] + offsets[None, :]).reshape(-1).to(local.device), 0)
+    inverse = invert_index(index, valid, local.numel())
+    rows = gather_rows(local, index, inverse)
+    return torch.where(valid, rows, torch.zeros((), dtype=local.dtype, device=local.device)).view(len(packed.lengths), width)
 
 
 def assemble_response(shards: list[torch.Tensor], packed: PackedMicroBatch, width: int) -> torch.Tensor:

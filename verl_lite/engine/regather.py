@@ -1,0 +1,54 @@
+"""Row gathers whose backward is a gather too (no scatter-add).
+
+``gather_rows(x, index, inverse)`` is ``x.index_select(0, index)`` for an index that reads every
+row of ``x`` at most once where it matters. Autograd's own backward of a gather is an
+accumulating scatter (``index_put_`` / ``index_add_``), slow on CPU; when each row of ``x`` lands
+in at most one output row, the gradient is a gather again: ``dx[r] = dy[inverse[r]]``, or 0 where
+``inverse[r] < 0`` (row r is not read).
+
+Output rows that are padding (read some arbitrary row, e.g. 0, and are never used by the loss)
+are simply not listed in ``inverse``: their gradient is dropped, which is exact when the caller
+guarantees those rows do not influence any real output (THD attention pads at sequence ends,
+hidden by causality) or zeroes them itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return gather_with_zeros(dy, inverse), None, None
+
+
+def gather_with_zeros(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[index]`` along dim 0, with rows where ``index < 0`` set to 0 (no autograd of its own)."""
+    missing = index < 0
+    if not bool(missing.any()):
+        return x.index_select(0, index)
+    padded = torch.cat([x, x.new_zeros((1, *x.shape[1:]))])
+    return padded.index_select(0, torch.where(missing, torch.full_like(index, x.shape[0]), index))
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """``x.index_select(0, index)`` with the gradient ``dx[r] = dy[inverse[r]]`` (0 where inverse[r] < 0).
+
+    ``inverse`` ([x.shape[0]] long) must give, for each row r of x, the one output row that reads it
+    and whose gradient counts (-1 for none); see the module docstring for when that is exact."""
+    return _GatherRows.apply(x, index, inverse)
+
+
+def invert_index(index: torch.Tensor, valid: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``inverse[index[j]] = j`` for the valid output rows j (each reading a distinct row), -1 elsewhere."""
+    inverse = torch.full((num_rows,), -1, dtype=torch.long, device=index.device)
+    positions = torch.arange(index.numel(), dtype=torch.long, device=index.device)
+    inverse[index[valid]] = positions[valid]
+    return inverse
