@@ -343,7 +343,8 @@ def load_engine_state(engine, directory: str | Path) -> dict:
     try:
         with restricted_metadata_unpickling():
             loaded = dist_checkpointing.load(state, str(directory), sharded_strategy=None,
-                                             common_strategy=_safe_common_strategy(), strict="raise_all")
+                                             common_strategy=_safe_common_strategy(),
+                                             strict="raise_all" if with_optimizer else "assume_ok_unexpected")
     except CheckpointingException as err:
         raise CheckpointLayoutError(f"{directory}: dist_checkpointing could not map the saved tensors onto this "
                                     f"engine: {err}") from err
@@ -361,3 +362,129 @@ def load_engine_state(engine, directory: str | Path) -> dict:
         engine.scheduler.load_state_dict(loaded["scheduler"])
     _barrier()
     return saved
+
+
+# ---------------------------------------------------------------------------- a role's directory
+# <path>/dist/            dist_checkpointing shards (save_engine_state)
+# <path>/rng/rank_K.safetensors   this rank's torch RNG state(s)
+# <path>/hf_config/       config.json (+ tokenizer files): what an offline export needs besides the shards
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _world() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def _rng_tensors() -> dict[str, torch.Tensor]:
+    out = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        from megatron.core import tensor_parallel
+
+        out["torch_cuda"] = torch.cuda.get_rng_state()
+        for name, state in tensor_parallel.get_cuda_rng_tracker().get_states().items():
+            out[f"tracker/{name}"] = state
+    return out
+
+
+def _restore_rng(tensors: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    if torch.cuda.is_available() and "torch_cuda" in tensors:
+        from megatron.core import tensor_parallel
+
+        torch.cuda.set_rng_state(tensors["torch_cuda"])
+        tracker = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("tracker/")}
+        if tracker:
+            tensor_parallel.get_cuda_rng_tracker().set_states(tracker)
+
+
+def save_role_state(engine, path: str | Path, tokenizer_path: str | None = None) -> None:
+    """Engine state + this rank's RNG + the HF config/tokenizer into ``path`` (collective)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    save_engine_state(engine, path / "dist")
+    (path / "rng").mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in _rng_tensors().items()}, str(path / "rng" / f"rank_{_rank()}.safetensors"),
+              metadata={"world_size": str(_world()), "layout": json.dumps(_describe(engine)["layout"])})
+    if _rank() == 0:
+        write_hf_config(engine.hf_config, path / "hf_config", tokenizer_path)
+    _barrier()
+
+
+def load_role_state(engine, path: str | Path) -> dict:
+    """Load :func:`save_role_state` output (any layout). RNG states are restored only when the saver had
+    the same world size and layout (per-rank streams have no meaning in another layout); the result says
+    ``{"layout": saved layout, "rng_restored": bool}``."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    saved = load_engine_state(engine, path / "dist")
+    rng_file = path / "rng" / f"rank_{_rank()}.safetensors"
+    same = False
+    if rng_file.is_file():
+        with safe_open(str(rng_file), "pt") as f:
+            meta = f.metadata() or {}
+        same = meta.get("world_size") == str(_world()) and json.loads(meta.get("layout", "{}")) == _describe(engine)["layout"]
+    flags = [same]
+    if torch.distributed.is_initialized():
+        gathered = [None] * _world()
+        torch.distributed.all_gather_object(gathered, same)  # plain bools
+        flags = gathered
+    restored = all(flags)
+    if restored:
+        _restore_rng(load_file(str(rng_file)))
+    return {"layout": saved["layout"], "rng_restored": restored}
+
+
+def write_hf_config(hf_config, directory: str | Path, tokenizer_path: str | None) -> None:
+    """config.json (+ generation config, tokenizer files) of the model into ``directory``."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    hf_config.save_pretrained(str(directory))
+    if tokenizer_path:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(str(directory))
+        gen = Path(tokenizer_path) / "generation_config.json"
+        if gen.is_file():
+            (directory / gen.name).write_bytes(gen.read_bytes())
+
+
+def save_hf_pretrained(engine_or_chunks, hf_config, directory: str | Path, tokenizer_path: str | None = None) -> None:
+    """The model as an HF directory (``model.safetensors`` + config + tokenizer) that
+    ``AutoModelForCausalLM.from_pretrained`` loads. Collective (``export_hf`` gathers); rank 0 writes."""
+    from safetensors.torch import save_file
+
+    from verl_lite.engine.hf_bridge import export_hf
+
+    chunks = getattr(engine_or_chunks, "chunks", engine_or_chunks)
+    tensors = {}
+    for name, tensor in export_hf(chunks, hf_config):
+        if _rank() == 0:
+            tensors[name] = tensor.detach().to("cpu").contiguous().clone()
+    if _rank() == 0:
+        directory = Path(directory)
+        write_hf_config(hf_config, directory, tokenizer_path)
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    _barrier()
+
+
+def load_model_only(chunks, directory: str | Path) -> None:
+    """Load just the model weights of an engine checkpoint (``<role>/dist``) into ``chunks`` (any layout);
+    the optimizer state in the checkpoint is not read. Collective."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from verl_lite.engine.model import unwrap_model
+
+    state = {f"model{i}": _drop_empty_extra_state(unwrap_model(c).sharded_state_dict()) for i, c in enumerate(chunks)}
+    with restricted_metadata_unpickling():
+        loaded = dist_checkpointing.load(state, str(directory), common_strategy=_safe_common_strategy(),
+                                         strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+    for i, chunk in enumerate(chunks):
+        missing, unexpected = unwrap_model(chunk).load_state_dict(loaded[f"model{i}"], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise CheckpointLayoutError(f"model chunk {i}: missing {missing[:5]}, unexpected {unexpected[:5]}")
