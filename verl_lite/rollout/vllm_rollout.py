@@ -168,7 +168,7 @@ class VLLMRollout:
         self._wake("weights")
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors, "is_checkpoint_format": True})
-        except (KeyError, AssertionError) as e:
+        except (KeyError, ValueError, AssertionError) as e:
             names = sorted(n for n, _ in tensors)
             raise ValueError(f"load_weights: vLLM rejected the weights ({type(e).__name__}: {e}); names given: "
                              f"{names[:8]}{' ...' if len(names) > 8 else ''}") from e
