@@ -18,14 +18,18 @@ ALGOS = {
              "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-mean",
              "actor_rollout_ref.actor.entropy_coeff": 0.01, "actor_rollout_ref.actor.use_kl_loss": True},
 }
+# PPO: the critic (GAE) in a layout of its own, colocated on the same 4 workers
+ALGOS["ppo"] = {"algorithm.adv_estimator": "gae", "critic.optim.lr": 1e-3}
 LAYOUTS = {
     "1": {},
     "tp2pp2": {"trainer.n_gpus_per_node": 4, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": 2,
                "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size": 2},
     "dp2tp2": {"trainer.n_gpus_per_node": 4, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": 2},
 }
-# Every algorithm in every 4-worker layout (a 4-worker run costs ~40-60 s on 2 cores).
-MATRIX = [(a, lay) for a in ALGOS for lay in ("tp2pp2", "dp2tp2")]
+LAYOUTS["tp2pp2_critic_dp2tp2"] = {**LAYOUTS["tp2pp2"], "critic.megatron.tensor_model_parallel_size": 2}
+# GRPO and GSPO in both 4-worker layouts, PPO with actor TP2xPP2 and critic DP2xTP2
+# (a 4-worker run costs ~40-60 s on 2 cores).
+MATRIX = [(a, lay) for a in ("grpo", "gspo") for lay in ("tp2pp2", "dp2tp2")] + [("ppo", "tp2pp2_critic_dp2tp2")]
 
 _runs: dict = {}
 
@@ -45,7 +49,7 @@ def run(assets, algo, layout):
         cfg = load_config(tiny_overrides(assets, **shipped, **ALGOS[algo], **LAYOUTS[layout]))
         trainer = PPOTrainer(cfg)
         history = trainer.fit()
-        _runs[key] = (history, trainer.update_history)
+        _runs[key] = (history, trainer.update_history, trainer.critic_update_history)
     return _runs[key]
 
 
@@ -55,8 +59,8 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("algo,layout", MATRIX)
 def test_first_update_matches_one_worker(tiny_assets, shared_ray, algo, layout):
-    ref_hist, ref_updates = run(tiny_assets, algo, "1")
-    hist, updates = run(tiny_assets, algo, layout)
+    ref_hist, ref_updates, ref_critic = run(tiny_assets, algo, "1")
+    hist, updates, critic = run(tiny_assets, algo, layout)
     # both runs finished every step and validated before and after training
     assert [r["step"] for r in hist] == [r["step"] for r in ref_hist] == [0, 1, 2]
     assert hist[-1].get("val/accuracy") is not None and hist[0].get("val/accuracy") is not None
@@ -69,6 +73,12 @@ def test_first_update_matches_one_worker(tiny_assets, shared_ray, algo, layout):
     assert abs(ref_first["loss"]) > 1e-6 and ref_first["grad_norm"] > 1e-6, "the check needs a non-trivial update"
     assert _rel(first["loss"], ref_first["loss"]) < 1e-5, (first["loss"], ref_first["loss"])
     assert _rel(first["grad_norm"], ref_first["grad_norm"]) < 1e-5, (first["grad_norm"], ref_first["grad_norm"])
+    if algo == "ppo":  # the critic's first update (clipped value loss) matches too
+        c, ref_c = critic[0][0], ref_critic[0][0]
+        assert ref_c["vf_loss"] > 1e-6 and ref_c["grad_norm"] > 1e-6
+        assert _rel(c["vf_loss"], ref_c["vf_loss"]) < 1e-5, (c["vf_loss"], ref_c["vf_loss"])
+        assert _rel(c["grad_norm"], ref_c["grad_norm"]) < 1e-5, (c["grad_norm"], ref_c["grad_norm"])
+        assert all(len(u) == 2 for u in critic)
     # weight sync: after the first update the rollout samples from the updated actor, so its
     # log-probs agree with the engine's recompute (a stale rollout would be off by ~lr-sized steps)
     assert hist[2]["rollout/logprob_diff_max"] < 1e-4 and ref_hist[2]["rollout/logprob_diff_max"] < 1e-4

@@ -53,6 +53,7 @@ from verl_lite.protocol import Batch, response_lengths
 from verl_lite.reward import RewardError, RewardManager
 from verl_lite.rollout import rollout_kwargs
 from verl_lite.trainer import metrics as M
+from verl_lite.trainer.checkpointing import CheckpointManager
 from verl_lite.workers import ActorRolloutRefWorker, CriticWorker, EngineWorkerConfig, WorkerConfig
 
 ROLLOUT_COLUMNS = ["prompt_ids", "responses", "response_mask"]
@@ -129,6 +130,8 @@ class PPOTrainer:
         self._owns_ray = False
         self.global_step = 0
         self.update_history: list[list[dict]] = []  # per RL step: the actor's per-optimizer-step results
+        self.critic_update_history: list[list[dict]] = []  # the same for the critic
+        self.checkpoints = CheckpointManager(cfg)  # trainer.save_freq / resume_mode / default_local_dir
 
     # ================================================================ set-up / teardown
     def _make_datasets(self):
@@ -493,6 +496,7 @@ class PPOTrainer:
                     norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
                 )
                 batch.set("advantages", advantages).set("returns", returns)
+            critic_updates: list[dict] = []
             if self.use_critic:
                 with M.timer(m, "update_critic"):
                     critic_updates = self.update_critic(batch)
@@ -508,6 +512,7 @@ class PPOTrainer:
                     self.sync_weights()
         self.global_step += 1
         self.update_history.append(updates)
+        self.critic_update_history.append(critic_updates)
         m.update(M.stats("reward", scores))
         m["response_length/mean"] = float(response_lengths(mask).float().mean())
         m["advantages/mean"] = M.masked_mean(advantages, mask)
@@ -563,19 +568,20 @@ class PPOTrainer:
         history: list[dict] = []
         try:
             self.start()
+            batches = self.checkpoints.resume(self)  # restores step, data position, RNGs, KL (resume_mode)
             if t.val_before_train:
-                with M.timer(record := {"step": 0}, "validate"):
+                with M.timer(record := {"step": self.global_step}, "validate"):
                     record.update(self.validate())
                 history.append(record)
                 if on_step:
                     on_step(record)
-            batches = self._train_batches()
-            for _ in range(self.total_steps()):
+            for _ in range(self.total_steps() - self.global_step):
                 record = self.step(next(batches), more_rows=lambda: next(batches))
                 last = self.global_step == self.total_steps()
                 if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last):
                     with M.timer(record, "validate"):
                         record.update(self.validate())
+                record.update(self.checkpoints.after_step(self, batches, last))  # save_freq, end of run
                 history.append(record)
                 if on_step:
                     on_step(record)
