@@ -14,7 +14,6 @@ working directory, so give an absolute one under ``ray job submit``)::
             driver_state.json                step, data position, KL controller, python RNG, ...
             driver_rng.safetensors           the driver's torch (and numpy) RNG states
             complete                         written last (JSON: step, time)
-        huggingface/                         the final policy of a run without checkpoints (save_freq <= 0)
 
 Atomicity: a checkpoint is written into ``.tmp-global_step_K-<id>/``, every file is fsynced, the
 ``complete`` marker is written and fsynced, then the directory is renamed to ``global_step_K``
@@ -316,19 +315,14 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- save
     def after_step(self, trainer, cursor: DataCursor, last: bool) -> dict:
-        """Save when ``save_freq`` says so (and at the end when checkpointing); at the end of a run
-        without checkpoints, export the final policy to ``<root>/huggingface``. Returns timing metrics."""
+        """With ``save_freq > 0``: save every ``save_freq`` steps and at the last step (each checkpoint
+        holds the HF export). Returns ``{"timing_s/save_checkpoint": s}`` when it saved."""
         step = trainer.global_step
-        out: dict = {}
         if self.save_freq > 0 and (step % self.save_freq == 0 or last) and self.last_saved_step != step:
             t0 = time.perf_counter()
             self.save(trainer, cursor)
-            out["timing_s/save_checkpoint"] = time.perf_counter() - t0
-        elif last and self.save_freq <= 0:
-            t0 = time.perf_counter()
-            self.export_final(trainer)
-            out["timing_s/save_hf"] = time.perf_counter() - t0
-        return out
+            return {"timing_s/save_checkpoint": time.perf_counter() - t0}
+        return {}
 
     def save(self, trainer, cursor: DataCursor) -> Path:
         """Write ``global_step_<step>`` atomically (see the module docstring); apply retention."""
@@ -374,7 +368,7 @@ class CheckpointManager:
             shutil.rmtree(doomed, ignore_errors=True)
 
     def export_final(self, trainer) -> Path:
-        """The current policy as ``<root>/huggingface`` (replaced atomically)."""
+        """The current policy as ``<root>/huggingface`` (replaced atomically), without a checkpoint."""
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".tmp-{HF_DIR}-{uuid.uuid4().hex[:8]}"
         trainer.actor.call_all("export_hf_dir", str(tmp))
