@@ -146,48 +146,34 @@ def run(overrides: list[str], state: RunState | None = None) -> dict:
 
 
 def _train(cfg, trainer, out: Path) -> dict:
-    from verl_lite.trainer.display import ProgressDisplay
-    from verl_lite.trainer.metrics import JsonlWriter, plot_curves
+    from verl_lite.trainer.metrics import plot_curves
     from verl_lite.trainer.signal_watch import ZeroSignalWatch
 
     (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=1, default=str))
-    writer = JsonlWriter(out / "metrics.jsonl")  # always written: the summary reads it
-    tensorboard = None
-    if "tensorboard" in cfg.trainer.logger:
-        from torch.utils.tensorboard import SummaryWriter
+    from verl_lite.trainer.tracking import Tracking
 
-        tensorboard = SummaryWriter(str(out / "tensorboard"))
+    # trainer.logger backends; metrics.jsonl always (the summary points at it)
+    tracking = Tracking(cfg, out, trainer.total_steps(), config_dict=config_to_dict(cfg), always_jsonl=True)
     records: list[dict] = []
     watch = ZeroSignalWatch()
-    display = None
 
     def on_step(record: dict) -> None:
         records.append(record)
         with _SIGNALS.deferred():
             try:
-                writer.write(record)
+                tracking.log(record)
             except OSError as e:
-                raise RunFailure(f"writing {writer.path} failed at step {record.get('step')} ({e.strerror or e})",
+                raise RunFailure(f"writing {tracking.metrics_path} failed at step {record.get('step')} ({e.strerror or e})",
                                  "free disk space or set trainer.output_dir to a disk with room") from None
-        if tensorboard is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    tensorboard.add_scalar(key, value, record["step"])
         warning = watch.update(record)
         if warning:
             _warn(warning)
-        if display is not None:
-            display.update(record)
 
     summary = {"status": "failed", "steps": 0, "startup_s": None}
     try:
         trainer.start()  # Ray + workers + engines (fit() finds them started)
         summary["startup_s"] = round(_seconds_since_process_start(), 2)
-        if "console" in cfg.trainer.logger:
-            with ProgressDisplay(trainer.total_steps(), title=cfg.trainer.experiment_name) as display:
-                trainer.fit(on_step=on_step)
-        else:
-            trainer.fit(on_step=on_step)
+        trainer.fit(on_step=on_step)
         summary["status"] = "completed"
     except RunInterrupted as e:
         summary["status"] = f"interrupted ({signal.Signals(e.signum).name})"
@@ -195,11 +181,9 @@ def _train(cfg, trainer, out: Path) -> dict:
     finally:
         trainer.close()
         try:
-            writer.close()
+            tracking.close()
         except OSError:
             pass
-        if tensorboard is not None:
-            tensorboard.close()
         if records:
             try:
                 plot_curves(records, out / "curves.png")

@@ -1,0 +1,225 @@
+"""Experiment tracking: the ``trainer.logger`` backends behind one ``log(record)``.
+
+    tracking = Tracking(cfg, run_dir, total_steps)     # opens every backend in trainer.logger
+    tracking.log(record)                               # one step's metrics (``record["step"]`` = the RL step)
+    tracking.close()                                   # (also a context manager)
+
+Backends (names as in verl):
+
+- ``console``: on a TTY a live progress bar (step/total, elapsed, time remaining, the key metrics);
+  without a TTY (a log file, ``ray job submit``) one plain line every ``trainer.log_freq`` steps (and
+  on every validation and the last step) with the same content, so a job log is never silent.
+- ``jsonl``: ``<run_dir>/metrics.jsonl``, one JSON object per record (non-finite floats as null).
+- ``tensorboard``: ``<run_dir>/tensorboard/`` event files; every numeric key of a record is one
+  scalar at ``global_step = record["step"]`` (the same scalars as metrics.jsonl).
+- ``wandb``: ``wandb.init(project=trainer.project_name, name=trainer.experiment_name,
+  dir=<run_dir>, config=<the whole config>)``; ``WANDB_MODE=offline`` (or ``disabled``) works with no
+  network and writes ``<run_dir>/wandb/offline-run-*``. Imported only when selected
+  (``pip install wandb``).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+
+from verl_lite.trainer.display import SHOWN, _fmt
+
+BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
+
+
+def _numeric(record: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    s = int(round(seconds))
+    h, rem = divmod(s, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+class EtaClock:
+    """Time remaining from the wall time of the steps trained by THIS process (a resumed run starts
+    its clock at the resumed step)."""
+
+    def __init__(self, total_steps: int):
+        self.total = total_steps
+        self.start_step: int | None = None
+        self.start_time: float | None = None
+        self.last_step = 0
+
+    def update(self, step: int, now: float | None = None) -> tuple[float, float | None]:
+        """(elapsed seconds, estimated seconds remaining or None before the first full step)."""
+        now = time.perf_counter() if now is None else now
+        if self.start_time is None:
+            self.start_step, self.start_time = step, now
+        self.last_step = max(self.last_step, step)
+        done = self.last_step - self.start_step
+        elapsed = now - self.start_time
+        if done <= 0:
+            return elapsed, None
+        return elapsed, elapsed / done * max(0, self.total - self.last_step)
+
+
+class ConsoleLogger:
+    """Progress on stderr-like ``stream``: rich bar on a TTY, else a line every ``log_freq`` steps."""
+
+    def __init__(self, total_steps: int, title: str, log_freq: int = 1, stream=None, tty: bool | None = None):
+        self.total, self.title, self.log_freq = total_steps, title, max(1, log_freq)
+        self.stream = stream if stream is not None else sys.stdout
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.clock = EtaClock(total_steps)
+        self.last_val = None
+        self.progress = None
+        if self.tty:
+            from rich.console import Console
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
+
+            self.progress = Progress(
+                TextColumn(f"[bold]{title}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+                console=Console(file=self.stream), transient=False,
+            )
+            self.task = self.progress.add_task("train", total=total_steps, info="starting workers...")
+            self.progress.start()
+
+    def line(self, record: dict) -> str:
+        """The plain line for a record: ``title step k/N (p%) | elapsed | eta | key metrics``."""
+        step = int(record.get("step", 0))
+        elapsed, remaining = self.clock.update(step)
+        values = dict(record, **{"val/accuracy": self.last_val})
+        info = "  ".join(f"{label} {_fmt(values.get(key))}" for key, label in SHOWN)
+        pct = 100.0 * step / self.total if self.total else 100.0
+        return (f"{self.title} step {step}/{self.total} ({pct:.0f}%) | elapsed {_duration(elapsed)} | "
+                f"eta {_duration(remaining)} | {info}")
+
+    def log(self, record: dict) -> None:
+        if record.get("val/accuracy") is not None:
+            self.last_val = record["val/accuracy"]
+        step = int(record.get("step", 0))
+        text = self.line(record)
+        if self.progress is not None:
+            info = text.split(" | ", 3)[-1]
+            self.progress.update(self.task, completed=step, info=info)
+            if step == 0 or record.get("val/accuracy") is not None:
+                self.progress.console.log(text)
+            return
+        if step % self.log_freq == 0 or step >= self.total or record.get("val/accuracy") is not None:
+            print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
+class JsonlLogger:
+    def __init__(self, path: Path):
+        from verl_lite.trainer.metrics import JsonlWriter
+
+        self.writer = JsonlWriter(path)
+        self.path = self.writer.path
+
+    def log(self, record: dict) -> None:
+        self.writer.write(record)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class TensorBoardLogger:
+    def __init__(self, directory: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(directory))
+
+    def log(self, record: dict) -> None:
+        step = int(record.get("step", 0))
+        for key, value in _numeric(record).items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbLogger:
+    def __init__(self, project: str, name: str, directory: Path, config: dict | None):
+        try:
+            import wandb
+        except ImportError as e:  # pragma: no cover - wandb is a dependency
+            raise RuntimeError("trainer.logger has wandb but wandb is not installed: pip install wandb") from e
+        directory.mkdir(parents=True, exist_ok=True)
+        self.wandb = wandb
+        self.run = wandb.init(project=project, name=name, dir=str(directory), config=config or {})
+
+    def log(self, record: dict) -> None:
+        self.run.log(_numeric(record), step=int(record.get("step", 0)))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Tracking:
+    """Every backend of ``trainer.logger`` (see the module docstring). ``run_dir`` holds the file
+    backends (it may be None when only ``console`` is selected). ``always_jsonl`` writes metrics.jsonl
+    even when ``jsonl`` is not listed (the CLI's summary reads it)."""
+
+    def __init__(self, cfg, run_dir: str | Path | None, total_steps: int, config_dict: dict | None = None,
+                 always_jsonl: bool = False, stream=None, tty: bool | None = None):
+        tr = cfg.trainer
+        names = list(tr.logger)
+        unknown = [n for n in names if n not in BACKENDS]
+        if unknown:
+            raise ValueError(f"trainer.logger entries {unknown} are unknown; choose from {list(BACKENDS)}")
+        file_backends = [n for n in names if n != "console"] + (["jsonl"] if always_jsonl else [])
+        if file_backends and run_dir is None:
+            raise ValueError(f"trainer.logger={names} writes files but no run directory was given")
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.backends: dict[str, object] = {}
+        try:
+            if "jsonl" in names or always_jsonl:
+                self.backends["jsonl"] = JsonlLogger(self.run_dir / "metrics.jsonl")
+            if "tensorboard" in names:
+                self.backends["tensorboard"] = TensorBoardLogger(self.run_dir / "tensorboard")
+            if "wandb" in names:
+                self.backends["wandb"] = WandbLogger(tr.project_name, tr.experiment_name, self.run_dir, config_dict)
+            if "console" in names:
+                self.backends["console"] = ConsoleLogger(total_steps, tr.experiment_name, tr.log_freq, stream, tty)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def metrics_path(self) -> Path | None:
+        j = self.backends.get("jsonl")
+        return j.path if j is not None else None
+
+    def log(self, record: dict) -> None:
+        for backend in self.backends.values():
+            backend.log(record)
+
+    def close(self) -> None:
+        errors = []
+        for name, backend in list(self.backends.items()):
+            try:
+                backend.close()
+            except Exception as e:  # close every backend; re-raise the first failure after
+                errors.append((name, e))
+        self.backends = {}
+        if errors:
+            raise errors[0][1]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
