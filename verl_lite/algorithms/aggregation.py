@@ -1,4 +1,4 @@
-"""Loss aggregation: the normalization plan of Contract 1 (DESIGN.md).
+"""Loss aggregation: the normalization plan of Contract 1 (docs/contracts.md).
 
 A mini-batch M (what one optimizer step consumes, across all DP ranks) holds trajectories i
 with response masks m_i and n_i = sum_t m_i,t valid tokens. A loss gives per-token values

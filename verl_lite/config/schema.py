@@ -3,7 +3,7 @@
 `ppo_trainer.yaml` (next to this file) lists the same defaults for humans to read and copy;
 `tests/config` asserts that the YAML and these dataclasses agree leaf by leaf.
 
-Batch vocabulary (see docs/config.md, worded as in DESIGN.md):
+Batch vocabulary (see docs/config.md and docs/contracts.md):
 
 - `data.train_batch_size`: prompts per RL step. Trajectories per step = prompts x `rollout.n`.
 - `actor.ppo_mini_batch_size`: prompts per optimizer step (x n trajectories). Must divide the
