@@ -1,6 +1,8 @@
 """Policy losses against plain-loop references: per-token values, per-token metrics, and the
 gradient of the plan-aggregated loss w.r.t. log-probs for every aggregation mode."""
 
+import math
+
 import pytest
 import torch
 
@@ -119,3 +121,16 @@ def test_dual_clip_bound_must_exceed_one():
     b = make_batch(0)
     with pytest.raises(ValueError, match="clip_ratio_c"):
         get_policy_loss("vanilla")(b.old, b.logp, b.adv, b.mask, PolicyLossConfig(clip_ratio_c=1.0))
+
+
+def test_truncated_is_weights_match_a_loop():
+    from verl_lite.algorithms import truncated_is_weights
+
+    g = torch.Generator().manual_seed(0)
+    old, rollout = torch.randn(3, 5, generator=g, dtype=torch.float64), torch.randn(3, 5, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0, 1, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]], dtype=torch.float64)
+    w = truncated_is_weights(old, rollout, mask, cap=2.0)
+    for i in range(3):
+        for t in range(5):
+            want = min(math.exp(old[i, t] - rollout[i, t]), 2.0) if mask[i, t] else 0.0
+            assert abs(w[i, t].item() - want) < 1e-12

@@ -77,8 +77,11 @@ def test_every_loss_runs_two_steps_with_each_estimator(tiny_assets, shared_ray, 
     first = PPOTrainer(load_config(pair_overrides(tiny_assets, estimator, LOSSES[0])))
     first.start()
     try:
-        for loss in LOSSES:
-            trainer = PPOTrainer(load_config(pair_overrides(tiny_assets, estimator, loss)))
+        variants = [(loss, {}) for loss in LOSSES]
+        if estimator == "grpo":  # truncated importance weights reach the loss
+            variants.append(("vanilla", {"actor_rollout_ref.actor.tis_imp_ratio_cap": 2.0}))
+        for loss, extra in variants:
+            trainer = PPOTrainer(load_config(pair_overrides(tiny_assets, estimator, loss, **extra)))
             trainer.actor, trainer.critic, trainer.pool = first.actor, first.critic, first.pool
             assert trainer.loss_cfg.policy_loss == loss
             batches = trainer._train_batches()
@@ -91,6 +94,8 @@ def test_every_loss_runs_two_steps_with_each_estimator(tiny_assets, shared_ray, 
                         assert key in record, (estimator, loss, key)
             if loss in ("clip_cov", "kl_cov"):  # the selection needs the old log-probs of the mini-batch
                 assert history[0]["actor/old_log_prob_recomputed"] == 1.0
+            if extra:
+                assert 0 < history[0]["rollout/is_weight_mean"] <= 2.0
             if loss == "kl_cov":  # always selects at least one token (clip_cov only inside its window)
                 assert history[0]["actor/cov_selected_frac"] > 0, (estimator, loss)
     finally:

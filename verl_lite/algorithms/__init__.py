@@ -21,6 +21,7 @@ from .kl import (
 )
 from .objective import COV_MASK_KEY, IS_WEIGHTS_KEY, ActorLossConfig, actor_loss, critic_loss
 from .dapo import groups_with_signal, overlong_penalty
+from .importance import truncated_is_weights
 from .policy_loss import (
     COV_SELECTION_LOSSES,
     LOSS_NEEDS,
@@ -65,4 +66,5 @@ __all__ = [
     "register_advantage_estimator",
     "register_policy_loss",
     "select_cov_tokens",
+    "truncated_is_weights",
 ]

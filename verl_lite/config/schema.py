@@ -98,6 +98,7 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
+    tis_imp_ratio_cap: float = -1.0  # > 0: truncated IS weights min(pi_old / pi_rollout, cap) on the policy loss; -1 = off
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
 

@@ -336,6 +336,8 @@ def _validate_rest(cfg: PPOConfig, p: list[str], positive, world, dp, traj_mini,
             p.append(f"{A}.policy_loss.{name}={getattr(pl, name)} must be > 0")
     if not pl.clip_cov_lb < pl.clip_cov_ub:
         p.append(f"{A}.policy_loss.clip_cov_lb={pl.clip_cov_lb} must be < clip_cov_ub={pl.clip_cov_ub}")
+    if actor.tis_imp_ratio_cap != -1 and not actor.tis_imp_ratio_cap > 0:
+        p.append(f"{A}.tis_imp_ratio_cap={actor.tis_imp_ratio_cap} must be > 0 (the truncation cap) or -1 (off)")
     if tr.critic_warmup < 0:
         p.append(f"trainer.critic_warmup={tr.critic_warmup} must be >= 0 (RL steps that update only the critic)")
     elif tr.critic_warmup > 0 and "critic" not in needs:

@@ -47,6 +47,7 @@ from verl_lite.algorithms import (
     groups_with_signal,
     overlong_penalty,
     select_cov_tokens,
+    truncated_is_weights,
 )
 from verl_lite.controller import MicroBatching, ResourcePool, RoleGroup, start_ray, stop_ray
 from verl_lite.protocol import Batch, response_lengths
@@ -228,7 +229,8 @@ class PPOTrainer:
         KL, no clip_cov/kl_cov selection)."""
         a = self.cfg.actor_rollout_ref.actor
         return (a.ppo_epochs == 1 and a.ppo_mini_batch_size == self.cfg.data.train_batch_size
-                and not self.cfg.algorithm.use_kl_in_reward and not LOSS_NEEDS[a.policy_loss.loss_mode])
+                and not self.cfg.algorithm.use_kl_in_reward and not LOSS_NEEDS[a.policy_loss.loss_mode]
+                and a.tis_imp_ratio_cap <= 0)
 
     # micro-batching of each role's passes (config sections in verl's names)
     def _actor_update_sizing(self) -> MicroBatching:
@@ -422,7 +424,8 @@ class PPOTrainer:
     def update_actor(self, batch: Batch) -> list[dict]:
         """ppo_epochs x mini-batches optimizer steps; returns per-step results merged over DP."""
         a = self.cfg.actor_rollout_ref.actor
-        keys = ROLLOUT_COLUMNS + ["advantages"] + [k for k in ("old_log_probs", "ref_log_probs") if k in batch]
+        keys = ROLLOUT_COLUMNS + ["advantages"] + [k for k in ("old_log_probs", "ref_log_probs", "is_weights")
+                                                   if k in batch]
         plans = self._plans(batch, keys, lambda epoch: self.mini_batches(len(batch), epoch), a.ppo_epochs,
                             a.loss_agg_mode, self._horizon(), "actor")
         if LOSS_NEEDS[a.policy_loss.loss_mode] & {"cov_mask"}:  # selection over the whole mini-batch
@@ -473,6 +476,10 @@ class PPOTrainer:
                     batch.set("old_log_probs", old["log_probs"]).set("entropy", old["entropy"])
                     m["rollout/logprob_diff_mean"], m["rollout/logprob_diff_max"] = M.masked_abs_diff(
                         batch["rollout_log_probs"], old["log_probs"], mask)
+                cap = arr.actor.tis_imp_ratio_cap
+                if cap > 0:  # rollout/trainer mismatch correction on the policy loss
+                    batch.set("is_weights", truncated_is_weights(old["log_probs"], batch["rollout_log_probs"], mask, cap))
+                    m["rollout/is_weight_mean"] = M.masked_mean(batch["is_weights"], mask)
             m["actor/old_log_prob_recomputed"] = float(recompute_old)
             if self.need_ref:
                 with M.timer(m, "ref_log_prob"):
