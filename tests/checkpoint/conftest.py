@@ -1,0 +1,132 @@
+"""Shared runs for the checkpoint tests: the CLI driver as a subprocess (so it can be SIGKILLed).
+
+Every run trains the tiny e2e model (hidden 32, 2 layers) for a few steps with 4 prompts x 2
+samples; its overrides are :func:`overrides`. ``Run`` starts ``python -m verl_lite.trainer.main_ppo``
+in its own process group and can kill it with everything it started (Ray, workers) by pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.e2e.conftest import tiny_assets  # noqa: F401  (fixture)
+
+REPO = Path(__file__).resolve().parents[2]
+TIMING_PREFIX = "timing_s/"
+
+
+def overrides(assets: dict, root: Path, **extra) -> list[str]:
+    base = {
+        "actor_rollout_ref.model.path": assets["model"],
+        "data.train_files": assets["train"],
+        "data.val_files": assets["val"],
+        "reward.custom_reward_function.path": assets["reward"],
+        "data.train_batch_size": 4,
+        "data.max_response_length": 6,
+        "actor_rollout_ref.rollout.n": 2,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 4,
+        "trainer.total_training_steps": 4,
+        "trainer.test_freq": -1,
+        "trainer.val_before_train": "false",
+        "trainer.save_freq": 2,
+        "trainer.n_gpus_per_node": 2,
+        "trainer.output_dir": str(root / "out"),
+        "trainer.default_local_dir": str(root / "ckpt"),
+        "trainer.logger": "[jsonl]",
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+class Run:
+    """One CLI run in its own session; ``kill()`` SIGKILLs the driver and every process it started."""
+
+    def __init__(self, args: list[str], log: Path, env: dict | None = None):
+        self.log = log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(log, "w")
+        full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+        self.proc = subprocess.Popen([sys.executable, "-m", "verl_lite.trainer.main_ppo", *args], cwd=REPO,
+                                     stdout=self._log_file, stderr=subprocess.STDOUT, env=full_env,
+                                     start_new_session=True)
+
+    def wait(self, timeout: float = 300) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self._log_file.close()
+
+    def tree(self) -> list[psutil.Process]:
+        try:
+            root = psutil.Process(self.proc.pid)
+            return [root] + root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def kill(self) -> None:
+        """SIGKILL the driver, then every descendant recorded just before (by pid)."""
+        procs = self.tree()
+        for p in procs:
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(procs, timeout=20)
+        self.proc.wait(30)
+        self._log_file.close()
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+
+def run_to_end(args: list[str], log: Path, env: dict | None = None, timeout: float = 400) -> str:
+    run = Run(args, log, env)
+    rc = run.wait(timeout)
+    text = run.text()
+    assert rc == 0, f"run failed (rc={rc}):\n{text[-4000:]}"
+    return text
+
+
+def metrics(out_dir: Path) -> list[dict]:
+    files = sorted(Path(out_dir).glob("*/metrics.jsonl"))
+    assert files, f"no metrics.jsonl under {out_dir}"
+    return [json.loads(line) for line in files[-1].read_text().splitlines()]
+
+
+def without_timing(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(TIMING_PREFIX)}
+
+
+def wait_for(predicate, timeout: float, poll: float = 0.01) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(poll)
+    return False
+
+
+def hf_weights(directory: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(directory) / "model.safetensors"))
+
+
+@pytest.fixture(scope="session")
+def straight_run(tiny_assets, tmp_path_factory):  # noqa: F811
+    """4 steps at DP2 without interruption, checkpoints at 2 and 4; all four loggers (W&B offline)."""
+    root = tmp_path_factory.mktemp("straight")
+    args = overrides(tiny_assets, root, **{"trainer.logger": "[console,jsonl,tensorboard,wandb]",
+                                           "trainer.log_freq": 2})
+    text = run_to_end(args, root / "driver.log", env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    return {"root": root, "log": text, "metrics": metrics(root / "out"), "ckpt": root / "ckpt"}
