@@ -3,10 +3,13 @@ synthetic-addition split, and a dense reward (so GRPO/GSPO advantages are non-ze
 untrained model). Ray is started once per session and shared by the runs."""
 
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import ray
 
+OUTPUT_DIR = str(Path(tempfile.gettempdir()) / "verl_lite_test_runs")
 REWARD_SRC = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     """Dense toy reward: the fraction of digit characters in the response."""
@@ -43,6 +46,7 @@ def tiny_overrides(assets, **extra) -> list[str]:
         "trainer.total_training_steps": 2,
         "trainer.test_freq": 2,
         "trainer.n_gpus_per_node": 1,
+        "trainer.output_dir": OUTPUT_DIR,  # fit() writes a run directory, as the CLI does
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]

@@ -17,6 +17,11 @@ the first). Item i is
     {"prompt_ids": list[int], "data_source": str, "ground_truth": Any, "extra_info": dict,
      "index": int}   # index: position of the row in the concatenated files
 
+In-memory data (the Python API): a list of dicts or an HF ``datasets.Dataset`` instead of files.
+Such rows may also be written the short way: ``prompt`` a string (one user message),
+``ground_truth`` at the top level, ``data_source`` omitted (``"python"``), and any other key
+merged into ``extra_info`` (so reward functions receive it as a keyword argument).
+
 `iterate_batches(dataset, batch_size, shuffle, seed, epoch)` yields lists of items; the order is
 a deterministic function of (seed, epoch) (the same on every process, no global RNG).
 """
@@ -81,6 +86,37 @@ def _check_row(row: dict, path: Path, i: int, prompt_key: str) -> list[dict]:
     return list(messages)
 
 
+IN_MEMORY = "<in-memory dataset>"
+VERL_ROW_KEYS = ("data_source", "reward_model", "extra_info")
+
+
+def _in_memory_row(row: dict, i: int, prompt_key: str) -> dict:
+    """A Python-API row in verl's format (see the module docstring for the short form)."""
+    if not isinstance(row, dict):
+        raise DataError(f"{IN_MEMORY} row {i}: rows must be dicts, got {type(row).__name__}")
+    if prompt_key not in row:
+        raise DataError(f"{IN_MEMORY} row {i}: no {prompt_key!r} key (keys: {sorted(row)})")
+    prompt = row[prompt_key]
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    reward_model = row.get("reward_model")
+    if reward_model is None and "ground_truth" in row:
+        reward_model = {"ground_truth": row["ground_truth"]}
+    extra = dict(row.get("extra_info") or {})
+    extra.update({k: v for k, v in row.items() if k not in (prompt_key, "ground_truth", *VERL_ROW_KEYS)})
+    return {prompt_key: messages, "data_source": row.get("data_source", "python"), "reward_model": reward_model,
+            "extra_info": extra}
+
+
+def _sources(files) -> list[tuple[str, list[dict]]]:
+    """(name, rows) per source: parquet path(s), a list of dicts, or an HF ``datasets.Dataset``."""
+    if hasattr(files, "to_list") and not isinstance(files, (str, Path)):  # datasets.Dataset
+        files = files.to_list()
+    if isinstance(files, (list, tuple)) and files and all(isinstance(r, dict) for r in files):
+        return [(IN_MEMORY, list(files))]
+    files = [files] if isinstance(files, (str, Path)) else list(files)
+    return [(str(f), None) for f in files]
+
+
 def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
     """Chat template with the generation prompt, tokenized without adding special tokens twice."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -92,7 +128,7 @@ class RLDataset:
 
     def __init__(
         self,
-        files: str | Sequence[str],
+        files: str | Sequence[str] | Sequence[dict],
         tokenizer,
         max_prompt_length: int,
         prompt_key: str = "prompt",
@@ -102,16 +138,18 @@ class RLDataset:
     ):
         if truncation not in TRUNCATIONS:
             raise ValueError(f"truncation={truncation!r} is unknown; choose one of {TRUNCATIONS}")
-        files = [files] if isinstance(files, (str, Path)) else list(files)
-        if not files:
+        sources = _sources(files)
+        if not sources:
             raise DataError("no data files given; set data.train_files / data.val_files")
-        self.files = [str(f) for f in files]
+        self.files = [name for name, _ in sources]
         self.items: list[dict[str, Any]] = []
         self.num_rows = 0
         self.num_filtered = 0
-        for f in self.files:
+        for f, memory_rows in sources:
             path = Path(f)
-            for i, row in enumerate(_read_rows(path, prompt_key)):
+            rows = (_read_rows(path, prompt_key) if memory_rows is None
+                    else [_in_memory_row(r, i, prompt_key) for i, r in enumerate(memory_rows)])
+            for i, row in enumerate(rows):
                 messages = _check_row(row, path, i, prompt_key)
                 ids = encode_prompt(tokenizer, messages)
                 index = self.num_rows

@@ -145,7 +145,17 @@ def run(overrides: list[str], state: RunState | None = None) -> dict:
         trainer.reward_manager.close()
 
 
-def _train(cfg, trainer, out: Path) -> dict:
+def train_in_run_dir(trainer, on_step=None) -> dict:
+    """What the CLI does after the config is loaded, for a built ``PPOTrainer`` (the Python API's
+    ``fit()``): a fresh run directory, trackers, curves, summary. Returns the summary."""
+    from verl_lite.trainer.run_dir import make_run_dir
+
+    out = make_run_dir(trainer.cfg.trainer.output_dir, trainer.cfg.trainer.experiment_name)
+    trainer.run_dir = out
+    return _train(trainer.cfg, trainer, out, user_on_step=on_step)
+
+
+def _train(cfg, trainer, out: Path, user_on_step=None) -> dict:
     from verl_lite.trainer.metrics import plot_curves
     from verl_lite.trainer.signal_watch import ZeroSignalWatch
 
@@ -159,6 +169,8 @@ def _train(cfg, trainer, out: Path) -> dict:
 
     def on_step(record: dict) -> None:
         records.append(record)
+        if user_on_step is not None:
+            user_on_step(record)
         with _SIGNALS.deferred():
             try:
                 tracking.log(record)
@@ -173,7 +185,7 @@ def _train(cfg, trainer, out: Path) -> dict:
     try:
         trainer.start()  # Ray + workers + engines (fit() finds them started)
         summary["startup_s"] = round(_seconds_since_process_start(), 2)
-        trainer.fit(on_step=on_step)
+        trainer.run_loop(on_step=on_step)
         summary["status"] = "completed"
     except RunInterrupted as e:
         summary["status"] = f"interrupted ({signal.Signals(e.signum).name})"

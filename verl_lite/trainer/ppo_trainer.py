@@ -64,9 +64,12 @@ class DynamicSamplingError(RuntimeError):
     """DAPO's dynamic sampling hit ``algorithm.filter_groups.max_num_gen_batches``."""
 
 
-def _engine_fields(model_path: str, mg, opt, total_steps: int, seed: int) -> dict:
-    """The EngineWorkerConfig fields of one role from its ``megatron`` and ``optim`` sections."""
+def _engine_fields(model_path: str, mg, opt, total_steps: int, seed: int, model=None) -> dict:
+    """The EngineWorkerConfig fields of one role from its ``megatron``, ``optim`` and ``model`` sections."""
+    from verl_lite.config.validate import engine_model_overrides
+
     return dict(
+        model_overrides=engine_model_overrides(model, mg) if model is not None else dict(mg.override_transformer_config),
         model_path=model_path,
         tp=mg.tensor_model_parallel_size,
         pp=mg.pipeline_model_parallel_size,
@@ -88,28 +91,48 @@ def _vpp_multiple(mg) -> int:
 
 
 class PPOTrainer:
-    """The RL loop.
+    """The RL loop, and the Python API.
 
-    ``reward_fn`` (optional) replaces the configured reward function with user code, in verl's
-    signature: ``reward_fn(data_source, solution_str, ground_truth, extra_info) -> float | dict``
-    (``reward.reward_manager=naive``) or the batched ``reward_fn(data_sources, solution_strs,
-    ground_truths, extra_infos) -> list`` (``reward_manager=batch``).
+        trainer = PPOTrainer(cfg, reward_funcs=[f, g], reward_weights=[1.0, 0.5],
+                             train_dataset=rows, val_dataset=held_out)
+        trainer.fit()                      # writes the run directory, as the CLI does
+        trainer.save_pretrained("out/")    # the trained policy as an HF model directory
+
+    Rewards, one of:
+    - ``reward_funcs``: TRL-style batched functions (optionally async) that take keyword
+      arguments (``prompts``, ``completions``, ``ground_truth``, ``data_source``, the row's
+      ``extra_info`` keys), combined with ``reward_weights``; a single such function over the whole
+      batch is the custom reward loop (``verl_lite.reward.functions``);
+    - ``reward_fn``: one function in verl's signature, ``reward_fn(data_source, solution_str,
+      ground_truth, extra_info) -> float | dict`` (``reward.reward_manager=naive``) or the batched
+      ``reward_fn(data_sources, solution_strs, ground_truths, extra_infos) -> list`` (``batch``);
+    - neither: the configured ``reward.custom_reward_function`` (or the built-in scorer).
+    Datasets: ``train_dataset`` / ``val_dataset`` as a parquet path, a list of dicts or an HF
+    ``datasets.Dataset`` (default: ``data.train_files`` / ``data.val_files``).
     """
 
     def __init__(self, cfg, reward_fn: Callable | None = None, world_size: int | None = None,
-                 worker_timeout_s: float | None = None):
+                 worker_timeout_s: float | None = None, reward_funcs=None, reward_weights=None,
+                 train_dataset=None, val_dataset=None):
         from transformers import AutoTokenizer
 
         from verl_lite.config import validate_config
         from verl_lite.config.preflight import preflight
+        from verl_lite.reward.functions import RewardFunctions
 
         self.cfg = cfg
         self.layout = validate_config(cfg, world_size=world_size)  # before anything starts
         self.world_size = self.layout.world_size
         arr = cfg.actor_rollout_ref
         self.tokenizer = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or arr.model.path)
-        self.reward_manager = RewardManager(cfg.reward, self.tokenizer, compute_score=reward_fn)
-        self.train_dataset, self.val_dataset = self._make_datasets()
+        if reward_funcs is not None and reward_fn is not None:
+            raise ValueError("give reward_funcs (TRL-style) or reward_fn (verl's signature), not both")
+        if reward_funcs is not None:
+            self.reward_manager = RewardFunctions(reward_funcs, self.tokenizer, reward_weights,
+                                                  timeout_s=getattr(cfg.reward, "timeout_s", None))
+        else:
+            self.reward_manager = RewardManager(cfg.reward, self.tokenizer, compute_score=reward_fn)
+        self.train_dataset, self.val_dataset = self._make_datasets(train_dataset, val_dataset)
         preflight(cfg, self.train_dataset, self.val_dataset, self.tokenizer, self.reward_manager)  # before any worker
         self.worker_timeout_s = worker_timeout_s or cfg.trainer.worker_timeout_s
         self.estimator_needs = estimator_needs(cfg.algorithm.adv_estimator)
@@ -132,22 +155,32 @@ class PPOTrainer:
         self.global_step = 0
         self.update_history: list[list[dict]] = []  # per RL step: the actor's per-optimizer-step results
         self.critic_update_history: list[list[dict]] = []  # the same for the critic
+        self.run_dir = None  # set by fit() / the CLI: where the run's files go
+        self.final_hf_dir = None
         self.checkpoints = CheckpointManager(cfg)  # trainer.save_freq / resume_mode / default_local_dir
 
     # ================================================================ set-up / teardown
-    def _make_datasets(self):
+    def _make_datasets(self, train=None, val=None):
+        """From the given sources (Python API), else ``data.train_files`` / ``val_files``; a given
+        in-memory source is recorded in the config as ``<in-memory dataset>``."""
         from verl_lite.data import RLDataset
+        from verl_lite.data.dataset import IN_MEMORY
 
         d = self.cfg.data
         kw = dict(tokenizer=self.tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
                   filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation)
-        return RLDataset(d.train_files, **kw), RLDataset(d.val_files, **kw)
+        datasets = []
+        for key, given in (("train_files", train), ("val_files", val)):
+            if given is not None:
+                setattr(d, key, given if isinstance(given, (str, os.PathLike)) else IN_MEMORY)
+            datasets.append(RLDataset(given if given is not None else getattr(d, key), **kw))
+        return tuple(datasets)
 
     def _actor_config(self) -> WorkerConfig:
         arr = self.cfg.actor_rollout_ref
         return WorkerConfig(
             **_engine_fields(arr.model.path, arr.actor.megatron, arr.actor.optim, self.total_optimizer_steps(),
-                             self.cfg.trainer.seed),
+                             self.cfg.trainer.seed, model=arr.model),
             tokenizer_path=arr.model.tokenizer_path or arr.model.path,
             need_ref=self.need_ref,
             rollout_name=arr.rollout.name,
@@ -157,7 +190,8 @@ class PPOTrainer:
     def _critic_config(self) -> EngineWorkerConfig:
         c = self.cfg.critic
         return EngineWorkerConfig(**_engine_fields(c.model.path or self.cfg.actor_rollout_ref.model.path, c.megatron,
-                                                   c.optim, self.total_critic_steps(), self.cfg.trainer.seed))
+                                                   c.optim, self.total_critic_steps(), self.cfg.trainer.seed,
+                                                   model=c.model))
 
     def start(self) -> None:
         """Start (or join) Ray, place the roles, build engines and rollouts."""
@@ -303,8 +337,9 @@ class PPOTrainer:
         the sample in any RewardError: a raise, a non-number, NaN/inf, or a wrong count)."""
         lengths = response_lengths(batch["response_mask"]).tolist()
         responses = [batch["responses"][i, :k].tolist() for i, k in enumerate(lengths)]
+        kwargs = {"prompts": batch["prompt_ids"]} if hasattr(self.reward_manager, "names") else {}
         scores, extra = self.reward_manager(responses, batch["data_source"], batch["ground_truth"],
-                                            batch["extra_info"])
+                                            batch["extra_info"], **kwargs)
         if scores.numel() != len(batch):  # the manager checks this too; never train on misaligned rewards
             raise RewardError(f"reward returned {scores.numel()} scores for {len(batch)} responses")
         return scores.float(), extra
@@ -312,6 +347,8 @@ class PPOTrainer:
     def shaped_scores(self, batch: Batch, m: dict) -> tuple[torch.Tensor, dict]:
         """Scores plus DAPO's overlong penalty when ``reward.overlong_buffer.enable``."""
         scores, extra = self.score(batch)
+        for name in getattr(self.reward_manager, "names", ()):  # each reward function of the Python API
+            m[f"reward/{name}/mean"] = float(torch.tensor(extra[name], dtype=torch.float64).mean())
         ob = self.cfg.reward.overlong_buffer
         if ob.enable:
             penalty = overlong_penalty(response_lengths(batch["response_mask"]), self.cfg.data.max_response_length,
@@ -567,9 +604,48 @@ class PPOTrainer:
 
     # ================================================================ the loop
     def fit(self, on_step: Callable[[dict], None] | None = None) -> list[dict]:
-        """Train for ``total_steps()`` steps (validation per ``test_freq``); returns every step's metrics.
+        """Train, writing the same run directory as the CLI (``trainer.output_dir``/<experiment>-<time>:
+        metrics.jsonl, the trainer.logger backends, curves.png, summary.json, config.json, and the
+        final policy as ``huggingface/``); returns every step's metrics. ``on_step(record)`` sees
+        each record as it is logged."""
+        from verl_lite.trainer.main_ppo import train_in_run_dir
 
-        Starts the workers if needed and always tears them down at the end (also on error).
+        history: list[dict] = []
+
+        def record_step(record: dict) -> None:
+            history.append(record)
+            if on_step is not None:
+                on_step(record)
+
+        try:
+            train_in_run_dir(self, on_step=record_step)
+        finally:
+            self.reward_manager.close()
+        return history
+
+    def save_pretrained(self, path) -> Path:
+        """The current policy as an HF model directory (safetensors + config + tokenizer) at ``path``:
+        exported from the running actor, or, after ``fit()``, the final policy it exported."""
+        import shutil
+        from pathlib import Path
+
+        path = Path(path)
+        if self.actor is not None:
+            path.mkdir(parents=True, exist_ok=True)
+            self.actor.call_all("export_hf_dir", str(path))
+            return path
+        final = getattr(self, "final_hf_dir", None)
+        if final is None:
+            raise RuntimeError("save_pretrained: nothing trained yet; call fit() first (or start() the trainer)")
+        shutil.copytree(final, path, dirs_exist_ok=True)
+        return path
+
+    def run_loop(self, on_step: Callable[[dict], None] | None = None) -> list[dict]:
+        """Train for ``total_steps()`` steps (validation per ``test_freq``); returns every step's metrics.
+        Writes no files of its own (checkpoints aside); ``fit()`` and the CLI wrap it with the run dir.
+
+        Starts the workers if needed and always tears them down at the end (also on error); before
+        that, the final policy is exported to ``<run dir>/huggingface`` when a run dir is set.
         """
         t = self.cfg.trainer
         history: list[dict] = []
@@ -592,6 +668,8 @@ class PPOTrainer:
                 history.append(record)
                 if on_step:
                     on_step(record)
+            if getattr(self, "run_dir", None) is not None:  # keep the trained policy before the workers go
+                self.final_hf_dir = self.save_pretrained(self.run_dir / "huggingface")
         finally:
             self.close()
         return history

@@ -1,0 +1,149 @@
+"""Reward functions of the Python API: TRL-style, batched, keyword arguments, optionally async.
+
+    def exact(completions, ground_truth, **kwargs) -> list[float]: ...
+    async def judge(prompts, completions, **kwargs) -> list[float]: ...     # a custom reward loop
+    PPOTrainer(cfg, reward_funcs=[exact, judge], reward_weights=[1.0, 0.5])
+
+Each function is called ONCE per batch with the keyword arguments its signature names (a
+``**kwargs`` parameter receives all of them), each a list with one entry per sample:
+
+    prompts       the decoded prompt (chat template applied), as the model saw it
+    completions   the decoded response (special tokens skipped)
+    ground_truth  the row's ground truth
+    data_source   the row's data source
+    extra_info    the row's extra_info dict, and each of its keys as a keyword of its own
+
+It returns one number per sample (or a dict with ``"score"`` per sample). Async functions of a
+batch run concurrently. The step's score is sum_k weight_k * f_k; every function's own scores
+are reported too (``reward/<name>/mean`` in the metrics). The whole batch call is bounded by
+``reward.timeout_s``; a raise, a timeout, a wrong count or a non-finite score is a
+``RewardError`` naming the function.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import numbers
+import threading
+from typing import Any, Callable, Sequence
+
+import torch
+
+from verl_lite.reward.manager import RewardError
+
+FIXED_KWARGS = ("prompts", "completions", "ground_truth", "data_source", "extra_info")
+
+
+def _name(fn: Callable) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _accepted(fn: Callable, available: dict[str, list]) -> dict[str, list]:
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return available
+    missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty
+               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in available]
+    if missing:
+        raise RewardError(f"reward function {_name(fn)} needs {missing}, which no sample provides; it can take "
+                          f"{sorted(available)}")
+    return {k: v for k, v in available.items() if k in params}
+
+
+def _finite(value: Any, where: str) -> float:
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise RewardError(f"{where} returned a dict without 'score' (keys: {sorted(value)})")
+        value = value["score"]
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise RewardError(f"{where} returned {value!r}; a score must be a finite number")
+    return float(value)
+
+
+class RewardFunctions:
+    """Weighted batched reward functions, called like ``RewardManager`` (plus ``prompts``)."""
+
+    def __init__(self, funcs: Callable | Sequence[Callable], tokenizer, weights: Sequence[float] | None = None,
+                 timeout_s: float | None = None):
+        self.funcs = [funcs] if callable(funcs) else list(funcs)
+        if not self.funcs or not all(callable(f) for f in self.funcs):
+            raise ValueError("reward_funcs must be a callable or a non-empty list of callables")
+        self.weights = [1.0] * len(self.funcs) if weights is None else [float(w) for w in weights]
+        if len(self.weights) != len(self.funcs):
+            raise ValueError(f"reward_weights has {len(self.weights)} entries for {len(self.funcs)} reward_funcs")
+        names = [_name(f) for f in self.funcs]
+        self.names = [n if names.count(n) == 1 else f"{n}_{k}" for k, n in enumerate(names)]
+        self.fn_name = " + ".join(self.names)
+        self.tokenizer, self.timeout_s = tokenizer, timeout_s
+
+    def pids(self) -> list[int]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+    def signature_problem(self) -> None:
+        return None
+
+    def _kwargs(self, responses, data_sources, ground_truths, extra_infos, prompts) -> dict[str, list]:
+        decode = lambda ids: self.tokenizer.decode(list(ids), skip_special_tokens=True)  # noqa: E731
+        extra_infos = [e or {} for e in extra_infos]
+        out = {"completions": [decode(r) for r in responses], "ground_truth": list(ground_truths),
+               "data_source": list(data_sources), "extra_info": extra_infos}
+        if prompts is not None:
+            out["prompts"] = [self.tokenizer.decode(list(p), skip_special_tokens=False) for p in prompts]
+        for key in sorted({k for e in extra_infos for k in e} - set(FIXED_KWARGS)):
+            out[key] = [e.get(key) for e in extra_infos]
+        return out
+
+    async def _call_all(self, kwargs: dict[str, list]) -> list:
+        async def one(fn):
+            result = fn(**_accepted(fn, kwargs))
+            return await result if inspect.isawaitable(result) else result
+
+        return await asyncio.gather(*(one(f) for f in self.funcs))
+
+    def __call__(self, responses, data_sources, ground_truths, extra_infos=None, prompts=None):
+        n = len(responses)
+        extra_infos = list(extra_infos) if extra_infos is not None else [None] * n
+        kwargs = self._kwargs(responses, data_sources, ground_truths, extra_infos, prompts)
+        box: dict[str, Any] = {}
+
+        def target():
+            try:
+                box["ok"] = asyncio.run(self._call_all(kwargs))
+            except BaseException as e:  # re-raised on the driver thread
+                box["err"] = e
+
+        thread = threading.Thread(target=target, name="verl_lite-reward-funcs", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if thread.is_alive():
+            raise RewardError(f"reward functions {self.fn_name} did not return within reward.timeout_s="
+                              f"{self.timeout_s}s on a batch of {n} samples; make them faster or raise reward.timeout_s")
+        if "err" in box:
+            e = box["err"]
+            if isinstance(e, RewardError):
+                raise e
+            raise RewardError(f"reward functions {self.fn_name} raised {type(e).__name__}: {e} on a batch of {n} "
+                              f"samples") from e
+        total = torch.zeros(n, dtype=torch.float64)
+        extra: dict[str, list] = {}
+        for name, weight, results in zip(self.names, self.weights, box["ok"]):
+            try:
+                results = list(results)
+            except TypeError as e:
+                raise RewardError(f"reward function {name} returned {type(results).__name__}, not a list of {n} "
+                                  f"scores") from e
+            if len(results) != n:
+                raise RewardError(f"reward function {name} returned {len(results)} scores for {n} samples")
+            scores = [_finite(r, f"reward function {name} on sample {i}") for i, r in enumerate(results)]
+            extra[name] = scores
+            total += weight * torch.tensor(scores, dtype=torch.float64)
+            if all(isinstance(r, dict) and "acc" in r for r in results) and len(self.funcs) == 1:
+                extra["acc"] = [r["acc"] for r in results]
+        return total.float(), extra
