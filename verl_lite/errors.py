@@ -2,9 +2,8 @@
 
 Every failure that reaches the command line ends as :func:`describe`'s block::
 
-    verl_lite: <what failed, naming the key or the file/row>
-      fix: <what to change>                      (when the message does not already say it)
-      (full traceback: VERL_LITE_DEBUG=1 or --debug; log: <run dir>/run.log)
+    verl_lite: <what failed, naming the key or the file/row>; <the fix>
+      (full traceback: --debug or VERL_LITE_DEBUG=1; log: <run dir>/run.log)
 
 Exit codes: ``2`` bad input (a config key, a data file, the output directory), ``1`` a runtime
 failure (reward, worker, Ray start-up, disk), ``130`` / ``143`` stopped by SIGINT / SIGTERM.
@@ -75,9 +74,8 @@ def describe(err: BaseException) -> tuple[int, str]:
         return EXIT_BAD_INPUT, f"verl_lite: {err}"
     if isinstance(err, DataError):
         return EXIT_BAD_INPUT, f"verl_lite: bad data: {err}"
-    if isinstance(err, UserError):
-        fix = f"\n  fix: {err.fix}" if err.fix else ""
-        return err.exit_code, f"verl_lite: {err.what}{fix}"
+    if isinstance(err, UserError):  # one line: what failed; the fix
+        return err.exit_code, f"verl_lite: {err}"
     if isinstance(err, RewardError):
         return EXIT_RUNTIME, f"verl_lite: the run stopped: {err}"
     if WorkerError and isinstance(err, WorkerError):

@@ -64,6 +64,9 @@ def preflight(cfg, train_dataset, val_dataset, tokenizer=None, reward_manager=No
     """
     d = cfg.data
     p: list[str] = []
+    timeout = getattr(cfg.reward, "timeout_s", None)
+    if timeout is not None and not timeout > 0:
+        p.append(f"reward.timeout_s={timeout} must be > 0 seconds (the bound on one batch call of the reward)")
     n_train = len(train_dataset)
     if isinstance(d.train_batch_size, int) and d.train_batch_size > n_train:
         dropped = getattr(train_dataset, "num_filtered", 0)

@@ -24,7 +24,6 @@ import subprocess
 import sys
 import threading
 import time
-import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,7 +31,7 @@ from verl_lite.reward.sandbox_child import HEADER
 
 CHILD = Path(__file__).with_name("sandbox_child.py")
 START_TIMEOUT_S = 60.0  # importing a reward file (it may import torch, a tokenizer, ...)
-_LIVE: "weakref.WeakSet[RewardProcess]" = weakref.WeakSet()
+_LIVE: "set[RewardProcess]" = set()  # strong refs: a manager dropped mid-construction is still closed
 
 
 def close_all() -> None:
@@ -124,6 +123,7 @@ class RewardProcess:
         return self.proc.pid if self.proc is not None else None
 
     def close(self) -> None:
+        _LIVE.discard(self)
         proc, self.proc = self.proc, None
         if proc is None:
             return
@@ -149,6 +149,7 @@ class RewardProcess:
             except ProcessLookupError:
                 pass
             self.close()
+            _LIVE.add(self)  # restarted on its next call, so still closed by close_all()
 
     # ------------------------------------------------------------ protocol
     def _send(self, message) -> None:
@@ -188,6 +189,7 @@ class RewardProcess:
 
     def __call__(self, mode, texts, data_sources, ground_truths, extra_infos, kwargs, timeout_s: float | None):
         if self.proc is None:  # killed by an earlier timeout: start afresh
+            _LIVE.add(self)
             self._start()
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
         self._send(("call", mode, list(texts), list(data_sources), list(ground_truths), list(extra_infos),

@@ -1,0 +1,190 @@
+"""Shared pieces of the fault matrix: broken files built from the e2e tiny assets, a CLI runner that
+tags every process of a run with a marker, and the checks that no process of the run is left."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.e2e.conftest import tiny_assets, tiny_overrides  # noqa: F401  (fixture re-exported)
+
+REPO = Path(__file__).resolve().parents[2]
+MARK_ENV = "VERL_LITE_FAULT_RUN"
+
+
+def write_parquet(path: Path, rows: list[dict]) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def _row(content="1+2=", ground_truth="3", **extra):
+    row = {"data_source": "synthetic/addition", "prompt": [{"role": "user", "content": content}],
+           "reward_model": {"ground_truth": ground_truth, "style": "rule"}}
+    row.update(extra)
+    return row
+
+
+@pytest.fixture(scope="session")
+def bad_files(tiny_assets, tmp_path_factory):  # noqa: F811
+    """Paths of broken data files, a broken model dir and reward files that fail in every way."""
+    root = tmp_path_factory.mktemp("faults")
+    f: dict[str, str] = {}
+    f["no_column"] = write_parquet(root / "no_column.parquet",
+                                   [{"data_source": "s", "question": "1+1", "reward_model": {"ground_truth": "2"}}])
+    (root / "corrupt.parquet").write_bytes(b"PAR1 this is not a parquet file at all")
+    f["corrupt"] = str(root / "corrupt.parquet")
+    f["string_prompt"] = write_parquet(root / "string_prompt.parquet",
+                                       [{**_row(), "prompt": "1+2="}])
+    f["no_truth"] = write_parquet(root / "no_truth.parquet", [{**_row(), "reward_model": {"style": "rule"}}])
+    f["empty_prompt"] = write_parquet(root / "empty_prompt.parquet", [_row(), _row(content="   ")])
+    f["bad_message"] = write_parquet(root / "bad_message.parquet", [{**_row(), "prompt": [{"role": "user"}]}])
+    f["bad_source"] = write_parquet(root / "bad_source.parquet", [{**_row(), "data_source": 7}])
+    f["empty_file"] = str(root / "empty.parquet")
+    (root / "empty.parquet").write_bytes(b"")
+    broken = root / "broken_model"
+    shutil.copytree(tiny_assets["model"], broken)
+    (broken / "config.json").write_text('{"model_type": "qwen2", "hidden_size": 32,')  # truncated JSON
+    f["broken_model"] = str(broken)
+    partial = root / "partial_model"
+    shutil.copytree(tiny_assets["model"], partial)
+    cfg = json.loads((partial / "config.json").read_text())
+    del cfg["num_hidden_layers"]
+    (partial / "config.json").write_text(json.dumps(cfg))
+    f["partial_model"] = str(partial)
+    short = root / "short_context_model"
+    shutil.copytree(tiny_assets["model"], short)
+    cfg = json.loads((short / "config.json").read_text())
+    cfg["max_position_embeddings"] = 16
+    (short / "config.json").write_text(json.dumps(cfg))
+    f["short_context_model"] = str(short)
+    rewards = {
+        "import_error": "import this_module_does_not_exist\n\ndef compute_score(**kw):\n    return 0.0\n",
+        "syntax_error": "def compute_score(data_source, solution_str:\n    return 1\n",
+        "raises_at_import": "raise RuntimeError('the grader needs a licence server')\n",
+        "other_name": "def my_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n",
+        "no_kwargs": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n",
+        "positional": "def compute_score(solution, truth):\n    return 0.0\n",
+    }
+    for name, src in rewards.items():
+        (root / f"reward_{name}.py").write_text(src)
+        f[f"reward_{name}"] = str(root / f"reward_{name}.py")
+    (root / "recipe_bad.yaml").write_text("data:\n  train_batch_size: -3\n")
+    f["recipe_bad"] = str(root / "recipe_bad.yaml")
+    (root / "a_file").write_text("not a directory")
+    f["a_file"] = str(root / "a_file")
+    ro = root / "read_only"
+    ro.mkdir()
+    ro.chmod(0o555)
+    f["read_only"] = str(ro)
+    return f
+
+
+# ---------------------------------------------------------------- processes of a run
+
+
+def marked_pids(marker: str) -> list[int]:
+    """Live (non-zombie) processes whose environment carries ``MARK_ENV=marker``: every process of that run."""
+    needle = f"{MARK_ENV}={marker}".encode()
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            with open(f"/proc/{p.pid}/environ", "rb") as fh:
+                if needle in fh.read().split(b"\0"):
+                    found.append(p.pid)
+        except (OSError, psutil.Error):
+            continue
+    return found
+
+
+def alive(pids) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+class CliRun:
+    """``python -m verl_lite.trainer.main_ppo ARGS`` in a subprocess; records the pids of its process tree
+    while it runs (every 0.2 s) and, when asked, the listening TCP sockets of those processes."""
+
+    def __init__(self, args: list[str], env: dict | None = None, watch_sockets: bool = False):
+        self.marker = uuid.uuid4().hex
+        full_env = dict(os.environ, **(env or {}), **{MARK_ENV: self.marker})
+        full_env.pop("RAY_ADDRESS", None)
+        full_env.setdefault("OMP_NUM_THREADS", "1")
+        self.started = time.time()
+        self.proc = subprocess.Popen([sys.executable, "-m", "verl_lite.trainer.main_ppo", *args], cwd=REPO,
+                                     env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.pids: set[int] = {self.proc.pid}
+        self.cmdlines: dict[int, str] = {}
+        self.listening: dict[tuple, int] = {}  # (ip, port) -> pid
+        self.watch_sockets = watch_sockets
+        self._done = threading.Event()
+        self._poller = threading.Thread(target=self._poll, daemon=True)
+        self._poller.start()
+
+    def _poll(self) -> None:
+        while not self._done.is_set():
+            try:
+                procs = [psutil.Process(self.proc.pid)] + psutil.Process(self.proc.pid).children(recursive=True)
+            except psutil.Error:
+                procs = []
+            for p in procs:
+                self.pids.add(p.pid)
+                if p.pid not in self.cmdlines:
+                    try:
+                        self.cmdlines[p.pid] = " ".join(p.cmdline())
+                    except psutil.Error:
+                        pass
+                if self.watch_sockets:
+                    try:
+                        for c in p.net_connections(kind="tcp"):
+                            if c.status == psutil.CONN_LISTEN:
+                                self.listening[(c.laddr.ip, c.laddr.port)] = p.pid
+                    except psutil.Error:
+                        pass
+            self._done.wait(0.2)
+
+    def wait(self, timeout: float) -> "CliRun":
+        try:
+            self.out, self.err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for pid in alive(self.pids):
+                try:
+                    psutil.Process(pid).kill()
+                except psutil.Error:
+                    pass
+            self.out, self.err = self.proc.communicate()
+            raise AssertionError(f"the run did not end within {timeout}s; stderr tail:\n{self.err[-3000:]}")
+        finally:
+            self.ended = time.time()
+            self._done.set()
+            self._poller.join()
+        self.code = self.proc.returncode
+        return self
+
+    def leftover(self, settle_s: float = 10.0) -> list:
+        """Processes of the run still alive ``settle_s`` after it exited (by its pids and by its marker)."""
+        deadline = time.time() + settle_s
+        while True:
+            left = sorted(set(alive(self.pids - {self.proc.pid})) | set(marked_pids(self.marker)))
+            if not left or time.time() > deadline:
+                return [(pid, " ".join(psutil.Process(pid).cmdline())[:80]) for pid in alive(left)]
+            time.sleep(0.3)

@@ -1,0 +1,157 @@
+"""The fault matrix, bad input: every bad configuration and bad data file below is rejected before
+anything starts, with exit code 2 and one line naming the key (or file/row) and the fix, no
+traceback, and no Ray (no process left behind either).
+
+Most cases run through the CLI entry ``main(argv)`` in this process (cheap: no Ray, no workers);
+a few go through the real ``python -m verl_lite.trainer.main_ppo`` in a subprocess, with every
+process of it tagged by a marker, to prove the same holds end to end."""
+
+import re
+
+import psutil
+import pytest
+import ray
+
+from tests.faults.conftest import CliRun, bad_files, tiny_assets, tiny_overrides  # noqa: F401
+
+A = "actor_rollout_ref.actor"
+R = "actor_rollout_ref.rollout"
+M = "actor_rollout_ref.actor.megatron"
+
+# (id, overrides (dict merged over the tiny run, or a callable(assets, files) -> dict), key regex, fix regex)
+CASES = [
+    # ---- keys and values the schema rejects
+    ("typo_key", {f"{A}.ppo_mini_bach_size": 2}, r"unknown config key '[^']*ppo_mini_bach_size'", r"did you mean '[^']*ppo_mini_batch_size'"),
+    ("added_key", {"+trainer.learning_rate": 1}, r"trainer\.learning_rate", r"did you mean|see docs/config\.md"),
+    ("wrong_type", {"data.train_batch_size": "many"}, r"data\.train_batch_size", r"many|int"),
+    ("unparsable", {"data.train_batch_size": "[1,"}, r"data\.train_batch_size|could not parse", r"parse|mismatched|no viable|extraneous"),
+    # ---- sizes and layout
+    ("zero_batch", {"data.train_batch_size": 0}, r"data\.train_batch_size=0", r"must be >= 1"),
+    ("zero_n", {f"{R}.n": 0}, rf"{R}\.n=0", r"must be >= 1"),
+    ("mini_not_dividing", {f"{A}.ppo_mini_batch_size": 3}, rf"{A}\.ppo_mini_batch_size=3", r"must divide data\.train_batch_size"),
+    ("workers_vs_tp", {"trainer.n_gpus_per_node": 3, f"{M}.tensor_model_parallel_size": 2}, r"3 workers", r"must divide by tp\*pp\*cp"),
+    ("vpp_without_pp", {f"{M}.virtual_pipeline_model_parallel_size": 2}, r"virtual_pipeline_model_parallel_size=2", r"needs pipeline_model_parallel_size > 1"),
+    ("sp_without_tp", {f"{M}.sequence_parallel": "true"}, r"sequence_parallel=true", r"set it to false"),
+    ("zero_pg_timeout", {f"{M}.timeout_s": 0}, r"megatron\.timeout_s=0", r"must be > 0"),
+    ("tp_vs_heads", {"trainer.n_gpus_per_node": 3, f"{M}.tensor_model_parallel_size": 3, f"{A}.ppo_mini_batch_size": 4},
+     r"tensor_model_parallel_size=3", r"must divide the model's attention heads"),
+    ("layers_vs_pp", {"trainer.n_gpus_per_node": 4, f"{M}.pipeline_model_parallel_size": 4}, r"2 layers", r"must divide by pp x vpp"),
+    ("no_micro_batch", {f"{A}.ppo_micro_batch_size_per_gpu": "null"}, rf"{A}", r"set ppo_micro_batch_size_per_gpu"),
+    ("token_budget_too_small", {f"{A}.use_dynamic_bsz": "true", f"{A}.ppo_max_token_len_per_gpu": 4},
+     r"ppo_max_token_len_per_gpu=4", r"raise it to at least"),
+    ("zero_epochs", {f"{A}.ppo_epochs": 0}, rf"{A}\.ppo_epochs=0", r"must be >= 1"),
+    # ---- algorithm
+    ("unknown_agg", {f"{A}.loss_agg_mode": "mean"}, r"loss_agg_mode='mean'", r"choose one of"),
+    ("unknown_loss", {f"{A}.policy_loss.loss_mode": "ppo2"}, r"loss_mode='ppo2'", r"choose one of"),
+    ("unknown_estimator", {"algorithm.adv_estimator": "grpo2"}, r"adv_estimator='grpo2'", r"choose one of"),
+    ("grpo_one_sample", {f"{R}.n": 1, f"{A}.ppo_mini_batch_size": 2}, r"adv_estimator='grpo'", rf"set {R}\.n >= 2"),
+    ("unknown_kl_type", {f"{A}.use_kl_loss": "true", f"{A}.kl_loss_type": "l3"}, r"kl_loss_type='l3'", r"choose one of"),
+    ("unknown_kl_ctrl", {"algorithm.kl_ctrl.type": "pid"}, r"kl_ctrl\.type='pid'", r"choose one of"),
+    ("zero_clip", {f"{A}.clip_ratio": 0}, r"clip_ratio=0", r"must be > 0"),
+    ("dual_clip_c", {f"{A}.clip_ratio_c": 1}, r"clip_ratio_c=1", r"must be > 1"),
+    ("gamma_out_of_range", {"algorithm.gamma": 2}, r"algorithm\.gamma=2", r"must lie in \[0, 1\]"),
+    # ---- optimizer
+    ("zero_lr", {f"{A}.optim.lr": 0}, r"optim\.lr=0", r"must be > 0"),
+    ("unknown_decay", {f"{A}.optim.lr_decay_style": "step"}, r"lr_decay_style='step'", r"choose constant, linear or cosine"),
+    ("one_beta", {f"{A}.optim.betas": "[0.9]"}, r"optim\.betas=\[0\.9\]", r"must be two numbers"),
+    ("zero_clip_grad", {f"{A}.optim.clip_grad": 0}, r"clip_grad=0", r"must be > 0"),
+    # ---- rollout
+    ("unknown_rollout", {f"{R}.name": "sglang"}, r"rollout\.name='sglang'", r"choose one of"),
+    ("zero_temperature", {f"{R}.temperature": 0}, r"rollout\.temperature=0", r"must be > 0"),
+    ("zero_top_p", {f"{R}.top_p": 0}, r"rollout\.top_p=0", r"must lie in \(0, 1\]"),
+    ("greedy_val_n", {f"{R}.val_kwargs.n": 2}, r"val_kwargs\.n=2", r"needs val_kwargs\.do_sample=true"),
+    # ---- data and model paths
+    ("unknown_truncation", {"data.truncation": "middle"}, r"data\.truncation='middle'", r"choose one of"),
+    ("missing_train_file", {"data.train_files": "/nonexistent/train.parquet"}, r"data\.train_files: '/nonexistent/train\.parquet'", r"give an existing parquet file"),
+    ("missing_model", {"actor_rollout_ref.model.path": "/nonexistent/model"}, r"model\.path='/nonexistent/model'", r"give a local HF model dir"),
+    ("broken_model_json", lambda a, f: {"actor_rollout_ref.model.path": f["broken_model"]}, r"model\.path=.*config\.json is not valid JSON", r"fix the file or re-export"),
+    ("model_json_lacks_fields", lambda a, f: {"actor_rollout_ref.model.path": f["partial_model"]}, r"model\.path=.*lacks \['num_hidden_layers'\]", r"give a complete HF"),
+    ("response_beyond_positions", lambda a, f: {"actor_rollout_ref.model.path": f["short_context_model"], "data.max_response_length": 12},
+     r"data\.max_response_length=12 \+ the longest prompt", r"set data\.max_response_length <= \d+"),
+    # ---- data files
+    ("missing_column", lambda a, f: {"data.train_files": f["no_column"]}, r"no_column\.parquet: missing column\(s\) \['prompt'\]", r"set data\.prompt_key"),
+    ("corrupt_parquet", lambda a, f: {"data.train_files": f["corrupt"]}, r"corrupt\.parquet: cannot be read as parquet", r"cannot be read"),
+    ("empty_parquet", lambda a, f: {"data.val_files": f["empty_file"]}, r"empty\.parquet: cannot be read as parquet", r"cannot be read"),
+    ("string_prompt", lambda a, f: {"data.train_files": f["string_prompt"]}, r"string_prompt\.parquet row 0: 'prompt' is a string", r"must be a list of chat messages"),
+    ("no_ground_truth", lambda a, f: {"data.train_files": f["no_truth"]}, r"no_truth\.parquet row 0: 'reward_model'", r"must be a dict with a 'ground_truth'"),
+    ("empty_prompt", lambda a, f: {"data.val_files": f["empty_prompt"]}, r"empty_prompt\.parquet row 1: every message .* empty content", r"give the prompt text or drop the row"),
+    ("bad_message", lambda a, f: {"data.train_files": f["bad_message"]}, r"bad_message\.parquet row 0: message 0", r"must be \{'role': str, 'content': str\}"),
+    ("bad_data_source", lambda a, f: {"data.train_files": f["bad_source"]}, r"bad_source\.parquet row 0: 'data_source'", r"must be a string"),
+    ("no_prompts_left", {"data.max_prompt_length": 2}, r"no prompts left", r"raise data\.max_prompt_length"),
+    ("overlong_prompt_error", {"data.filter_overlong_prompts": "false", "data.max_prompt_length": 5}, r"row 0: prompt has \d+ tokens > data\.max_prompt_length=5", r"raise max_prompt_length, set data\.filter_overlong_prompts=true"),
+    ("batch_beyond_dataset", {"data.train_batch_size": 128, f"{A}.ppo_mini_batch_size": 2}, r"data\.train_batch_size=128 exceeds the 64 prompts", r"set data\.train_batch_size <= 64"),
+    # ---- reward
+    ("unknown_manager", {"reward.reward_manager": "parallel"}, r"reward_manager='parallel'", r"choose one of"),
+    ("missing_reward_file", {"reward.custom_reward_function.path": "/nonexistent/r.py"}, r"custom_reward_function\.path='/nonexistent/r\.py' does not exist", r"give the path of a python file"),
+    ("reward_name_missing", lambda a, f: {"reward.custom_reward_function.path": f["reward_other_name"]}, r"custom_reward_function\.name='compute_score'", r"set reward\.custom_reward_function\.name to one of \['my_score'\]"),
+    ("reward_syntax_error", lambda a, f: {"reward.custom_reward_function.path": f["reward_syntax_error"]}, r"reward_syntax_error\.py' does not parse", r"fix the file"),
+    ("reward_import_error", lambda a, f: {"reward.custom_reward_function.path": f["reward_import_error"]}, r"reward_import_error\.py' fails to import \(ModuleNotFoundError", r"fix the file"),
+    ("reward_raises_at_import", lambda a, f: {"reward.custom_reward_function.path": f["reward_raises_at_import"]}, r"fails to import \(RuntimeError: the grader needs a licence server\)", r"fix the file"),
+    ("reward_kwargs_unknown", lambda a, f: {"reward.custom_reward_function.path": f["reward_no_kwargs"], "+reward.custom_reward_function.reward_kwargs.alpha": 2},
+     r"reward_kwargs=\{'alpha': 2\} do not fit the reward function .*reward_no_kwargs\.py:compute_score", r"unexpected keyword argument 'alpha'.*remove the extra keys"),
+    ("reward_signature_positional", lambda a, f: {"reward.custom_reward_function.path": f["reward_positional"]}, r"do not fit the reward function .*reward_positional\.py", r"add the missing parameters"),
+    ("zero_reward_timeout", {"reward.timeout_s": 0}, r"reward\.timeout_s=0", r"must be > 0"),
+    # ---- trainer / output
+    ("zero_worker_timeout", {"trainer.worker_timeout_s": 0}, r"worker_timeout_s=0", r"must be > 0"),
+    ("unknown_logger", {"trainer.logger": "[stdout]"}, r"trainer\.logger entry 'stdout'", r"choose"),
+    ("output_dir_under_a_file", lambda a, f: {"trainer.output_dir": f["a_file"] + "/runs"}, r"trainer\.output_dir=.*a_file/runs.*cannot create", r"set trainer\.output_dir to a directory you can write"),
+    ("output_dir_in_proc", {"trainer.output_dir": "/proc/verl_lite_runs"}, r"trainer\.output_dir='/proc/verl_lite_runs': cannot create", r"set trainer\.output_dir to a directory you can write"),
+]
+RECIPE_CASES = [
+    ("missing_recipe", lambda f: ["--recipe", "/nonexistent/recipe.yaml"], r"--recipe /nonexistent/recipe\.yaml", r"no such file"),
+    ("bad_value_in_recipe", lambda f: ["--recipe", f["recipe_bad"]], r"data\.train_batch_size=-3", r"must be >= 1"),
+]
+SUBPROCESS_CASES = ["typo_key", "corrupt_parquet", "broken_model_json", "reward_kwargs_unknown", "output_dir_under_a_file"]
+
+
+def _args(case, assets, files, tmp_path) -> list[str]:
+    extra = case[1](assets, files) if callable(case[1]) else dict(case[1])
+    extra.setdefault("trainer.output_dir", str(tmp_path / "out"))
+    return tiny_overrides(assets, **extra)
+
+
+def _check_block(err: str, key: str, fix: str) -> None:
+    assert "Traceback" not in err, err
+    assert err.startswith("verl_lite: "), err
+    lines = err.splitlines()
+    hits = [ln for ln in lines if re.search(key, ln) and re.search(fix, ln)]
+    assert hits, f"no single line names the key /{key}/ and the fix /{fix}/:\n{err}"
+    assert "(full traceback: --debug or VERL_LITE_DEBUG=1" in lines[-1], err
+
+
+def test_matrix_is_large_enough():
+    assert len(CASES) + len(RECIPE_CASES) >= 40
+    assert len({c[0] for c in CASES + RECIPE_CASES}) == len(CASES) + len(RECIPE_CASES)
+
+
+@pytest.mark.parametrize("case", CASES + RECIPE_CASES, ids=[c[0] for c in CASES + RECIPE_CASES])
+def test_bad_input_is_rejected_before_start(case, tiny_assets, bad_files, tmp_path, capsys):  # noqa: F811
+    from verl_lite.trainer import main_ppo
+
+    if ray.is_initialized():
+        ray.shutdown()
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    if case in RECIPE_CASES:
+        argv = tiny_overrides(tiny_assets, **{"trainer.output_dir": str(tmp_path / "out")}) + case[1](bad_files)
+    else:
+        argv = _args(case, tiny_assets, bad_files, tmp_path)
+    code = main_ppo.main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, f"exit {code}:\n{err}"
+    _check_block(err, case[2], case[3])
+    assert not ray.is_initialized(), "Ray was started for a bad input"
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.status() != "zombie"]
+    assert left == [], f"processes left: {left}"
+    assert not (tmp_path / "out").exists() or case[0].startswith("output_dir"), "a rejected run wrote an output dir"
+
+
+@pytest.mark.parametrize("name", SUBPROCESS_CASES)
+def test_bad_input_through_the_real_cli(name, tiny_assets, bad_files, tmp_path):  # noqa: F811
+    case = next(c for c in CASES if c[0] == name)
+    run = CliRun(_args(case, tiny_assets, bad_files, tmp_path)).wait(timeout=120)
+    assert run.code == 2, f"exit {run.code}:\n{run.err}"
+    _check_block(run.err, case[2], case[3])
+    assert run.ended - run.started < 60
+    assert run.leftover(settle_s=2.0) == []
+    others = {pid: cmd for pid, cmd in run.cmdlines.items() if pid != run.proc.pid and "sandbox_child.py" not in cmd}
+    assert others == {}, f"processes other than the reward process were started: {others}"
