@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
-import numbers
 import threading
 from typing import Any, Callable, Sequence
 
 import torch
 
-from verl_lite.reward.manager import RewardError
+from verl_lite.reward.manager import RewardError, _as_score, as_score_list
 
 FIXED_KWARGS = ("prompts", "completions", "ground_truth", "data_source", "extra_info")
 
@@ -57,11 +55,7 @@ def _finite(value: Any, where: str) -> float:
         if "score" not in value:
             raise RewardError(f"{where} returned a dict without 'score' (keys: {sorted(value)})")
         value = value["score"]
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-        raise RewardError(f"{where} returned {value!r}; a score must be a finite number")
-    return float(value)
+    return _as_score(value, where)
 
 
 class RewardFunctions:
@@ -134,13 +128,7 @@ class RewardFunctions:
         total = torch.zeros(n, dtype=torch.float64)
         extra: dict[str, list] = {}
         for name, weight, results in zip(self.names, self.weights, box["ok"]):
-            try:
-                results = list(results)
-            except TypeError as e:
-                raise RewardError(f"reward function {name} returned {type(results).__name__}, not a list of {n} "
-                                  f"scores") from e
-            if len(results) != n:
-                raise RewardError(f"reward function {name} returned {len(results)} scores for {n} samples")
+            results = as_score_list(results, n, f"reward function {name}")
             scores = [_finite(r, f"reward function {name} on sample {i}") for i, r in enumerate(results)]
             extra[name] = scores
             total += weight * torch.tensor(scores, dtype=torch.float64)

@@ -168,16 +168,7 @@ class RewardManager:
                 raise RewardError(f"{label} {e}") from None
             raise RewardError(f"{label} raised {e} {at}") from e.cause
         if batched:
-            try:
-                results = list(results)
-            except TypeError as e:
-                raise RewardError(f"batched reward function {self.fn_name} returned {type(results).__name__}, "
-                                  f"not a list of {n} scores") from e
-            if len(results) != n:
-                raise RewardError(
-                    f"batched reward function {self.fn_name} returned {len(results)} scores for {n} samples; "
-                    f"return one score per sample"
-                )
+            results = as_score_list(results, n, f"batched reward function {self.fn_name}")
         return self._collect(results, data_sources)
 
     def _collect(self, results, data_sources):
@@ -195,6 +186,17 @@ class RewardManager:
             else:
                 scores.append(_as_score(r, where))
         return torch.tensor(scores, dtype=torch.float32), extra
+
+
+def as_score_list(results, n: int, label: str) -> list:
+    """A batched reward's result as a list of n entries; else RewardError naming ``label``."""
+    try:
+        results = list(results)
+    except TypeError as e:
+        raise RewardError(f"{label} returned {type(results).__name__}, not a list of {n} scores") from e
+    if len(results) != n:
+        raise RewardError(f"{label} returned {len(results)} scores for {n} samples; return one score per sample")
+    return results
 
 
 def _batched(fn: Callable) -> Callable:
