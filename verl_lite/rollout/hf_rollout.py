@@ -177,6 +177,12 @@ class HFRollout:
             raise ValueError(f"generate: {len(seeds)} seeds for {len(prompt_ids)} prompts; give one seed per prompt")
         if seeds is not None and seed is not None:
             raise ValueError("generate: give either seed (one per call) or seeds (one per prompt), not both")
+        # generation needs no __torch_function__ overrides: skip any global mode (e.g. the engine's
+        # CPU adapter in a colocated worker), which would cost one Python hop per torch call
+        with torch._C.DisableTorchFunction():
+            return self._generate(prompt_ids, n, do_sample, temperature, top_p, top_k, max_new_tokens, seed, seeds)
+
+    def _generate(self, prompt_ids, n, do_sample, temperature, top_p, top_k, max_new_tokens, seed, seeds) -> list[dict]:
         scale = float(temperature) if temperature and temperature > 0 else 1.0
 
         seqs = [list(p) for p in prompt_ids for _ in range(n)]

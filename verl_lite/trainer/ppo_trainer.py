@@ -316,7 +316,7 @@ class PPOTrainer:
             k = len(o["response_ids"])
             responses[i, :k] = torch.as_tensor(o["response_ids"], dtype=torch.long)
             mask[i, :k] = 1.0
-            rollout_lp[i, :k] = o["log_probs"].float()
+            rollout_lp[i, :k] = torch.as_tensor(o["log_probs"], dtype=torch.float32)
 
         def repeat(values):
             return [v for v in values for _ in range(n)]
