@@ -98,7 +98,7 @@ def run_to_end(args: list[str], log: Path, env: dict | None = None, timeout: flo
 
 
 def metrics(out_dir: Path) -> list[dict]:
-    files = sorted(Path(out_dir).glob("*/metrics.jsonl"))
+    files = sorted(p for p in Path(out_dir).glob("*/metrics.jsonl") if not p.parent.is_symlink())
     assert files, f"no metrics.jsonl under {out_dir}"
     return [json.loads(line) for line in files[-1].read_text().splitlines()]
 
