@@ -373,6 +373,11 @@ def _validate_rest(cfg: PPOConfig, p: list[str], positive, world, dp, traj_mini,
             p.append(f"{R}.name=vllm cannot run here: {why}; or use {R}.name=hf")
         if rollout.free_cache_engine and not _cuda_visible():
             p.append(f"{R}.free_cache_engine=true needs vLLM's sleep mode, which needs a CUDA GPU; set it false on CPU")
+        max_pos = ((_model_config(arr.model.path) if arr.model.path else None) or {}).get("max_position_embeddings")
+        if max_pos and d.max_prompt_length + d.max_response_length > max_pos:
+            p.append(f"{R}.name=vllm: data.max_prompt_length + data.max_response_length = "
+                     f"{d.max_prompt_length + d.max_response_length} exceeds the model's max_position_embeddings "
+                     f"{max_pos} (vLLM's max_model_len); shorten them")
     if rollout.dtype not in ROLLOUT_DTYPES:
         p.append(f"{R}.dtype={rollout.dtype!r} is unknown; choose one of {list(ROLLOUT_DTYPES)}")
     if rollout.tensor_model_parallel_size != 1:
