@@ -167,7 +167,8 @@ def test_weight_sync_in_place_matches_hf_with_same_weights(model_path, tok):
 
 def test_vllm_keys_are_checked_before_start(monkeypatch):
     """Without vLLM, rollout.name=vllm is rejected before any worker starts, with the install command;
-    rollout keys that are not built (TP > 1, sleep mode without CUDA) or out of range are rejected too."""
+    rollout keys that are not built (TP > 1, sleep mode without CUDA) or out of range, and sequences
+    longer than vLLM's max_model_len, are rejected too."""
     import importlib.util
 
     from verl_lite.config import ConfigError, load_config
@@ -177,7 +178,7 @@ def test_vllm_keys_are_checked_before_start(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
     R = "actor_rollout_ref.rollout"
     cfg = load_config([f"{R}.name=vllm", f"{R}.tensor_model_parallel_size=2", f"{R}.gpu_memory_utilization=1.5",
-                       f"{R}.dtype=fp8"] + ([f"{R}.free_cache_engine=true"] if not torch.cuda.is_available() else []))
+                       f"{R}.dtype=fp8", "data.max_prompt_length=200"] + ([f"{R}.free_cache_engine=true"] if not torch.cuda.is_available() else []))
     with pytest.raises(ConfigError) as e:
         validate_config(cfg, world_size=1)
     msg = str(e.value)
@@ -186,6 +187,7 @@ def test_vllm_keys_are_checked_before_start(monkeypatch):
     assert f"{R}.tensor_model_parallel_size=2: only 1 is built" in msg
     assert f"{R}.gpu_memory_utilization=1.5 must lie in (0, 1]" in msg
     assert f"{R}.dtype='fp8' is unknown" in msg
+    assert "exceeds the model's max_position_embeddings 128 (vLLM's max_model_len)" in msg  # the shipped model
     if not torch.cuda.is_available():
         assert f"{R}.free_cache_engine=true needs vLLM's sleep mode" in msg
 
