@@ -73,9 +73,13 @@ def test_overrides_apply_with_types():
         ("data.train_batchsize=3", "data.train_batch_size"),
         ("+data.train_batchsize=3", "data.train_batch_size"),
         (f"+{A}.ppo_epoch=2", f"{A}.ppo_epochs"),
-        (f"{A}.optim.learning_rate=1", f"{A}.optim.min_lr"),
-        ("actor.ppo_epochs=2", f"{A}.ppo_epochs"),
+        (f"{A}.optim.learning_rate=1", None),  # nothing close in optim (min_lr is not a spelling of it)
+        ("actor.ppo_epochs=2", f"{A}.ppo_epochs"),  # a valid key without its prefix
         ("+totally_new=1", None),
+        ("trainer.total_epoch=3", "trainer.total_epochs"),
+        ("actor_rollout_ref.rollout.temprature=0.5", "actor_rollout_ref.rollout.temperature"),
+        ("data.ppo_epochs=2", None),  # ppo_epochs lives in another section: no hint
+        ("trainer.zzz=1", None),
     ],
 )
 def test_unknown_keys_rejected_with_suggestion(override, suggest):
@@ -86,6 +90,8 @@ def test_unknown_keys_rejected_with_suggestion(override, suggest):
     assert f"unknown config key '{key}'" in msg
     if suggest:
         assert f"did you mean '{suggest}'" in msg
+    else:
+        assert "did you mean" not in msg
 
 
 def test_wrong_type_names_key():

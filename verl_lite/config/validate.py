@@ -99,6 +99,9 @@ def validate_config(cfg: PPOConfig, world_size: int | None = None) -> Layout:
 
     world_size defaults to trainer.n_gpus_per_node * trainer.nnodes (the number of workers).
     """
+    from verl_lite.config.loader import resolve_inherited
+
+    resolve_inherited(cfg)
     p: list[str] = []
     d, arr, alg, tr = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
     actor, ref, rollout, mg = arr.actor, arr.ref, arr.rollout, arr.actor.megatron
@@ -242,7 +245,72 @@ def _check_layout(key: str, mg, world: int, workers: str, model_cfg: dict | None
         p.append(f"{M}.sequence_parallel=true needs tensor_model_parallel_size > 1 (got {tp}); set it to false")
     if mg.timeout_s is None or mg.timeout_s <= 0:
         p.append(f"{M}.timeout_s={mg.timeout_s} must be > 0 seconds (a stuck collective fails after it)")
+    p.extend(transformer_override_problems(f"{M}.override_transformer_config", mg.override_transformer_config))
     return dp
+
+
+# megatron TransformerConfig fields that the engine sets itself and that cannot be overridden here
+_OVERRIDE_REJECT = {
+    "num_layers_in_first_pipeline_stage": "uneven pipeline splits are not built (every stage holds layers / pp)",
+    "num_layers_in_last_pipeline_stage": "uneven pipeline splits are not built (every stage holds layers / pp)",
+    "attention_backend": "the engine uses its own THD attention (SDPA on CPU, flash-attn on GPU)",
+}
+_OVERRIDE_FALSE_ONLY = ("apply_rope_fusion", "bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion",
+                        "persist_layer_norm", "gradient_accumulation_fusion", "cross_entropy_loss_fusion",
+                        "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+_OVERRIDE_ENGINE_OWNED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                          "kv_channels", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                          "virtual_pipeline_model_parallel_size", "context_parallel_size", "sequence_parallel",
+                          "params_dtype", "pipeline_dtype", "bf16", "fp16", "calculate_per_token_loss",
+                          "variable_seq_lengths", "normalization", "gated_linear_unit", "add_bias_linear",
+                          "add_qkv_bias", "qk_layernorm", "layernorm_epsilon")
+
+
+def transformer_override_problems(key: str, overrides: dict) -> list[str]:
+    """``megatron.override_transformer_config``: only megatron ``TransformerConfig`` fields the engine does
+    not derive from the HF config / layout; fusions only false (the local layer spec has no fused
+    kernels); MoE fields rejected (dense models); activation recompute only where CUDA runs it."""
+    if not overrides:
+        return []
+    import dataclasses
+
+    from megatron.core.transformer import TransformerConfig
+
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    out = []
+    for name, value in overrides.items():
+        k = f"{key}.{name}"
+        if name not in fields:
+            out.append(f"{k}: not a field of megatron's TransformerConfig; drop it")
+        elif name.startswith("moe_"):
+            out.append(f"{k}: verl_lite builds dense Qwen2/Qwen3/Llama models only (no MoE layers); drop it")
+        elif name in _OVERRIDE_REJECT:
+            out.append(f"{k}: {_OVERRIDE_REJECT[name]}; drop it")
+        elif name in _OVERRIDE_ENGINE_OWNED:
+            out.append(f"{k}: the engine derives it from model.path/config.json and the megatron layout keys; "
+                       f"set those instead")
+        elif name in _OVERRIDE_FALSE_ONLY and value:
+            out.append(f"{k}={value}: the engine builds megatron's local (non-Transformer-Engine) layer spec, "
+                       f"which has no fused kernel for it; drop it (false is accepted)")
+        elif name.startswith("recompute_") and value is not None and not _cuda_visible():
+            out.append(f"{k}={value}: megatron's activation recompute saves and restores the CUDA RNG state, so it "
+                       f"runs on GPU only; drop it on CPU")
+    return out
+
+
+def recompute_overrides(enable_gradient_checkpointing: bool) -> dict:
+    """verl's ``model.enable_gradient_checkpointing`` as megatron activation recompute (verl's megatron
+    defaults: full granularity, uniform method, 1 layer per checkpoint)."""
+    if not enable_gradient_checkpointing:
+        return {}
+    return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+
+def engine_model_overrides(model_cfg, megatron_cfg) -> dict:
+    """The ``EngineConfig.model_overrides`` of one role: activation recompute from
+    ``model.enable_gradient_checkpointing`` then ``megatron.override_transformer_config`` (which wins)."""
+    return {**recompute_overrides(model_cfg.enable_gradient_checkpointing),
+            **dict(megatron_cfg.override_transformer_config or {})}
 
 
 def _check_optim(key: str, o, p: list[str]) -> None:
@@ -362,6 +430,11 @@ def _validate_rest(cfg: PPOConfig, p: list[str], positive, world, dp, traj_mini,
 
     # ---- optimizer
     _check_optim(f"{A}.optim", actor.optim, p)
+    for key, enabled in (("actor_rollout_ref.model", arr.model.enable_gradient_checkpointing),
+                         ("critic.model", cfg.critic.model.enable_gradient_checkpointing and "critic" in needs)):
+        if enabled and not _cuda_visible():
+            p.append(f"{key}.enable_gradient_checkpointing=true: megatron's activation recompute saves and restores "
+                     f"the CUDA RNG state, so it runs on GPU only; set it false on CPU")
 
     # ---- rollout
     if rollout.name not in ROLLOUT_NAMES:

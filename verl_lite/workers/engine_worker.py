@@ -30,6 +30,7 @@ class EngineWorkerConfig:
     calculate_per_token_loss: bool = False
     use_distributed_optimizer: bool = False
     seed: int = 0
+    model_overrides: dict = field(default_factory=dict)  # megatron TransformerConfig fields (EngineConfig.model_overrides)
 
 
 def sequence_batch(piece: Batch, loss_keys: tuple[str, ...] = ()):
@@ -74,7 +75,8 @@ class EngineWorker(Worker):
         c = self.cfg
         optim = OptimConfig(**c.optim, use_distributed_optimizer=c.use_distributed_optimizer)
         return EngineConfig(model_path=c.model_path, parallel=parallel, optim=optim,
-                            calculate_per_token_loss=c.calculate_per_token_loss, seed=c.seed, **kwargs)
+                            calculate_per_token_loss=c.calculate_per_token_loss, seed=c.seed,
+                            model_overrides=dict(c.model_overrides), **kwargs)
 
     def _owner_engine(self):
         raise NotImplementedError
