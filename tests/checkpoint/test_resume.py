@@ -26,7 +26,7 @@ def _kill_during_step4_save(assets, root):
     """Start the 4-step run; SIGKILL it (with its Ray and workers) while global_step_4 is being written."""
     run = Run(overrides(assets, root), root / "killed.log")
     ckpt = root / "ckpt"
-    saving = wait_for(lambda: any(ckpt.glob(".tmp-global_step_4-*")), timeout=300)
+    saving = wait_for(lambda: any(ckpt.glob(".tmp-global_step_4-*")), timeout=300, poll=0.002)
     run.kill()
     assert saving, f"the run never started saving step 4:\n{run.text()[-3000:]}"
     return ckpt
