@@ -65,7 +65,7 @@ def test_broken_reward_stops_the_run_and_leaves_no_process(tiny_assets, tmp_path
     trainer = PPOTrainer(cfg)
     with pytest.raises(RewardError, match=pattern):
         trainer.fit()
-    assert trainer.group is None and not ray.is_initialized(), "the trainer started Ray, so it must stop it"
+    assert trainer.actor is None and not ray.is_initialized(), "the trainer started Ray, so it must stop it"
     leftover = _still_alive(_descendants() - before)
     assert leftover == [], f"processes left behind: {leftover}"
 

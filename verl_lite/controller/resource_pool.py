@@ -49,11 +49,14 @@ class ResourcePool:
                 f"(cluster has {ray.cluster_resources()}); use fewer workers or a bigger cluster"
             ) from err
 
-    def actor_options(self, rank: int) -> dict:
-        """``ray.remote(...).options(**)`` that place rank ``rank`` on its bundle."""
+    def actor_options(self, rank: int, share: float = 1.0) -> dict:
+        """``ray.remote(...).options(**)`` that place rank ``rank`` on its bundle, taking ``share``
+        of it (0 < share <= 1: roles colocated on one bundle split it)."""
+        if not 0 < share <= 1:
+            raise ValueError(f"share must lie in (0, 1], got {share}")
         return dict(
-            num_cpus=self.bundle["CPU"],
-            num_gpus=self.bundle.get("GPU", 0),
+            num_cpus=self.bundle["CPU"] * share,
+            num_gpus=self.bundle.get("GPU", 0) * share,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.placement_group, placement_group_bundle_index=rank
             ),
