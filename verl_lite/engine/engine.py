@@ -323,9 +323,12 @@ class MegatronEngine:
         return outputs
 
     def _forward_step(self, names, temperature, width, loss_func_factory, data_iterator, model):
+        from verl_lite.engine.cpu_adapter import suspended
+
         mb: _MicroBatch = next(data_iterator)
         ids = mb.packed.input_ids.to(self.device)
-        output = model(ids, None, None, packed_seq_params=self._packed_seq_params(mb.packed))
+        with suspended():  # the forward needs no CUDA->CPU rewriting (see cpu_adapter)
+            output = model(ids, None, None, packed_seq_params=self._packed_seq_params(mb.packed))
         return output, partial(loss_func_factory, mb, names, temperature, width)
 
     # ------------------------------------------------------------------ infer
