@@ -29,6 +29,9 @@ and puts it to sleep (level 1: weights offloaded to host memory, KV cache droppe
 ``generate``; ``load_weights`` wakes the weights only, ``generate`` wakes the KV cache. Sleep
 mode needs CUDA. On CPU vLLM sizes its KV cache from ``VLLM_CPU_KVCACHE_SPACE`` (GiB; set to
 1 here when unset, plenty for the small models a CPU trains), not from gpu_memory_utilization.
+Generation and weight loads run outside the engine's CPU adapter (``cpu_adapter.suspended()``,
+a no-op on GPU): vLLM creates no tensor on a literal "cuda" device on CPU, so the adapter's
+per-torch-call hop would only cost time.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ import os
 from typing import Iterable
 
 import torch
+
+from verl_lite.engine.cpu_adapter import suspended
 
 VLLM_INSTALL_HINT = (
     "install vLLM into the environment that runs verl_lite: on a CUDA machine `pip install vllm`; "
@@ -168,7 +173,9 @@ class VLLMRollout:
             raise ValueError("load_weights: no tensors given")
         self._wake("weights")
         try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors, "is_checkpoint_format": True})
+            with suspended():
+                self.llm.collective_rpc("reload_weights",
+                                        kwargs={"weights_iterator": tensors, "is_checkpoint_format": True})
         except (KeyError, ValueError, AssertionError) as e:
             names = sorted(n for n, _ in tensors)
             raise ValueError(f"load_weights: vLLM rejected the weights ({type(e).__name__}: {e}); names given: "
@@ -226,7 +233,8 @@ class VLLMRollout:
         self._wake("weights", "kv_cache")
         self._logit_scale(self._base_scale / scale)
         try:
-            outs = self.llm.generate(prompts, params, use_tqdm=False)
+            with suspended():
+                outs = self.llm.generate(prompts, params, use_tqdm=False)
         finally:
             self._logit_scale(self._base_scale)
             if self.free_cache_engine:
