@@ -104,9 +104,11 @@ def init_distributed(
                 f"not {rank}/{world_size}; call destroy_distributed() first"
             )
     else:
+        from verl_lite.utils.rendezvous import rendezvous_store  # rank 0 listens on master_addr only
+
         dist.init_process_group(
             backend="nccl" if on_gpu else "gloo",
-            init_method=f"tcp://{master_addr}:{master_port}",
+            store=rendezvous_store(master_addr, master_port, rank, world_size, timeout),
             rank=rank,
             world_size=world_size,
             timeout=timeout,
