@@ -1,0 +1,198 @@
+"""The pieces behind the fault matrix, each against its own contract (no Ray, no workers):
+Ray start-up retries, the reward process (time bound, crash, import once), run directories,
+the zero-signal warning."""
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from verl_lite.config.schema import CustomRewardFunctionConfig, RewardConfig
+from verl_lite.data.char_tokenizer import build_char_tokenizer
+from verl_lite.errors import BadInput, RayStartError
+from verl_lite.reward import RewardConfigError, RewardError, RewardManager
+
+
+# ---------------------------------------------------------------- Ray start-up
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    """ray.init replaced by a stub that fails ``fail`` times (Ray's own start-up error), then succeeds."""
+    import verl_lite.controller.local_ray as lr
+
+    state = {"calls": 0, "fail": 0}
+
+    def init(**kw):
+        state["calls"] += 1
+        signal.signal(signal.SIGTERM, lambda *a: None)  # as ray.init does
+        if state["calls"] <= state["fail"]:
+            raise Exception("The current node timed out during startup. This could happen because ...")
+
+    monkeypatch.setattr(lr.ray, "init", init)
+    monkeypatch.setattr(lr.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(lr.time, "sleep", lambda s: None)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    return lr, state
+
+
+def test_ray_start_retries_then_succeeds_and_keeps_signal_handlers(fake_ray):
+    lr, state = fake_ray
+    state["fail"] = lr.RAY_START_ATTEMPTS - 1
+    handler = signal.getsignal(signal.SIGTERM)
+    assert lr.start_ray() is True
+    assert state["calls"] == lr.RAY_START_ATTEMPTS
+    assert signal.getsignal(signal.SIGTERM) is handler
+
+
+def test_ray_start_gives_up_with_a_message(fake_ray):
+    lr, state = fake_ray
+    state["fail"] = 99
+    with pytest.raises(RayStartError) as info:
+        lr.start_ray()
+    assert state["calls"] == lr.RAY_START_ATTEMPTS
+    msg = str(info.value)
+    assert f"could not join the Ray cluster at RAY_ADDRESS=10.0.0.1:6379 after {lr.RAY_START_ATTEMPTS} attempts" in msg
+    assert "timed out during startup" in msg and "ray status" in msg
+
+
+# ---------------------------------------------------------------- the reward process
+
+
+def _manager(path, name="compute_score", manager="naive", timeout_s=30.0, **kwargs):
+    cfg = RewardConfig(reward_manager=manager, timeout_s=timeout_s,
+                       custom_reward_function=CustomRewardFunctionConfig(path=str(path), name=name, reward_kwargs=kwargs))
+    return RewardManager(cfg, build_char_tokenizer())
+
+
+def _call(m, texts):
+    tok = m.tokenizer
+    return m([tok.encode(t, add_special_tokens=False) for t in texts], ["src"] * len(texts), ["1"] * len(texts))
+
+
+REWARD = '''
+import os, time
+with open(os.environ["IMPORT_LOG"], "a") as f:
+    f.write("imported\\n")
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, scale=1.0):
+    if solution_str == "hang":
+        time.sleep(3600)
+    if solution_str == "die":
+        os._exit(3)
+    return scale * len(solution_str)
+'''
+
+
+@pytest.fixture
+def reward_file(tmp_path, monkeypatch):
+    log = tmp_path / "imports.log"
+    monkeypatch.setenv("IMPORT_LOG", str(log))
+    path = tmp_path / "my_reward.py"
+    path.write_text(REWARD)
+    return path, log
+
+
+def test_reward_file_is_imported_once_in_its_own_process(reward_file):
+    from verl_lite.config import load_config, validate_config
+
+    path, log = reward_file
+    cfg = load_config([f"reward.custom_reward_function.path={path}"])
+    try:
+        validate_config(cfg)  # checks the file without running it
+    except Exception:
+        pass
+    assert not log.exists()
+    m = _manager(path, scale=2.0)
+    try:
+        assert _call(m, ["ab", "abc"])[0].tolist() == [4.0, 6.0]
+        assert _call(m, ["a"])[0].tolist() == [2.0]
+        assert log.read_text() == "imported\n"
+        (pid,) = m.pids()
+        assert pid != os.getpid() and psutil.Process(pid).ppid() == os.getpid()
+    finally:
+        m.close()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_hung_reward_is_killed_after_its_timeout(reward_file):
+    path, _ = reward_file
+    m = _manager(path, timeout_s=1.0)
+    try:
+        (pid,) = m.pids()
+        start = time.monotonic()
+        with pytest.raises(RewardError, match=r"my_reward\.py:compute_score did not return within reward\.timeout_s="
+                                              r"1\.0s on sample 1 \(data_source='src'\) of a batch of 3"):
+            _call(m, ["ok", "hang", "ok"])
+        assert 1.0 <= time.monotonic() - start < 10.0
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        assert _call(m, ["abc"])[0].tolist() == [3.0]  # a fresh process serves the next call
+    finally:
+        m.close()
+
+
+def test_reward_process_dying_is_an_error_not_a_hang(reward_file):
+    path, _ = reward_file
+    m = _manager(path)
+    try:
+        with pytest.raises(RewardError, match=r"the reward process exited with code 3 while scoring on sample 0"):
+            _call(m, ["die"])
+    finally:
+        m.close()
+
+
+def test_python_callable_is_bounded_too():
+    cfg = RewardConfig(timeout_s=0.5)
+
+    def slow(data_source, solution_str, ground_truth, extra_info=None):
+        time.sleep(30)
+
+    m = RewardManager(cfg, build_char_tokenizer(), compute_score=slow)
+    start = time.monotonic()
+    with pytest.raises(RewardError, match=r"did not return within reward\.timeout_s=0\.5s on sample 0"):
+        _call(m, ["x"])
+    assert time.monotonic() - start < 5.0
+
+
+def test_reward_kwargs_checked_against_the_signature(reward_file):
+    path, _ = reward_file
+    with pytest.raises(RewardConfigError, match=r"reward_kwargs=\{'bonus': 1\} do not fit .*unexpected keyword "
+                                                r"argument 'bonus'"):
+        _manager(path, bonus=1)
+
+
+# ---------------------------------------------------------------- run directories
+
+
+def test_run_dirs_are_fresh_and_latest_points_at_the_newest(tmp_path):
+    from verl_lite.trainer.run_dir import make_run_dir
+
+    now = time.time()
+    a = make_run_dir(str(tmp_path / "out"), "exp/1", now=now)
+    (a / "metrics.jsonl").write_text("first\n")
+    b = make_run_dir(str(tmp_path / "out"), "exp/1", now=now)  # same second: a new directory all the same
+    assert a != b and a.parent == b.parent and a.name.startswith("exp_1-") and b.name == a.name + "-2"
+    assert (a / "metrics.jsonl").read_text() == "first\n" and not any(b.iterdir())
+    assert (tmp_path / "out" / "latest").resolve() == b
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(BadInput, match=r"trainer\.output_dir=.*cannot create"):
+        make_run_dir(str(tmp_path / "file" / "out"), "exp")
+
+
+# ---------------------------------------------------------------- zero learning signal
+
+
+def test_zero_signal_warns_once_after_k_consecutive_steps():
+    from verl_lite.trainer.signal_watch import ZeroSignalWatch
+
+    def step(i, lo, hi, length=5.0):
+        return {"step": i, "reward/min": lo, "reward/max": hi, "response_length/mean": length}
+
+    w = ZeroSignalWatch(k=3)
+    assert w.update({"step": 0, "val/accuracy": 0.5}) is None  # validation-only record
+    assert [w.update(step(1, 0, 0)), w.update(step(2, 0, 0)), w.update(step(3, 0, 1))] == [None] * 3  # run broken
+    assert w.update(step(4, 1, 1)) is None and w.update(step(5, 0, 1, length=1.0)) is None
+    msg = w.update(step(6, 1, 1))
+    assert msg and "3 consecutive steps (4-6)" in msg and "every reward was 1" in msg and "one token" in msg
+    assert w.update(step(7, 1, 1)) is None  # once
