@@ -34,7 +34,7 @@ class ParallelConfig:
     vpp: int | None = None
     cp: int = 1
     sequence_parallel: bool = False
-    timeout_s: float = 600.0
+    timeout_s: float = 300.0  # the same default as the config's actor_rollout_ref.actor.megatron.timeout_s
 
     @property
     def model_parallel_size(self) -> int:
