@@ -267,6 +267,12 @@ class MegatronEngine:
             )
 
     def _pack(self, batch: SequenceBatch, micro_batches: list[list[int]]) -> list[_MicroBatch]:
+        from verl_lite.engine.cpu_adapter import suspended
+
+        with suspended():  # CPU-side index work only
+            return self._pack_all(batch, micro_batches)
+
+    def _pack_all(self, batch: SequenceBatch, micro_batches: list[list[int]]) -> list[_MicroBatch]:
         out = []
         for mb in micro_batches:
             packed = pack_micro_batch(
@@ -424,6 +430,12 @@ class MegatronEngine:
         owner = self.is_output_owner
 
         def loss_func(mb, names, temperature, width, output):
+            from verl_lite.engine.cpu_adapter import suspended
+
+            with suspended():  # outputs + the caller's loss: plain tensor math on the output's device
+                return _loss(mb, names, temperature, width, output)
+
+        def _loss(mb, names, temperature, width, output):
             outs = self._per_token_outputs(output, mb, names, temperature, width)
             data = {k: v.to(self.device) for k, v in mb.data.items()}
             contribution, metrics = loss_fn(outs, data)
