@@ -1,0 +1,88 @@
+"""``ray job submit`` as the README documents it: the test starts a Ray head on loopback ports (its
+own temp dir and HOME, so Ray's default token authentication writes its token there), submits a
+3-step job with ``--working-dir`` and no Ray variables exported by hand, waits for SUCCEEDED, finds
+the metrics and the checkpoint under the absolute ``trainer.default_local_dir``, and stops only the
+processes it started (by pid)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.checkpoint.conftest import metrics, overrides
+from verl_lite.utils.net import free_port
+
+BIN = Path(sys.executable).parent
+
+
+def _started_by(marker: str) -> list[psutil.Process]:
+    roots = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(marker in a for a in (p.info["cmdline"] or [])):
+                roots.append(p)
+        except psutil.Error:
+            continue
+    procs = {p.pid: p for p in roots}
+    for r in roots:
+        try:
+            procs.update({c.pid: c for c in r.children(recursive=True)})
+        except psutil.Error:
+            pass
+    return list(procs.values())
+
+
+def _stop(procs: list[psutil.Process]) -> None:
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=20)
+
+
+@pytest.mark.skipif(shutil.which("ray", path=str(BIN)) is None, reason="the ray CLI is not installed next to python")
+def test_ray_job_submit_loopback_head(tiny_assets, tmp_path):
+    home = Path(tempfile.mkdtemp(prefix="vlh", dir="/tmp"))  # short: Ray's socket paths live under it
+    temp = home / "r"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(HOME=str(home), PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", OMP_NUM_THREADS="1")
+    port, dash = free_port(), free_port()
+    started: list[psutil.Process] = []
+    try:
+        subprocess.run([str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
+                        "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true",
+                        "--num-cpus=2", f"--temp-dir={temp}", "--disable-usage-stats"],
+                       env=env, check=True, capture_output=True, text=True, timeout=120)
+        started = _started_by(str(temp))
+        workdir = tmp_path / "job"
+        workdir.mkdir()
+        shutil.copy(tiny_assets["reward"], workdir / "my_reward.py")  # travels with --working-dir
+        out = tmp_path / "outputs"
+        args = overrides(tiny_assets, out, **{
+            "reward.custom_reward_function.path": "my_reward.py",  # relative: inside the uploaded working dir
+            "trainer.total_training_steps": 3, "trainer.save_freq": 3, "trainer.n_gpus_per_node": 1,
+            "trainer.logger": "[console,jsonl]"})
+        res = subprocess.run([str(BIN / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{dash}",
+                              "--working-dir", str(workdir), "--", "python", "-m", "verl_lite.trainer.main_ppo", *args],
+                             env=env, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+        log = res.stdout + res.stderr
+        assert res.returncode == 0 and "succeeded" in log, log[-4000:]
+        job_id = log.split("Job '", 1)[1].split("'", 1)[0]
+        status = subprocess.run([str(BIN / "ray"), "job", "status", "--address", f"http://127.0.0.1:{dash}", job_id],
+                                env=env, capture_output=True, text=True, timeout=120)
+        assert "succeeded" in (status.stdout + status.stderr).lower(), status.stdout + status.stderr  # SUCCEEDED
+        rows = metrics(out / "out")
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        assert (out / "ckpt" / "global_step_3" / "complete").is_file()
+        assert (out / "ckpt" / "global_step_3" / "huggingface" / "model.safetensors").is_file()
+    finally:
+        _stop(started + [p for p in _started_by(str(temp)) if p.pid not in {q.pid for q in started}])
+        shutil.rmtree(home, ignore_errors=True)
