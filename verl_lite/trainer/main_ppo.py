@@ -15,7 +15,8 @@ it is created and checked writable before Ray starts. It also holds ``config.jso
 (the full traceback of a failure).
 
 ``--recipe FILE.yaml`` (repeatable) applies a YAML file of overrides (nested keys, as in
-ppo_trainer.yaml) before the command-line ones, e.g. ``--recipe recipes/gspo.yaml``.
+ppo_trainer.yaml) before the command-line ones, e.g. ``--recipe recipes/gspo.yaml``; a shipped
+recipe can be named from any directory: ``--recipe gspo``.
 
 Failures end as one readable block on stderr (what failed, the key or file/row, the fix) with
 exit code 2 for bad input (config, data, output dir) and 1 for runtime failures; ``--debug`` or
@@ -222,12 +223,33 @@ def _train(cfg, trainer, out: Path, user_on_step=None) -> dict:
     return summary
 
 
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"  # the repository's recipes/
+
+
+def resolve_recipe(name_or_path: str) -> Path:
+    """``--recipe`` argument -> a YAML file, from any working directory: an existing path; else a
+    shipped recipe by name (``ppo`` -> recipes/ppo.yaml); else the path taken from the repository
+    root (``recipes/ppo.yaml``). ConfigError lists the shipped recipes when none matches."""
+    given = Path(name_or_path).expanduser()
+    candidates = [given]
+    if not given.is_absolute():
+        stem = given.name if given.suffix in (".yaml", ".yml") else f"{given.name}.yaml"
+        candidates += [RECIPES_DIR / stem, RECIPES_DIR.parent / given] if len(given.parts) <= 2 else [
+            RECIPES_DIR.parent / given]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    shipped = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+    raise ConfigError([f"--recipe {name_or_path}: no such file, and no shipped recipe of that name; give a YAML "
+                       f"path or one of {shipped}"])
+
+
 def recipe_overrides(path: str) -> list[str]:
-    """A YAML file of nested keys -> Hydra ``key=value`` overrides."""
+    """A YAML file of nested keys (or a shipped recipe's name, see ``resolve_recipe``) -> Hydra ``key=value``
+    overrides."""
     from omegaconf import OmegaConf
 
-    if not Path(path).is_file():
-        raise ConfigError([f"--recipe {path}: no such file"])
+    path = str(resolve_recipe(path))
     flat: list[str] = []
 
     def walk(node, prefix):

@@ -1,0 +1,39 @@
+"""``--recipe`` works from any directory: a shipped recipe by name, a path from the repository root,
+or any YAML path; an unknown name lists the shipped recipes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from verl_lite.config import ConfigError, load_config
+from verl_lite.trainer.main_ppo import RECIPES_DIR, expand_recipes, resolve_recipe
+
+SHIPPED = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def test_every_shipped_recipe_resolves_by_name_from_another_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert {"ppo", "grpo", "gspo", "dapo"} <= set(SHIPPED)
+    for name in SHIPPED:
+        path = resolve_recipe(name)
+        assert path == RECIPES_DIR / f"{name}.yaml"
+        assert resolve_recipe(f"{name}.yaml") == path and resolve_recipe(f"recipes/{name}.yaml") == path
+        load_config(expand_recipes(["--recipe", name]))  # every key of the recipe is a schema key
+
+
+def test_recipe_by_name_sets_its_keys_and_the_command_line_wins(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(expand_recipes(["--recipe", "ppo", "algorithm.gamma=0.9"]))
+    assert cfg.algorithm.adv_estimator == "gae" and cfg.algorithm.gamma == 0.9
+    own = tmp_path / "mine.yaml"
+    own.write_text("trainer:\n  experiment_name: mine\n")
+    assert load_config(expand_recipes([f"--recipe={own}"])).trainer.experiment_name == "mine"
+
+
+def test_unknown_recipe_lists_the_shipped_ones(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="gspo") as info:
+        resolve_recipe("nope")
+    assert "no shipped recipe" in str(info.value)
