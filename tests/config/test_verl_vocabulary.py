@@ -234,3 +234,27 @@ def test_docs_config_md_is_generated_from_the_schema():
     from verl_lite.config import docs
 
     assert docs.DOC_PATH.read_text() == docs.render(), "docs/config.md is stale: run `python -m verl_lite.config.docs`"
+
+
+def test_vllm_engine_keys_reach_vllm():
+    """rollout.enable_chunked_prefill / max_num_batched_tokens / max_num_seqs go to vllm.LLM as they are;
+    with the hf rollout they are rejected (it has no such setting)."""
+    from verl_lite.rollout import rollout_kwargs, vllm_unavailable_reason
+
+    keys = [f"{R}.enable_chunked_prefill=False", f"{R}.max_num_batched_tokens=512", f"{R}.max_num_seqs=7"]
+    with pytest.raises(ConfigError, match="vLLM engine setting"):
+        validate_config(load_config(keys))
+    cfg = load_config([f"{R}.name=vllm", *keys])
+    kw = rollout_kwargs(cfg.actor_rollout_ref.rollout, 28)
+    assert kw["engine_args"] == {"enable_chunked_prefill": False, "max_num_batched_tokens": 512, "max_num_seqs": 7}
+    assert "engine_args" not in rollout_kwargs(load_config([]).actor_rollout_ref.rollout, 28)
+    if vllm_unavailable_reason() is not None:
+        pytest.skip(f"vLLM not importable here ({vllm_unavailable_reason()[:60]}...): checked up to rollout_kwargs")
+    from transformers import AutoTokenizer
+
+    from verl_lite.rollout import make_rollout
+
+    path = cfg.actor_rollout_ref.model.path
+    rollout = make_rollout("vllm", path, AutoTokenizer.from_pretrained(path), **kw)
+    sched = rollout.llm.llm_engine.vllm_config.scheduler_config
+    assert (sched.enable_chunked_prefill, sched.max_num_batched_tokens, sched.max_num_seqs) == (False, 512, 7)

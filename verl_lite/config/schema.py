@@ -138,6 +138,9 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5  # vllm on GPU: fraction of the GPU for its weights + KV cache
     free_cache_engine: bool = False  # vllm on GPU: sleep (offload weights, drop KV cache) between rollouts
     enforce_eager: bool = True  # vllm: no CUDA graphs / torch.compile
+    enable_chunked_prefill: Optional[bool] = None  # vllm: passed to vllm.LLM; None = vLLM's default
+    max_num_batched_tokens: Optional[int] = None  # vllm: tokens per engine step, passed to vllm.LLM; None = vLLM's default
+    max_num_seqs: Optional[int] = None  # vllm: sequences per engine step, passed to vllm.LLM; None = vLLM's default
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
 
 

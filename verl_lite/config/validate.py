@@ -451,6 +451,15 @@ def _validate_rest(cfg: PPOConfig, p: list[str], positive, world, dp, traj_mini,
             p.append(f"{R}.name=vllm: data.max_prompt_length + data.max_response_length = "
                      f"{d.max_prompt_length + d.max_response_length} exceeds the model's max_position_embeddings "
                      f"{max_pos} (vLLM's max_model_len); shorten them")
+    from verl_lite.rollout import VLLM_ENGINE_KEYS
+
+    for name in VLLM_ENGINE_KEYS:
+        value = getattr(rollout, name)
+        if value is not None and rollout.name != "vllm":
+            p.append(f"{R}.{name}={value} is a vLLM engine setting and {R}.name={rollout.name!r} has no such setting; "
+                     f"set {R}.name=vllm or drop it")
+        elif isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            p.append(f"{R}.{name}={value} must be >= 1 (or null for vLLM's default)")
     if rollout.dtype not in ROLLOUT_DTYPES:
         p.append(f"{R}.dtype={rollout.dtype!r} is unknown; choose one of {list(ROLLOUT_DTYPES)}")
     if rollout.tensor_model_parallel_size != 1:

@@ -222,12 +222,6 @@ RULES: list[Rule] = [
          f"{R}.dtype, gpu_memory_utilization, free_cache_engine and enforce_eager"),
     Rule(f"{R}.cudagraph_capture_sizes", "reject",
          f"CUDA-graph capture sizes are not forwarded to vLLM; use {R}.enforce_eager=false for vLLM's defaults"),
-    Rule(f"{R}.enable_chunked_prefill", "reject",
-         "not forwarded to vLLM in this version (vLLM's own default applies); drop it"),
-    Rule(f"{R}.max_num_batched_tokens", "reject",
-         "not forwarded to vLLM in this version (vLLM sizes its batches from max_model_len = max_prompt_length + "
-         "max_response_length); drop it"),
-    Rule(f"{R}.max_num_seqs", "reject", "not forwarded to vLLM in this version (vLLM's default applies); drop it"),
     Rule(f"{R}.quantization", "same", "quantized rollouts are not built; drop it", accepts=_empty),
     # ---------------------------------------------------------------- data
     Rule("data.return_raw_chat", "same",

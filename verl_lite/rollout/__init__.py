@@ -46,6 +46,14 @@ def vllm_available() -> bool:
     return vllm_unavailable_reason() is None
 
 
+VLLM_ENGINE_KEYS = ("enable_chunked_prefill", "max_num_batched_tokens", "max_num_seqs")
+
+
+def vllm_engine_args(rollout_cfg) -> dict:
+    """The ``actor_rollout_ref.rollout`` keys passed to ``vllm.LLM`` as they are (null = vLLM's default)."""
+    return {k: getattr(rollout_cfg, k) for k in VLLM_ENGINE_KEYS if getattr(rollout_cfg, k, None) is not None}
+
+
 def rollout_kwargs(rollout_cfg, max_model_len: int | None = None) -> dict:
     """The backend constructor kwargs from an ``actor_rollout_ref.rollout`` section
     (``verl_lite.config.schema.RolloutConfig``); ``max_model_len`` = longest prompt + response."""
@@ -61,6 +69,7 @@ def rollout_kwargs(rollout_cfg, max_model_len: int | None = None) -> dict:
             "free_cache_engine": rollout_cfg.free_cache_engine,
             "enforce_eager": rollout_cfg.enforce_eager,
             "max_model_len": max_model_len,
+            "engine_args": vllm_engine_args(rollout_cfg),
         }
     raise ValueError(f"unknown rollout name {rollout_cfg.name!r}; choose one of {list(ROLLOUT_NAMES)}")
 
@@ -76,5 +85,5 @@ def make_rollout(name: str, model_path: str, tokenizer, **kwargs) -> Rollout:
     raise ValueError(f"unknown rollout name {name!r}; choose one of {list(ROLLOUT_NAMES)}")
 
 
-__all__ = ["HFRollout", "ROLLOUT_NAMES", "Rollout", "make_rollout", "rollout_kwargs", "vllm_available",
+__all__ = ["HFRollout", "ROLLOUT_NAMES", "Rollout", "VLLM_ENGINE_KEYS", "make_rollout", "rollout_kwargs", "vllm_available", "vllm_engine_args",
            "vllm_unavailable_reason"]

@@ -74,7 +74,9 @@ class VLLMRollout:
     tokenizer: the matching HF tokenizer (only its eos id is used: prompts go in as token ids);
     dtype: "float32" | "bfloat16" | "float16" (or the torch dtype); max_model_len: the longest
     prompt + response (None = the model's maximum); tensor_model_parallel_size: must be 1 (see
-    the module docstring); seed: the engine's seed (requests carry their own seeds).
+    the module docstring); seed: the engine's seed (requests carry their own seeds); engine_args:
+    further ``vllm.LLM`` arguments (``enable_chunked_prefill``, ``max_num_batched_tokens``,
+    ``max_num_seqs``; from ``actor_rollout_ref.rollout``).
     """
 
     def __init__(
@@ -88,6 +90,7 @@ class VLLMRollout:
         enforce_eager: bool = True,
         max_model_len: int | None = None,
         seed: int = 0,
+        engine_args: dict | None = None,
     ):
         if tensor_model_parallel_size != 1:
             raise ValueError(
@@ -128,6 +131,7 @@ class VLLMRollout:
             generation_config="vllm",  # no defaults (extra stop ids, sampling) from generation_config.json
             logprobs_mode="raw_logprobs",
             enable_sleep_mode=self.free_cache_engine,
+            **dict(engine_args or {}),
         )
         self._base_scale = self._logit_scale(None)
         self._asleep: set[str] = set()
