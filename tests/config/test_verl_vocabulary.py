@@ -97,6 +97,7 @@ EXPECTED = [
     ("trainer.logger=['console','wandb']", "accepted"),
     ("trainer.device=npu", "rejected"),
     ("trainer.log_val_generations=0", "accepted"),
+    ("trainer.log_val_generations=10", "accepted"),
     ("data.gen_batch_size=16", "accepted"),
     ("data.gen_batch_size=48", "rejected"),
     (f"{R}.tensor_model_parallel_size=1", "accepted"),

@@ -249,6 +249,7 @@ class TrainerConfig:
     seed: int = 0  # seed of sampling, engine initialization and the driver's RNG
     logger: List[str] = field(default_factory=lambda: ["console", "jsonl"])  # console | jsonl | tensorboard | wandb
     log_freq: int = 1  # without a TTY the console prints one line every log_freq steps
+    log_val_generations: int = 0  # > 0: the first N validation samples (prompt, response, score) -> <run dir>/val_generations.jsonl
     default_local_dir: Optional[str] = None  # checkpoint root; None = <cwd>/checkpoints/<project_name>/<experiment_name>
     resume_mode: str = "auto"  # auto (latest complete checkpoint) | disable | resume_path
     resume_from_path: Optional[str] = None  # a global_step_K directory, with resume_mode=resume_path

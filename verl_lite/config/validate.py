@@ -518,6 +518,8 @@ def _validate_rest(cfg: PPOConfig, p: list[str], positive, world, dp, traj_mini,
     from verl_lite.trainer.checkpointing import check_checkpoint_config
 
     p.extend(check_checkpoint_config(tr))
+    if not isinstance(tr.log_val_generations, int) or tr.log_val_generations < 0:
+        p.append(f"trainer.log_val_generations={tr.log_val_generations} must be >= 0 (validation samples logged)")
     if not tr.worker_timeout_s > 0:
         p.append(f"trainer.worker_timeout_s={tr.worker_timeout_s} must be > 0 (seconds the driver waits for a worker call)")
     for lg in tr.logger:

@@ -290,9 +290,6 @@ RULES: list[Rule] = [
     Rule("trainer.max_critic_ckpt_to_keep", "equal",
          "actor and critic are checkpointed together in one global_step_K directory: set it equal to "
          "trainer.max_actor_ckpt_to_keep or drop it", target="trainer.max_actor_ckpt_to_keep"),
-    Rule("trainer.log_val_generations", "same",
-         "logging validation samples is not built yet (validation reports val/reward_mean and val/accuracy); "
-         "drop it (0 is accepted)", accepts=_zero),
     Rule("trainer.del_local_ckpt_after_load", "same", "checkpoints are kept after loading; drop it", accepts=_FALSE),
     Rule("trainer.default_hdfs_dir", "same", "HDFS upload is not built; trainer.default_local_dir is the "
          "checkpoint root", accepts=_empty),

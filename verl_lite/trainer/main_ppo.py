@@ -140,7 +140,7 @@ def run(overrides: list[str], state: RunState | None = None) -> dict:
     state.trainer = trainer
     try:
         out = make_run_dir(cfg.trainer.output_dir, cfg.trainer.experiment_name)
-        state.run_dir = out
+        state.run_dir = trainer.run_dir = out  # as fit() does: the trainer writes its files there too
         return _train(cfg, trainer, out)
     finally:
         trainer.reward_manager.close()

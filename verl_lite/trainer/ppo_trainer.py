@@ -589,10 +589,31 @@ class PPOTrainer:
             seed = (self.cfg.trainer.seed + 12345 + k) if vk.do_sample else None
             batch = self.generate(rows[k:k + size], vk.n, sampling, seed)
             scores, extra = self.score(batch)
+            if k == 0:
+                self._log_val_generations(batch, scores)
             all_scores.append(scores)
             all_correct.append(self.correct(scores, extra))
         scores, correct = torch.cat(all_scores), torch.cat(all_correct)
         return {"val/reward_mean": float(scores.mean()), "val/accuracy": float(correct.float().mean())}
+
+    def _log_val_generations(self, batch: Batch, scores: torch.Tensor) -> None:
+        """``trainer.log_val_generations`` = N > 0: the first N validation samples (prompt, response, score)
+        of this validation, appended to ``<run dir>/val_generations.jsonl`` (verl logs the same table)."""
+        import json
+        from pathlib import Path
+
+        n = min(self.cfg.trainer.log_val_generations, len(batch))
+        if n <= 0 or getattr(self, "run_dir", None) is None:
+            return
+        lengths = response_lengths(batch["response_mask"]).tolist()
+        with open(Path(self.run_dir) / "val_generations.jsonl", "a") as f:
+            for i in range(n):
+                f.write(json.dumps({
+                    "step": self.global_step,
+                    "prompt": self.tokenizer.decode(list(batch["prompt_ids"][i])),
+                    "response": self.tokenizer.decode(batch["responses"][i, : int(lengths[i])].tolist()),
+                    "score": float(scores[i]),
+                }) + "\n")
 
     @staticmethod
     def correct(scores: torch.Tensor, extra: dict) -> torch.Tensor:
