@@ -36,11 +36,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data-dir", default=str(DATA), help="holds sft_train.parquet; train.parquet is written there")
     args = ap.parse_args()
-    full = pq.read_table(DATA / "sft_train.parquet")
+    data = Path(args.data_dir)
+    full = pq.read_table(data / "sft_train.parquet")
     pq.write_table(full.take(rl_train_rows(full.num_rows, args.steps, args.batch_size, args.seed)),
-                   DATA / "train.parquet")
-    print(f"{DATA / 'train.parquet'}: {args.steps * args.batch_size} rows")
+                   data / "train.parquet")
+    print(f"{data / 'train.parquet'}: {args.steps * args.batch_size} rows")
 
 
 if __name__ == "__main__":

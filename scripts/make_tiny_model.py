@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -82,7 +83,10 @@ def main() -> None:
     data_dir = Path(args.data_dir)
     train, val = make_synthetic_task(data_dir, args.n_train, args.n_val, seed=args.seed, max_digits=args.max_digits,
                                      restate_fraction=args.restate_fraction)
+    train = train.replace(train.with_name("sft_train.parquet"))  # the SFT demonstrations; the RL split is derived below
     print(f"data: {train} ({args.n_train} rows), {val} ({args.n_val} rows)")
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_rl_train_split.py"), "--data-dir", str(data_dir)],
+                   check=True)
 
     with tempfile.TemporaryDirectory() as tmp:
         init = init_model(Path(tmp) / "init", args)
