@@ -17,9 +17,15 @@ Two ways to build the entry point `python -m verl_lite.trainer.main_ppo key=valu
            cfg = config_from_hydra(dict_cfg)   # re-checks the overrides, fills built-in defaults
 
 Both reject keys the schema does not have, including Hydra's `+key=value` additions
-(which would otherwise slip typos through), with a message naming the key and the closest
-valid one. Only free-form dict fields (`reward.custom_reward_function.reward_kwargs`) take
+(which would otherwise slip typos through), with a message naming the key and, when one in the
+same section is spelled closely, that key. Only free-form dict fields
+(`reward.custom_reward_function.reward_kwargs`, `*.megatron.override_transformer_config`) take
 new keys; there `key=value` and `+key=value` both work.
+
+verl's command-line keys that are not schema keys go through `verl_keys` (aliases, keys accepted
+when they state what verl_lite does, keys that must equal another key, rejections with the
+reason) in `load_config`. Under `@hydra.main` Hydra composes before verl_lite sees the command
+line, so there only schema keys work; `config_from_hydra` still rejects verl keys with their reason.
 """
 
 from __future__ import annotations
