@@ -25,7 +25,8 @@ new keys; there `key=value` and `+key=value` both work.
 verl's command-line keys that are not schema keys go through `verl_keys` (aliases, keys accepted
 when they state what verl_lite does, keys that must equal another key, rejections with the
 reason) in `load_config`. Under `@hydra.main` Hydra composes before verl_lite sees the command
-line, so there only schema keys work; `config_from_hydra` still rejects verl keys with their reason.
+line, so there only schema keys work (Hydra itself rejects the others): use `load_config` for verl
+command lines.
 """
 
 from __future__ import annotations
