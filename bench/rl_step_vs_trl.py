@@ -1,0 +1,326 @@
+"""One RL step of verl_lite vs TRL's GRPOTrainer on the same work, side by side.
+
+Install (once): TRL is an optional bench dependency, in a venv of its OWN so the project's
+.venv is never touched:
+
+    python3 -m venv /tmp/trl-venv
+    /tmp/trl-venv/bin/pip install -r bench/requirements-trl.txt
+
+Run (the project's interpreter; TRL runs in a subprocess with --trl-python):
+
+    .venv/bin/python bench/rl_step_vs_trl.py [--pairs 3] [--steps 3] [--warmup 1]
+        [--configs 8x12 16x12 4x12 8x48] [--trl-python /tmp/trl-venv/bin/python] [--threads 2]
+
+The same work on both sides: the shipped tiny model (verl_lite/assets/tiny-addition) and its
+chat template, the built-in synthetic-addition prompts, the same exact-match reward
+(``verl_lite.data.synthetic.score_addition``), 16 prompts x n samples per step, up to L new
+tokens (``--configs NxL``), temperature 1, lr 1e-4 constant, AdamW betas (0.9, 0.99), weight
+decay 0, grad clip 1.0, GRPO advantages (group mean/std), token-mean loss (TRL: ``dapo``),
+no KL, one optimizer step per RL step over all 16 x n trajectories in one micro-batch, fp32.
+
+- verl_lite: ``PPOTrainer.fit`` (Python API): generate (Ray workers, HF rollout), reward,
+  log-probs where the trainer needs them, advantages, the megatron update, weight sync.
+- TRL: ``GRPOTrainer.train`` with HF ``generate``; per-stage times by wrapping its
+  ``_generate`` / ``_calculate_rewards`` / ``_generate_and_score_completions`` methods.
+
+Each side runs in a fresh process per pair; start-up = process start until the trainer is ready
+to step, imports included, for the FIRST config of the run (later configs re-build the trainer in
+the same process: verl_lite restarts Ray and its workers, TRL only builds the trainer). Pairs alternate the order (verl_lite first, then TRL first, ...).
+Printed: per-stage median seconds, start-up, the per-config min and median over pairs of the
+verl_lite / TRL median-step-time ratio, the 1-min load average during each pair, and the
+fraction of this machine's measured fp32 GEMM peak each side reaches (model FLOPs: 2 x matmul
+params per generated/prefilled token + 6 x per trained token, attention scores ignored).
+"""
+
+from __future__ import annotations
+
+import time
+
+T_PROCESS_START = time.perf_counter()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL_DIR = REPO / "verl_lite" / "assets" / "tiny-addition"
+DATA_DIR = REPO / "verl_lite" / "assets" / "synthetic-addition"
+PROMPTS_PER_STEP = 16
+LR = 1e-4
+RESULT_TAG = "BENCH_RESULT "
+
+
+def _parse_config(text: str) -> tuple[int, int]:
+    n, length = text.lower().split("x")
+    return int(n), int(length)
+
+
+def _score_addition():
+    """verl_lite's own exact-match scorer, loaded by file path (the TRL venv has no verl_lite install)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_synthetic", REPO / "verl_lite" / "data" / "synthetic.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.score_addition
+
+
+# ====================================================================== verl_lite side
+def run_verl(configs, steps: int, warmup: int) -> list[dict]:
+    from verl_lite.config import load_config
+    from verl_lite.trainer.ppo_trainer import PPOTrainer
+
+    results = []
+    for n, length in configs:
+        t_begin = T_PROCESS_START if not results else time.perf_counter()
+        trajectories = PROMPTS_PER_STEP * n
+        cfg = load_config([
+            f"data.train_batch_size={PROMPTS_PER_STEP}",
+            f"data.max_response_length={length}",
+            f"actor_rollout_ref.rollout.n={n}",
+            "actor_rollout_ref.rollout.temperature=1.0",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS_PER_STEP}",
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={trajectories}",
+            f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={trajectories}",
+            "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+            f"actor_rollout_ref.actor.optim.lr={LR}",
+            "actor_rollout_ref.actor.use_kl_loss=false",
+            "algorithm.use_kl_in_reward=false",
+            f"trainer.total_training_steps={warmup + steps}",
+            "trainer.test_freq=0",
+            "trainer.val_before_train=false",
+        ])
+        trainer = PPOTrainer(cfg)
+        records, stamps = [], []
+        trainer.fit(on_step=lambda r: (records.append(r), stamps.append(time.perf_counter())))
+        first_step_s = records[0]["timing_s/step"]
+        startup = stamps[0] - first_step_s - t_begin
+        measured = records[warmup:]
+        stages = sorted({k[len("timing_s/"):] for r in measured for k in r if k.startswith("timing_s/")})
+        results.append({
+            "config": [n, length],
+            "startup_s": startup,
+            "first_step_s": first_step_s,
+            "step_s": [r["timing_s/step"] for r in measured],
+            "stages": {s: statistics.median(r.get(f"timing_s/{s}", 0.0) for r in measured) for s in stages},
+            "response_length": statistics.mean(r["response_length/mean"] for r in measured),
+            "reward": statistics.mean(r["reward/mean"] for r in measured),
+        })
+    return results
+
+
+# ====================================================================== TRL side
+def run_trl(configs, steps: int, warmup: int) -> list[dict]:
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    score = _score_addition()
+    data = datasets.Dataset.from_parquet(str(DATA_DIR / "train.parquet"))
+    data = data.map(lambda row: {"prompt": row["prompt"], "ground_truth": row["reward_model"]["ground_truth"]},
+                    remove_columns=[c for c in data.column_names if c not in ("prompt",)])
+
+    def exact_match(completions, ground_truth, **_):
+        return [score(c[0]["content"], gt) for c, gt in zip(completions, ground_truth)]
+
+    results = []
+    for n, length in configs:
+        t_begin = T_PROCESS_START if not results else time.perf_counter()
+        trajectories = PROMPTS_PER_STEP * n
+        tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
+        model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32)
+        out_dir = tempfile.mkdtemp(prefix="trl-bench-")
+        args = GRPOConfig(
+            output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, seed=0, report_to="none",
+            save_strategy="no", logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
+            per_device_train_batch_size=trajectories, gradient_accumulation_steps=1, steps_per_generation=1,
+            num_generations=n, num_iterations=1, max_completion_length=length, temperature=1.0,
+            learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+            adam_beta1=0.9, adam_beta2=0.99, max_grad_norm=1.0, beta=0.0, loss_type="dapo",
+            scale_rewards="group", max_steps=warmup + steps,
+        )
+        trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=args, train_dataset=data,
+                              processing_class=tokenizer)
+        spans: dict[str, list[float]] = {"generate": [], "reward": [], "generate_and_score": []}
+        for attr, key in (("_generate", "generate"), ("_calculate_rewards", "reward"),
+                          ("_generate_and_score_completions", "generate_and_score")):
+            original = getattr(trainer, attr)
+
+            def timed(*a, _original=original, _key=key, **kw):
+                t = time.perf_counter()
+                try:
+                    return _original(*a, **kw)
+                finally:
+                    spans[_key].append(time.perf_counter() - t)
+
+            setattr(trainer, attr, timed)
+
+        steps_s: list[float] = []
+        lengths: list[float] = []
+        rewards: list[float] = []
+        ready: list[float] = []
+
+        class StepTimer(TrainerCallback):
+            def on_train_begin(self, *a, **k):
+                ready.append(time.perf_counter())
+
+            def on_step_begin(self, *a, **k):
+                self.t = time.perf_counter()
+
+            def on_step_end(self, *a, **k):
+                steps_s.append(time.perf_counter() - self.t)
+
+            def on_log(self, _args, _state, _control, logs=None, **k):
+                if logs and "completions/mean_length" in logs:
+                    lengths.append(float(logs["completions/mean_length"]))
+                    rewards.append(float(logs.get("reward", float("nan"))))
+
+        trainer.add_callback(StepTimer())
+        trainer.train()
+        gen_score = spans["generate_and_score"]
+        update = [s - g for s, g in zip(steps_s, gen_score)]
+        m = slice(warmup, None)
+        results.append({
+            "config": [n, length],
+            "startup_s": ready[0] - t_begin,
+            "first_step_s": steps_s[0],
+            "step_s": steps_s[m],
+            "stages": {
+                "generate": statistics.median(spans["generate"][m]),
+                "reward": statistics.median(spans["reward"][m]),
+                "generate_and_score": statistics.median(gen_score[m]),
+                "update(step - generate_and_score)": statistics.median(update[m]),
+            },
+            "response_length": statistics.mean(lengths[m]) if lengths[m] else float("nan"),
+            "reward": statistics.mean(rewards[m]) if rewards[m] else float("nan"),
+        })
+    return results
+
+
+# ====================================================================== driver
+def gemm_peak_flops(threads: int) -> float:
+    """Best fp32 GEMM FLOP/s of this machine at ``threads`` threads (2048^3 matmul, best of 5)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a @ b
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * 2048**3 / best
+
+
+def matmul_params() -> int:
+    """Parameters that take part in a matmul per token (all linear layers + LM head)."""
+    cfg = json.loads((MODEL_DIR / "config.json").read_text())
+    h, inter, layers, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q = cfg["num_attention_heads"] * head_dim
+    kv = cfg["num_key_value_heads"] * head_dim
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * inter
+    return layers * per_layer + h * vocab
+
+
+def mean_prompt_length() -> float:
+    from transformers import AutoTokenizer
+
+    import pandas as pd
+
+    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
+    prompts = pd.read_parquet(DATA_DIR / "train.parquet")["prompt"][:512]
+    lens = [len(tok.apply_chat_template([dict(m) for m in p], add_generation_prompt=True, tokenize=True, return_dict=False))
+            for p in prompts]
+    return statistics.mean(lens)
+
+
+def _run_side(side: str, python: str, configs, steps: int, warmup: int, threads: int) -> list[dict]:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=str(REPO) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
+    cmd = [python, str(Path(__file__).resolve()), "--side", side, "--steps", str(steps), "--warmup", str(warmup),
+           "--configs", *[f"{n}x{length}" for n, length in configs]]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(REPO))
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG):])
+    tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+    raise RuntimeError(f"the {side} side failed (exit {proc.returncode}):\n{tail}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--side", choices=["verl", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--pairs", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3, help="measured steps per config and run")
+    p.add_argument("--warmup", type=int, default=1, help="steps before the measured ones")
+    p.add_argument("--configs", nargs="+", default=["8x12", "16x12", "4x12", "8x48"],
+                   help="NxL: N samples per prompt, L max new tokens")
+    p.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON", "/tmp/trl-venv/bin/python"))
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args()
+    configs = [_parse_config(c) for c in a.configs]
+
+    if a.side:
+        fn = run_verl if a.side == "verl" else run_trl
+        print(RESULT_TAG + json.dumps(fn(configs, a.steps, a.warmup)), flush=True)
+        return
+
+    if not Path(a.trl_python).exists():
+        sys.exit(f"no TRL interpreter at {a.trl_python}: install it as the module docstring says, or pass --trl-python")
+    peak = gemm_peak_flops(a.threads)
+    params = matmul_params()
+    prompt_len = mean_prompt_length()
+    print(f"machine: {os.cpu_count()} CPUs, {a.threads} threads per side; fp32 GEMM peak {peak / 1e9:.1f} GFLOP/s; "
+          f"model: {params / 1e6:.2f}M matmul params; mean prompt {prompt_len:.1f} tokens")
+    sides = {"verl": sys.executable, "trl": a.trl_python}
+    runs: dict[str, list[list[dict]]] = {"verl": [], "trl": []}
+    loads = []
+    for pair in range(a.pairs):
+        order = ["verl", "trl"] if pair % 2 == 0 else ["trl", "verl"]
+        before = os.getloadavg()[0]
+        for side in order:
+            runs[side].append(_run_side(side, sides[side], configs, a.steps, a.warmup, a.threads))
+        loads.append((before, os.getloadavg()[0]))
+        print(f"pair {pair + 1}/{a.pairs} ({' then '.join(order)}): load average (1 min) {before:.2f} -> {loads[-1][1]:.2f}",
+              flush=True)
+
+    def flops_per_step(n: int, resp_len: float) -> float:
+        tokens = PROMPTS_PER_STEP * n * (prompt_len + resp_len)
+        return 8 * params * tokens  # 2x generate (prefill + decode) + 6x train
+
+    name = {"verl": "verl_lite", "trl": "TRL"}
+    for c, (n, length) in enumerate(configs):
+        print(f"\n=== {PROMPTS_PER_STEP} prompts x n={n}, up to {length} new tokens "
+              f"({PROMPTS_PER_STEP * n} trajectories per step), median s over {a.steps} steps per run ===")
+        ratios = []
+        for pair in range(a.pairs):
+            v, t = runs["verl"][pair][c], runs["trl"][pair][c]
+            ratios.append(statistics.median(v["step_s"]) / statistics.median(t["step_s"]))
+        for side in ("verl", "trl"):
+            rs = [runs[side][pair][c] for pair in range(a.pairs)]
+            step = [statistics.median(r["step_s"]) for r in rs]
+            stage_names = list(rs[0]["stages"])
+            stage_txt = ", ".join(f"{s} {statistics.median(r['stages'][s] for r in rs):.3f}" for s in stage_names)
+            resp = statistics.mean(r["response_length"] for r in rs)
+            frac = flops_per_step(n, resp) / min(step) / peak
+            start = [r["startup_s"] for r in rs]
+            print(f"{name[side]:>9}: step {min(step):.3f} min / {statistics.median(step):.3f} med | {stage_txt}")
+            kind = "start-up (cold: process start, imports included)" if c == 0 else "re-build in the same process"
+            print(f"{'':>9}  {kind} {min(start):.1f}-{max(start):.1f} s, first step {statistics.median(r['first_step_s'] for r in rs):.2f} s, "
+                  f"response {resp:.1f} tokens, reward {statistics.mean(r['reward'] for r in rs):.3f}, "
+                  f"{100 * frac:.1f}% of fp32 GEMM peak")
+        print(f"  ratio verl_lite/TRL (median step): min {min(ratios):.2f}, median {statistics.median(ratios):.2f} "
+              f"(per pair: {', '.join(f'{r:.2f}' for r in ratios)})")
+    print(f"\nload average (1 min) per pair, start -> end: {', '.join(f'{b:.2f}->{e:.2f}' for b, e in loads)}")
+
+
+if __name__ == "__main__":
+    main()
