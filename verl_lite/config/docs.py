@@ -70,7 +70,8 @@ Qwen2 architecture, 0.82 M parameters, character tokenizer) was warm-started by
 demonstrations of which about half restate the problem (`47+38=85`, scored 0), and stopped at
 35.2% strict held-out greedy accuracy. The RL train split holds 960 prompts, so one epoch
 (`trainer.total_epochs=1`, `total_training_steps: null`) of 16-prompt steps is 60 steps; the
-default GRPO job (16 prompts x 8 samples, lr 1e-4) raised held-out accuracy to 73.4% in one CPU run.
+default GRPO job (16 prompts x 8 samples, lr 1e-4) raised held-out greedy accuracy from 35.2% to
+68.8% (+33.6 points) in 60 steps in one CPU run.
 
 ## Batch vocabulary
 
