@@ -158,7 +158,14 @@ class WandbLogger:
             raise RuntimeError("trainer.logger has wandb but wandb is not installed: pip install wandb") from e
         directory.mkdir(parents=True, exist_ok=True)
         self.wandb = wandb
-        self.run = wandb.init(project=project, name=name, dir=str(directory), config=config or {})
+        try:
+            self.run = wandb.init(project=project, name=name, dir=str(directory), config=config or {})
+        except Exception as e:  # no API key / no network: say what to do instead of a traceback
+            from verl_lite.errors import BadInput
+
+            raise BadInput(f"trainer.logger=wandb could not start a W&B run ({type(e).__name__}: {e})",
+                           "log in with `wandb login`, or set WANDB_MODE=offline (no network needed), or drop "
+                           "wandb from trainer.logger") from None
 
     def log(self, record: dict) -> None:
         self.run.log(_numeric(record), step=int(record.get("step", 0)))
