@@ -201,8 +201,9 @@ def _verl_keys_table() -> str:
         elif r.kind == "equal":
             what = f"accepted when equal to `{r.target}`; otherwise rejected: {r.reason}"
         elif r.kind == "same":
-            what = (f"accepted ({r.effect}); " if r.effect else "accepted when it states what verl_lite does; ") + \
-                   f"otherwise rejected: {r.reason}"
+            label = getattr(r.accepts, "label", None)
+            values = f"`{label}`" if label else "the values that state what verl_lite does"
+            what = f"{values} accepted" + (f" ({r.effect})" if r.effect else "") + f"; otherwise rejected: {r.reason}"
         else:
             what = f"{kinds['reject']} {r.reason}"
         rows.append(f"| `{r.pattern}` | {what.replace('|', '/')} |")

@@ -64,6 +64,7 @@ def _is(*values) -> Callable[[Any], bool]:
         return any(v == x and type(v) is type(x) or (isinstance(x, str) and isinstance(v, str) and v.lower() == x)
                    for x in values)
 
+    check.label = " / ".join(str(x).lower() if isinstance(x, bool) else str(x) for x in values)
     return check
 
 
@@ -83,7 +84,17 @@ def _empty(v) -> bool:
     return v is None or v == "" or v == [] or v == {}
 
 
-_TRUE, _FALSE = _is(True), _falsy
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _null_or_verl_default(v) -> bool:
+    return v is None or v == "custom_reward_manager"
+
+
+_positive_int.label, _null_or_verl_default.label = "an integer >= 1", "null / custom_reward_manager"
+_falsy.label, _one_or_null.label, _zero.label, _empty.label = "false", "1 / null", "0 / null", "null / empty"
+_TRUE, _FALSE, _BOOL = _is(True), _falsy, _is(True, False)
 A, R, REF = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.ref"
 MEG_LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
               "context_parallel_size")
@@ -109,12 +120,24 @@ def _megatron_rules(section: str) -> list[Rule]:
              "bit-exact export); use_mbridge=true states that; false (verl's legacy converter) is not built",
              accepts=_TRUE, effect="HF weights are loaded and exported by verl_lite's own bridge"),
         Rule(f"{s}.vanilla_mbridge", "same",
-             "verl_lite's own HF bridge is the only one; drop it", accepts=lambda v: v in (True, False)),
+             "verl_lite's own HF bridge is the only one; drop it", accepts=_BOOL),
         Rule(f"{s}.dtype", "same",
              "the megatron engine trains in float32 in this version (bf16/fp16 training is not wired); "
              "actor_rollout_ref.rollout.dtype sets the rollout model's dtype", accepts=_is("float32", "fp32")),
         Rule(f"{s}.seed", "reject", "the engines are seeded from trainer.seed; set that instead"),
     ]
+
+
+def _device_ok(v) -> bool:
+    """The device this machine runs on: cuda where a GPU is visible, else cpu."""
+    if not isinstance(v, str):
+        return False
+    import torch
+
+    return v.lower() == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+_device_ok.label = "cuda (GPU visible) / cpu (none)"
 
 
 RULES: list[Rule] = [
@@ -130,10 +153,10 @@ RULES: list[Rule] = [
          "verl_lite always colocates actor, rollout and reference in one process per rank (hybrid engine); "
          "a separate rollout pool is not built", accepts=_TRUE),
     Rule("trainer.device", "same",
-         "verl_lite picks the device itself (CUDA when visible, else CPU); drop it", accepts=lambda v: _device_ok(v)),
+         "verl_lite picks the device itself (CUDA when visible, else CPU); drop it", accepts=_device_ok),
     Rule("trainer.use_legacy_worker_impl", "same",
          "verl_lite has one worker implementation (Ray single controller, megatron engine); drop it",
-         accepts=lambda v: v in ("auto", "disable", "disabled")),
+         accepts=_is("auto", "disable", "disabled")),
     # ---------------------------------------------------------------- model
     Rule("*.model.use_remove_padding", "same",
          "verl_lite always removes padding (THD packing: sequences are concatenated with cu_seqlens, no pad "
@@ -143,7 +166,7 @@ RULES: list[Rule] = [
          "verl's fused log-prob/entropy kernels work on FSDP hidden states; the megatron engine computes "
          "log-probs and entropy with megatron's vocab-parallel cross-entropy over TP-sharded logits (no "
          "full-vocab logits per rank): drop it or set false",
-         accepts=lambda v: v in (True, False),
+         accepts=_BOOL,
          effect="log-probs/entropy from the vocab-parallel logits (no full-vocab gather) either way"),
     Rule("*.model.fused_kernel_options.*", "reject",
          "the megatron engine has no separate fused-kernel backend (log-probs come from vocab-parallel "
@@ -227,9 +250,9 @@ RULES: list[Rule] = [
     Rule("data.return_raw_chat", "same",
          "verl_lite tokenizes every prompt with the chat template on the driver and keeps the raw messages "
          "in the batch for the reward, for every rollout backend",
-         accepts=lambda v: v in (True, False), effect="prompts go through the chat template once, on the driver"),
+         accepts=_BOOL, effect="prompts go through the chat template once, on the driver"),
     Rule("data.filter_overlong_prompts_workers", "same",
-         "prompt filtering runs in the driver process; drop it", accepts=lambda v: isinstance(v, int) and v >= 1,
+         "prompt filtering runs in the driver process; drop it", accepts=_positive_int,
          effect="filtering runs in one process (same result)"),
     Rule("data.gen_batch_size", "equal",
          "verl_lite generates data.train_batch_size prompts per round (with algorithm.filter_groups more "
@@ -255,10 +278,9 @@ RULES: list[Rule] = [
     Rule("reward.reward_manager.source", "same", "only registered reward managers (naive, batch, dapo) exist here",
          accepts=_is("register")),
     Rule("reward_manager.module.*", "same", "custom reward manager classes are not loaded: use "
-         "reward.custom_reward_function (or the Python API's reward loop); drop it", accepts=lambda v: v is None or
-         v == "custom_reward_manager"),
+         "reward.custom_reward_function (or the Python API's reward loop); drop it", accepts=_null_or_verl_default),
     Rule("reward.reward_manager.module.*", "same", "custom reward manager classes are not loaded; drop it",
-         accepts=lambda v: v is None or v == "custom_reward_manager"),
+         accepts=_null_or_verl_default),
     Rule("reward_model.reward_kwargs.overlong_buffer_cfg.*", "alias", target="reward.overlong_buffer.*",
          effect="DAPO's overlong shaping = reward.overlong_buffer"),
     Rule("reward_model.reward_kwargs.max_resp_len", "equal",
@@ -269,7 +291,7 @@ RULES: list[Rule] = [
          "Python API's reward functions (false is accepted)", accepts=_FALSE),
     Rule("reward_model.use_reward_loop", "same",
          "verl_lite scores rule-based rewards in its own reward process (reward.timeout_s); drop it",
-         accepts=lambda v: v in (True, False), effect="rewards run in verl_lite's reward process either way"),
+         accepts=_BOOL, effect="rewards run in verl_lite's reward process either way"),
     Rule("reward_model.sandbox_fusion.*", "reject",
          "the sandbox-fusion code scorer is not built; score code with a reward.custom_reward_function"),
     Rule("reward_model.*", "reject",
@@ -300,12 +322,6 @@ RULES: list[Rule] = [
 ]
 
 
-def _device_ok(v) -> bool:
-    if not isinstance(v, str):
-        return False
-    import torch
-
-    return v.lower() == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def rule_for(key: str) -> Rule | None:
