@@ -93,7 +93,9 @@ class WorkerGroup:
         self.actors: list = []
         self._alive = True
         env_vars = {
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            # the group's ranks run at the same time: split the machine's cores between them (roles
+            # of one job take turns, so each may use the cores its peers leave)
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size))),
             # quiet workers: library warnings and progress bars once per process add nothing
             "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore"),
             "TRANSFORMERS_VERBOSITY": os.environ.get("TRANSFORMERS_VERBOSITY", "error"),
