@@ -40,12 +40,9 @@ def _started_by(marker: str) -> list[psutil.Process]:
 
 
 def _stop(procs: list[psutil.Process]) -> None:
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(procs, timeout=20)
+    from verl_lite.utils.processes import kill_and_wait
+
+    kill_and_wait(procs, timeout_s=20)
 
 
 @pytest.mark.skipif(shutil.which("ray", path=str(BIN)) is None, reason="the ray CLI is not installed next to python")

@@ -35,6 +35,7 @@ import psutil
 import ray
 
 from verl_lite.errors import RayStartError
+from verl_lite.utils.processes import kill_and_wait
 
 RAY_START_ATTEMPTS = 3
 LOCAL_SYSTEM_CONFIG = {"worker_niceness": 0}
@@ -147,12 +148,7 @@ def stop_ray(grace_s: float = 5.0) -> None:
     tree = _ray_process_tree()
     _shutdown_quietly()
     _, alive = psutil.wait_procs(tree, timeout=grace_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=2.0)
+    kill_and_wait(alive, timeout_s=2.0)
     if _session_dir and not os.environ.get("VERL_LITE_KEEP_RAY_SESSION"):
         shutil.rmtree(_session_dir, ignore_errors=True)
     _session_dir = None

@@ -90,13 +90,10 @@ class _Signals:
         time.sleep(STOP_GRACE_S)
         import psutil
 
+        from verl_lite.utils.processes import kill_and_wait
+
         procs = psutil.Process().children(recursive=True)
-        for p in procs:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(procs, timeout=3.0)
+        kill_and_wait(procs, timeout_s=3.0)
         print(f"verl_lite: stopped by {signal.Signals(signum).name}; teardown overran {STOP_GRACE_S:.0f}s, "
               f"{len(procs)} process(es) of the run were killed", file=sys.stderr, flush=True)
         os._exit(128 + signum)
