@@ -131,3 +131,23 @@ def test_recipe_trains_from_the_cli(recipe, shipped, tmp_path, shared_ray):
         assert "dynamic_sampling/groups_dropped" in rows[1] and "reward/overlong_penalty_mean" in rows[1]
     if recipe == "remax":
         assert "remax/baseline_reward/mean" in rows[1]
+
+
+def test_dynamic_sampling_bound_is_a_clear_error(tiny_assets, shared_ray):
+    """The toy reward never reaches 1.0, so every group's `acc` is constant: every round drops every
+    group and the bound (max_num_gen_batches) ends the step with an error naming the key."""
+    from verl_lite.config import load_config
+    from verl_lite.errors import RunFailure, describe
+    from verl_lite.trainer.ppo_trainer import DynamicSamplingError, PPOTrainer
+
+    trainer = PPOTrainer(load_config(pair_overrides(tiny_assets, "grpo", "vanilla", **{
+        "algorithm.filter_groups.enable": "true", "algorithm.filter_groups.max_num_gen_batches": 2})))
+    try:
+        trainer.start()
+        batches = trainer._train_batches()
+        with pytest.raises(DynamicSamplingError, match="max_num_gen_batches") as info:
+            trainer.step(next(batches), more_rows=lambda: next(batches))
+        assert isinstance(info.value, RunFailure) and describe(info.value)[0] == 1
+        assert "found only 0 of 2 prompt groups" in str(info.value)
+    finally:
+        trainer.close()

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import random
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -49,6 +50,7 @@ from verl_lite.algorithms import (
     select_cov_tokens,
     truncated_is_weights,
 )
+from verl_lite.errors import RunFailure
 from verl_lite.controller import MicroBatching, ResourcePool, RoleGroup, start_ray, stop_ray
 from verl_lite.protocol import Batch, response_lengths
 from verl_lite.reward import RewardError, RewardManager
@@ -60,7 +62,7 @@ from verl_lite.workers import ActorRolloutRefWorker, CriticWorker, EngineWorkerC
 ROLLOUT_COLUMNS = ["prompt_ids", "responses", "response_mask"]
 
 
-class DynamicSamplingError(RuntimeError):
+class DynamicSamplingError(RunFailure):
     """DAPO's dynamic sampling hit ``algorithm.filter_groups.max_num_gen_batches``."""
 
 
@@ -648,7 +650,6 @@ class PPOTrainer:
         """The current policy as an HF model directory (safetensors + config + tokenizer) at ``path``:
         exported from the running actor, or, after ``fit()``, the final policy it exported."""
         import shutil
-        from pathlib import Path
 
         path = Path(path)
         if self.actor is not None:
