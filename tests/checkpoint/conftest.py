@@ -18,22 +18,16 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.e2e.conftest import tiny_assets  # noqa: F401  (fixture)
+from tests.e2e.conftest import tiny_assets, tiny_overrides  # noqa: F401  (fixture)
 
 REPO = Path(__file__).resolve().parents[2]
 TIMING_PREFIX = "timing_s/"
 
 
 def overrides(assets: dict, root: Path, **extra) -> list[str]:
-    base = {
-        "actor_rollout_ref.model.path": assets["model"],
-        "data.train_files": assets["train"],
-        "data.val_files": assets["val"],
-        "reward.custom_reward_function.path": assets["reward"],
-        "data.train_batch_size": 4,
-        "data.max_response_length": 6,
+    """The e2e tiny run, sized for checkpoint tests: 4 steps, a checkpoint every 2, 2 workers."""
+    return tiny_overrides(assets, **{
         "actor_rollout_ref.rollout.n": 2,
-        "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 4,
         "trainer.total_training_steps": 4,
         "trainer.test_freq": -1,
@@ -43,9 +37,8 @@ def overrides(assets: dict, root: Path, **extra) -> list[str]:
         "trainer.output_dir": str(root / "out"),
         "trainer.default_local_dir": str(root / "ckpt"),
         "trainer.logger": "[jsonl]",
-    }
-    base.update(extra)
-    return [f"{k}={v}" for k, v in base.items()]
+        **extra,
+    })
 
 
 class Run:
