@@ -105,3 +105,109 @@ def make_tiny_hf_model(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe")
+
+
+def _moe_hf_config(arch: str, **kw):
+    import transformers
+
+    common = dict(
+        vocab_size=kw["vocab_size"],
+        hidden_size=kw["hidden_size"],
+        num_hidden_layers=kw["num_layers"],
+        num_attention_heads=kw["num_attention_heads"],
+        num_key_value_heads=kw["num_key_value_heads"],
+        intermediate_size=kw["moe_intermediate_size"],  # dense MLP width (unused: every layer is sparse)
+        moe_intermediate_size=kw["moe_intermediate_size"],
+        num_experts=kw["num_experts"],
+        num_experts_per_tok=kw["top_k"],
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        tie_word_embeddings=kw["tie_word_embeddings"],
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        attention_dropout=0.0,
+        output_router_logits=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        dtype="float32",
+    )
+    if arch == "qwen3_moe":
+        head_dim = kw["hidden_size"] // kw["num_attention_heads"]
+        return transformers.Qwen3MoeConfig(
+            use_sliding_window=False, head_dim=head_dim, attention_bias=False, norm_topk_prob=True, **common
+        )
+    if arch == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(
+            use_sliding_window=False, norm_topk_prob=False,
+            shared_expert_intermediate_size=kw["shared_expert_intermediate_size"], **common,
+        )
+    raise ValueError(f"unknown MoE arch {arch!r}; choose one of {MOE_ARCHS}")
+
+
+def make_tiny_moe_model(
+    out_dir: str | Path,
+    arch: str = "qwen3_moe",
+    *,
+    vocab_size: int = 64,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    num_experts: int = 4,
+    top_k: int = 2,
+    moe_intermediate_size: int = 16,
+    shared_expert_intermediate_size: int = 24,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    init_std: float = 0.15,
+    router_std: float = 0.5,
+) -> Path:
+    """Write a random fp32 HF mixture-of-experts model dir and return its path.
+
+    ``qwen3_moe``: Qwen3-MoE (per-head q/k norm, softmax router over all experts, top-k,
+    renormalised: ``norm_topk_prob=True``). ``qwen2_moe``: Qwen2-MoE (q/k/v bias, top-k of the
+    softmax without renormalisation, plus a shared expert scaled by sigmoid(shared_expert_gate)).
+    Every layer is sparse. Weights as ``make_tiny_hf_model`` (N(0, init_std^2), norms 1 + N(0, 0.01));
+    the router weight is N(0, router_std^2) so that routing decisions are far from ties.
+    Deterministic in ``seed``; saved in HF's checkpoint format (one tensor per expert projection).
+    """
+    import transformers
+
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+    cfg = _moe_hf_config(
+        arch,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        num_experts=num_experts,
+        top_k=top_k,
+        moe_intermediate_size=moe_intermediate_size,
+        shared_expert_intermediate_size=shared_expert_intermediate_size,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(router_std * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(init_std * torch.randn(p.shape, generator=gen))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
