@@ -6,6 +6,8 @@ On a CPU-only torch the CPU adapter is installed first and the backend is gloo; 
 backend is nccl and the adapter stays off.
 
 Megatron's rank order is ``tp-cp-ep-dp-pp``: TP varies fastest, then CP, then DP, then PP.
+Expert layers use a second decomposition of the same ranks, ``etp-ep-edp-pp`` (expert TP, expert
+parallel, expert data parallel); its groups (EP, ETP, expert-DP) get the same timeout.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ class ParallelConfig:
     tp: tensor parallel size; pp: pipeline stages; vpp: virtual stages (model chunks) per
     pipeline rank, None to disable; cp: context parallel size; sequence_parallel: megatron
     sequence parallelism (needs tp > 1); timeout_s: timeout of every process group.
+    ep: expert parallel size (mixture-of-experts models only; the experts of every MoE layer are
+    split over ep ranks carved out of DP x CP x TP); etp: expert tensor parallel size (1: every
+    expert whole on its rank). ``tp*cp*dp`` must divide by ``ep*etp``.
     """
 
     tp: int = 1
@@ -35,6 +40,8 @@ class ParallelConfig:
     cp: int = 1
     sequence_parallel: bool = False
     timeout_s: float = 300.0  # the same default as the config's actor_rollout_ref.actor.megatron.timeout_s
+    ep: int = 1
+    etp: int = 1
 
     @property
     def model_parallel_size(self) -> int:
@@ -45,7 +52,7 @@ class ParallelConfig:
 
     def validate(self, world_size: int | None = None) -> "ParallelConfig":
         """Raise ValueError naming the problem and the fix; return self when the layout is valid."""
-        for name in ("tp", "pp", "cp"):
+        for name in ("tp", "pp", "cp", "ep", "etp"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"parallel.{name}={v!r} must be an integer >= 1")
@@ -69,6 +76,18 @@ class ParallelConfig:
                 f"world size {world_size} is not divisible by tp*pp*cp = {self.tp}*{self.pp}*{self.cp} "
                 f"= {self.model_parallel_size}; change the number of processes or the layout"
             )
+        if self.etp != 1:
+            raise ValueError(
+                f"parallel.etp={self.etp}: expert tensor parallelism > 1 is not supported yet (the HF bridge "
+                "shards experts whole); set expert_tensor_parallel_size=1"
+            )
+        if world_size is not None and (self.ep > 1 or self.etp > 1):
+            dense_ranks = world_size // self.pp  # TP x CP x DP ranks of one pipeline stage
+            if dense_ranks % (self.ep * self.etp):
+                raise ValueError(
+                    f"expert parallelism ep*etp = {self.ep}*{self.etp} must divide tp*cp*dp = {dense_ranks} "
+                    f"(world size {world_size} / pp {self.pp}); change ep or the number of processes"
+                )
         return self
 
 
@@ -120,6 +139,8 @@ def init_distributed(
         pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=parallel.vpp,
         context_parallel_size=parallel.cp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.etp,
         distributed_timeout_minutes=parallel.timeout_s / 60.0,  # only used as timedelta(minutes=...)
     )
     _apply_timeout_to_megatron_groups(timeout)

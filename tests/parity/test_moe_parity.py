@@ -1,0 +1,328 @@
+"""Mixture-of-experts layouts compute the gradient one float64 process would (Contract 1 + the
+router-loss objective of ``verl_lite/engine/moe.py``), cell by cell.
+
+Matrix: MoE layouts {EP2, EP2xTP2 (ETP1, sequence parallel), EP2xPP2, EP2xDP2, DP2xCP2xPP2 with EP2
+(8 processes)} x losses {vanilla PPO, GSPO} x five aggregation modes x calculate_per_token_loss
+{off, on} x micro-batching {1, 3, token budget}, on a tiny Qwen3-MoE (4 experts, top-2, 2 layers)
+with moe_aux_loss_coeff and moe_z_loss_coeff > 0. One process launch per layout runs all its cells.
+
+The reference uses no megatron: HF transformers' Qwen3-MoE in float64 on the same weights
+(``output_router_logits=True``), the policy objective of ``algorithms.objective.actor_loss`` over the
+whole mini-batch, plus the router objective R written out independently below from the router
+logits of one sequence at a time. Per cell: every gradient (experts and router included) within
+1e-5 relative, the parameters after one AdamW step, the reported policy loss (summed over the output
+owners) and the reported router loss R (the same on every rank) equal the reference. Each layout's
+export of freshly loaded weights is bit-exact (HF -> engine -> HF). A Qwen2-MoE (shared expert +
+sigmoid gate, no top-k renormalisation) runs a slice of the matrix under EP2xTP2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import traceback
+from dataclasses import asdict
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+
+import harness as H
+from verl_lite.utils.net import free_port
+
+GRAD_TOL = 1e-5
+PARAM_TOL = 1e-6
+UPDATE_TOL = 5e-4
+LOSS_TOL = 1e-5
+AUX_COEFF = 0.02
+Z_COEFF = 0.001
+
+# name -> (world size, ParallelConfig kwargs, model arch)
+MOE_LAYOUTS = {
+    "moe_single": (1, dict(), "qwen3_moe"),
+    "moe_ep2": (2, dict(ep=2), "qwen3_moe"),
+    "moe_ep2_tp2": (4, dict(tp=2, sequence_parallel=True, ep=2, etp=1), "qwen3_moe"),
+    "moe_ep2_pp2": (4, dict(pp=2, ep=2), "qwen3_moe"),
+    "moe_ep2_dp2": (4, dict(ep=2), "qwen3_moe"),
+    "moe_ep2_dp2_cp2_pp2": (8, dict(cp=2, pp=2, ep=2), "qwen3_moe"),
+    "moe_qwen2_ep2_tp2": (4, dict(tp=2, sequence_parallel=True, ep=2), "qwen2_moe"),
+}
+MATRIX = [n for n in MOE_LAYOUTS if n not in ("moe_single", "moe_qwen2_ep2_tp2")]
+
+
+def cells_for(layout: str) -> list[H.Cell]:
+    cells = H.all_cells()
+    if layout in ("moe_single", "moe_qwen2_ep2_tp2"):  # a slice: the baseline without EP; the shared-expert arch
+        cells = [c for c in cells if c.mb == "three" and c.mode in ("token-mean", "seq-mean-token-mean")]
+    return cells
+
+
+# ---------------------------------------------------------------------------------- reference
+def make_moe_problem(root: Path, arch: str) -> Path:
+    """The dense harness's ragged batch (one fully masked trajectory, holes) on a tiny MoE model."""
+    from verl_lite.utils.tiny_model import make_tiny_moe_model
+
+    base = torch.load(H.make_problem(root / "dense"))
+    model_dir = make_tiny_moe_model(root / arch, arch, vocab_size=64, hidden_size=32, num_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, num_experts=4, top_k=2,
+                                    moe_intermediate_size=16, shared_expert_intermediate_size=24, seed=5)
+    prob = {**base, "model_dir": str(model_dir)}
+    path = root / f"problem_{arch}.pt"
+    torch.save(prob, path)
+    return path
+
+
+def hf_moe_model(model_dir: str):
+    """HF's model in float64 with its eager (per-expert loop) experts: the grouped-GEMM default has no float64."""
+    model = H._hf_model(model_dir)
+    model.config._experts_implementation = "eager"
+    return model
+
+
+def moe_old_log_probs(prob) -> torch.Tensor:
+    """As harness.old_log_probs: the initial policy's log-probs plus noise, masked."""
+    with torch.no_grad():
+        lp, _ = H.reference_outputs(hf_moe_model(prob["model_dir"]), prob)
+    return (lp + prob["noise"].double()) * (prob["mask"] != 0)
+
+
+def hf_checkpoint_names(model, grads: dict) -> dict:
+    """HF's in-memory parameters (experts fused [E, 2I, h] / [E, h, I]) -> checkpoint tensor names."""
+    out = {}
+    for name, t in grads.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            p = name[: -len("gate_up_proj")]
+            for e in range(t.shape[0]):
+                gate, up = t[e].chunk(2, dim=0)
+                out[f"{p}{e}.gate_proj.weight"] = gate
+                out[f"{p}{e}.up_proj.weight"] = up
+        elif name.endswith("mlp.experts.down_proj"):
+            p = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{p}{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
+def reference_router_loss(model, prob) -> tuple[torch.Tensor, float, float]:
+    """R = sum over layers of Z_COEFF * Z_l + AUX_COEFF * A_l (see verl_lite/engine/moe.py), float64,
+    one sequence at a time: Z_l = sum_t lse^2 / N, A_l = sum_s (n_s/N) E sum_e f_se P_se."""
+    n_total = sum(int(x.numel()) for x in prob["ids"])
+    k, n_exp = model.config.num_experts_per_tok, model.config.num_experts
+    z_terms, aux_terms = [], []
+    for ids in prob["ids"]:
+        router_logits = model(ids.unsqueeze(0), output_router_logits=True).router_logits
+        for logits in router_logits:  # [n_s, E] per layer
+            logits = logits.reshape(-1, n_exp)
+            n_s = logits.shape[0]
+            z_terms.append(torch.logsumexp(logits, -1).pow(2).sum() / n_total)
+            probs = torch.softmax(logits, -1)
+            top = torch.topk(probs, k, dim=-1).indices
+            f = torch.zeros(n_exp, dtype=probs.dtype).index_add_(0, top.reshape(-1), torch.ones(top.numel(), dtype=probs.dtype)) / (k * n_s)
+            aux_s = n_exp * (f * probs.mean(0)).sum()
+            aux_terms.append(aux_s * n_s / n_total)
+    z, aux = torch.stack(z_terms).sum(), torch.stack(aux_terms).sum()
+    layers = model.config.num_hidden_layers
+    return Z_COEFF * z + AUX_COEFF * aux, float(z) / layers, float(aux) / layers
+
+
+def moe_reference_step(prob, loss: str, mode: str, old_lp: torch.Tensor) -> dict:
+    from verl_lite.algorithms.aggregation import NormalizationPlan
+    from verl_lite.algorithms.objective import actor_loss
+
+    model = hf_moe_model(prob["model_dir"])
+    params = dict(model.named_parameters())
+    lp, ent = H.reference_outputs(model, prob)
+    mask = prob["mask"].double()
+    data = {"response_mask": mask, "old_log_probs": old_lp.double(), "advantages": prob["advantages"].double()}
+    policy, _ = actor_loss({"log_probs": lp, "entropy": ent}, data, NormalizationPlan.from_mask(mask, mode),
+                           H.loss_cfg(loss, mode))
+    router, z_mean, aux_mean = reference_router_loss(model, prob)
+    out = H.reference_update(params, policy + router)
+    return {
+        "policy_loss": float(policy.detach()), "router_loss": float(router.detach()),
+        "router_z_loss": z_mean, "router_aux_loss": aux_mean, "grad_norm": out["grad_norm"],
+        "grads_clipped": hf_checkpoint_names(model, out["grads_clipped"]),
+        "params_before": hf_checkpoint_names(model, out["params_before"]),
+        "params_after": hf_checkpoint_names(model, out["params_after"]),
+    }
+
+
+def make_moe_references(root: Path, problem_path: Path, arch: str) -> Path:
+    prob = torch.load(problem_path)
+    old_lp = moe_old_log_probs(prob)
+    refs = {"old_log_probs": old_lp}
+    for loss in H.LOSSES:
+        for mode in H.MODES:
+            refs[(loss, mode)] = moe_reference_step(prob, loss, mode, old_lp)
+    path = root / f"refs_{arch}.pt"
+    torch.save(refs, path)
+    return path
+
+
+# ---------------------------------------------------------------------------------- worker
+def _worker(rank, world, port, layout, cell_dicts, problem_path, refs_path, out_path):
+    torch.set_num_threads(1)
+    try:
+        _worker_body(rank, world, port, layout, cell_dicts, problem_path, refs_path, out_path)
+    except BaseException:
+        Path(f"{out_path}.rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def _worker_body(rank, world, port, layout, cell_dicts, problem_path, refs_path, out_path):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from verl_lite.algorithms.aggregation import NormalizationPlan
+    from verl_lite.algorithms.objective import actor_loss
+    from verl_lite.engine.config import EngineConfig, OptimConfig
+    from verl_lite.engine.distributed import ParallelConfig, destroy_distributed, init_distributed
+    from verl_lite.engine.engine import MegatronEngine, SequenceBatch
+
+    t_start = time.perf_counter()
+    _, par_kw, _ = MOE_LAYOUTS[layout]
+    par = ParallelConfig(**par_kw, timeout_s=180)
+    init_distributed(rank, world, "127.0.0.1", port, par, seed=1234)
+    prob, refs = torch.load(problem_path), torch.load(refs_path)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    lengths = [int(x.numel()) for x in prob["ids"]]
+    mask = prob["mask"]
+    data_all = {"response_mask": mask, "old_log_probs": refs["old_log_probs"].float(),
+                "advantages": prob["advantages"].float()}
+    state = {k: v.float() for k, v in refs[(H.LOSSES[0], H.MODES[0])]["params_before"].items()}
+    cells = [H.Cell(**c) for c in cell_dicts]
+    results: dict = {"cells": {}, "timeline": {"init": time.perf_counter() - t_start}}
+    # the expert groups (megatron creates the expert-DP gloo groups without a timeout) carry ours
+    results["expert_group_timeouts_s"] = [
+        g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        for g in (ps.get_expert_model_parallel_group(), ps.get_expert_data_parallel_group(),
+                  ps.get_expert_tensor_parallel_group())
+    ]
+    overrides = {"moe_aux_loss_coeff": AUX_COEFF, "moe_z_loss_coeff": Z_COEFF}
+
+    for per_token in (False, True):
+        todo = [c for c in cells if c.per_token == per_token]
+        if not todo:
+            continue
+        engine = MegatronEngine(EngineConfig(
+            model_path=prob["model_dir"], parallel=par, optim=OptimConfig(**H.optim_kwargs()),
+            calculate_per_token_loss=per_token, model_overrides=dict(overrides)))
+        if "export_max_abs" not in results:
+            diffs = [float((t - state[n]).abs().max()) if n in state else float("inf")
+                     for n, t in engine.export_hf("param")]
+            results["export_max_abs"] = max(diffs) if len(diffs) == len(state) else float("inf")
+        for cell in todo:
+            engine.load_hf(state)
+            plan = H._plan(lengths, dp, cell.mb, 1)
+            rows = sorted(i for mb in plan[dp_rank] for i in mb)
+            pos = {r: k for k, r in enumerate(rows)}
+            batch = SequenceBatch([prob["ids"][i] for i in rows], prob["resp_lens"][rows],
+                                  {k: v[rows] for k, v in data_all.items()}, response_width=mask.shape[1])
+            mbs = [[pos[i] for i in mb] for mb in plan[dp_rank]]
+            loss_fn = partial(actor_loss, plan=NormalizationPlan.from_mask(mask, cell.mode),
+                              cfg=H.loss_cfg(cell.loss, cell.mode))
+            out = engine.train_step(batch, mbs, loss_fn, temperature=H.TEMPERATURE, global_token_count=sum(lengths))
+            ref = refs[(cell.loss, cell.mode)]
+            grads = H._compare(engine.export_hf("main_grad"), ref["grads_clipped"])
+            upd = H._compare(engine.export_hf("param"), ref["params_after"], base=ref["params_before"])
+            gathered = [None] * world
+            dist.all_gather_object(gathered, (out.get("loss") if engine.is_output_owner else None, out.get("router_loss")))
+            owners = [x[0] for x in gathered if x[0] is not None]
+            if rank == 0:
+                results["cells"][cell.key] = {
+                    "grad_rel": grads["rel"], "grad_missing": grads["missing"], "param_rel": upd["rel"],
+                    "update_rel": upd["update_rel"], "param_missing": upd["missing"],
+                    "loss": sum(owners), "ref_loss": ref["policy_loss"],
+                    "router_losses": [x[1] for x in gathered], "ref_router_loss": ref["router_loss"],
+                    "router_z_loss": out.get("router_z_loss"), "ref_router_z_loss": ref["router_z_loss"],
+                    "router_aux_loss": out.get("router_aux_loss"), "ref_router_aux_loss": ref["router_aux_loss"],
+                    "grad_norm": out["grad_norm"], "ref_grad_norm": ref["grad_norm"],
+                }
+        del engine
+    results["timeline"]["total"] = time.perf_counter() - t_start
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(results))
+    dist.barrier()
+    destroy_distributed()
+
+
+def run_moe_layout(layout: str, problem_path: Path, refs_path: Path) -> dict:
+    import torch.multiprocessing as mp
+
+    world = MOE_LAYOUTS[layout][0]
+    out_path = Path(tempfile.mkdtemp(prefix=f"parity_{layout}_")) / "result.json"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        mp.spawn(_worker, args=(world, free_port(), layout, [asdict(c) for c in cells_for(layout)],
+                                str(problem_path), str(refs_path), str(out_path)), nprocs=world, join=True)
+    except Exception as e:
+        detail = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(out_path.parent.glob("*.err")))
+        raise RuntimeError(f"layout {layout} failed: {e}\n{detail}") from e
+    return json.loads(out_path.read_text())
+
+
+# ---------------------------------------------------------------------------------- tests
+@pytest.fixture(scope="session")
+def moe_problems(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_parity")
+    out = {}
+    for arch in sorted({a for _, _, a in MOE_LAYOUTS.values()}):
+        problem = make_moe_problem(root, arch)
+        out[arch] = (problem, make_moe_references(root, problem, arch))
+    return out
+
+
+RESULTS: dict[str, dict] = {}
+
+
+def moe_results(layout: str, moe_problems) -> dict:
+    if layout not in RESULTS:
+        RESULTS[layout] = run_moe_layout(layout, *moe_problems[MOE_LAYOUTS[layout][2]])
+    return RESULTS[layout]
+
+
+def _rel_ok(a, b, tol) -> bool:
+    return a is not None and abs(a - b) <= tol * max(1.0, abs(b))
+
+
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_moe_layout_matches_float64_reference(layout, moe_problems):
+    res = moe_results(layout, moe_problems)
+    assert sorted(res["cells"]) == sorted(c.key for c in cells_for(layout))
+    assert res["export_max_abs"] == 0.0, "HF -> engine -> HF export of the MoE model is not bit-exact"
+    assert res["expert_group_timeouts_s"] == [180.0] * 3, res["expert_group_timeouts_s"]
+    failures = []
+    for key, c in res["cells"].items():
+        problems = []
+        if c["grad_missing"] or c["param_missing"]:
+            problems.append(f"missing {(c['grad_missing'] + c['param_missing'])[:3]}")
+        if not c["grad_rel"] < GRAD_TOL:
+            problems.append(f"grad rel {c['grad_rel']:.2e}")
+        if not c["param_rel"] < PARAM_TOL:
+            problems.append(f"param rel {c['param_rel']:.2e}")
+        if not c["update_rel"] < UPDATE_TOL:
+            problems.append(f"update rel {c['update_rel']:.2e}")
+        if not _rel_ok(c["loss"], c["ref_loss"], LOSS_TOL):
+            problems.append(f"policy loss {c['loss']:.8g} vs {c['ref_loss']:.8g}")
+        if not all(_rel_ok(r, c["ref_router_loss"], LOSS_TOL) for r in c["router_losses"]):
+            problems.append(f"router loss {c['router_losses']} vs {c['ref_router_loss']:.8g}")
+        for k in ("router_z_loss", "router_aux_loss"):
+            if not _rel_ok(c[k], c[f"ref_{k}"], LOSS_TOL):
+                problems.append(f"{k} {c[k]} vs {c[f'ref_{k}']:.8g}")
+        if not abs(c["grad_norm"] - c["ref_grad_norm"]) <= GRAD_TOL * c["ref_grad_norm"]:
+            problems.append(f"grad_norm {c['grad_norm']:.8g} vs {c['ref_grad_norm']:.8g}")
+        if problems:
+            failures.append(f"{key}: {'; '.join(problems)}")
+    assert not failures, f"{len(failures)}/{len(res['cells'])} cells differ:\n" + "\n".join(failures)
+
+
+def test_matrix_layouts_run_the_full_product():
+    full = {c.key for c in H.all_cells()}
+    assert len(full) == 2 * 5 * 2 * 3
+    for layout in MATRIX:
+        assert {c.key for c in cells_for(layout)} == full, layout
