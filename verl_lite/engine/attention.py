@@ -26,11 +26,21 @@ sequence i are ``cu[i]/cp : cu[i+1]/cp`` (``cu`` is GLOBAL). K and V are all-gat
 group (backward: reduce-scatter, so each K/V gradient returns, summed, to its owner). A key at
 global position p_k is visible to a query at p_q iff p_k <= p_q, both in the same sequence.
 Keys stay in gathered order; only the positions matter for the mask.
+
+Kernels (``select_attention_backend``, decided once per module from the config): THD runs on
+flash-attn's varlen kernel when CUDA, the ``flash_attn`` package and a 16-bit dtype are all present
+(``attention_backend="auto"``, the default), else on torch SDPA; ``"sdpa"`` (or the environment
+variable ``VERL_LITE_ATTENTION_BACKEND=sdpa``) forces SDPA, ``"flash"`` demands flash-attn. Under CP
+the flash path hands the kernel, per sequence, the two local query chunks as two varlen sequences
+whose keys are the gathered K/V re-ordered into position order and cut at the chunk's end: flash's
+bottom-right-aligned causal mask is then exactly ``p_k <= p_q``. bshd always runs on SDPA.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -116,6 +126,58 @@ def _flash_attn_varlen():
 
 
 # ------------------------------------------------------------------------------------------
+# Backend selection
+# ------------------------------------------------------------------------------------------
+
+ATTENTION_BACKEND_ENV = "VERL_LITE_ATTENTION_BACKEND"
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+logger = logging.getLogger(__name__)
+
+
+def _requested_backend(config) -> str:
+    """"auto" | "flash" | "sdpa" from megatron's ``config.attention_backend`` (the engine maps
+    ``EngineConfig.attention_backend`` onto it: auto -> auto, flash -> flash, sdpa -> unfused)."""
+    value = getattr(config, "attention_backend", None)
+    name = getattr(value, "name", value) or "auto"
+    return {"auto": "auto", "flash": "flash", "unfused": "sdpa", "local": "sdpa", "sdpa": "sdpa"}.get(str(name), str(name))
+
+
+def select_attention_backend(requested: str, dtype: torch.dtype, *, cuda: bool | None = None,
+                             flash_kernel=None, env: dict | None = None) -> tuple[str, str]:
+    """The THD kernel for a module: ``("flash" | "sdpa", why)``.
+
+    ``requested`` "auto": flash-attn varlen when CUDA is available, ``flash_attn`` imports and
+    ``dtype`` is float16/bfloat16, else SDPA; "sdpa": SDPA; "flash": flash-attn or ``ValueError``
+    saying what is missing. ``VERL_LITE_ATTENTION_BACKEND=sdpa`` in ``env`` (default ``os.environ``)
+    turns "auto" into "sdpa". ``cuda`` / ``flash_kernel`` default to what this process has."""
+    env = os.environ if env is None else env
+    if requested not in ("auto", "flash", "sdpa"):
+        raise ValueError(f"attention backend {requested!r}: choose auto, flash or sdpa")
+    forced = str(env.get(ATTENTION_BACKEND_ENV, "")).lower()
+    if forced not in ("", "auto", "sdpa", "flash"):
+        raise ValueError(f"{ATTENTION_BACKEND_ENV}={forced!r}: choose auto, sdpa or flash")
+    if requested == "auto" and forced in ("sdpa", "flash"):
+        requested, via = forced, f"{ATTENTION_BACKEND_ENV}={forced}"
+    else:
+        via = f"attention_backend={requested}"
+    if requested == "sdpa":
+        return "sdpa", f"{via} forces torch SDPA"
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    missing = None
+    if not cuda:
+        missing = "no CUDA device (flash-attn runs on NVIDIA GPUs only)"
+    elif (flash_kernel if flash_kernel is not None else _flash_attn_varlen()) is None:
+        missing = "the flash_attn package is not installed (pip install flash-attn)"
+    elif dtype not in FLASH_DTYPES:
+        missing = f"params dtype {dtype} (flash-attn takes float16/bfloat16; train with megatron.dtype=bfloat16)"
+    if missing is None:
+        return "flash", f"{via}: CUDA, flash_attn and {dtype} present"
+    if requested == "flash":
+        raise ValueError(f"{via} needs flash-attn, which cannot run here: {missing}; use auto or sdpa")
+    return "sdpa", f"torch SDPA: flash-attn not used because of {missing}"
+
+
+# ------------------------------------------------------------------------------------------
 # The module
 # ------------------------------------------------------------------------------------------
 
@@ -154,6 +216,11 @@ class PackedCoreAttention(torch.nn.Module):
             self.cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
         self.cp_size = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
         self.cp_rank = dist.get_rank(self.cp_group) if self.cp_group is not None else 0
+        dtype = getattr(config, "params_dtype", torch.float32)
+        self.backend, self.backend_reason = select_attention_backend(_requested_backend(config), dtype)
+        self._flash = _flash_attn_varlen() if self.backend == "flash" else None
+        if layer_number == 1:
+            logger.info("THD core attention: %s (%s)", self.backend, self.backend_reason)
 
     # megatron calls forward(query, key, value, attention_mask, /, *, attn_mask_type, attention_bias, packed_seq_params)
     def forward(
@@ -188,10 +255,11 @@ class PackedCoreAttention(torch.nn.Module):
                 f"cu_seqlens[-1]={bounds[-1]} does not fit the local pack of {t_local} tokens at cp={cp}; "
                 "pass GLOBAL (padded) cu_seqlens and the zig-zag split local tokens"
             )
+        if self.backend == "flash" and q.dtype in FLASH_DTYPES:
+            if cp == 1:
+                return self._thd_flash(self._flash, q, k, v, cu)
+            return self._thd_flash_cp(self._flash, q, k, v, bounds)
         if cp == 1:
-            flash = _flash_attn_varlen()
-            if flash is not None and q.dtype in (torch.float16, torch.bfloat16):
-                return self._thd_flash(flash, q, k, v, cu)
             return self._thd_batched(q, k, v, bounds)
         np_, hn = q.shape[1], q.shape[2]
         if cp > 1:
@@ -267,6 +335,47 @@ class PackedCoreAttention(torch.nn.Module):
         out = out.reshape(used, -1)
         if used < q.shape[0]:
             out = torch.cat([out, out.new_zeros(q.shape[0] - used, out.shape[1])])
+        return out
+
+    def _thd_flash_cp(self, flash, q, k, v, bounds: list[int]):
+        """Zig-zag CP on flash-attn varlen (see the module docstring): one kernel call per pack.
+
+        For sequence i (padded length L, chunk c = L / (2cp)) this rank's local rows are query
+        chunks r (positions [r c, (r+1) c)) and 2cp-1-r; each becomes one varlen query sequence
+        whose keys are the gathered K/V of positions [0, end of the chunk), in position order."""
+        cp, r = self.cp_size, self.cp_rank
+        t_local, np_, hn = q.shape
+        kv = torch.stack([k, v], dim=1)  # [t, 2, ng, hn]
+        kv_all = all_gather_first_dim(kv, self.cp_group)  # [cp * t, 2, ng, hn]; rank j's rows at j * t
+        cu_q, cu_k, key_rows = [0], [0], []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if b == a:
+                continue
+            c = (b - a) // (2 * cp)
+            lo = a // cp
+            pos = torch.arange(b - a)
+            chunk = pos // c
+            owner = torch.where(chunk < cp, chunk, 2 * cp - 1 - chunk)
+            offset = torch.where(chunk < cp, pos % c, c + pos % c)
+            rows = owner * t_local + lo + offset  # gathered row of each position, position order
+            for end in ((r + 1) * c, (2 * cp - r) * c):
+                key_rows.append(rows[:end])
+                cu_q.append(cu_q[-1] + c)
+                cu_k.append(cu_k[-1] + end)
+        used = bounds[-1] // cp
+        if not key_rows:
+            return q.new_zeros(t_local, np_ * hn)
+        index = torch.cat(key_rows).to(q.device)
+        kv_sel = kv_all.index_select(0, index)
+        lq = [y - x for x, y in zip(cu_q[:-1], cu_q[1:])]
+        lk = [y - x for x, y in zip(cu_k[:-1], cu_k[1:])]
+        cu_q_t = torch.tensor(cu_q, dtype=torch.int32, device=q.device)
+        cu_k_t = torch.tensor(cu_k, dtype=torch.int32, device=q.device)
+        out = flash(q[:used], kv_sel[:, 0], kv_sel[:, 1], cu_q_t, cu_k_t, max(lq), max(lk), 0.0,
+                    softmax_scale=self.scale, causal=True)
+        out = out.reshape(used, np_ * hn)
+        if used < t_local:
+            out = torch.cat([out, out.new_zeros(t_local - used, np_ * hn)])
         return out
 
     # -- bshd --------------------------------------------------------------------------------

@@ -13,7 +13,20 @@ if TYPE_CHECKING:  # pragma: no cover
     from verl_lite.engine.distributed import ParallelConfig
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
-PARAMS_DTYPES = ("float32", "bfloat16", "float16")
+PARAMS_DTYPES = ("float32", "bfloat16")
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
+FP16_UNSUPPORTED = (
+    "float16 training needs megatron's dynamic loss scaling (skipped steps on overflow), which the engine does "
+    "not build; use bfloat16 (same memory, no loss scaling) or float32"
+)
+ATTENTION_BACKENDS = ("auto", "flash", "sdpa")
+# megatron's AttnBackend names (verl's override_transformer_config.attention_backend) -> ours
+MEGATRON_ATTENTION_NAMES = {"auto": "auto", "flash": "flash", "unfused": "sdpa", "local": "sdpa", "sdpa": "sdpa"}
+
+
+def canonical_dtype(name: str) -> str:
+    """'bf16' -> 'bfloat16', 'fp32' -> 'float32' (verl's spellings); other names unchanged."""
+    return DTYPE_ALIASES.get(str(name).lower(), str(name).lower())
 
 
 @dataclass
@@ -79,6 +92,13 @@ class EngineConfig:
         and scales the loss so the gradient is the same in both modes).
     value_head: build a critic (scalar head) instead of the LM head.
     forward_only: no DDP, no optimizer (reference policy, inference).
+    params_dtype: "float32" (default) or "bfloat16" (also "fp32"/"bf16"). bfloat16 is megatron's mixed
+        precision: bf16 weights and activations (``Float16Module``), fp32 main parameters in the
+        optimizer, fp32 gradient accumulation and reduction (DDP ``grad_reduce_in_fp32``), logits
+        cast to fp32 before log-probs/entropy/values, so every loss is computed in fp32.
+    attention_backend: THD core attention kernel: "auto" (flash-attn varlen when CUDA, the
+        ``flash_attn`` package and a 16-bit dtype are all present, else SDPA), "sdpa" (always SDPA),
+        "flash" (flash-attn, an error where it cannot run). See ``attention.select_attention_backend``.
     """
 
     model_path: str
@@ -89,6 +109,7 @@ class EngineConfig:
     forward_only: bool = False
     seed: int = 1234
     params_dtype: str = "float32"
+    attention_backend: str = "auto"
     model_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -105,8 +126,31 @@ class EngineConfig:
                 f"EngineConfig.model_path={self.model_path!r} has no config.json; give an HF model directory "
                 f"(config.json + *.safetensors)"
             )
+        self.params_dtype = canonical_dtype(self.params_dtype)
+        if self.params_dtype in ("float16", "fp16", "half"):
+            raise ValueError(f"EngineConfig.params_dtype={self.params_dtype!r}: {FP16_UNSUPPORTED}")
         if self.params_dtype not in PARAMS_DTYPES:
             raise ValueError(f"EngineConfig.params_dtype={self.params_dtype!r}; choose one of {PARAMS_DTYPES}")
+        if "attention_backend" in self.model_overrides:  # verl's override_transformer_config.attention_backend
+            overrides = dict(self.model_overrides)
+            value = overrides.pop("attention_backend")
+            name = str(getattr(value, "name", value)).lower()
+            mapped = MEGATRON_ATTENTION_NAMES.get(name)
+            if mapped is None:
+                raise ValueError(
+                    f"attention_backend={name!r}: megatron's fused (Transformer Engine) attention is not built; "
+                    f"use flash, auto, unfused or local (unfused/local = torch SDPA)"
+                )
+            if self.attention_backend not in ("auto", mapped):
+                raise ValueError(
+                    f"EngineConfig.attention_backend={self.attention_backend!r} and model_overrides "
+                    f"attention_backend={name!r} disagree; give one"
+                )
+            self.attention_backend, self.model_overrides = mapped, overrides
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"EngineConfig.attention_backend={self.attention_backend!r}; choose one of {ATTENTION_BACKENDS}"
+            )
         if not isinstance(self.optim, OptimConfig):
             raise TypeError(f"EngineConfig.optim must be an OptimConfig, got {type(self.optim).__name__}")
 

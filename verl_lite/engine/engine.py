@@ -96,6 +96,13 @@ class _MicroBatch:
     indices: list[int]
 
 
+def _megatron_attention_backend(name: str):
+    """EngineConfig.attention_backend -> megatron's ``AttnBackend`` (read by ``PackedCoreAttention``)."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    return {"auto": AttnBackend.auto, "flash": AttnBackend.flash, "sdpa": AttnBackend.unfused}[name]
+
+
 def _finalize_model_grads_recording(engine: "MegatronEngine"):
     """megatron's finalize_model_grads, also recording the token count it reduced (per-token mode)."""
     from megatron.core.distributed import finalize_model_grads
@@ -150,6 +157,7 @@ class MegatronEngine:
             par,
             calculate_per_token_loss=cfg.calculate_per_token_loss,
             params_dtype=cfg.torch_dtype,
+            attention_backend=_megatron_attention_backend(cfg.attention_backend),
             **cfg.model_overrides,
         )
         self._check_p2p_settings()
@@ -158,12 +166,16 @@ class MegatronEngine:
         self.output_names = VALUE_OUTPUTS if cfg.value_head else LM_OUTPUTS
         self._reduced_token_count: int | None = None
 
-        self.model = self.chunks  # what the schedules run (DDP-wrapped when training)
+        self.mixed_precision = cfg.torch_dtype != torch.float32
+        # what the schedules run: Float16Module-wrapped in bf16, then DDP-wrapped when training
+        self.model = self._wrap_precision(self.chunks)
         self.optimizer = None
         self.scheduler = None
         if not cfg.forward_only:
             self._wrap_ddp()
             self._build_optimizer()
+            if self.mixed_precision:
+                self._load_main_params(cfg.model_path)
 
     # ------------------------------------------------------------------ set-up
     def _check_p2p_settings(self):
@@ -174,6 +186,61 @@ class MegatronEngine:
                 "batched p2p, PP=2 + VPP matches isend/irecv to the same peer in the wrong order and trains "
                 "silently wrong (measured on gloo), and without overlap VPP + variable sequence lengths hangs"
             )
+
+    def _wrap_precision(self, chunks: list) -> list:
+        """bf16: megatron's ``Float16Module`` around each chunk (bf16 weights and activations; the
+        last stage's output, logits or values, comes back in fp32). fp32: the chunks themselves."""
+        if not self.mixed_precision:
+            return list(chunks)
+        from megatron.core.transformer.module import Float16Module
+
+        return [Float16Module(self.tf_config, chunk) for chunk in chunks]
+
+    # -- fp32 main parameters of a bf16 engine (megatron's mixed-precision optimizer holds them) --
+    def _main_param_shard_range(self, param) -> tuple[int, int]:
+        """[start, end) of ``param``'s flattened elements whose fp32 main copy this DP rank holds
+        (distributed optimizer)."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if param in getattr(opt, "model_param_gbuf_map", {}):
+                r = opt._get_model_param_range_map(param)["param"]
+                return r.start, r.end
+        raise KeyError("parameter not managed by the distributed optimizer")
+
+    def _load_main_params(self, source) -> None:
+        """Write the HF weights (fp32 as stored, not rounded to bf16) into the optimizer's fp32 main
+        parameters; the bf16 model parameters already hold their rounding."""
+        from verl_lite.engine.hf_bridge import load_hf_weights
+
+        def into_main(param, full: torch.Tensor) -> None:
+            main = getattr(param, "main_param", None)
+            if getattr(param, "main_param_sharded", False):
+                if main is not None:
+                    start, end = self._main_param_shard_range(param)
+                    main.copy_(full.reshape(-1)[start:end].to(main.dtype))
+            elif main is not None:
+                main.copy_(full.to(main.dtype))
+            else:
+                raise RuntimeError("a bf16 parameter without an fp32 main copy: the optimizer is not mixed-precision")
+
+        with torch.no_grad():
+            load_hf_weights(self.chunks, source, self.hf_config, copy_fn=into_main)
+
+    def _full_main_param(self, param) -> torch.Tensor:
+        """The fp32 main copy of ``param`` as a full tensor of this rank's (TP) shape. With the
+        distributed optimizer the DP x CP ranks each hold a slice: summed over that group
+        (collective: every rank of the group calls it for the same parameters in the same order)."""
+        main = getattr(param, "main_param", None)
+        if not getattr(param, "main_param_sharded", False):
+            return main.detach() if main is not None else param.detach().float()
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+        if main is not None:
+            start, end = self._main_param_shard_range(param)
+            full[start:end] = main.detach().view(-1)
+        dist.all_reduce(full, group=ps.get_data_parallel_group(with_context_parallel=True))
+        return full.view(param.shape)
 
     def _wrap_ddp(self):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -186,7 +253,7 @@ class MegatronEngine:
         )
         self.model = [
             DistributedDataParallel(self.tf_config, ddp_config, chunk, disable_bucketing=(i > 0))
-            for i, chunk in enumerate(self.chunks)
+            for i, chunk in enumerate(self.model)
         ]
         self.tf_config.finalize_model_grads_func = _finalize_model_grads_recording(self)
 
@@ -486,13 +553,18 @@ class MegatronEngine:
     def export_hf(self, attr: str = "param"):
         """Iterator of (hf_name, full tensor) on every rank; ``attr="main_grad"`` for the reduced grads.
 
-        With the distributed optimizer, ``main_grad`` is only valid on each rank's own shard."""
+        A trainable bf16 engine exports its fp32 main parameters (the trained weights, float32);
+        a forward-only bf16 engine has none and exports its bf16 weights. Gradients are float32
+        (megatron accumulates and reduces them in fp32). With the distributed optimizer,
+        ``main_grad`` is only valid on each rank's own shard."""
         from verl_lite.engine.hf_bridge import export_hf
 
-        return export_hf(self.chunks, self.hf_config, attr=attr)
+        main = self._full_main_param if (attr == "param" and self.mixed_precision and self.optimizer) else None
+        return export_hf(self.chunks, self.hf_config, attr=attr, main_params=main)
 
     def load_hf(self, state_dict_or_dir, reset_optimizer: bool = True) -> None:
-        """Overwrite the weights (an HF state dict or directory); rebuild optimizer + schedule state."""
+        """Overwrite the weights (an HF state dict or directory); rebuild optimizer + schedule state.
+        A trainable bf16 engine also loads them, unrounded, into its fp32 main parameters."""
         from verl_lite.engine.hf_bridge import load_hf_weights
 
         with torch.no_grad():
@@ -501,6 +573,8 @@ class MegatronEngine:
             for m in self.model:
                 m.zero_grad_buffer()
             self._build_optimizer()
+        if self.optimizer is not None and self.mixed_precision:
+            self._load_main_params(state_dict_or_dir)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory) -> None:

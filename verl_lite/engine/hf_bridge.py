@@ -218,8 +218,12 @@ def _tp():
 
 
 @torch.no_grad()
-def load_hf_weights(chunks, hf_model_dir_or_state_dict: str | os.PathLike | Mapping[str, torch.Tensor], hf_config) -> None:
+def load_hf_weights(chunks, hf_model_dir_or_state_dict: str | os.PathLike | Mapping[str, torch.Tensor], hf_config,
+                    copy_fn=None) -> None:
     """Copy HF weights into this rank's chunks (any TP/PP/VPP layout), in place.
+
+    ``copy_fn(param, shard)``, when given, receives this rank's shard of each parameter (in the HF
+    dtype) instead of the copy into ``param`` (the engine loads a bf16 run's fp32 main params with it).
 
     Call before building the optimizer (a distributed/fp16 optimizer keeps its own main copies).
     Raises if a chunk parameter has no HF source or a shape disagrees. For a value head,
@@ -248,7 +252,10 @@ def load_hf_weights(chunks, hf_model_dir_or_state_dict: str | os.PathLike | Mapp
                 raise ValueError(
                     f"shape mismatch for {e.mcore_name!r}: HF gives {tuple(t.shape)}, model has {tuple(p.shape)}"
                 )
-            p.data.copy_(t.to(dtype=p.dtype, device=p.device))
+            if copy_fn is not None:
+                copy_fn(p, t.to(device=p.device))
+            else:
+                p.data.copy_(t.to(dtype=p.dtype, device=p.device))
         unmapped = sorted(set(params) - covered)
         if unmapped:
             raise KeyError(f"model parameters with no HF mapping: {unmapped}")
@@ -311,8 +318,11 @@ def _tensor_of(p: torch.Tensor, attr: str) -> torch.Tensor:
     raise ValueError(f"attr={attr!r}: use 'param', 'main_grad' or 'grad'")
 
 
-def export_hf(chunks, hf_config, attr: str = "param") -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf(chunks, hf_config, attr: str = "param", main_params=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full tensor)`` for every HF tensor, one at a time, the same on every rank.
+
+    ``main_params(param) -> float32 tensor of param's shape``, when given with ``attr="param"``, is
+    exported instead of the parameter (a bf16 engine's fp32 main copy; it may be collective over DP).
 
     ``attr="param"``: weights; ``attr="main_grad"``: gradients (megatron DDP's ``param.main_grad``,
     falling back to ``.grad``; zeros when neither exists). Each tensor is all-gathered over TP by the
@@ -336,7 +346,10 @@ def export_hf(chunks, hf_config, attr: str = "param") -> Iterator[tuple[str, tor
         for e in _chunk_entries(model, hf_config, value_head):
             if e.export:
                 local[e.hf_names[0]] = (e, params[e.mcore_name])
-    owners: dict[str, tuple[int, str]] = {k: (pp_rank, str(_dtype_of(p, attr))) for k, (_, p) in local.items()}
+    use_main = main_params is not None and attr == "param"
+    read = main_params if use_main else (lambda p: _tensor_of(p, attr))
+    owners: dict[str, tuple[int, str]] = {
+        k: (pp_rank, "torch.float32" if use_main else str(_dtype_of(p, attr))) for k, (_, p) in local.items()}
     if pp > 1:
         gathered = [None] * pp
         dist.all_gather_object(gathered, owners, group=pp_group)
@@ -355,7 +368,7 @@ def export_hf(chunks, hf_config, attr: str = "param") -> Iterator[tuple[str, tor
         dtype = getattr(torch, dtype_str.replace("torch.", ""))
         entry = local[name][0] if name in local else _entry_for(name, hf_config, value_head)
         if owner == pp_rank:
-            shard = _tensor_of(local[name][1], attr).contiguous()
+            shard = read(local[name][1]).contiguous()
             if tp > 1 and entry.kind not in ("replicated", "head"):
                 shards = [torch.empty_like(shard) for _ in range(tp)]
                 dist.all_gather(shards, shard, group=tp_group)
