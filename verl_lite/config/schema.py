@@ -66,6 +66,7 @@ class MegatronConfig:
     use_distributed_optimizer: bool = False  # shard optimizer state over DP (megatron's distributed optimizer)
     calculate_per_token_loss: bool = False  # megatron's loss mode; the gradient is the same in both
     timeout_s: int = 300  # process-group timeout: a stuck collective fails after this many seconds
+    dtype: str = "float32"  # float32 | bfloat16 (bf16 weights/activations, fp32 main params, grads and losses)
     override_transformer_config: Dict[str, Any] = field(default_factory=dict)  # megatron TransformerConfig fields, applied last
 
 

@@ -245,15 +245,51 @@ def _check_layout(key: str, mg, world: int, workers: str, model_cfg: dict | None
         p.append(f"{M}.sequence_parallel=true needs tensor_model_parallel_size > 1 (got {tp}); set it to false")
     if mg.timeout_s is None or mg.timeout_s <= 0:
         p.append(f"{M}.timeout_s={mg.timeout_s} must be > 0 seconds (a stuck collective fails after it)")
-    p.extend(transformer_override_problems(f"{M}.override_transformer_config", mg.override_transformer_config))
+    p.extend(engine_dtype_problems(f"{M}.dtype", mg.dtype))
+    p.extend(transformer_override_problems(f"{M}.override_transformer_config", mg.override_transformer_config,
+                                           dtype=mg.dtype))
     return dp
+
+
+def engine_dtype_problems(key: str, value) -> list[str]:
+    """``megatron.dtype``: float32 / fp32, or bfloat16 / bf16 (megatron mixed precision); float16 rejected."""
+    from verl_lite.engine.config import FP16_UNSUPPORTED, PARAMS_DTYPES, canonical_dtype
+
+    name = canonical_dtype(value)
+    if name in ("float16", "fp16", "half"):
+        return [f"{key}={value}: {FP16_UNSUPPORTED}"]
+    if name not in PARAMS_DTYPES:
+        return [f"{key}={value!r} is unknown; choose float32 (fp32) or bfloat16 (bf16)"]
+    return []
+
+
+def attention_backend_problem(key: str, value, dtype: str = "float32") -> str | None:
+    """``override_transformer_config.attention_backend`` (megatron's names): auto, flash, unfused/local
+    (= torch SDPA); fused (Transformer Engine) is not built; flash must be able to run here."""
+    from verl_lite.engine.config import MEGATRON_ATTENTION_NAMES
+
+    name = str(value).lower()
+    if name not in MEGATRON_ATTENTION_NAMES:
+        return (f"{key}={value}: megatron's {name} attention (Transformer Engine) is not built; use auto (flash-attn "
+                f"on GPU with bf16, else SDPA), flash, or unfused/local (torch SDPA)")
+    if MEGATRON_ATTENTION_NAMES[name] == "flash":
+        import torch
+
+        from verl_lite.engine.attention import select_attention_backend
+        from verl_lite.engine.config import canonical_dtype
+
+        try:
+            select_attention_backend("flash", getattr(torch, canonical_dtype(dtype), torch.float32))
+        except ValueError as err:
+            return f"{key}={value}: {err}"
+    return None
+
 
 
 # megatron TransformerConfig fields that the engine sets itself and that cannot be overridden here
 _OVERRIDE_REJECT = {
     "num_layers_in_first_pipeline_stage": "uneven pipeline splits are not built (every stage holds layers / pp)",
     "num_layers_in_last_pipeline_stage": "uneven pipeline splits are not built (every stage holds layers / pp)",
-    "attention_backend": "the engine uses its own THD attention (SDPA on CPU, flash-attn on GPU)",
 }
 _OVERRIDE_FALSE_ONLY = ("apply_rope_fusion", "bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion",
                         "persist_layer_norm", "gradient_accumulation_fusion", "cross_entropy_loss_fusion",
@@ -266,7 +302,7 @@ _OVERRIDE_ENGINE_OWNED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_a
                           "add_qkv_bias", "qk_layernorm", "layernorm_epsilon")
 
 
-def transformer_override_problems(key: str, overrides: dict) -> list[str]:
+def transformer_override_problems(key: str, overrides: dict, dtype: str = "float32") -> list[str]:
     """``megatron.override_transformer_config``: only megatron ``TransformerConfig`` fields the engine does
     not derive from the HF config / layout; fusions only false (the local layer spec has no fused
     kernels); MoE fields rejected (dense models); activation recompute only where CUDA runs it."""
@@ -282,6 +318,10 @@ def transformer_override_problems(key: str, overrides: dict) -> list[str]:
         k = f"{key}.{name}"
         if name not in fields:
             out.append(f"{k}: not a field of megatron's TransformerConfig; drop it")
+        elif name == "attention_backend":
+            problem = attention_backend_problem(k, value, dtype)
+            if problem:
+                out.append(problem)
         elif name.startswith("moe_"):
             out.append(f"{k}: verl_lite builds dense Qwen2/Qwen3/Llama models only (no MoE layers); drop it")
         elif name in _OVERRIDE_REJECT:

@@ -121,9 +121,6 @@ def _megatron_rules(section: str) -> list[Rule]:
              accepts=_TRUE, effect="HF weights are loaded and exported by verl_lite's own bridge"),
         Rule(f"{s}.vanilla_mbridge", "same",
              "verl_lite's own HF bridge is the only one; drop it", accepts=_BOOL),
-        Rule(f"{s}.dtype", "same",
-             "the megatron engine trains in float32 in this version (bf16/fp16 training is not wired); "
-             "actor_rollout_ref.rollout.dtype sets the rollout model's dtype", accepts=_is("float32", "fp32")),
         Rule(f"{s}.seed", "reject", "the engines are seeded from trainer.seed; set that instead"),
     ]
 
@@ -199,6 +196,9 @@ RULES: list[Rule] = [
          f"the reference shares the actor's process group: set it equal to {A}.megatron.sequence_parallel or drop it",
          target=f"{A}.megatron.sequence_parallel"),
     *_megatron_rules(REF),
+    Rule(f"{REF}.megatron.dtype", "equal",
+         f"the reference policy runs in the actor's workers with the actor's precision: set it equal to "
+         f"{A}.megatron.dtype or drop it", target=f"{A}.megatron.dtype"),
     Rule("actor_rollout_ref.nccl_timeout", "alias", target=f"{A}.megatron.timeout_s",
          effect="the actor role's process-group timeout (seconds)"),
     # ---------------------------------------------------------------- actor / ref extras

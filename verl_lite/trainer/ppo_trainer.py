@@ -85,6 +85,7 @@ def _engine_fields(model_path: str, mg, opt, total_steps: int, seed: int, model=
         calculate_per_token_loss=mg.calculate_per_token_loss,
         use_distributed_optimizer=mg.use_distributed_optimizer,
         seed=seed,
+        params_dtype=mg.dtype,
     )
 
 

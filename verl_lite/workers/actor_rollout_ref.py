@@ -36,6 +36,11 @@ class WorkerConfig(EngineWorkerConfig):
     rollout_kwargs: dict = field(default_factory=dict)  # backend settings passed to make_rollout
 
 
+def _attention_override(overrides: dict) -> dict:
+    """The actor's attention-kernel choice, which the reference shares (its other overrides are training-only)."""
+    return {k: v for k, v in overrides.items() if k == "attention_backend"}
+
+
 class ActorRolloutRefWorker(EngineWorker):
     def __init__(self, rank: int, world_size: int, cfg: WorkerConfig):
         super().__init__(rank, world_size, cfg)
@@ -54,7 +59,8 @@ class ActorRolloutRefWorker(EngineWorker):
         self.actor = MegatronEngine(self._train_config(parallel))
         if c.need_ref:
             self.ref = MegatronEngine(EngineConfig(model_path=c.model_path, parallel=parallel, forward_only=True,
-                                                   seed=c.seed))
+                                                   seed=c.seed, params_dtype=c.params_dtype,
+                                                   model_overrides=_attention_override(c.model_overrides)))
         tokenizer = AutoTokenizer.from_pretrained(c.tokenizer_path or c.model_path)
         self.rollout = make_rollout(c.rollout_name, c.model_path, tokenizer, **c.rollout_kwargs)
 

@@ -31,6 +31,7 @@ class EngineWorkerConfig:
     use_distributed_optimizer: bool = False
     seed: int = 0
     model_overrides: dict = field(default_factory=dict)  # megatron TransformerConfig fields (EngineConfig.model_overrides)
+    params_dtype: str = "float32"  # megatron.dtype: float32 | bfloat16 (EngineConfig.params_dtype)
 
 
 def sequence_batch(piece: Batch, loss_keys: tuple[str, ...] = ()):
@@ -76,7 +77,7 @@ class EngineWorker(Worker):
         optim = OptimConfig(**c.optim, use_distributed_optimizer=c.use_distributed_optimizer)
         return EngineConfig(model_path=c.model_path, parallel=parallel, optim=optim,
                             calculate_per_token_loss=c.calculate_per_token_loss, seed=c.seed,
-                            model_overrides=dict(c.model_overrides), **kwargs)
+                            model_overrides=dict(c.model_overrides), params_dtype=c.params_dtype, **kwargs)
 
     def _owner_engine(self):
         raise NotImplementedError
