@@ -79,7 +79,6 @@ def test_architecture_mapping():
 @pytest.mark.parametrize(
     "hf_kw,parallel,match",
     [
-        (dict(vocab_size=127), ParallelConfig(tp=2), "vocab_size=127"),
         (dict(num_hidden_layers=3), ParallelConfig(pp=2), "not divisible by pp\\*vpp"),
         (dict(num_hidden_layers=4), ParallelConfig(pp=2, vpp=4), "not divisible by pp\\*vpp"),
         (dict(num_attention_heads=4, num_key_value_heads=4), ParallelConfig(tp=8), "num_attention_heads=4"),

@@ -383,9 +383,9 @@ class MegatronEngine:
             logits = output if temperature == 1.0 else output / temperature
             labels = mb.packed.labels.to(logits.device)
             if "log_probs" in names:
-                per_token["log_probs"] = vocab_parallel_log_probs(logits, labels)
+                per_token["log_probs"] = vocab_parallel_log_probs(logits, labels, vocab_size=self.hf_config.vocab_size)
             if "entropy" in names:
-                per_token["entropy"] = vocab_parallel_entropy(logits)
+                per_token["entropy"] = vocab_parallel_entropy(logits, vocab_size=self.hf_config.vocab_size)
         return {k: unpack_response(v, mb.packed, width, self.cp_group) for k, v in per_token.items() if k in names}
 
     def _check_outputs(self, outputs) -> tuple[str, ...]:

@@ -3,7 +3,9 @@
 Layout rules (megatron-core 0.16.1, per TP rank r of ``tp``):
 
 - ``embedding.word_embeddings.weight`` / ``output_layer.weight``: vocabulary rows
-  ``[r*V/tp, (r+1)*V/tp)`` of ``embed_tokens`` / ``lm_head`` (vocab-parallel).
+  ``[r*Vp/tp, (r+1)*Vp/tp)`` of ``embed_tokens`` / ``lm_head`` (vocab-parallel) padded to
+  ``Vp = padded_vocab_size(V, tp)`` rows: load appends ``Vp - V`` zero rows, export drops them, so
+  HF -> engine -> HF is bit-exact and an exported tensor always has the true ``V`` rows.
 - ``linear_qkv``: the full tensor is interleaved per KV group g = 0..ng-1 as
   ``[q heads of g (np/ng * hn rows); k_g (hn rows); v_g (hn rows)]`` (query head h belongs to group
   ``h // (np/ng)``, as in HF's GQA), and rank r holds the r-th of ``tp`` equal row blocks. The bias
@@ -34,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from verl_lite.engine.model import _get, head_dim, unwrap_model
+from verl_lite.engine.vocab_parallel import padded_vocab_size
 
 # ------------------------------------------------------------------------------------------
 # The mapping
@@ -134,7 +137,15 @@ def _shard(entry: _Entry, hf: list[torch.Tensor], hf_config, tp: int, r: int) ->
     """This TP rank's megatron tensor for ``entry`` from the full HF tensors."""
     if entry.kind in ("replicated", "head"):
         return hf[0]
-    if entry.kind in ("vocab", "col"):
+    if entry.kind == "vocab":
+        vocab = _get(hf_config, "vocab_size")
+        if hf[0].shape[0] != vocab:
+            raise ValueError(
+                f"shape mismatch for {entry.mcore_name!r}: HF {entry.hf_names[0]} has {hf[0].shape[0]} rows, "
+                f"the config's vocab_size is {vocab}"
+            )
+        return _pad_vocab_rows(hf[0], padded_vocab_size(vocab, tp)).chunk(tp, dim=0)[r]
+    if entry.kind == "col":
         return hf[0].chunk(tp, dim=0)[r]
     if entry.kind == "row":
         return hf[0].chunk(tp, dim=1)[r]
@@ -146,11 +157,20 @@ def _shard(entry: _Entry, hf: list[torch.Tensor], hf_config, tp: int, r: int) ->
     raise AssertionError(entry.kind)
 
 
+def _pad_vocab_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` [V, ...] with zero rows appended up to ``rows`` (the padded vocabulary)."""
+    if rows == t.shape[0]:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])], dim=0)
+
+
 def _unshard(entry: _Entry, shards: list[torch.Tensor], hf_config) -> list[torch.Tensor]:
     """Full HF tensors for ``entry`` from the shards of all TP ranks (in TP rank order)."""
     if entry.kind in ("replicated", "head"):
         return [shards[0]]
-    if entry.kind in ("vocab", "col"):
+    if entry.kind == "vocab":
+        return [torch.cat(shards, dim=0)[: _get(hf_config, "vocab_size")]]
+    if entry.kind == "col":
         return [torch.cat(shards, dim=0)]
     if entry.kind == "row":
         return [torch.cat(shards, dim=1)]

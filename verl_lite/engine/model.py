@@ -7,10 +7,13 @@
 - ``build_model_chunks``: one ``GPTModel`` per virtual pipeline stage of this rank, with the right
   ``pre_process``/``post_process``; ``value_head=True`` swaps the LM head for a replicated
   ``[1, hidden]`` projection (a critic).
+- Vocabulary: the embedding and the LM head have ``padded_vocab_size(V, tp)`` rows (``vocab_parallel``;
+  padded only when TP does not divide V); the HF bridge zero-fills the padded rows on load and strips
+  them on export, and ``vocab_parallel`` masks their logits out of every log-prob and entropy.
 
 The chunks are plain megatron modules: wrap them in megatron DDP for training. Their forward is
 megatron's: ``chunk(input_ids [b, s], position_ids, attention_mask, packed_seq_params=...)`` returns
-logits ``[b, s, V/tp]`` (values ``[b, s, 1]`` for a value head) on the last stage and hidden
+logits ``[b, s, Vp/tp]`` (padded vocabulary; values ``[b, s, 1]`` for a value head) on the last stage and hidden
 states ``[s, b, h]`` elsewhere.
 
 On a CPU-only torch the model relies on ``cpu_adapter`` (installed by ``init_distributed`` and by
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 
 from verl_lite.engine.attention import PackedCoreAttention
 from verl_lite.engine.distributed import ParallelConfig
+from verl_lite.engine.vocab_parallel import padded_vocab_size
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
@@ -211,7 +215,6 @@ def transformer_config_from_hf(
     n_heads = _get(hf_config, "num_attention_heads")
     n_kv = _get(hf_config, "num_key_value_heads") or n_heads
     n_layers = _get(hf_config, "num_hidden_layers")
-    vocab = _get(hf_config, "vocab_size")
     tp, pp, vpp = parallel.tp, parallel.pp, parallel.vpp
     if _get(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={_get(hf_config, 'hidden_act')!r} is not supported (SwiGLU with silu only)")
@@ -221,8 +224,6 @@ def transformer_config_from_hf(
         raise ValueError(f"num_attention_heads={n_heads} is not divisible by tp={tp}; choose tp dividing it")
     if n_kv % tp and tp % n_kv:
         raise ValueError(f"num_key_value_heads={n_kv} and tp={tp}: one must divide the other")
-    if vocab % tp:
-        raise ValueError(f"vocab_size={vocab} is not divisible by tp={tp}; choose tp dividing the vocabulary size")
     if _get(hf_config, "intermediate_size") % tp:
         raise ValueError(f"intermediate_size={_get(hf_config, 'intermediate_size')} is not divisible by tp={tp}")
     stages = pp * (vpp or 1)
@@ -324,7 +325,7 @@ def build_model_chunks(hf_config, tf_config, value_head: bool = False) -> list:
         model = GPTModel(
             config=tf_config,
             transformer_layer_spec=_block_spec(tf_config, vp_stage),
-            vocab_size=_get(hf_config, "vocab_size"),
+            vocab_size=padded_vocab_size(_get(hf_config, "vocab_size"), tf_config.tensor_model_parallel_size),
             max_sequence_length=int(_get(hf_config, "max_position_embeddings", 4096)),
             pre_process=pre,
             post_process=post,
@@ -349,4 +350,3 @@ def unwrap_model(chunk):
     while hasattr(chunk, "module"):
         chunk = chunk.module
     return chunk
-
