@@ -262,6 +262,7 @@ def _describe(engine) -> dict:
         "value_head": bool(engine.cfg.value_head),
         "with_optimizer": engine.optimizer is not None,
         "use_distributed_optimizer": bool(engine.optimizer is not None and engine.cfg.optim.use_distributed_optimizer),
+        "params_dtype": engine.cfg.params_dtype,
         "model": {k: getattr(hf, k, None) for k in (
             "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "intermediate_size", "tie_word_embeddings")},
@@ -321,6 +322,13 @@ def check_compatible(engine, saved: dict) -> None:
             f"the checkpoint was saved with use_distributed_optimizer={saved['use_distributed_optimizer']} and this "
             f"engine has {here['use_distributed_optimizer']}: switching the optimizer kind on resume is not supported "
             f"(the two store different master-weight tensors); resume with the saved setting (TP/PP/VPP/CP/DP may change)")
+    saved_dtype = saved.get("params_dtype", "float32")  # checkpoints before bf16 existed are fp32
+    if here["with_optimizer"] and saved["with_optimizer"] and saved_dtype != here["params_dtype"]:
+        raise CheckpointLayoutError(
+            f"the checkpoint was saved with megatron.dtype={saved_dtype} and this engine has {here['params_dtype']}: "
+            f"switching precision on resume is not supported (bf16 keeps fp32 main params in the optimizer state, "
+            f"fp32 keeps none); resume with the saved dtype, or export the weights (python -m "
+            f"verl_lite.trainer.export) and start a new run from them")
     if here["with_optimizer"] and not saved["with_optimizer"]:
         raise CheckpointLayoutError("the checkpoint holds no optimizer state (saved by a forward-only engine) but "
                                     "this engine trains; load the weights with load_hf or save from a trainable engine")
@@ -459,9 +467,12 @@ def save_hf_pretrained(engine_or_chunks, hf_config, directory: str | Path, token
 
     from verl_lite.engine.hf_bridge import export_hf
 
-    chunks = getattr(engine_or_chunks, "chunks", engine_or_chunks)
+    if hasattr(engine_or_chunks, "export_hf"):  # an engine: a bf16 one exports its fp32 main params
+        stream = engine_or_chunks.export_hf()
+    else:
+        stream = export_hf(engine_or_chunks, hf_config)
     tensors = {}
-    for name, tensor in export_hf(chunks, hf_config):
+    for name, tensor in stream:
         if _rank() == 0:
             tensors[name] = tensor.detach().to("cpu").contiguous().clone()
     if _rank() == 0:
