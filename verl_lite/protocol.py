@@ -17,7 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-from tensordict import TensorDict
+
+from verl_lite.utils.lazy_compile import compile_decorators_deferred
+
+with compile_decorators_deferred():  # tensordict's import-time allow_in_graph would import torch._dynamo (~0.7 s)
+    from tensordict import TensorDict
 
 
 @dataclass

@@ -10,6 +10,12 @@ local Ray that:
   it starts; this module sets it for the start only;
 - runs its workers at normal priority (Ray's default ``worker_niceness`` is 15, which starved
   runs on a busy machine) and has no dashboard, no usage-stats reporting;
+- starts only what the run needs: no prestarted idle workers (Ray starts ``num_cpus`` of them,
+  each importing Ray, and the run's actors cannot use them: their ``runtime_env`` differs), no
+  API-server process (Ray starts it even without the dashboard, for job submission / the state
+  API / usage stats, none of which a local run uses, and ``ray.init`` waits for it), no
+  autoscaler monitor (a fixed one-node cluster). On 2 cores these took ~1 s of ``ray.init``
+  and CPU from the run's own start;
 - is retried a bounded number of times (``ray.init`` times out under load: "The current node
   timed out during startup"), then fails with :class:`RayStartError` saying what to try.
 
@@ -38,7 +44,9 @@ from verl_lite.errors import RayStartError
 from verl_lite.utils.processes import kill_and_wait
 
 RAY_START_ATTEMPTS = 3
-LOCAL_SYSTEM_CONFIG = {"worker_niceness": 0}
+LOCAL_SYSTEM_CONFIG = {"worker_niceness": 0, "enable_worker_prestart": False, "prestart_worker_first_driver": False}
+# head processes a local run does not use (see the module docstring); absent hooks are left alone
+LOCAL_SKIPPED_HEAD_PROCESSES = ("start_api_server", "start_monitor")
 _LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 _session_dir: str | None = None  # the session directory of the local Ray this process started
@@ -48,12 +56,22 @@ def _quiet() -> dict:
     return dict(logging_level=logging.WARNING, log_to_driver=True, configure_logging=True)
 
 
+def _skip_head_process(self, *args, **kwargs) -> None:
+    """Stands in for a ``ray._private.node.Node.start_*`` head process the local run does not need."""
+    return None
+
+
 def _init_local(num_cpus: int | None, num_gpus: int | None) -> None:
+    from ray._private import node as ray_node
     from ray._private import ray_constants
 
     saved_env, saved_flag = os.environ.get(_LOOPBACK_ENV), ray_constants.ENABLE_RAY_CLUSTER
     os.environ[_LOOPBACK_ENV] = "0"  # inherited by every process Ray spawns now
     ray_constants.ENABLE_RAY_CLUSTER = False  # this process read the variable at import time
+    skipped = {name: getattr(ray_node.Node, name) for name in LOCAL_SKIPPED_HEAD_PROCESSES
+               if callable(getattr(ray_node.Node, name, None))}
+    for name in skipped:
+        setattr(ray_node.Node, name, _skip_head_process)
     try:
         ray.init(
             address="local",
@@ -65,6 +83,8 @@ def _init_local(num_cpus: int | None, num_gpus: int | None) -> None:
             **_quiet(),
         )
     finally:
+        for name, method in skipped.items():
+            setattr(ray_node.Node, name, method)
         ray_constants.ENABLE_RAY_CLUSTER = saved_flag
         if saved_env is None:
             os.environ.pop(_LOOPBACK_ENV, None)

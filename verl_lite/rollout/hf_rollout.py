@@ -12,6 +12,7 @@ only restrict which tokens can be drawn; the reported log-probs do not renormali
 set (verl convention). Greedy decoding (do_sample=False) picks argmax and reports log p_T with
 T = temperature if > 0 else 1.
 
+The prompt forward (prefill) runs once per prompt; its n samples start from copies of its KV cache.
 Sampling is ONE batched call for all prompts x n samples and still layout independent: every
 row draws its token by Gumbel-max, ``argmax(filtered logits / T + G)``, with Gumbel noise
 ``G[v] = -log(-log(u[v]))`` from a counter-based hash ``u = hash(seed, sample id, position, v)``
@@ -121,12 +122,15 @@ class HFRollout:
         Returns the number of tensors copied. An unknown name or a shape mismatch raises ValueError
         naming it; strict=True also requires every model parameter to be covered.
         """
+        from verl_lite.engine.hf_bridge import fused_expert_view
+
         targets = self.model.state_dict(keep_vars=True)
         loaded: set[str] = set()
         for name, tensor in named_tensors:
-            if name not in targets:
+            fused = None if name in targets else fused_expert_view(targets, name)  # MoE: experts fused in memory
+            if name not in targets and fused is None:
                 raise ValueError(f"load_weights: {name!r} is not a parameter of the rollout model ({type(self.model).__name__})")
-            target = targets[name]
+            name, target = fused if fused is not None else (name, targets[name])
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
             target.data.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
@@ -182,12 +186,30 @@ class HFRollout:
         with torch._C.DisableTorchFunction():
             return self._generate(prompt_ids, n, do_sample, temperature, top_p, top_k, max_new_tokens, seed, seeds)
 
+    def _prefill(self, prompt_ids: list[list[int]], n: int):
+        """The prompts' forward, ONE row per prompt: its n samples share it (their KV cache rows and
+        first logits are copies, ``Cache.batch_repeat_interleave``), so prefill costs 1/n of a
+        per-sample prefill. Returns (ids, attention mask, cache, last logits), n rows per prompt.
+        A cache without ``batch_repeat_interleave`` gets the prompts repeated n times instead."""
+        def forward(seqs):
+            ids, attn = self._left_pad(seqs)
+            position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+            out = self.model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=True)
+            return ids, attn, _cache_of(out), out.logits[:, -1, :]
+
+        if n == 1:
+            return forward([list(p) for p in prompt_ids])
+        ids, attn, past, logits = forward([list(p) for p in prompt_ids])
+        if not callable(getattr(past, "batch_repeat_interleave", None)):
+            return forward([list(p) for p in prompt_ids for _ in range(n)])
+        past.batch_repeat_interleave(n)
+        return (ids.repeat_interleave(n, dim=0), attn.repeat_interleave(n, dim=0), past,
+                logits.repeat_interleave(n, dim=0))
+
     def _generate(self, prompt_ids, n, do_sample, temperature, top_p, top_k, max_new_tokens, seed, seeds) -> list[dict]:
         scale = float(temperature) if temperature and temperature > 0 else 1.0
 
-        seqs = [list(p) for p in prompt_ids for _ in range(n)]
-        ids, attn = self._left_pad(seqs)
-        b = ids.shape[0]
+        b = len(prompt_ids) * n
         if seeds is not None:  # sample k of prompt p: (seeds[p], k)
             row_seeds = torch.tensor([int(s) for s in seeds for _ in range(n)], dtype=torch.int64, device=self.device)
             row_samples = torch.arange(n, dtype=torch.int64, device=self.device).repeat(len(prompt_ids))
@@ -195,9 +217,8 @@ class HFRollout:
             row_seeds = torch.full((b,), 0 if seed is None else int(seed), dtype=torch.int64, device=self.device)
             row_samples = torch.arange(b, dtype=torch.int64, device=self.device)
 
+        ids, attn, past, logits = self._prefill(prompt_ids, n)
         position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=True)
-        past, logits = _cache_of(out), out.logits[:, -1, :]
         next_pos = position_ids[:, -1:] + 1
 
         tokens = torch.full((b, max_new_tokens), self.pad_token_id, dtype=torch.long, device=self.device)

@@ -25,6 +25,8 @@ class EngineWorkerConfig:
     vpp: int | None = None
     cp: int = 1
     sequence_parallel: bool = False
+    ep: int = 1  # expert parallel (MoE models)
+    etp: int = 1  # expert tensor parallel
     timeout_s: float = 300.0
     optim: dict = field(default_factory=dict)  # verl_lite.engine.config.OptimConfig fields
     calculate_per_token_loss: bool = False
@@ -62,11 +64,15 @@ class EngineWorker(Worker):
 
     def _init_world(self):
         """init_distributed with this role's layout; returns the ``ParallelConfig``."""
+        from verl_lite.utils.lazy_compile import compile_decorators_deferred
+
+        with compile_decorators_deferred():  # megatron's import-time torch.compile + wandb: ~1 s per worker
+            import megatron.core  # noqa: F401
         from verl_lite.engine.distributed import ParallelConfig, init_distributed
 
         c = self.cfg
         parallel = ParallelConfig(tp=c.tp, pp=c.pp, vpp=c.vpp, cp=c.cp, sequence_parallel=c.sequence_parallel,
-                                  timeout_s=c.timeout_s)
+                                  ep=c.ep, etp=c.etp, timeout_s=c.timeout_s)
         init_distributed(self.rank, self.world_size, self.master_addr, self.master_port, parallel, seed=c.seed)
         return parallel
 

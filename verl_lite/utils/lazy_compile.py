@@ -1,0 +1,95 @@
+"""Import libraries that prepare ``torch.compile`` at import time, without paying for it.
+
+megatron-core wraps its fused kernels in ``torch.compile`` (``megatron.core.jit.jit_fuser``) and
+imports ``wandb`` for its inference logging; tensordict registers helpers with
+``torch.compiler.allow_in_graph`` / ``assume_constant_result``; all at module import. Each one
+imports ``torch._dynamo`` / ``torch._inductor`` or wandb: ~1.5 s of CPU per process on the 2-core
+machine, although verl_lite never compiles (the engine runs with every fusion off) and its
+workers never log to W&B.
+
+Inside :func:`compile_decorators_deferred`:
+
+- ``torch.compile(fn, **kw)`` on a plain function returns a wrapper that calls the real
+  ``torch.compile(fn, **kw)`` on its FIRST call (code that does call it gets the compiled
+  function); modules, methods and every other use go to the real ``torch.compile`` at once;
+- ``torch.compiler.assume_constant_result(fn)`` sets the marker dynamo itself sets
+  (``fn._dynamo_marked_constant = True``) without importing dynamo;
+- ``torch.compiler.allow_in_graph(fn)`` returns ``fn`` and queues the registration; the queue is
+  applied (the real ``allow_in_graph``) the first time a deferred compile runs;
+- ``import wandb`` raises ImportError, so megatron takes W&B as absent (its own W&B writers are
+  never used: verl_lite's tracker logs from the driver); no failed import is cached, so
+  ``import wandb`` after the block works as usual.
+
+Everything is restored when the block ends; only what was decorated inside it keeps the deferred
+form. Numerics are untouched: nothing here runs a different kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import inspect
+import sys
+from contextlib import contextmanager
+
+HIDDEN_MODULES = frozenset({"wandb"})
+_pending_allow_in_graph: list = []
+
+
+class _HiddenFinder(importlib.abc.MetaPathFinder):
+    """Makes ``import`` of a module in ``HIDDEN_MODULES`` fail as if it were not installed."""
+
+    def find_spec(self, name, path, target=None):
+        if name in HIDDEN_MODULES and name not in sys.modules:
+            raise ModuleNotFoundError(f"{name} is hidden while a library imports (verl_lite.utils.lazy_compile)",
+                                      name=name)
+        return None
+
+
+def _apply_pending_allow_in_graph(real_allow_in_graph) -> None:
+    while _pending_allow_in_graph:
+        real_allow_in_graph(_pending_allow_in_graph.pop(0))
+
+
+@contextmanager
+def compile_decorators_deferred():
+    """Within the block, import-time ``torch.compile`` preparations are deferred and wandb is hidden (module doc)."""
+    import torch
+    import torch.compiler
+
+    real = (torch.compile, torch.compiler.assume_constant_result, torch.compiler.allow_in_graph)
+
+    def deferred_compile(model=None, **kwargs):
+        if model is None:  # @torch.compile(**kwargs)
+            return lambda fn: deferred_compile(fn, **kwargs)
+        if not inspect.isfunction(model):
+            return real[0](model, **kwargs)
+        compiled = None
+
+        @functools.wraps(model)
+        def call(*args, **kw):
+            nonlocal compiled
+            if compiled is None:
+                _apply_pending_allow_in_graph(real[2])
+                compiled = real[0](model, **kwargs)
+            return compiled(*args, **kw)
+
+        return call
+
+    def mark_constant(fn):
+        fn._dynamo_marked_constant = True  # exactly what torch._dynamo.assume_constant_result does
+        return fn
+
+    def queue_allow_in_graph(fn):
+        _pending_allow_in_graph.append(fn)
+        return fn
+
+    finder = _HiddenFinder()
+    sys.meta_path.insert(0, finder)
+    torch.compile, torch.compiler.assume_constant_result, torch.compiler.allow_in_graph = (
+        deferred_compile, mark_constant, queue_allow_in_graph)
+    try:
+        yield
+    finally:
+        torch.compile, torch.compiler.assume_constant_result, torch.compiler.allow_in_graph = real
+        sys.meta_path.remove(finder)
