@@ -63,6 +63,8 @@ class MegatronConfig:
     virtual_pipeline_model_parallel_size: Optional[int] = None  # needs pp > 1 and layers % (pp * vpp) == 0
     context_parallel_size: int = 1  # CP: each sequence split over this many ranks (zig-zag, THD)
     sequence_parallel: bool = False  # only meaningful with tp > 1
+    expert_model_parallel_size: int = 1  # EP (MoE models only): each MoE layer's experts split over this many ranks
+    expert_tensor_parallel_size: int = 1  # ETP: 1 = every expert whole on its rank (the only value built)
     use_distributed_optimizer: bool = False  # shard optimizer state over DP (megatron's distributed optimizer)
     calculate_per_token_loss: bool = False  # megatron's loss mode; the gradient is the same in both
     timeout_s: int = 300  # process-group timeout: a stuck collective fails after this many seconds

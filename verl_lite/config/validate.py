@@ -248,7 +248,47 @@ def _check_layout(key: str, mg, world: int, workers: str, model_cfg: dict | None
     p.extend(engine_dtype_problems(f"{M}.dtype", mg.dtype))
     p.extend(transformer_override_problems(f"{M}.override_transformer_config", mg.override_transformer_config,
                                            dtype=mg.dtype))
+    if ok_par:
+        p.extend(moe_layout_problems(M, mg, world, model_cfg))
     return dp
+
+
+def moe_layout_problems(key: str, mg, world: int, model_cfg: dict | None) -> list[str]:
+    """Expert parallelism (``expert_model_parallel_size`` / ``expert_tensor_parallel_size``) and the router-loss
+    overrides of one role: EP > 1 and router-loss coefficients only for a mixture-of-experts model."""
+    from verl_lite.engine.moe import ROUTER_LOSS_KEYS
+
+    ep, etp = mg.expert_model_parallel_size, mg.expert_tensor_parallel_size
+    tp, pp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size
+    out = []
+    for name, v in (("expert_model_parallel_size", ep), ("expert_tensor_parallel_size", etp)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            out.append(f"{key}.{name}={v!r} must be an integer >= 1")
+            return out
+    if etp != 1:
+        out.append(f"{key}.expert_tensor_parallel_size={etp}: expert tensor parallelism is not built (experts are "
+                   "kept whole on their EP rank); set it to 1")
+    moe = model_cfg is not None and model_cfg.get("model_type") in ("qwen3_moe", "qwen2_moe")
+    router = {k: v for k, v in (mg.override_transformer_config or {}).items() if k in ROUTER_LOSS_KEYS}
+    if model_cfg is not None and not moe:
+        if ep > 1:
+            out.append(f"{key}.expert_model_parallel_size={ep}: the model ({model_cfg.get('model_type')}) is dense, "
+                       "it has no experts to split; set it to 1")
+        for k, v in router.items():
+            if v:
+                out.append(f"{key}.override_transformer_config.{k}={v}: the model ({model_cfg.get('model_type')}) "
+                           "is dense, it has no router; drop it")
+    if moe:
+        experts = model_cfg.get("num_experts") or model_cfg.get("num_local_experts")
+        if experts and experts % ep:
+            out.append(f"{key}.expert_model_parallel_size={ep} must divide the model's {experts} experts")
+        if world >= 1 and (world // pp) % (ep * etp):
+            out.append(f"{key}.expert_model_parallel_size x expert_tensor_parallel_size = {ep * etp} must divide "
+                       f"the {world // pp} ranks of a pipeline stage (workers / pp)")
+        if tp > 1 and not mg.sequence_parallel:
+            out.append(f"{key}: a mixture-of-experts model with tensor_model_parallel_size={tp} needs "
+                       "sequence_parallel=true (megatron's token dispatcher splits the tokens over TP)")
+    return out
 
 
 def engine_dtype_problems(key: str, value) -> list[str]:
@@ -285,7 +325,6 @@ def attention_backend_problem(key: str, value, dtype: str = "float32") -> str | 
     return None
 
 
-
 # megatron TransformerConfig fields that the engine sets itself and that cannot be overridden here
 _OVERRIDE_REJECT = {
     "num_layers_in_first_pipeline_stage": "uneven pipeline splits are not built (every stage holds layers / pp)",
@@ -305,12 +344,15 @@ _OVERRIDE_ENGINE_OWNED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_a
 def transformer_override_problems(key: str, overrides: dict, dtype: str = "float32") -> list[str]:
     """``megatron.override_transformer_config``: only megatron ``TransformerConfig`` fields the engine does
     not derive from the HF config / layout; fusions only false (the local layer spec has no fused
-    kernels); MoE fields rejected (dense models); activation recompute only where CUDA runs it."""
+    kernels); of the moe_* fields only the router-loss coefficients (the engine derives the MoE layer from
+    config.json); activation recompute only where CUDA runs it."""
     if not overrides:
         return []
     import dataclasses
 
     from megatron.core.transformer import TransformerConfig
+
+    from verl_lite.engine.moe import ROUTER_LOSS_KEYS
 
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     out = []
@@ -322,8 +364,12 @@ def transformer_override_problems(key: str, overrides: dict, dtype: str = "float
             problem = attention_backend_problem(k, value, dtype)
             if problem:
                 out.append(problem)
+        elif name in ROUTER_LOSS_KEYS:
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                out.append(f"{k}={value!r} must be a number >= 0")
         elif name.startswith("moe_"):
-            out.append(f"{k}: verl_lite builds dense Qwen2/Qwen3/Llama models only (no MoE layers); drop it")
+            out.append(f"{k}: the engine derives the MoE layer from the model's config.json (experts, top-k, shared "
+                       f"expert, routing); of the moe_* fields only {' and '.join(ROUTER_LOSS_KEYS)} can be set; drop it")
         elif name in _OVERRIDE_REJECT:
             out.append(f"{k}: {_OVERRIDE_REJECT[name]}; drop it")
         elif name in _OVERRIDE_ENGINE_OWNED:

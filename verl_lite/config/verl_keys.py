@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 MEGATRON_ONLY = "verl_lite runs megatron only: drop it, or use actor_rollout_ref.actor.megatron.* for the layout"
-DENSE_ONLY = ("verl_lite builds dense Qwen2/Qwen3/Llama models only: there are no experts to shard or route; "
-              "drop it (1 is accepted)")
+DENSE_ONLY = ("the rollout keeps a full model per worker (experts included): expert parallelism applies to the "
+              "megatron engine only (actor_rollout_ref.actor.megatron.expert_model_parallel_size); drop it "
+              "(1 is accepted)")
 NO_OFFLOAD = ("offloading params/grads/optimizer state between phases is not built: every engine keeps its "
               "state resident; drop it (false is accepted)")
 NO_LORA = "LoRA is not built: verl_lite trains every parameter; drop it"
@@ -97,15 +98,13 @@ _falsy.label, _one_or_null.label, _zero.label, _empty.label = "false", "1 / null
 _TRUE, _FALSE, _BOOL = _is(True), _falsy, _is(True, False)
 A, R, REF = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.ref"
 MEG_LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-              "context_parallel_size")
+              "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size")
 
 
 def _megatron_rules(section: str) -> list[Rule]:
     """Rules for one role's ``megatron`` section (actor, ref or critic) beyond the schema's fields."""
     s = f"{section}.megatron"
     return [
-        Rule(f"{s}.expert_model_parallel_size", "same", DENSE_ONLY, accepts=_one_or_null),
-        Rule(f"{s}.expert_tensor_parallel_size", "same", DENSE_ONLY, accepts=_one_or_null),
         Rule(f"{s}.param_offload", "same", NO_OFFLOAD, accepts=_FALSE),
         Rule(f"{s}.grad_offload", "same", NO_OFFLOAD, accepts=_FALSE),
         Rule(f"{s}.optimizer_offload", "same", NO_OFFLOAD, accepts=_FALSE),

@@ -38,6 +38,7 @@ from typing import Callable
 
 import torch
 
+from verl_lite.engine import moe
 from verl_lite.engine.config import EngineConfig
 from verl_lite.engine.packing import PackedMicroBatch, pack_micro_batch, pad_multiple, unpack_response
 
@@ -399,6 +400,7 @@ class MegatronEngine:
         from verl_lite.engine.cpu_adapter import suspended
 
         mb: _MicroBatch = next(data_iterator)
+        moe.start_micro_batch(getattr(self, "_router_step", None), mb.packed)  # MoE router losses (moe.py)
         ids = mb.packed.input_ids.to(self.device)
         with suspended():  # the forward needs no CUDA->CPU rewriting (see cpu_adapter)
             output = model(ids, None, None, packed_seq_params=self._packed_seq_params(mb.packed))
@@ -522,15 +524,17 @@ class MegatronEngine:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._reduced_token_count = None
-        store = get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, names, temperature, width, loss_func),
-            data_iterator=self._iterators(mbs),
-            model=self.model,
-            num_microbatches=n_mb,
-            seq_length=max(m.packed.num_local_tokens for m in mbs),
-            micro_batch_size=1,
-            forward_only=False,
-        )
+        with moe.train_step_router_losses(self, global_token_count, batch.lengths) as self._router_step:
+            store = get_forward_backward_func()(
+                forward_step_func=partial(self._forward_step, names, temperature, width, loss_func),
+                data_iterator=self._iterators(mbs),
+                model=self.model,
+                num_microbatches=n_mb,
+                seq_length=max(m.packed.num_local_tokens for m in mbs),
+                micro_batch_size=1,
+                forward_only=False,
+            )
+        router_step, self._router_step = self._router_step, None
         if per_token and self._reduced_token_count != global_token_count:
             raise RuntimeError(
                 f"megatron reduced {self._reduced_token_count} tokens over DP x CP but global_token_count="
@@ -543,6 +547,7 @@ class MegatronEngine:
         if not success:
             raise RuntimeError("the megatron optimizer skipped the step (inf/nan gradients)")
         result = {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": float(lr)}
+        result.update(moe.router_metrics(self, router_step))  # every rank: each MoE stage adds its layers
         if owner and self._is_last_stage:
             for d in store:
                 for k, v in d.items():

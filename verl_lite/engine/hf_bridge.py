@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from verl_lite.engine.model import _get, head_dim, unwrap_model
+from verl_lite.engine.model import _get, head_dim, num_experts, unwrap_model
 from verl_lite.engine.vocab_parallel import padded_vocab_size
 
 # ------------------------------------------------------------------------------------------
@@ -57,7 +57,59 @@ class _Entry:
     export: bool = True
 
 
-def _layer_entries(j: int, i: int, qkv_bias: bool, qk_norm: bool) -> list[_Entry]:
+@dataclass(frozen=True)
+class _MoELayout:
+    """The MoE MLP of a layer as one rank holds it: experts ``[offset, offset + num_local)`` of
+    ``num_experts`` (expert parallelism), and whether a gated shared expert exists (Qwen2-MoE)."""
+
+    num_experts: int
+    num_local: int
+    offset: int
+    shared: bool
+
+
+EXPERT_KINDS = ("expert_fc1", "expert")  # whole per expert (ETP = 1), split over EP ranks
+
+
+def _moe_mlp_entries(m: str, hf: str, moe: _MoELayout) -> list[_Entry]:
+    """Router ``mlp.router.weight`` <-> ``mlp.gate.weight``; local expert k = global expert offset + k:
+    ``experts.local_experts.k.linear_fc1`` = [gate_proj; up_proj] of ``mlp.experts.{e}``, ``linear_fc2`` =
+    its ``down_proj``; shared expert (TP-sharded like a dense MLP) and its sigmoid gate (replicated)."""
+    out = [_Entry(m + "mlp.router.weight", (hf + "mlp.gate.weight",), "replicated")]
+    for k in range(moe.num_local):
+        e = hf + f"mlp.experts.{moe.offset + k}."
+        x = m + f"mlp.experts.local_experts.{k}."
+        out.append(_Entry(x + "linear_fc1.weight", (e + "gate_proj.weight", e + "up_proj.weight"), "expert_fc1"))
+        out.append(_Entry(x + "linear_fc2.weight", (e + "down_proj.weight",), "expert"))
+    if moe.shared:
+        s, x = hf + "mlp.shared_expert.", m + "mlp.shared_experts."
+        out.append(_Entry(x + "linear_fc1.weight", (s + "gate_proj.weight", s + "up_proj.weight"), "fc1"))
+        out.append(_Entry(x + "linear_fc2.weight", (s + "down_proj.weight",), "row"))
+        out.append(_Entry(x + "gate_weight", (hf + "mlp.shared_expert_gate.weight",), "replicated"))
+    return out
+
+
+def _moe_layout(hf_config, global_view: bool = False) -> _MoELayout | None:
+    """This rank's ``_MoELayout`` (None for a dense model); ``global_view``: as if it held every expert."""
+    from verl_lite.engine.model import is_moe
+
+    if not is_moe(hf_config):
+        return None
+    n = num_experts(hf_config)
+    shared = bool(_get(hf_config, "shared_expert_intermediate_size", 0)) and _get(hf_config, "model_type") == "qwen2_moe"
+    if global_view:
+        return _MoELayout(n, n, 0, shared)
+    ep, ep_rank = _ep()
+    return _MoELayout(n, n // ep, ep_rank * (n // ep), shared)
+
+
+def _ep() -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+
+
+def _layer_entries(j: int, i: int, qkv_bias: bool, qk_norm: bool, moe: _MoELayout | None = None) -> list[_Entry]:
     m, hf = f"decoder.layers.{j}.", f"model.layers.{i}."
     a = hf + "self_attn."
     out = [
@@ -72,6 +124,10 @@ def _layer_entries(j: int, i: int, qkv_bias: bool, qk_norm: bool) -> list[_Entry
     out += [
         _Entry(m + "self_attention.linear_proj.weight", (a + "o_proj.weight",), "row"),
         _Entry(m + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), "replicated"),
+    ]
+    if moe is not None:
+        return out + _moe_mlp_entries(m, hf, moe)
+    out += [
         _Entry(m + "mlp.linear_fc1.weight", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"), "fc1"),
         _Entry(m + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), "row"),
     ]
@@ -86,7 +142,7 @@ def _chunk_entries(model, hf_config, value_head: bool) -> list[_Entry]:
     if model.pre_process:
         entries.append(_Entry("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"))
     for j, layer in enumerate(model.decoder.layers):
-        entries += _layer_entries(j, layer.layer_number - 1, cfg.add_qkv_bias, cfg.qk_layernorm)
+        entries += _layer_entries(j, layer.layer_number - 1, cfg.add_qkv_bias, cfg.qk_layernorm, _moe_layout(hf_config))
     if model.post_process:
         entries.append(_Entry("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"))
         if value_head:
@@ -154,6 +210,10 @@ def _shard(entry: _Entry, hf: list[torch.Tensor], hf_config, tp: int, r: int) ->
     if entry.kind == "fc1":
         gate, up = hf
         return torch.cat([gate.chunk(tp, dim=0)[r], up.chunk(tp, dim=0)[r]], dim=0)
+    if entry.kind == "expert_fc1":  # whole expert (ETP = 1): [gate; up]
+        return torch.cat(hf, dim=0)
+    if entry.kind == "expert":
+        return hf[0]
     raise AssertionError(entry.kind)
 
 
@@ -179,6 +239,10 @@ def _unshard(entry: _Entry, shards: list[torch.Tensor], hf_config) -> list[torch
     if entry.kind == "fc1":
         halves = [s.chunk(2, dim=0) for s in shards]
         return [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
+    if entry.kind == "expert_fc1":
+        return list(shards[0].chunk(2, dim=0))
+    if entry.kind == "expert":
+        return [shards[0]]
     raise AssertionError(entry.kind)
 
 
@@ -288,7 +352,8 @@ def hf_shapes(hf_config, value_head: bool = False) -> dict[str, tuple[int, ...]]
     ffn = _get(hf_config, "intermediate_size")
     n_heads, n_kv, hn = _qkv_heads(hf_config)
     mt = _get(hf_config, "model_type")
-    qkv_bias = mt == "qwen2" or bool(_get(hf_config, "attention_bias", False))
+    qkv_bias = mt in ("qwen2", "qwen2_moe") or bool(_get(hf_config, "attention_bias", False))
+    moe = _moe_layout(hf_config, global_view=True)
     out = {"model.embed_tokens.weight": (V, h)}
     for i in range(_get(hf_config, "num_hidden_layers")):
         p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
@@ -300,11 +365,14 @@ def hf_shapes(hf_config, value_head: bool = False) -> dict[str, tuple[int, ...]]
             out[a + "q_proj.bias"] = (n_heads * hn,)
             out[a + "k_proj.bias"] = (n_kv * hn,)
             out[a + "v_proj.bias"] = (n_kv * hn,)
-        if mt == "qwen3":
+        if mt in ("qwen3", "qwen3_moe"):
             out[a + "q_norm.weight"] = (hn,)
             out[a + "k_norm.weight"] = (hn,)
         out[a + "o_proj.weight"] = (h, n_heads * hn)
         out[p + "post_attention_layernorm.weight"] = (h,)
+        if moe is not None:
+            out.update(_moe_shapes(p, hf_config, moe))
+            continue
         out[p + "mlp.gate_proj.weight"] = (ffn, h)
         out[p + "mlp.up_proj.weight"] = (ffn, h)
         out[p + "mlp.down_proj.weight"] = (h, ffn)
@@ -314,6 +382,60 @@ def hf_shapes(hf_config, value_head: bool = False) -> dict[str, tuple[int, ...]]
     elif not _get(hf_config, "tie_word_embeddings", False):
         out["lm_head.weight"] = (V, h)
     return out
+
+
+def _moe_shapes(p: str, hf_config, moe: _MoELayout) -> dict[str, tuple[int, ...]]:
+    h = _get(hf_config, "hidden_size")
+    ffn = int(_get(hf_config, "moe_intermediate_size"))
+    out = {p + "mlp.gate.weight": (moe.num_experts, h)}
+    for e in range(moe.num_experts):
+        x = p + f"mlp.experts.{e}."
+        out[x + "gate_proj.weight"] = (ffn, h)
+        out[x + "up_proj.weight"] = (ffn, h)
+        out[x + "down_proj.weight"] = (h, ffn)
+    if moe.shared:
+        s = int(_get(hf_config, "shared_expert_intermediate_size"))
+        x = p + "mlp.shared_expert."
+        out[x + "gate_proj.weight"] = (s, h)
+        out[x + "up_proj.weight"] = (s, h)
+        out[x + "down_proj.weight"] = (h, s)
+        out[p + "mlp.shared_expert_gate.weight"] = (1, h)
+    return out
+
+
+def _expert_index(hf_name: str) -> int:
+    """``model.layers.{i}.mlp.experts.{e}.*`` -> e."""
+    return int(hf_name.split(".")[5])
+
+
+def _every_expert(owners: dict, hf_config) -> dict:
+    """For each local expert tensor name, the same name for every expert of that layer (same owner)."""
+    out = {}
+    for k, v in owners.items():
+        if ".mlp.experts." in k:
+            parts = k.split(".")
+            for e in range(num_experts(hf_config)):
+                out[".".join(parts[:5] + [str(e)] + parts[6:])] = v
+    return out
+
+
+def _export_expert(entry: _Entry, name: str, local: dict, read, shapes: dict, dtype, device, hf_config) -> list[torch.Tensor]:
+    """Full HF tensors of one expert, broadcast over the EP group from the rank that holds it."""
+    from megatron.core import parallel_state as ps
+
+    ep, _ = _ep()
+    owner = _expert_index(name) // (num_experts(hf_config) // ep)
+    if name in local:
+        shard = read(local[name][1]).contiguous()
+    elif entry.kind == "expert_fc1":
+        rows, cols = shapes[entry.hf_names[0]]
+        shard = torch.empty(2 * rows, cols, dtype=dtype, device=device)
+    else:
+        shard = torch.empty(shapes[name], dtype=dtype, device=device)
+    if ep > 1:
+        group = ps.get_expert_model_parallel_group()
+        dist.broadcast(shard, src=dist.get_global_rank(group, owner), group=group)
+    return _unshard(entry, [shard], None)
 
 
 def _dtype_of(p: torch.Tensor, attr: str) -> torch.dtype:
@@ -370,6 +492,7 @@ def export_hf(chunks, hf_config, attr: str = "param", main_params=None) -> Itera
     read = main_params if use_main else (lambda p: _tensor_of(p, attr))
     owners: dict[str, tuple[int, str]] = {
         k: (pp_rank, "torch.float32" if use_main else str(_dtype_of(p, attr))) for k, (_, p) in local.items()}
+    owners.update(_every_expert(owners, hf_config))  # this stage owns all experts of its layers (over EP)
     if pp > 1:
         gathered = [None] * pp
         dist.all_gather_object(gathered, owners, group=pp_group)
@@ -387,7 +510,9 @@ def export_hf(chunks, hf_config, attr: str = "param", main_params=None) -> Itera
         owner, dtype_str = owners[name]
         dtype = getattr(torch, dtype_str.replace("torch.", ""))
         entry = local[name][0] if name in local else _entry_for(name, hf_config, value_head)
-        if owner == pp_rank:
+        if owner == pp_rank and entry.kind in EXPERT_KINDS:  # experts: split over EP, whole per expert
+            full = _export_expert(entry, name, local, read, shapes, dtype, device, hf_config)
+        elif owner == pp_rank:
             shard = read(local[name][1]).contiguous()
             if tp > 1 and entry.kind not in ("replicated", "head"):
                 shards = [torch.empty_like(shard) for _ in range(tp)]
@@ -418,8 +543,31 @@ def _entry_for(hf_name: str, hf_config, value_head: bool) -> _Entry:
         return _Entry("output_layer.weight", (hf_name,), "head")
     i = int(hf_name.split(".")[2])
     mt = _get(hf_config, "model_type")
-    qkv_bias = mt == "qwen2" or bool(_get(hf_config, "attention_bias", False))
-    for e in _layer_entries(0, i, qkv_bias, mt == "qwen3"):
+    qkv_bias = mt in ("qwen2", "qwen2_moe") or bool(_get(hf_config, "attention_bias", False))
+    for e in _layer_entries(0, i, qkv_bias, mt in ("qwen3", "qwen3_moe"), _moe_layout(hf_config, global_view=True)):
         if e.hf_names[0] == hf_name:
             return e
     raise KeyError(hf_name)
+
+
+def fused_expert_view(targets: Mapping[str, torch.Tensor], hf_name: str) -> tuple[str, torch.Tensor] | None:
+    """Where a checkpoint-format expert tensor (``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``,
+    what ``export_hf`` yields) lives in a transformers-5 in-memory model, whose experts are fused:
+    ``mlp.experts.gate_up_proj [E, 2I, h]`` (gate rows first) and ``mlp.experts.down_proj [E, h, I]``.
+    Returns (fused parameter name, a view of its data to copy into), or None when ``hf_name`` is not such
+    a tensor or ``targets`` (a state dict) has no fused parameter for it."""
+    parts = hf_name.split(".")
+    if len(parts) != 8 or parts[3:5] != ["mlp", "experts"] or parts[7] != "weight":
+        return None
+    prefix, e, proj = ".".join(parts[:5]), int(parts[5]), parts[6]
+    if proj in ("gate_proj", "up_proj"):
+        fused = targets.get(prefix + ".gate_up_proj")
+        if fused is None:
+            return None
+        half = fused.shape[1] // 2
+        rows = slice(0, half) if proj == "gate_proj" else slice(half, 2 * half)
+        return prefix + ".gate_up_proj", fused.data[e, rows]
+    if proj == "down_proj":
+        fused = targets.get(prefix + ".down_proj")
+        return None if fused is None else (prefix + ".down_proj", fused.data[e])
+    return None

@@ -27,9 +27,22 @@ import torch.nn.functional as F
 
 from verl_lite.engine.attention import PackedCoreAttention
 from verl_lite.engine.distributed import ParallelConfig
+from verl_lite.engine import moe
+from verl_lite.engine.moe import RouterLossCoefficients
 from verl_lite.engine.vocab_parallel import padded_vocab_size
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")  # every layer sparse (decoder_sparse_step=1, no mlp_only_layers)
+
+
+def is_moe(hf_config) -> bool:
+    """Whether the HF config is a mixture-of-experts model the engine builds with megatron's MoE layer."""
+    return _get(hf_config, "model_type") in MOE_MODEL_TYPES
+
+
+def num_experts(hf_config) -> int:
+    """Routed experts per MoE layer (transformers 5 writes ``num_local_experts`` to config.json)."""
+    return int(_get(hf_config, "num_experts") or _get(hf_config, "num_local_experts"))
 
 
 # ------------------------------------------------------------------------------------------
@@ -85,8 +98,33 @@ class ValueHead(torch.nn.Module):
         return F.linear(hidden, self.weight), None
 
 
-def layer_spec(qk_layernorm: bool):
-    """megatron's local GPT layer, with ``PackedCoreAttention`` and ``RMSNorm`` (and q/k-norm when asked)."""
+def moe_mlp_spec():
+    """megatron's ``MoELayer``: ``SequentialMLP`` experts (local linears; megatron's grouped GEMM needs
+    TransformerEngine / grouped_gemm, absent on CPU), a ``SharedExpertMLP`` (built only when the config
+    has ``moe_shared_expert_intermediate_size``) and our router with the mini-batch losses (``moe.py``)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from verl_lite.engine.moe import router_class
+
+    linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    return ModuleSpec(
+        module=MoELayer,
+        submodules=MoESubmodules(
+            experts=ModuleSpec(module=SequentialMLP, submodules=linears),
+            shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=linears),
+            router=router_class(),
+        ),
+    )
+
+
+def layer_spec(qk_layernorm: bool, moe: bool = False):
+    """megatron's local GPT layer, with ``PackedCoreAttention`` and ``RMSNorm`` (and q/k-norm when asked);
+    ``moe=True``: the MLP is ``moe_mlp_spec()``."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -113,7 +151,7 @@ def layer_spec(qk_layernorm: bool):
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=RMSNorm,
-            mlp=ModuleSpec(
+            mlp=moe_mlp_spec() if moe else ModuleSpec(
                 module=MLP,
                 submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
             ),
@@ -126,7 +164,7 @@ def _block_spec(config, vp_stage):
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec(config.qk_layernorm)] * n, layer_norm=RMSNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec(config.qk_layernorm, moe=config.num_moe_experts is not None)] * n, layer_norm=RMSNorm)
 
 
 # ------------------------------------------------------------------------------------------
@@ -224,7 +262,7 @@ def transformer_config_from_hf(
         raise ValueError(f"num_attention_heads={n_heads} is not divisible by tp={tp}; choose tp dividing it")
     if n_kv % tp and tp % n_kv:
         raise ValueError(f"num_key_value_heads={n_kv} and tp={tp}: one must divide the other")
-    if _get(hf_config, "intermediate_size") % tp:
+    if not is_moe(hf_config) and _get(hf_config, "intermediate_size") % tp:
         raise ValueError(f"intermediate_size={_get(hf_config, 'intermediate_size')} is not divisible by tp={tp}")
     stages = pp * (vpp or 1)
     if n_layers % stages:
@@ -257,8 +295,8 @@ def transformer_config_from_hf(
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=(mt == "qwen2") or bool(_get(hf_config, "attention_bias", False)),
-        qk_layernorm=(mt == "qwen3"),
+        add_qkv_bias=(mt in ("qwen2", "qwen2_moe")) or bool(_get(hf_config, "attention_bias", False)),
+        qk_layernorm=(mt in ("qwen3", "qwen3_moe")),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=float(_get(hf_config, "initializer_range", 0.02)),
@@ -286,8 +324,64 @@ def transformer_config_from_hf(
     )
     if vpp is not None:
         kw.update(overlap_p2p_comm=True, batch_p2p_comm=False)
+    overrides = dict(overrides)
+    router_loss = RouterLossCoefficients.pop_from(overrides)  # our router owns these, not megatron
+    if is_moe(hf_config):
+        kw.update(moe_settings(hf_config, parallel))
     kw.update(overrides)
-    return TransformerConfig(**kw)
+    config = TransformerConfig(**kw)
+    config.router_loss = router_loss  # read by moe.RouterWithMiniBatchLosses
+    return config
+
+
+def moe_settings(hf_config, parallel: ParallelConfig) -> dict:
+    """``TransformerConfig`` keywords of an HF Qwen3-MoE / Qwen2-MoE config under ``parallel``.
+
+    Routing as HF: softmax over all experts, top-k; Qwen3 (``norm_topk_prob=True``) renormalises
+    the k weights = megatron's softmax over the top-k logits (``moe_router_pre_softmax=False``);
+    Qwen2-MoE (``norm_topk_prob=False``) keeps the raw softmax weights (``pre_softmax=True``) and adds
+    the shared expert scaled by sigmoid(shared_expert_gate) (``moe_shared_expert_gate``). Megatron's
+    own aux/z losses are off: ``moe.py`` owns them. No token dropping; ``alltoall`` dispatch.
+    """
+    mt = model_type(hf_config)
+    n_exp = num_experts(hf_config)
+    ffn = int(_get(hf_config, "moe_intermediate_size"))
+    if int(_get(hf_config, "decoder_sparse_step", 1) or 1) != 1 or list(_get(hf_config, "mlp_only_layers", []) or []):
+        raise ValueError(
+            f"{mt}: decoder_sparse_step != 1 or mlp_only_layers (dense layers between MoE layers) is not supported; "
+            "every layer must be sparse"
+        )
+    if n_exp % parallel.ep:
+        raise ValueError(f"num_experts={n_exp} is not divisible by expert_model_parallel_size={parallel.ep}")
+    if ffn % parallel.etp:
+        raise ValueError(f"moe_intermediate_size={ffn} is not divisible by expert_tensor_parallel_size={parallel.etp}")
+    if parallel.tp > 1 and not parallel.sequence_parallel:
+        raise ValueError(
+            f"a mixture-of-experts model with tp={parallel.tp} needs sequence_parallel=True (megatron's token "
+            "dispatcher splits the tokens over TP); set actor_rollout_ref.actor.megatron.sequence_parallel=True"
+        )
+    shared = int(_get(hf_config, "shared_expert_intermediate_size", 0) or 0) if mt == "qwen2_moe" else 0
+    if shared % parallel.tp:
+        raise ValueError(f"shared_expert_intermediate_size={shared} is not divisible by tp={parallel.tp}")
+    return dict(
+        num_moe_experts=n_exp,
+        moe_ffn_hidden_size=ffn,
+        moe_router_topk=int(_get(hf_config, "num_experts_per_tok")),
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not bool(_get(hf_config, "norm_topk_prob", False)),
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_z_loss_coeff=None,
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        moe_token_dispatcher_type="alltoall",
+        moe_shared_expert_intermediate_size=shared or None,
+        moe_shared_expert_gate=bool(shared),
+        moe_shared_expert_overlap=False,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.etp,
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -315,6 +409,7 @@ def build_model_chunks(hf_config, tf_config, value_head: bool = False) -> list:
 
     cpu_adapter.install()  # no-op on GPU or when init_distributed already did it (RoPE needs it on CPU)
     GPTModel = _gpt_model_class()
+    moe.prepare_host_dispatch()
     vpp = tf_config.virtual_pipeline_model_parallel_size
     tied = bool(_get(hf_config, "tie_word_embeddings", False)) and not value_head
     chunks = []
@@ -336,6 +431,7 @@ def build_model_chunks(hf_config, tf_config, value_head: bool = False) -> list:
             vp_stage=vp_stage,
         )
         model.is_value_model = value_head  # read by hf_bridge on every stage
+        moe.make_dispatchers_host_safe(model)
         if post and value_head:
             model.output_layer = ValueHead(tf_config, tf_config.hidden_size)
             model.output_layer.weight.is_embedding_or_output_parameter = True
@@ -350,3 +446,4 @@ def unwrap_model(chunk):
     while hasattr(chunk, "module"):
         chunk = chunk.module
     return chunk
+

@@ -245,7 +245,8 @@ def prepare_host_dispatch() -> None:
 
 def make_dispatchers_host_safe(model) -> None:
     """After building on a CPU-only torch: the alltoall dispatchers' copy-to-host + stream synchronise step
-    is skipped (their split tensors are already on the host and no stream exists). No-op with CUDA."""
+    runs without streams (``_HostDtoH``: the split sizes become numpy arrays, as megatron's copy makes
+    them; there is nothing to copy or wait for). No-op with CUDA."""
     if torch.cuda.is_available():
         return
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
@@ -253,14 +254,28 @@ def make_dispatchers_host_safe(model) -> None:
     for module in model.modules():
         dispatcher = getattr(module, "token_dispatcher", None)
         if isinstance(dispatcher, MoEAlltoAllTokenDispatcher):
-            dispatcher._maybe_dtoh_and_synchronize = _host_dtoh_and_synchronize
+            dispatcher._maybe_dtoh_and_synchronize = _HostDtoH(dispatcher)
 
 
 _NO_STREAM = object()  # placeholder for megatron's class-level DtoH stream on a CPU-only torch
 
 
-def _host_dtoh_and_synchronize(point: str, tokens_per_expert=None):
-    return tokens_per_expert
+class _HostDtoH:
+    """megatron's ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` for host tensors: at the
+    dispatcher's DtoH point the split sizes are turned into numpy arrays (what ``all_to_all`` expects),
+    without streams or events."""
+
+    def __init__(self, dispatcher):
+        self.dispatcher = dispatcher
+
+    def __call__(self, point: str, tokens_per_expert=None):
+        d = self.dispatcher
+        if not d.drop_and_pad and point == d.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(d, name, None)
+                if torch.is_tensor(value):
+                    setattr(d, name, value.numpy())
+        return tokens_per_expert
 
 
 _ROUTER_CLASS = None

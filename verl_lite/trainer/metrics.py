@@ -59,13 +59,15 @@ def mean_dicts(dicts: list[dict]) -> dict[str, float]:
 
 def merge_owner_steps(owners: list[list[dict]]) -> list[dict]:
     """Owners' results ``[dp][step]`` -> one dict per optimizer step: loss metrics summed over the
-    DP owners (each is that rank's share of the mini-batch value), grad norm and lr from DP rank 0
+    DP owners (each is that rank's share of the mini-batch value), grad norm, lr and the MoE
+    router-loss metrics (``router_*``: the engine reduces them over the whole role) from DP rank 0
     (the same on every rank)."""
     merged = []
     for step in range(len(owners[0])):
         per_dp = [owners[d][step] for d in range(len(owners))]
-        loss_metrics = sum_dicts([{k: v for k, v in r.items() if k not in ("grad_norm", "lr")} for r in per_dp])
-        merged.append({**loss_metrics, "grad_norm": per_dp[0]["grad_norm"], "lr": per_dp[0]["lr"]})
+        same = [k for k in per_dp[0] if k in ("grad_norm", "lr") or k.startswith("router_")]
+        loss_metrics = sum_dicts([{k: v for k, v in r.items() if k not in same} for r in per_dp])
+        merged.append({**loss_metrics, **{k: per_dp[0][k] for k in same}})
     return merged
 
 

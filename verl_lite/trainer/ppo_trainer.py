@@ -78,6 +78,8 @@ def _engine_fields(model_path: str, mg, opt, total_steps: int, seed: int, model=
         vpp=mg.virtual_pipeline_model_parallel_size,
         cp=mg.context_parallel_size,
         sequence_parallel=mg.sequence_parallel,
+        ep=mg.expert_model_parallel_size,
+        etp=mg.expert_tensor_parallel_size,
         timeout_s=mg.timeout_s,
         optim=dict(lr=opt.lr, weight_decay=opt.weight_decay, clip_grad=opt.clip_grad, betas=tuple(opt.betas),
                    lr_warmup_steps=opt.lr_warmup_steps, lr_decay_style=opt.lr_decay_style, min_lr=opt.min_lr,
