@@ -50,6 +50,7 @@ MOE_LAYOUTS = {
     "moe_ep2_dp2_cp2_pp2": (8, dict(cp=2, pp=2, ep=2), "qwen3_moe"),
     "moe_qwen2_ep2_tp2": (4, dict(tp=2, sequence_parallel=True, ep=2), "qwen2_moe"),
 }
+TOGGLE_CELLS = {("token-mean", "three"), ("seq-mean-token-mean", "budget")}
 MATRIX = [n for n in MOE_LAYOUTS if n not in ("moe_single", "moe_qwen2_ep2_tp2")]
 
 
@@ -127,7 +128,7 @@ def reference_router_loss(model, prob) -> tuple[torch.Tensor, float, float]:
             aux_terms.append(aux_s * n_s / n_total)
     z, aux = torch.stack(z_terms).sum(), torch.stack(aux_terms).sum()
     layers = model.config.num_hidden_layers
-    return Z_COEFF * z + AUX_COEFF * aux, float(z) / layers, float(aux) / layers
+    return Z_COEFF * z + AUX_COEFF * aux, float(z.detach()) / layers, float(aux.detach()) / layers
 
 
 def moe_reference_step(prob, loss: str, mode: str, old_lp: torch.Tensor) -> dict:
@@ -196,7 +197,7 @@ def _worker_body(rank, world, port, layout, cell_dicts, problem_path, refs_path,
                 "advantages": prob["advantages"].float()}
     state = {k: v.float() for k, v in refs[(H.LOSSES[0], H.MODES[0])]["params_before"].items()}
     cells = [H.Cell(**c) for c in cell_dicts]
-    results: dict = {"cells": {}, "timeline": {"init": time.perf_counter() - t_start}}
+    results: dict = {"cells": {}, "grads": {}, "timeline": {"init": time.perf_counter() - t_start}}
     # the expert groups (megatron creates the expert-DP gloo groups without a timeout) carry ours
     results["expert_group_timeouts_s"] = [
         g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
@@ -228,7 +229,18 @@ def _worker_body(rank, world, port, layout, cell_dicts, problem_path, refs_path,
                               cfg=H.loss_cfg(cell.loss, cell.mode))
             out = engine.train_step(batch, mbs, loss_fn, temperature=H.TEMPERATURE, global_token_count=sum(lengths))
             ref = refs[(cell.loss, cell.mode)]
-            grads = H._compare(engine.export_hf("main_grad"), ref["grads_clipped"])
+            kept: list[torch.Tensor] = []  # the gradient itself, for the per-token toggle test
+            keep = rank == 0 and (cell.mode, cell.mb) in TOGGLE_CELLS
+
+            def stream(it):
+                for name, t in it:
+                    if keep:
+                        kept.append(t.double().reshape(-1).clone())
+                    yield name, t
+
+            grads = H._compare(stream(engine.export_hf("main_grad")), ref["grads_clipped"])
+            if keep:
+                results["grads"][cell.key] = torch.cat(kept).tolist()
             upd = H._compare(engine.export_hf("param"), ref["params_after"], base=ref["params_before"])
             gathered = [None] * world
             dist.all_gather_object(gathered, (out.get("loss") if engine.is_output_owner else None, out.get("router_loss")))
@@ -326,3 +338,20 @@ def test_matrix_layouts_run_the_full_product():
     assert len(full) == 2 * 5 * 2 * 3
     for layout in MATRIX:
         assert {c.key for c in cells_for(layout)} == full, layout
+
+
+@pytest.mark.parametrize("layout", ["moe_ep2_dp2_cp2_pp2", "moe_ep2_tp2"])
+def test_per_token_mode_toggle_keeps_router_loss_gradient(layout, moe_problems):
+    """verl #6609: with aux and z coefficients > 0, switching calculate_per_token_loss must change neither
+    the gradient (every parameter, experts and router included) nor the grad norm beyond float noise."""
+    res = moe_results(layout, moe_problems)
+    pairs = 0
+    for key, g0 in res["grads"].items():
+        if "pt=0" not in key:
+            continue
+        g0, g1 = torch.tensor(g0), torch.tensor(res["grads"][key.replace("pt=0", "pt=1")])
+        assert (g0 - g1).norm() <= 1e-6 * g0.norm(), f"{key}: per-token toggle moves the gradient by {(g0 - g1).norm() / g0.norm():.2e}"
+        n0, n1 = res["cells"][key]["grad_norm"], res["cells"][key.replace("pt=0", "pt=1")]["grad_norm"]
+        assert abs(n0 - n1) <= 1e-6 * n0, f"{key}: grad norm {n0} vs {n1}"
+        pairs += 1
+    assert pairs == len(H.LOSSES) * len(TOGGLE_CELLS)
