@@ -32,14 +32,15 @@ def test_padding_rule(divisible_by):
     from verl_lite.engine.vocab_parallel import padded_vocab_size
 
     for vocab in (1, 127, 128, 151665, 151669, 151936, 152064, 128255, 128256):
-        for tp in (1, 2, 3, 4, 6, 8):
-            multiple = divisible_by * tp
+        for tp in (1, 2, 3, 4, 6, 7, 8, 16):
             got = padded_vocab_size(vocab, tp, divisible_by)
-            assert got == math.ceil(vocab / multiple) * multiple, (vocab, tp)
-            assert got % multiple == 0 and vocab <= got < vocab + multiple, (vocab, tp)
-    # megatron's example: GPT-2's 50257 at TP1 with 128 -> 50304
-    assert padded_vocab_size(50257, 1, 128) == 50304
-    assert padded_vocab_size(151936, 2) == 151936  # the default pads only where TP does not divide V
+            assert got % tp == 0 and got % divisible_by == 0, (vocab, tp)  # equal TP slices, megatron's alignment
+            assert vocab <= got < vocab + math.lcm(divisible_by, tp), (vocab, tp)  # the least such size
+        # every power-of-two TP up to divisible_by builds the same size: checkpoints reshard between them
+        sizes = {padded_vocab_size(vocab, tp, divisible_by) for tp in (1, 2, 4, 8, 16, 32, 64, 128) if tp <= divisible_by}
+        assert len(sizes) == 1, (vocab, sizes)
+    assert padded_vocab_size(50257, 1, 128) == 50304  # megatron's GPT-2 example
+    assert padded_vocab_size(151936, 8) == 151936 and padded_vocab_size(151665, 2) == 151680
 
 
 @pytest.mark.parametrize("args", [(0, 2), (128, 0), (128, 2, 0)])
@@ -85,8 +86,8 @@ def test_bridge_pads_on_load_and_strips_on_export_at_tp3():
     full = torch.randn(10, 4)
     entry = _Entry("output_layer.weight", ("lm_head.weight",), "vocab")
     shards = [_shard(entry, [full], cfg, 3, r) for r in range(3)]
-    assert [tuple(s.shape) for s in shards] == [(4, 4)] * 3  # Vp = 12
-    assert torch.equal(torch.cat(shards)[:10], full) and (shards[2][2:] == 0).all()
+    assert [tuple(s.shape) for s in shards] == [(128, 4)] * 3  # Vp = lcm(128, 3) = 384
+    assert torch.equal(torch.cat(shards)[:10], full) and (torch.cat(shards)[10:] == 0).all()
     (back,) = _unshard(entry, shards, cfg)
     assert torch.equal(back, full)
     with pytest.raises(ValueError, match="has 9 rows, the config's vocab_size is 10"):

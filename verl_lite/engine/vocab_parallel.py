@@ -2,8 +2,8 @@
 
 The LM head is a megatron ``ColumnParallelLinear`` with ``parallel_output=True``: TP rank r holds
 logits for the vocabulary slice ``[r*Vp/tp, (r+1)*Vp/tp)`` of the *padded* vocabulary
-``Vp = padded_vocab_size(V, tp)`` (the one padding rule of the engine, used by the model and the HF
-bridge). Both functions take that local slice, ``[..., Vp/tp]``, and the true vocabulary size ``V``;
+``Vp = padded_vocab_size(V, tp)`` (the one padding rule of the engine, used by the model, the HF
+bridge and checkpoints). Both functions take that local slice, ``[..., Vp/tp]``, and the true vocabulary size ``V``;
 the padded columns (global index >= V) are masked out of every softmax, so they never enter a
 log-prob, an entropy or a gradient (their gradient is exactly 0). They return per-token values
 ``[...]``, identical on every TP rank, in float32 (float64 for float64 input).
@@ -13,22 +13,29 @@ contributions to the hidden states over TP.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
 
-# megatron's ``--make-vocab-size-divisible-by`` (its default is 128). 1 here: the vocabulary is padded
-# only when TP does not divide it, so a checkpoint of a model whose vocabulary TP divides has the
-# same shapes in every TP layout (and the LM head computes no padded columns).
-MAKE_VOCAB_SIZE_DIVISIBLE_BY = 1
+# megatron's ``--make-vocab-size-divisible-by`` (its default, 128).
+MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY) -> int:
     """The vocabulary size the engine builds: ``vocab_size`` rounded up to a multiple of
-    ``divisible_by * tp`` (megatron's rule), so every TP rank holds the same number of rows."""
+    ``lcm(divisible_by, tp)``, so every TP rank holds the same number of rows.
+
+    megatron rounds up to a multiple of ``divisible_by * tp``, which gives every TP layout its own
+    padded size. The lcm is the same for every power-of-two TP up to ``divisible_by``, so the padded
+    size, and with it every checkpoint shape, is the same at TP 1, 2, 4, ..., 128 (checkpoints reshard
+    between them), and a vocabulary that is a multiple of 128 (every shipped config's) is never
+    padded at those TPs. Other TPs (3, 7, ...) may pad further.
+    """
     if vocab_size < 1 or tp < 1 or divisible_by < 1:
         raise ValueError(f"padded_vocab_size: vocab_size={vocab_size}, tp={tp}, divisible_by={divisible_by} must be >= 1")
-    multiple = divisible_by * tp
+    multiple = math.lcm(divisible_by, tp)
     return -(-vocab_size // multiple) * multiple
 
 
