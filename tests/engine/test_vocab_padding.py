@@ -243,3 +243,25 @@ def test_export_strips_the_padding_and_training_never_touches_it(launch):
         assert r["real_rows_changed"], f"rank {rank}: the training step changed nothing"
         if rank == 1:
             assert r["padded_row_untouched"], "the padded LM-head row changed in a training step"
+
+
+def _fake_engine(vocab: int, tp: int):
+    """What ``checkpoint._describe`` reads from an engine."""
+    from types import SimpleNamespace
+
+    hf = SimpleNamespace(model_type="qwen2", vocab_size=vocab, hidden_size=64, num_hidden_layers=2,
+                         num_attention_heads=6, num_key_value_heads=6, intermediate_size=96, tie_word_embeddings=False)
+    cfg = SimpleNamespace(value_head=False, params_dtype="float32", optim=SimpleNamespace(use_distributed_optimizer=False))
+    return SimpleNamespace(hf_config=hf, tp=tp, pp=1, vpp=1, cp=1, dp=1, cfg=cfg, optimizer=None)
+
+
+def test_checkpoint_refuses_a_change_of_the_padded_size_and_names_the_tps_that_fit():
+    from verl_lite.engine.checkpoint import CheckpointLayoutError, _describe, check_compatible
+
+    saved = _describe(_fake_engine(151665, 2))  # padded to 151680
+    assert saved["padded_vocab_size"] == 151680
+    for tp in (1, 4, 8):  # power-of-two TPs build the same rows: resharding is allowed
+        check_compatible(_fake_engine(151665, tp), saved)
+    check_compatible(_fake_engine(151665, 3), saved)  # lcm(128, 3) = 384 divides 151680 too
+    with pytest.raises(CheckpointLayoutError, match=r"151680 rows .*tp=2.* builds 152320 \(tp=7\).*tp in \[1, 2, 3, 4"):
+        check_compatible(_fake_engine(151665, 7), saved)

@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from verl_lite.engine.vocab_parallel import padded_vocab_size
+
 # Reshardable in TP, PP, VPP, CP and DP, and readable by the regular optimizer.
 SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 FORMAT_FILE = "verl_lite_engine.json"
@@ -263,6 +265,7 @@ def _describe(engine) -> dict:
         "with_optimizer": engine.optimizer is not None,
         "use_distributed_optimizer": bool(engine.optimizer is not None and engine.cfg.optim.use_distributed_optimizer),
         "params_dtype": engine.cfg.params_dtype,
+        "padded_vocab_size": padded_vocab_size(hf.vocab_size, engine.tp),
         "model": {k: getattr(hf, k, None) for k in (
             "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "intermediate_size", "tie_word_embeddings")},
@@ -302,6 +305,22 @@ def read_engine_description(directory: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
+def _check_padded_vocab(saved: dict, here: dict) -> None:
+    """The embedding / LM-head row count (``padded_vocab_size``) must not change: megatron reshards a
+    tensor over TP but cannot change its global shape. The same at every power-of-two TP."""
+    saved_rows = saved.get("padded_vocab_size", saved["model"].get("vocab_size"))  # before padding: unpadded
+    if saved_rows == here["padded_vocab_size"]:
+        return
+    vocab = here["model"]["vocab_size"]
+    fits = [t for t in range(1, 129) if padded_vocab_size(vocab, t) == saved_rows]
+    raise CheckpointLayoutError(
+        f"the checkpoint's embedding and LM head have {saved_rows} rows (vocab_size={vocab} padded at "
+        f"tp={saved['layout']['tp']}) and this engine builds {here['padded_vocab_size']} (tp={here['layout']['tp']}): "
+        f"megatron cannot reshard a vocabulary padded to another size; load it at a TP that pads to {saved_rows} "
+        f"rows ({'tp in ' + str(fits[:8]) if fits else 'none does'}), or export the weights in the saved layout "
+        f"and start from them")
+
+
 def check_compatible(engine, saved: dict) -> None:
     """Raise :class:`CheckpointLayoutError` for a change resharding cannot do (the parallel layout may change)."""
     here = _describe(engine)
@@ -312,6 +331,7 @@ def check_compatible(engine, saved: dict) -> None:
     if diffs:
         raise CheckpointLayoutError("the checkpoint holds a different model architecture (not a layout change): "
                                     + "; ".join(diffs))
+    _check_padded_vocab(saved, here)
     if saved["value_head"] != here["value_head"]:
         kind = {True: "a critic (value head)", False: "an LM (policy)"}
         raise CheckpointLayoutError(f"the checkpoint holds {kind[saved['value_head']]} but this engine is "
