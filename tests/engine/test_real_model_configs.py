@@ -251,14 +251,30 @@ TP_OVER_KV = ["Qwen2.5-1.5B", "Qwen2.5-3B"]
 PLAN_4 = [("Qwen2.5-1.5B", [TP4], [TP4]), ("Qwen2.5-3B", [TP4], []), ("Qwen3-0.6B", [], [TP2_PP2])]
 
 
+def _print_worst(results, world):
+    worst = {}
+    for res in results:
+        for r in res.values():
+            for k in ("lp_err", "ent_err"):
+                if k in r:
+                    worst[k] = max(worst.get(k, 0.0), r[k])
+            if "unmasked_lp_err" in r:
+                worst["unmasked_lp_err (min)"] = min(worst.get("unmasked_lp_err (min)", 1e9), r["unmasked_lp_err"])
+    print(f"\n{world} ranks, worst:", {k: f"{v:.1e}" for k, v in sorted(worst.items())})
+
+
 @pytest.fixture(scope="module")
 def two_ranks():
-    return spawn_ranks(_run, 2, PLAN_2, timeout_s=300.0)
+    results = spawn_ranks(_run, 2, PLAN_2, timeout_s=300.0)
+    _print_worst(results, 2)
+    return results
 
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    return spawn_ranks(_run, 4, PLAN_4, timeout_s=300.0)
+    results = spawn_ranks(_run, 4, PLAN_4, timeout_s=300.0)
+    _print_worst(results, 4)
+    return results
 
 
 def _results(request, model: str) -> list[tuple[int, tuple, dict]]:
