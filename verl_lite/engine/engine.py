@@ -27,6 +27,13 @@ so the final gradient is exactly grad L:
 
 No denominator is computed by a collective; loss metrics are returned on output owners only
 (last PP stage, TP rank 0, CP rank 0).
+
+Precision (``EngineConfig.params_dtype``). float32: the chunks as built. bfloat16: megatron's mixed
+precision: every chunk in a ``Float16Module`` (bf16 weights and activations, the last stage's
+output cast to fp32, so log-probs/entropy/values and the loss are fp32), DDP accumulating and
+reducing gradients in fp32, megatron's mixed-precision optimizer keeping fp32 main parameters
+(sharded over DP x CP with the distributed optimizer). ``load_hf`` writes the HF weights unrounded
+into the main parameters; ``export_hf`` of a trainable bf16 engine streams them (float32).
 """
 
 from __future__ import annotations
