@@ -8,7 +8,7 @@
   ``pre_process``/``post_process``; ``value_head=True`` swaps the LM head for a replicated
   ``[1, hidden]`` projection (a critic).
 - Vocabulary: the embedding and the LM head have ``padded_vocab_size(V, tp)`` rows (``vocab_parallel``;
-  padded only when TP does not divide V); the HF bridge zero-fills the padded rows on load and strips
+  a multiple of lcm(128, tp)); the HF bridge zero-fills the padded rows on load and strips
   them on export, and ``vocab_parallel`` masks their logits out of every log-prob and entropy.
 
 The chunks are plain megatron modules: wrap them in megatron DDP for training. Their forward is
