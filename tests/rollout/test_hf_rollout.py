@@ -1,4 +1,5 @@
 """HFRollout: shapes and order, EOS stop, seed determinism, layout independence of batched sampling,
+shared prefill and stopped-row dropping vs the plain loop,
 Gumbel-max draws vs the softmax they sample, log-probs vs an independent recompute, weight sync."""
 
 from types import SimpleNamespace
@@ -140,6 +141,26 @@ def test_samples_do_not_depend_on_layout_or_batch_composition(model_dir, tok):
     # a prompt's samples change with its seed
     moved = r.generate(prompts[:1], n=n, seeds=[seeds[0] + 1], **kw)
     assert [o["response_ids"] for o in moved] != [o["response_ids"] for o in one[0]]
+
+
+def test_shared_prefill_and_dropping_stopped_rows_change_no_sample(model_dir, tok, monkeypatch):
+    """One prefill per prompt (its n samples copy the KV cache) and stopped rows leaving the batch give
+    the same tokens and log-probs as the plain loop: prompts repeated n times, stopped rows kept and masked."""
+    from transformers import DynamicCache
+
+    r = HFRollout(model_dir, tok)
+    prompts = _varied_prompts(tok)
+    seeds = [7 + 3 * p for p in range(len(prompts))]
+    kw = dict(do_sample=True, temperature=1.0, top_k=-1, top_p=1.0, max_new_tokens=10)
+    fast = r.generate(prompts, n=4, seeds=seeds, **kw)
+    lengths = {len(o["response_ids"]) for o in fast}
+    assert min(lengths) < max(lengths) == 10, "some rows must stop before others for the test to cover dropping them"
+    monkeypatch.setattr(DynamicCache, "batch_repeat_interleave", None)
+    monkeypatch.setattr(DynamicCache, "batch_select_indices", None)
+    plain = r.generate(prompts, n=4, seeds=seeds, **kw)
+    assert [o["response_ids"] for o in fast] == [o["response_ids"] for o in plain]
+    for a, b in zip(fast, plain):
+        torch.testing.assert_close(a["log_probs"], b["log_probs"], atol=1e-5, rtol=0)
 
 
 def test_counter_uniform_is_a_function_of_its_key_only():

@@ -23,8 +23,8 @@ With ``seeds`` (one per prompt) sample k of prompt p is keyed (seeds[p], k); wit
 softmax(filtered logits / T). (The logits themselves come from a batched forward; batched and
 single-row float kernels agree to ~1e-6, so a different batch can flip a draw only where two
 perturbed logits tie to that precision.) A call leaves the global RNG alone. Generation stops
-per sequence at EOS and for the batch when every sequence has stopped or max_new_tokens is
-reached.
+per sequence at EOS (a stopped sequence leaves the batch and its KV cache) and for the batch when
+every sequence has stopped or max_new_tokens is reached.
 """
 
 from __future__ import annotations
@@ -223,25 +223,33 @@ class HFRollout:
 
         tokens = torch.full((b, max_new_tokens), self.pad_token_id, dtype=torch.long, device=self.device)
         logps = torch.zeros((b, max_new_tokens), dtype=torch.float32, device=self.device)
-        alive = torch.ones(b, dtype=torch.bool, device=self.device)
         lengths = torch.zeros(b, dtype=torch.long, device=self.device)
         attn = torch.cat([attn, attn.new_zeros((b, max_new_tokens))], dim=1)  # filled in as tokens are kept
         width = ids.shape[1]
+        # the rows still generating (indices into the call's rows): a row that stops leaves the batch
+        # and its KV cache (``Cache.batch_select_indices``); a cache without it keeps the row, masked
+        rows = torch.arange(b, device=self.device)
+        alive = torch.ones(b, dtype=torch.bool, device=self.device)
+        compact = callable(getattr(past, "batch_select_indices", None))
         for t in range(max_new_tokens):
             scaled = logits.float() / scale
             logp_full = torch.log_softmax(scaled, dim=-1)
             if do_sample:
-                u = counter_uniform(row_seeds, row_samples, t, scaled.shape[-1])
+                u = counter_uniform(row_seeds[rows], row_samples[rows], t, scaled.shape[-1])
                 nxt = gumbel_max_sample(_filter_top_k_top_p(scaled, top_k, top_p), u)
             else:
                 nxt = scaled.argmax(dim=-1)
             nxt = torch.where(alive, nxt, torch.full_like(nxt, self.pad_token_id))
-            tokens[:, t] = nxt
-            logps[:, t] = logp_full.gather(-1, nxt[:, None]).squeeze(-1)
-            lengths += alive.long()
+            tokens[rows, t] = nxt
+            logps[rows, t] = logp_full.gather(-1, nxt[:, None]).squeeze(-1)
+            lengths[rows] += alive.long()
             alive = alive & (nxt != self.eos_token_id)
             if t + 1 == max_new_tokens or not bool(alive.any()):
                 break
+            if compact and not bool(alive.all()):
+                keep = alive.nonzero().squeeze(-1)
+                past.batch_select_indices(keep)
+                rows, nxt, attn, next_pos, alive = rows[keep], nxt[keep], attn[keep], next_pos[keep], alive[keep]
             attn[:, width + t] = alive.long()
             out = self.model(input_ids=nxt[:, None], attention_mask=attn[:, : width + t + 1], position_ids=next_pos,
                              use_cache=True, **{self._cache_kw: past})
