@@ -10,6 +10,7 @@ Run (the project's interpreter; TRL runs in a subprocess with --trl-python):
 
     .venv/bin/python bench/rl_step_vs_trl.py [--pairs 3] [--steps 3] [--warmup 1]
         [--configs 8x12 16x12 4x12 8x48] [--trl-python /tmp/trl-venv/bin/python] [--threads 2]
+        [--max-load 1.0] [--settle-s 60]
 
 The same work on both sides: the shipped tiny model (verl_lite/assets/tiny-addition) and its
 chat template, the built-in synthetic-addition prompts, the same exact-match reward
@@ -23,11 +24,13 @@ no KL, one optimizer step per RL step over all 16 x n trajectories in one micro-
 - TRL: ``GRPOTrainer.train`` with HF ``generate``; per-stage times by wrapping its
   ``_generate`` / ``_calculate_rewards`` / ``_generate_and_score_completions`` methods.
 
-Each side runs in a fresh process per pair; start-up = process start until the trainer is ready
-to step, imports included, for the FIRST config of the run (later configs re-build the trainer in
+Each side runs in a fresh process per pair; start-up = process start (the interpreter's own, read
+from /proc) until the first RL step starts, imports included, for the FIRST config of the run (later configs re-build the trainer in
 the same process: verl_lite restarts Ray and its workers, TRL only builds the trainer). Pairs alternate the order (verl_lite first, then TRL first, ...).
-Printed: per-stage median seconds, start-up, the per-config min and median over pairs of the
-verl_lite / TRL median-step-time ratio, the 1-min load average during each pair, and the
+Printed: per-stage median seconds, start-up (and verl_lite's by phase: imports, config, trainer
+init, ray.init, roles, fit until the first step), the per-config min and median over pairs of the
+verl_lite / TRL median-step-time ratio, the 1-min load average during each pair (a pair waits up
+to ``--settle-s`` for it to fall to ``--max-load`` and says when it did not), and the
 fraction of this machine's measured fp32 GEMM peak each side reaches (model FLOPs: 2 x matmul
 params per generated/prefilled token + 6 x per trained token, attention scores ignored).
 """
@@ -36,7 +39,21 @@ from __future__ import annotations
 
 import time
 
-T_PROCESS_START = time.perf_counter()
+
+def _seconds_since_process_start() -> float:
+    """Wall seconds since this process started (Linux /proc, ~10 ms; elsewhere 0: the clock then starts here)."""
+    import os
+
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+T_PROCESS_START = time.perf_counter() - _seconds_since_process_start()  # the interpreter's own start-up included
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -73,11 +90,26 @@ def _score_addition():
 # ====================================================================== verl_lite side
 def run_verl(configs, steps: int, warmup: int) -> list[dict]:
     from verl_lite.config import load_config
+    from verl_lite.trainer import ppo_trainer
     from verl_lite.trainer.ppo_trainer import PPOTrainer
+
+    t_imported = time.perf_counter()
+    start_ray, ray_s = ppo_trainer.start_ray, []
+
+    def timed_start_ray(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return start_ray(*a, **kw)
+        finally:
+            ray_s.append(time.perf_counter() - t)
+
+    ppo_trainer.start_ray = timed_start_ray  # the trainer's own call, timed
 
     results = []
     for n, length in configs:
         t_begin = T_PROCESS_START if not results else time.perf_counter()
+        phases = {"imports": t_imported - T_PROCESS_START} if not results else {}
+        t_phase = time.perf_counter()
         trajectories = PROMPTS_PER_STEP * n
         cfg = load_config([
             f"data.train_batch_size={PROMPTS_PER_STEP}",
@@ -95,16 +127,26 @@ def run_verl(configs, steps: int, warmup: int) -> list[dict]:
             "trainer.test_freq=0",
             "trainer.val_before_train=false",
         ])
+        phases["load_config"] = time.perf_counter() - t_phase
+        t_phase = time.perf_counter()
         trainer = PPOTrainer(cfg)
+        phases["trainer_init (tokenizer, data, reward, preflight)"] = time.perf_counter() - t_phase
+        t_phase = time.perf_counter()
+        trainer.start()  # what fit() does first (it then finds the workers started)
+        phases["ray_init"] = ray_s[-1]
+        phases["roles (workers, engines, rollout)"] = time.perf_counter() - t_phase - ray_s[-1]
+        t_phase = time.perf_counter()
         records, stamps = [], []
         trainer.fit(on_step=lambda r: (records.append(r), stamps.append(time.perf_counter())))
         first_step_s = records[0]["timing_s/step"]
         startup = stamps[0] - first_step_s - t_begin
+        phases["fit until the first step (run dir, trackers)"] = stamps[0] - first_step_s - t_phase
         measured = records[warmup:]
         stages = sorted({k[len("timing_s/"):] for r in measured for k in r if k.startswith("timing_s/")})
         results.append({
             "config": [n, length],
             "startup_s": startup,
+            "startup_phases_s": phases,
             "first_step_s": first_step_s,
             "step_s": [r["timing_s/step"] for r in measured],
             "stages": {s: statistics.median(r.get(f"timing_s/{s}", 0.0) for r in measured) for s in stages},
@@ -242,6 +284,24 @@ def mean_prompt_length() -> float:
     return statistics.mean(lens)
 
 
+def wait_for_load(max_load: float, settle_s: float, poll_s: float = 5.0) -> float:
+    """The 1-min load average once it is <= ``max_load``, or after ``settle_s`` seconds (then said so)."""
+    load, waited = os.getloadavg()[0], 0.0
+    if load <= max_load:
+        return load
+    print(f"load average (1 min) {load:.2f} > {max_load:.2f}: other work is running; waiting up to {settle_s:.0f} s",
+          flush=True)
+    while load > max_load and waited < settle_s:
+        time.sleep(poll_s)
+        waited += poll_s
+        load = os.getloadavg()[0]
+    if load > max_load:
+        print(f"  still {load:.2f} after {waited:.0f} s: this pair runs on a loaded machine", flush=True)
+    else:
+        print(f"  settled to {load:.2f} after {waited:.0f} s", flush=True)
+    return load
+
+
 def _run_side(side: str, python: str, configs, steps: int, warmup: int, threads: int) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=str(REPO) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
@@ -265,6 +325,9 @@ def main() -> None:
                    help="NxL: N samples per prompt, L max new tokens")
     p.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON", "/tmp/trl-venv/bin/python"))
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-load", type=float, default=1.0,
+                   help="1-min load average above which a pair waits (up to --settle-s) for the machine to settle")
+    p.add_argument("--settle-s", type=float, default=60.0, help="longest wait for the load to settle before a pair")
     a = p.parse_args()
     configs = [_parse_config(c) for c in a.configs]
 
@@ -285,7 +348,7 @@ def main() -> None:
     loads = []
     for pair in range(a.pairs):
         order = ["verl", "trl"] if pair % 2 == 0 else ["trl", "verl"]
-        before = os.getloadavg()[0]
+        before = wait_for_load(a.max_load, a.settle_s)
         for side in order:
             runs[side].append(_run_side(side, sides[side], configs, a.steps, a.warmup, a.threads))
         loads.append((before, os.getloadavg()[0]))
@@ -319,6 +382,10 @@ def main() -> None:
                   f"{100 * frac:.1f}% of fp32 GEMM peak")
         print(f"  ratio verl_lite/TRL (median step): min {min(ratios):.2f}, median {statistics.median(ratios):.2f} "
               f"(per pair: {', '.join(f'{r:.2f}' for r in ratios)})")
+        if c == 0:
+            phases = [runs["verl"][pair][0]["startup_phases_s"] for pair in range(a.pairs)]
+            print("  verl_lite start-up by phase (median s over runs; the clock runs from process start to the "
+                  "first step): " + ", ".join(f"{k} {statistics.median(ph[k] for ph in phases):.2f}" for k in phases[0]))
     print(f"\nload average (1 min) per pair, start -> end: {', '.join(f'{b:.2f}->{e:.2f}' for b, e in loads)}")
 
 
