@@ -25,9 +25,15 @@ back-propagates it with the engine's ``grad_scale``, the same factor the engine 
 policy loss (DP x CP when megatron averages gradients, the global token count K when it divides
 by the reduced token count). Every MoE stage does this for its own layers (no loss owner needed).
 
-``router_loss_step`` is the engine's one entry point: a context that is active during one
-``train_step``; ``micro_batch(...)`` is called before each micro-batch's forward with its
-per-token sequence index. Outside of it (inference) the router computes no loss.
+The engine calls three functions: ``train_step_router_losses`` (the ``router_loss_step`` context
+of one ``train_step``, or a null context for a dense model / zero coefficients),
+``start_micro_batch`` before each micro-batch's forward (the per-token sequence index), and
+``router_metrics`` after the step. Outside a step (inference) the router computes no loss.
+
+Two megatron-core 0.16.1 CPU gaps are closed here without patching megatron: the router's gating
+product (``RouterGatingLinearFunction`` reads the undefined ``te_general_gemm`` without
+TransformerEngine) and the alltoall dispatcher's device-to-host stream (``prepare_host_dispatch`` /
+``make_dispatchers_host_safe``, no-ops with CUDA).
 """
 
 from __future__ import annotations
@@ -305,6 +311,12 @@ def train_step_router_losses(engine, global_token_count: int | None, local_lengt
     coeffs = getattr(cfg, "router_loss", None)
     if cfg.num_moe_experts is None or coeffs is None or not coeffs.enabled:
         return contextlib.nullcontext(None)
+    if cfg.recompute_granularity is not None:
+        raise ValueError(
+            "MoE router losses (moe_aux_loss_coeff / moe_z_loss_coeff > 0) with activation recompute "
+            "(enable_gradient_checkpointing / recompute_granularity) are not built: the recomputed router forward "
+            "would see another micro-batch's token map; turn one of them off"
+        )
     if global_token_count is None:
         if engine.dp != 1:
             raise ValueError(
