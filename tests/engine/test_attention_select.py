@@ -48,10 +48,10 @@ def _psp(bounds):
 
 
 # ---------------------------------------------------------------------------------- selection
+@pytest.mark.skipif(torch.cuda.is_available(), reason="describes a machine without CUDA")
 def test_cpu_selects_sdpa_and_says_why():
     from verl_lite.engine.attention import select_attention_backend
 
-    assert not torch.cuda.is_available(), "this test describes the CPU machine"
     backend, why = select_attention_backend("auto", torch.bfloat16, env={})
     assert backend == "sdpa" and "no CUDA device" in why, why
     module = attention_module(8)  # the module decides once, from its config, and keeps the reason
@@ -96,8 +96,10 @@ def test_engine_maps_attention_backend_onto_the_module():
     module = PackedCoreAttention(cfg, 1, AttnMaskType.causal)
     assert module.backend == "sdpa" and "forces torch SDPA" in module.backend_reason
     cfg.attention_backend = AttnBackend.flash
-    with pytest.raises(ValueError, match="cannot run here"):
-        PackedCoreAttention(cfg, 1, AttnMaskType.causal)
+    try:
+        assert PackedCoreAttention(cfg, 1, AttnMaskType.causal).backend == "flash"  # a GPU with flash_attn
+    except ValueError as err:
+        assert "cannot run here" in str(err) and _gpu_reason() is not None, err
 
 
 # ---------------------------------------------------------------------------------- flash path
@@ -148,6 +150,8 @@ def _cp_flash_check(rank, world):
 def test_flash_path_under_cp_matches_dense_reference(cp):
     """Zig-zag CP: each local query chunk against the gathered keys up to its end, in position
     order (values, and q/k/v gradients after the reduce-scatter, on every rank)."""
+    if torch.cuda.is_available():
+        pytest.skip("a CPU check of the index math (gloo); on GPU the kernel test below covers the path")
     for r in spawn_ranks(_cp_flash_check, cp):
         assert max(r.values()) < 1e-12, r
 

@@ -133,7 +133,7 @@ def _worker_body(rank, world, port, layout, problem_path, refs_path, out_dir, ti
             optim=OptimConfig(**H.optim_kwargs(), use_distributed_optimizer=distopt),
             calculate_per_token_loss=per_token))
         if "export_max_abs" not in out:  # the fp32 main params hold the HF weights exactly
-            exported = dict(engine.export_hf("param"))
+            exported = {n: t.cpu() for n, t in engine.export_hf("param")}
             out["export_dtypes"] = sorted({str(t.dtype) for t in exported.values()})
             out["export_max_abs"] = max(float((exported[n] - state[n]).abs().max()) for n in state)
             out["model_param_dtypes"] = sorted({str(p.dtype) for c in engine.chunks for p in c.parameters()})
@@ -148,14 +148,15 @@ def _worker_body(rank, world, port, layout, problem_path, refs_path, out_dir, ti
             loss_fn = partial(actor_loss, plan=nplan, cfg=H.loss_cfg(cell.loss, cell.mode))
             res = engine.train_step(batch, [[pos[i] for i in mb] for mb in plan[dp_rank]], loss_fn,
                                     temperature=H.TEMPERATURE, global_token_count=sum(lengths))
-            grads = None if distopt else {n: t.float().clone() for n, t in engine.export_hf("main_grad")}
-            params = {n: t.clone() for n, t in engine.export_hf("param")}
+            grads = None if distopt else {n: t.float().cpu() for n, t in engine.export_hf("main_grad")}
+            params = {n: t.cpu().clone() for n, t in engine.export_hf("param")}
             # the bf16 model weights are the rounding of the fp32 main params after the step
             bf16_gap = 0.0
             model_params = {}
             from verl_lite.engine.hf_bridge import export_hf
 
             for n, t in export_hf(engine.chunks, engine.hf_config):
+                t = t.cpu()
                 model_params[n] = t
                 bf16_gap = max(bf16_gap, float(((t.float() - params[n]).abs() / params[n].abs().clamp(min=1e-30)).max()))
             losses = [None] * world
@@ -211,6 +212,10 @@ _RESULTS: dict[str, dict] = {}
 
 
 def results(layout: str, problem) -> dict:
+    world = BF16_LAYOUTS[layout][0]
+    if torch.cuda.is_available() and world > torch.cuda.device_count():
+        pytest.skip(f"layout {layout} needs {world} GPUs (one process per GPU under NCCL), "
+                    f"{torch.cuda.device_count()} visible")
     if layout not in _RESULTS:  # one launch per layout per session
         _RESULTS[layout] = run_bf16_layout(layout, problem[0], problem[1])
     return _RESULTS[layout]
