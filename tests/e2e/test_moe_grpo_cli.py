@@ -1,7 +1,9 @@
 """A short GRPO run of a tiny Qwen3-MoE from the command line (``python -m verl_lite.trainer.main_ppo``)
-with the router losses on, in two layouts: 1 worker, and 4 workers with expert parallelism 2 x
-pipeline parallelism 2 (router losses on both stages). Per-prompt seeds make the rollouts identical,
-so the first optimizer step (its policy loss, router loss and grad norm) must agree (rel 1e-5)."""
+with the router losses on, in three layouts: 1 worker, 4 workers with expert parallelism 2 x
+pipeline parallelism 2 (router losses on both stages), and 2 workers with a virtual pipeline
+(PP2 x VPP2, four model chunks). Per-prompt seeds make the rollouts identical, so the first
+optimizer step (its policy loss, router loss and grad norm) must agree (rel 1e-5). A bf16 run of
+the same job must train (its first update close to fp32's within the bf16 tolerance, not equal)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,11 @@ M = "actor_rollout_ref.actor.megatron"
 LAYOUTS = {
     "1": [],
     "ep2_pp2": ["trainer.n_gpus_per_node=4", f"{M}.expert_model_parallel_size=2", f"{M}.pipeline_model_parallel_size=2"],
+    "pp2_vpp2": ["trainer.n_gpus_per_node=2", f"{M}.pipeline_model_parallel_size=2",
+                 f"{M}.virtual_pipeline_model_parallel_size=2"],
+    "bf16": [f"{M}.dtype=bfloat16"],
 }
+BF16_TOL = 0.072  # tests/parity/test_bf16_parity.py: 2 * 2^-8 * sqrt(86), relative
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +35,7 @@ def moe_model(tiny_assets, tmp_path_factory):
     from verl_lite.utils.tiny_model import make_tiny_moe_model
 
     model = make_tiny_moe_model(tmp_path_factory.mktemp("moe_e2e") / "model", "qwen3_moe", vocab_size=104,
-                                hidden_size=32, num_layers=2, num_experts=4, top_k=2, moe_intermediate_size=16, seed=1)
+                                hidden_size=32, num_layers=4, num_experts=4, top_k=2, moe_intermediate_size=16, seed=1)
     save_char_tokenizer(model)
     return str(model)
 
@@ -58,13 +64,23 @@ def first_update(layout: str, assets, model: str, tmp_path_factory) -> dict:
     return _runs[layout]
 
 
-def test_moe_grpo_first_update_is_the_same_in_two_layouts(tiny_assets, moe_model, tmp_path_factory):
+@pytest.mark.parametrize("layout", ["ep2_pp2", "pp2_vpp2"])
+def test_moe_grpo_first_update_is_the_same_in_other_layouts(tiny_assets, moe_model, tmp_path_factory, layout):
     ref = first_update("1", tiny_assets, moe_model, tmp_path_factory)
-    other = first_update("ep2_pp2", tiny_assets, moe_model, tmp_path_factory)
+    other = first_update(layout, tiny_assets, moe_model, tmp_path_factory)
     for k in ("reward/mean", "response_length/mean"):
         assert other[k] == ref[k], k  # the same rollouts
     for k in ("actor/loss", "actor/router_loss", "actor/router_aux_loss", "actor/router_z_loss", "actor/grad_norm"):
-        print(f"{k}: 1 worker {ref.get(k)!r}, EP2xPP2 {other.get(k)!r}")
+        print(f"{k}: 1 worker {ref.get(k)!r}, {layout} {other.get(k)!r}")
         assert k in ref and k in other, (k, sorted(ref))
         assert abs(other[k] - ref[k]) <= 1e-5 * max(abs(ref[k]), 1e-12), (k, other[k], ref[k])
     assert ref["actor/router_loss"] > 1e-4 and ref["actor/grad_norm"] > 1e-6, "the check needs a non-trivial update"
+
+
+def test_moe_grpo_trains_in_bf16(tiny_assets, moe_model, tmp_path_factory):
+    ref = first_update("1", tiny_assets, moe_model, tmp_path_factory)
+    bf16 = first_update("bf16", tiny_assets, moe_model, tmp_path_factory)
+    for k in ("actor/router_loss", "actor/grad_norm"):
+        print(f"{k}: fp32 {ref[k]!r}, bf16 {bf16[k]!r}")
+        assert bf16[k] != ref[k], f"{k}: bf16 equals fp32 bit for bit; the dtype did not reach the engine"
+        assert abs(bf16[k] - ref[k]) <= BF16_TOL * abs(ref[k]), (k, bf16[k], ref[k])
