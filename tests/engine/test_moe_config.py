@@ -57,6 +57,19 @@ def test_bad_moe_settings_are_rejected_with_a_reason(moe_dirs, overrides, world,
     assert any(needle in p for p in problems), problems
 
 
+@pytest.mark.parametrize("recompute", ["actor_rollout_ref.model.enable_gradient_checkpointing=true",
+                                       f"+{M}.override_transformer_config.recompute_granularity=full"])
+def test_router_losses_with_recompute_are_rejected_before_start(moe_dirs, monkeypatch, recompute):
+    """On GPU (where recompute is otherwise accepted) router losses + recompute fail before start, not at step 1."""
+    import verl_lite.config.validate as validate
+
+    monkeypatch.setattr(validate, "_cuda_visible", lambda: True)
+    base = [f"actor_rollout_ref.model.path={moe_dirs['qwen3_moe']}", recompute]
+    assert not any("router losses" in p for p in _problems(base, 1))
+    problems = _problems([*base, f"+{M}.override_transformer_config.moe_z_loss_coeff=0.001"], 1)
+    assert any("MoE router losses under recompute are not built" in p for p in problems), problems
+
+
 def test_dense_model_rejects_expert_parallelism_and_router_losses():
     if not Path(default_model_path(), "config.json").is_file():
         pytest.skip("shipped model not built yet (scripts/make_tiny_model.py)")

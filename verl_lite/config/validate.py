@@ -291,6 +291,20 @@ def moe_layout_problems(key: str, mg, world: int, model_cfg: dict | None) -> lis
     return out
 
 
+def router_loss_recompute_problems(model_cfg: dict | None, overrides: dict) -> list[str]:
+    """MoE router losses and activation recompute are not built together (the recomputed router forward
+    would see another micro-batch's token map): reject them before start, as the engine would at step 1."""
+    from verl_lite.engine.moe import ROUTER_LOSS_KEYS
+
+    moe = model_cfg is not None and model_cfg.get("model_type") in ("qwen3_moe", "qwen2_moe")
+    router = [k for k in ROUTER_LOSS_KEYS if overrides.get(k)]
+    if moe and router and overrides.get("recompute_granularity") is not None:
+        return [f"actor_rollout_ref.actor.megatron.override_transformer_config.{router[0]}={overrides[router[0]]} with activation recompute "
+                f"(actor_rollout_ref.model.enable_gradient_checkpointing / recompute_granularity): MoE router losses "
+                f"under recompute are not built; turn one of them off"]
+    return []
+
+
 def engine_dtype_problems(key: str, value) -> list[str]:
     """``megatron.dtype``: float32 / fp32, or bfloat16 / bf16 (megatron mixed precision); float16 rejected."""
     from verl_lite.engine.config import FP16_UNSUPPORTED, PARAMS_DTYPES, canonical_dtype
@@ -521,6 +535,8 @@ def _validate_rest(cfg: PPOConfig, p: list[str], positive, world, dp, traj_mini,
         if enabled and not _cuda_visible():
             p.append(f"{key}.enable_gradient_checkpointing=true: megatron's activation recompute saves and restores "
                      f"the CUDA RNG state, so it runs on GPU only; set it false on CPU")
+    p.extend(router_loss_recompute_problems(_model_config(arr.model.path) if arr.model.path else None,
+                                            engine_model_overrides(arr.model, actor.megatron)))
 
     # ---- rollout
     if rollout.name not in ROLLOUT_NAMES:
