@@ -3,7 +3,8 @@ with the router losses on, in three layouts: 1 worker, 4 workers with expert par
 pipeline parallelism 2 (router losses on both stages), and 2 workers with a virtual pipeline
 (PP2 x VPP2, four model chunks). Per-prompt seeds make the rollouts identical, so the first
 optimizer step (its policy loss, router loss and grad norm) must agree (rel 1e-5). A bf16 run of
-the same job must train (its first update close to fp32's within the bf16 tolerance, not equal)."""
+the same job must train (its first update close to fp32's within the bf16 tolerance, not equal). PPO with a
+MoE critic (a value head on the MoE body) gives the same actor and critic updates with EP2."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ LAYOUTS = {
     "pp2_vpp2": ["trainer.n_gpus_per_node=2", f"{M}.pipeline_model_parallel_size=2",
                  f"{M}.virtual_pipeline_model_parallel_size=2"],
     "bf16": [f"{M}.dtype=bfloat16"],
+    "ep2": ["trainer.n_gpus_per_node=2", f"{M}.expert_model_parallel_size=2",
+            "critic.megatron.expert_model_parallel_size=2"],
 }
 BF16_TOL = 0.072  # tests/parity/test_bf16_parity.py: 2 * 2^-8 * sqrt(86), relative
 
@@ -43,11 +46,11 @@ def moe_model(tiny_assets, tmp_path_factory):
 _runs: dict[str, dict] = {}
 
 
-def first_update(layout: str, assets, model: str, tmp_path_factory) -> dict:
-    if layout not in _runs:
-        out = tmp_path_factory.mktemp(f"moe_cli_{layout}")
+def first_update(layout: str, assets, model: str, tmp_path_factory, estimator: str = "grpo") -> dict:
+    if (layout, estimator) not in _runs:
+        out = tmp_path_factory.mktemp(f"moe_cli_{layout}_{estimator}")
         args = tiny_overrides(
-            assets, **{"actor_rollout_ref.model.path": model, "algorithm.adv_estimator": "grpo",
+            assets, **{"actor_rollout_ref.model.path": model, "algorithm.adv_estimator": estimator,
                        "actor_rollout_ref.actor.ppo_mini_batch_size": 4, "trainer.total_training_steps": 1,
                        "trainer.test_freq": -1, "trainer.val_before_train": False, "trainer.output_dir": str(out),
                        "actor_rollout_ref.actor.entropy_coeff": 0.01}
@@ -60,8 +63,8 @@ def first_update(layout: str, assets, model: str, tmp_path_factory) -> dict:
         lines = [json.loads(x) for x in next(out.rglob("metrics.jsonl")).read_text().splitlines()]
         trained = [s for s in lines if "actor/grad_norm" in s]
         assert len(trained) == 1, lines
-        _runs[layout] = trained[0]
-    return _runs[layout]
+        _runs[layout, estimator] = trained[0]
+    return _runs[layout, estimator]
 
 
 @pytest.mark.parametrize("layout", ["ep2_pp2", "pp2_vpp2"])
@@ -84,3 +87,14 @@ def test_moe_grpo_trains_in_bf16(tiny_assets, moe_model, tmp_path_factory):
         print(f"{k}: fp32 {ref[k]!r}, bf16 {bf16[k]!r}")
         assert bf16[k] != ref[k], f"{k}: bf16 equals fp32 bit for bit; the dtype did not reach the engine"
         assert abs(bf16[k] - ref[k]) <= BF16_TOL * abs(ref[k]), (k, bf16[k], ref[k])
+
+
+def test_moe_ppo_with_a_moe_critic_is_the_same_with_expert_parallelism(tiny_assets, moe_model, tmp_path_factory):
+    """PPO: the critic is built from the same MoE checkpoint (a value head on the MoE body); with EP2 both
+    the actor's and the critic's first updates equal the 1-worker run's."""
+    ref = first_update("1", tiny_assets, moe_model, tmp_path_factory, estimator="gae")
+    other = first_update("ep2", tiny_assets, moe_model, tmp_path_factory, estimator="gae")
+    for k in ("actor/loss", "actor/router_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm"):
+        print(f"{k}: 1 worker {ref.get(k)!r}, EP2 {other.get(k)!r}")
+        assert k in ref and k in other, (k, sorted(ref))
+        assert abs(other[k] - ref[k]) <= 1e-5 * max(abs(ref[k]), 1e-12), (k, other[k], ref[k])
