@@ -65,12 +65,10 @@ def make_tiny_hf_model(
 ) -> Path:
     """Write a randomly initialised fp32 HF model dir (config.json + model.safetensors) and return its path.
 
-    Every weight matrix is N(0, init_std^2); biases N(0, 0.02^2)-ish small noise; norm weights
+    Every weight matrix is N(0, init_std^2); biases N(0, 0.1^2); norm weights
     1 + N(0, 0.1^2) (so a mis-mapped norm is visible). Deterministic in ``seed``. ``rope_scaling``
     (e.g. ``{"rope_type": "llama3", "factor": 8.0, ...}``) is passed to the HF config as is.
     """
-    import transformers
-
     if hidden_size % num_attention_heads:
         raise ValueError(f"hidden_size={hidden_size} must divide by num_attention_heads={num_attention_heads}")
     if num_attention_heads % num_key_value_heads:
@@ -90,17 +88,29 @@ def make_tiny_hf_model(
         max_position_embeddings=max_position_embeddings,
         rope_scaling=rope_scaling,
     )
+    return _save_randomly_initialised(cfg, out_dir, seed, init_std)
+
+
+def _save_randomly_initialised(cfg, out_dir, seed: int, init_std: float, router_std: float | None = None) -> Path:
+    """Build the HF model of ``cfg``, draw its weights from one generator seeded with ``seed`` (norm weights
+    1 + N(0, 0.1^2), biases N(0, 0.1^2), routers ``mlp.gate.weight`` N(0, router_std^2) when given, every
+    other matrix N(0, init_std^2)), save it as safetensors in ``out_dir`` and return the path."""
+    import transformers
+
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+                std, mean = 0.1, 1.0
             elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+                std, mean = 0.1, 0.0
+            elif router_std is not None and name.endswith("mlp.gate.weight"):
+                std, mean = router_std, 0.0
             else:
-                p.copy_(init_std * torch.randn(p.shape, generator=gen))
+                std, mean = init_std, 0.0
+            p.copy_(mean + std * torch.randn(p.shape, generator=gen))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
@@ -173,12 +183,10 @@ def make_tiny_moe_model(
     ``qwen3_moe``: Qwen3-MoE (per-head q/k norm, softmax router over all experts, top-k,
     renormalised: ``norm_topk_prob=True``). ``qwen2_moe``: Qwen2-MoE (q/k/v bias, top-k of the
     softmax without renormalisation, plus a shared expert scaled by sigmoid(shared_expert_gate)).
-    Every layer is sparse. Weights as ``make_tiny_hf_model`` (N(0, init_std^2), norms 1 + N(0, 0.01));
+    Every layer is sparse. Weights as ``make_tiny_hf_model`` (N(0, init_std^2), norms 1 + N(0, 0.1^2));
     the router weight is N(0, router_std^2) so that routing decisions are far from ties.
     Deterministic in ``seed``; saved in HF's checkpoint format (one tensor per expert projection).
     """
-    import transformers
-
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
     cfg = _moe_hf_config(
@@ -194,20 +202,4 @@ def make_tiny_moe_model(
         shared_expert_intermediate_size=shared_expert_intermediate_size,
         tie_word_embeddings=tie_word_embeddings,
     )
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("mlp.gate.weight"):
-                p.copy_(router_std * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(init_std * torch.randn(p.shape, generator=gen))
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    return out
+    return _save_randomly_initialised(cfg, out_dir, seed, init_std, router_std=router_std)
