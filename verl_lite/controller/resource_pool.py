@@ -1,24 +1,15 @@
-"""Starting Ray and reserving one bundle of resources per worker rank.
+"""Reserving one bundle of resources per worker rank (Ray itself is started by ``local_ray``).
 
-- :func:`start_ray` starts a small, local, loopback-only Ray (no dashboard, quiet logs), or joins
-  the cluster named by ``RAY_ADDRESS`` when that is set. It returns whether this process started
-  Ray, so that exactly that process shuts it down (:func:`stop_ray`).
-- :class:`ResourcePool` is a placement group with one bundle per rank: one GPU per bundle when
-  GPUs exist, otherwise a fraction of a CPU, so that 4-8 workers fit on a 2-core machine (Ray
-  resources are logical; the workers then share the cores).
+:class:`ResourcePool` is a placement group with one bundle per rank: one GPU per bundle when
+GPUs exist, otherwise a fraction of a CPU, so that 4-8 workers fit on a 2-core machine (Ray
+resources are logical; the workers then share the cores).
 """
 
 from __future__ import annotations
 
-import logging
-import os
-
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-
-from verl_lite.controller.local_ray import start_ray, stop_ray  # noqa: E402,F401  (loopback-only local Ray)
 
 
 def cluster_has_gpus() -> bool:
