@@ -1,6 +1,9 @@
 """A MoE engine (EP2: each rank holds half the experts) saves its state and a fresh engine resumes it
 bit-exactly: the loaded weights equal the saved ones and the next optimizer step (router losses on)
-is identical to the one the original engine takes."""
+is identical to the one the original engine takes. At another EP size (one process, EP1) both a
+trainable and a forward-only engine refuse the checkpoint with the reason: resharding over EP is not
+supported (megatron keeps a separate expert optimizer only when EP > 1, and the weights of an EP
+change were measured misplaced)."""
 
 from __future__ import annotations
 
@@ -10,36 +13,51 @@ from pathlib import Path
 import torch
 
 
+TOKENS = 36  # 2 ranks x 2 sequences x 9 tokens: the mini-batch's token count N of the router losses
+
+
+def _rank_sequences(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(rank)
+    return [torch.randint(1, 64, (9,), generator=g) for _ in range(2)]
+
+
+def _loss_fn(outputs, data):
+    """sum of w x log-prob over the micro-batch; w = 1/16 on each of 2 DP ranks (megatron averages
+    the two) or 1/32 in one process: the same objective, sum over the mini-batch / 32."""
+    return (outputs["log_probs"] * data["w"]).sum(), {}
+
+
+def _engine_config(model_dir, par):
+    from verl_lite.engine.config import EngineConfig, OptimConfig
+
+    return EngineConfig(model_path=model_dir, parallel=par, optim=OptimConfig(lr=1e-3),
+                        model_overrides={"moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001})
+
+
 def _worker(rank, world, port, model_dir, ckpt, out):
     torch.set_num_threads(1)
     try:
         import torch.distributed as dist
 
-        from verl_lite.engine.config import EngineConfig, OptimConfig
         from verl_lite.engine.distributed import ParallelConfig, destroy_distributed, init_distributed
         from verl_lite.engine.engine import MegatronEngine, SequenceBatch
 
         par = ParallelConfig(ep=2, timeout_s=120)
         init_distributed(rank, world, "127.0.0.1", port, par)
-        cfg = EngineConfig(model_path=model_dir, parallel=par, optim=OptimConfig(lr=1e-3),
-                           model_overrides={"moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001})
-        g = torch.Generator().manual_seed(rank)
-        batch = SequenceBatch([torch.randint(1, 64, (9,), generator=g) for _ in range(2)], [4, 4],
-                              {"w": torch.ones(2, 4)})
-
-        def loss_fn(outputs, data):
-            return (outputs["log_probs"] * data["w"]).sum() / 16, {}
+        cfg = _engine_config(model_dir, par)
+        batch = SequenceBatch(_rank_sequences(rank), [4, 4], {"w": torch.full((2, 4), 1 / 16)})
+        loss_fn = _loss_fn
 
         engine = MegatronEngine(cfg)
-        engine.train_step(batch, [[0, 1]], loss_fn, global_token_count=36)
+        engine.train_step(batch, [[0, 1]], loss_fn, global_token_count=TOKENS)
         engine.save_checkpoint(ckpt)
         saved = dict(engine.export_hf("param"))
-        engine.train_step(batch, [[0, 1]], loss_fn, global_token_count=36)
+        engine.train_step(batch, [[0, 1]], loss_fn, global_token_count=TOKENS)
         stepped = dict(engine.export_hf("param"))
         resumed = MegatronEngine(cfg)
         resumed.load_checkpoint(ckpt)
         loaded = dict(resumed.export_hf("param"))
-        resumed.train_step(batch, [[0, 1]], loss_fn, global_token_count=36)
+        resumed.train_step(batch, [[0, 1]], loss_fn, global_token_count=TOKENS)
         restepped = dict(resumed.export_hf("param"))
         if rank == 0:
             Path(out).write_text(repr((
@@ -48,6 +66,32 @@ def _worker(rank, world, port, model_dir, ckpt, out):
                 max(float((stepped[k] - saved[k]).abs().max()) for k in saved),
             )))
         dist.barrier()
+        destroy_distributed()
+    except BaseException:
+        Path(f"{out}.rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def _ep1_worker(rank, world, port, model_dir, ckpt, out):
+    """One process (EP1): a trainable and a forward-only engine must both refuse the EP2 checkpoint."""
+    torch.set_num_threads(1)
+    try:
+        from dataclasses import replace
+
+        from verl_lite.engine.checkpoint import CheckpointLayoutError
+        from verl_lite.engine.distributed import ParallelConfig, destroy_distributed, init_distributed
+        from verl_lite.engine.engine import MegatronEngine
+
+        par = ParallelConfig(timeout_s=120)
+        init_distributed(rank, world, "127.0.0.1", port, par)
+        refusals = []
+        for forward_only in (False, True):
+            try:
+                MegatronEngine(replace(_engine_config(model_dir, par), forward_only=forward_only)).load_checkpoint(ckpt)
+                refusals.append("")
+            except CheckpointLayoutError as err:
+                refusals.append(str(err))
+        Path(f"{out}.ep1").write_text(repr(refusals))
         destroy_distributed()
     except BaseException:
         Path(f"{out}.rank{rank}.err").write_text(traceback.format_exc())
@@ -69,3 +113,11 @@ def test_moe_checkpoint_resume_is_bit_exact(tmp_path):
     load_diff, resume_diff, step_size = eval(out.read_text())
     assert step_size > 0, "the step changed nothing: the check needs an update"
     assert load_diff == 0.0 and resume_diff == 0.0, (load_diff, resume_diff)
+
+    # the same checkpoint at EP1 in one process
+    try:
+        mp.spawn(_ep1_worker, args=(1, free_port(), str(model), str(tmp_path / "ckpt"), str(out)), nprocs=1)
+    except Exception as e:
+        raise RuntimeError("\n".join(p.read_text()[-3000:] for p in tmp_path.glob("out.txt.rank*.err"))) from e
+    for refusal in eval(Path(f"{out}.ep1").read_text()):
+        assert "expert_model_parallel_size=2 and this engine has 1" in refusal and "resume with" in refusal, refusal

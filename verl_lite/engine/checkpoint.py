@@ -260,7 +260,8 @@ def _describe(engine) -> dict:
     hf = engine.hf_config
     return {
         "format_version": FORMAT_VERSION,
-        "layout": {"tp": engine.tp, "pp": engine.pp, "vpp": engine.vpp, "cp": engine.cp, "dp": engine.dp},
+        "layout": {"tp": engine.tp, "pp": engine.pp, "vpp": engine.vpp, "cp": engine.cp, "dp": engine.dp,
+                   "ep": engine.cfg.parallel.ep},
         "value_head": bool(engine.cfg.value_head),
         "with_optimizer": engine.optimizer is not None,
         "use_distributed_optimizer": bool(engine.optimizer is not None and engine.cfg.optim.use_distributed_optimizer),
@@ -349,6 +350,14 @@ def check_compatible(engine, saved: dict) -> None:
             f"switching precision on resume is not supported (bf16 keeps fp32 main params in the optimizer state, "
             f"fp32 keeps none); resume with the saved dtype, or export the weights (python -m "
             f"verl_lite.trainer.export) and start a new run from them")
+    saved_ep, here_ep = saved["layout"].get("ep", 1), here["layout"]["ep"]
+    if saved_ep != here_ep:
+        raise CheckpointLayoutError(
+            f"the checkpoint was saved with expert_model_parallel_size={saved_ep} and this engine has {here_ep}: "
+            f"resharding a mixture-of-experts checkpoint to another EP size is not supported (megatron keeps the "
+            f"experts' optimizer state in an optimizer of its own only when EP > 1, and an EP change misplaces "
+            f"weights); resume with expert_model_parallel_size={saved_ep} (TP/PP/CP/DP may change), or export the "
+            f"weights in the saved layout (python -m verl_lite.trainer.export) and start a new run from them")
     if here["with_optimizer"] and not saved["with_optimizer"]:
         raise CheckpointLayoutError("the checkpoint holds no optimizer state (saved by a forward-only engine) but "
                                     "this engine trains; load the weights with load_hf or save from a trainable engine")
