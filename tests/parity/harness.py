@@ -317,6 +317,16 @@ def _worker(rank, world, port, layout_name, cell_dicts, problem_path, refs_path,
         raise
 
 
+def load_problem(problem_path, refs_path):
+    """A layout run's inputs: the problem and its float64 references (both written by the test), the
+    sequence lengths, and the actor's per-token data in fp32 (response mask, old log-probs, advantages)."""
+    prob, refs = torch.load(problem_path), torch.load(refs_path)
+    lengths = [int(x.numel()) for x in prob["ids"]]
+    data_all = {"response_mask": prob["mask"], "old_log_probs": refs["old_log_probs"].float(),
+                "advantages": prob["advantages"].float()}
+    return prob, refs, lengths, data_all
+
+
 def _worker_body(rank, world, port, layout_name, cell_dicts, problem_path, refs_path, out_path, timeout_s):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -332,18 +342,10 @@ def _worker_body(rank, world, port, layout_name, cell_dicts, problem_path, refs_
     par = ParallelConfig(**par_kw, timeout_s=timeout_s)
     init_distributed(rank, world, "127.0.0.1", port, par, seed=1234)
     timeline = {"init": time.perf_counter() - t_start}
-    prob = torch.load(problem_path)
-    refs = torch.load(refs_path)
+    prob, refs, lengths, data_all = load_problem(problem_path, refs_path)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    lengths = [int(x.numel()) for x in prob["ids"]]
     mask = prob["mask"]
-    data_all = {
-        "response_mask": mask,
-        "old_log_probs": refs["old_log_probs"].float(),
-        "advantages": prob["advantages"].float(),
-        "old_values": prob["old_values"].float(),
-        "returns": prob["returns"].float(),
-    }
+    data_all.update(old_values=prob["old_values"].float(), returns=prob["returns"].float())
     actor_state = {k: v.float() for k, v in refs[(LOSSES[0], MODES[0])]["params_before"].items()}
     critic_state = {k: v.float() for k, v in refs[("critic", MODES[0])]["params_before"].items()}
     vpp_multiple = par.pp if par.vpp else 1

@@ -40,7 +40,6 @@ LAYOUT_TOL = 2u = 7.8e-3 (one extra rounding of a weight gradient); measured 2.2
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
@@ -119,12 +118,9 @@ def _worker_body(rank, world, port, layout, problem_path, refs_path, out_dir, ti
     _, par_kw, distopt = BF16_LAYOUTS[layout]
     par = ParallelConfig(**par_kw, timeout_s=timeout_s)
     init_distributed(rank, world, "127.0.0.1", port, par, seed=1234)
-    prob, refs = torch.load(problem_path), torch.load(refs_path)
+    prob, refs, lengths, data_all = H.load_problem(problem_path, refs_path)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    lengths = [int(x.numel()) for x in prob["ids"]]
     mask = prob["mask"]
-    data_all = {"response_mask": mask, "old_log_probs": refs["old_log_probs"].float(),
-                "advantages": prob["advantages"].float()}
     state = {k: v.float() for k, v in refs[(BF16_LOSSES[0], BF16_MODES[0])]["params_before"].items()}
     out: dict = {"cells": {}}
     for per_token in (False, True):

@@ -192,12 +192,9 @@ def _worker_body(rank, world, port, layout, cell_dicts, problem_path, refs_path,
     _, par_kw, _ = MOE_LAYOUTS[layout]
     par = ParallelConfig(**par_kw, timeout_s=180)
     init_distributed(rank, world, "127.0.0.1", port, par, seed=1234)
-    prob, refs = torch.load(problem_path), torch.load(refs_path)
+    prob, refs, lengths, data_all = H.load_problem(problem_path, refs_path)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    lengths = [int(x.numel()) for x in prob["ids"]]
     mask = prob["mask"]
-    data_all = {"response_mask": mask, "old_log_probs": refs["old_log_probs"].float(),
-                "advantages": prob["advantages"].float()}
     state = {k: v.float() for k, v in refs[(H.LOSSES[0], H.MODES[0])]["params_before"].items()}
     cells = [H.Cell(**c) for c in cell_dicts]
     results: dict = {"cells": {}, "grads": {}, "timeline": {"init": time.perf_counter() - t_start}}
