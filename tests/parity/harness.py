@@ -327,6 +327,18 @@ def load_problem(problem_path, refs_path):
     return prob, refs, lengths, data_all
 
 
+def rank_share(prob, data_all, plan, dp_rank):
+    """This DP rank's rows of a micro-batch ``plan``: (the rows in order, their ``SequenceBatch``, and the
+    plan's micro-batches as positions within that batch)."""
+    from verl_lite.engine.engine import SequenceBatch
+
+    rows = sorted(i for mb in plan[dp_rank] for i in mb)
+    pos = {r: k for k, r in enumerate(rows)}
+    batch = SequenceBatch([prob["ids"][i] for i in rows], prob["resp_lens"][rows],
+                          {k: v[rows] for k, v in data_all.items()}, response_width=prob["mask"].shape[1])
+    return rows, batch, [[pos[i] for i in mb] for mb in plan[dp_rank]]
+
+
 def _worker_body(rank, world, port, layout_name, cell_dicts, problem_path, refs_path, out_path, timeout_s):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -335,7 +347,7 @@ def _worker_body(rank, world, port, layout_name, cell_dicts, problem_path, refs_
     from verl_lite.algorithms.objective import actor_loss, critic_loss
     from verl_lite.engine.config import EngineConfig, OptimConfig
     from verl_lite.engine.distributed import ParallelConfig, destroy_distributed, init_distributed
-    from verl_lite.engine.engine import MegatronEngine, SequenceBatch
+    from verl_lite.engine.engine import MegatronEngine
 
     t_start = time.perf_counter()
     _, par_kw, distopt = LAYOUTS[layout_name]
@@ -353,15 +365,7 @@ def _worker_body(rank, world, port, layout_name, cell_dicts, problem_path, refs_
     results: dict = {"cells": {}, "infer": {}, "timeline": timeline}
 
     def local_batch(plan):
-        rows = sorted(i for mb in plan[dp_rank] for i in mb)
-        pos = {r: k for k, r in enumerate(rows)}
-        batch = SequenceBatch(
-            [prob["ids"][i] for i in rows],
-            prob["resp_lens"][rows],
-            {k: v[rows] for k, v in data_all.items()},
-            response_width=mask.shape[1],
-        )
-        return rows, batch, [[pos[i] for i in mb] for mb in plan[dp_rank]]
+        return rank_share(prob, data_all, plan, dp_rank)
 
     def gather_rows(engine, rows, out, names):
         gathered = [None] * world

@@ -112,7 +112,7 @@ def _worker_body(rank, world, port, layout, problem_path, refs_path, out_dir, ti
     from verl_lite.algorithms.objective import actor_loss
     from verl_lite.engine.config import EngineConfig, OptimConfig
     from verl_lite.engine.distributed import ParallelConfig, destroy_distributed, init_distributed
-    from verl_lite.engine.engine import MegatronEngine, SequenceBatch
+    from verl_lite.engine.engine import MegatronEngine
 
     t0 = time.perf_counter()
     _, par_kw, distopt = BF16_LAYOUTS[layout]
@@ -135,14 +135,10 @@ def _worker_body(rank, world, port, layout, problem_path, refs_path, out_dir, ti
             out["model_param_dtypes"] = sorted({str(p.dtype) for c in engine.chunks for p in c.parameters()})
         for cell in [c for c in bf16_cells() if c.per_token == per_token]:
             engine.load_hf(state)
-            plan = H._plan(lengths, dp, cell.mb, 1)
-            rows = sorted(i for mb in plan[dp_rank] for i in mb)
-            pos = {r: k for k, r in enumerate(rows)}
-            batch = SequenceBatch([prob["ids"][i] for i in rows], prob["resp_lens"][rows],
-                                  {k: v[rows] for k, v in data_all.items()}, response_width=mask.shape[1])
+            _, batch, mbs = H.rank_share(prob, data_all, H._plan(lengths, dp, cell.mb, 1), dp_rank)
             nplan = NormalizationPlan.from_mask(mask, cell.mode)
             loss_fn = partial(actor_loss, plan=nplan, cfg=H.loss_cfg(cell.loss, cell.mode))
-            res = engine.train_step(batch, [[pos[i] for i in mb] for mb in plan[dp_rank]], loss_fn,
+            res = engine.train_step(batch, mbs, loss_fn,
                                     temperature=H.TEMPERATURE, global_token_count=sum(lengths))
             grads = None if distopt else {n: t.float().cpu().clone() for n, t in engine.export_hf("main_grad")}
             params = {n: t.cpu().clone() for n, t in engine.export_hf("param")}

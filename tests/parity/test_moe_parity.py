@@ -186,7 +186,7 @@ def _worker_body(rank, world, port, layout, cell_dicts, problem_path, refs_path,
     from verl_lite.algorithms.objective import actor_loss
     from verl_lite.engine.config import EngineConfig, OptimConfig
     from verl_lite.engine.distributed import ParallelConfig, destroy_distributed, init_distributed
-    from verl_lite.engine.engine import MegatronEngine, SequenceBatch
+    from verl_lite.engine.engine import MegatronEngine
 
     t_start = time.perf_counter()
     _, par_kw, _ = MOE_LAYOUTS[layout]
@@ -220,12 +220,7 @@ def _worker_body(rank, world, port, layout, cell_dicts, problem_path, refs_path,
             results["export_max_abs"] = max(diffs) if len(diffs) == len(state) else float("inf")
         for cell in todo:
             engine.load_hf(state)
-            plan = H._plan(lengths, dp, cell.mb, 1)
-            rows = sorted(i for mb in plan[dp_rank] for i in mb)
-            pos = {r: k for k, r in enumerate(rows)}
-            batch = SequenceBatch([prob["ids"][i] for i in rows], prob["resp_lens"][rows],
-                                  {k: v[rows] for k, v in data_all.items()}, response_width=mask.shape[1])
-            mbs = [[pos[i] for i in mb] for mb in plan[dp_rank]]
+            _, batch, mbs = H.rank_share(prob, data_all, H._plan(lengths, dp, cell.mb, 1), dp_rank)
             loss_fn = partial(actor_loss, plan=NormalizationPlan.from_mask(mask, cell.mode),
                               cfg=H.loss_cfg(cell.loss, cell.mode))
             out = engine.train_step(batch, mbs, loss_fn, temperature=H.TEMPERATURE, global_token_count=sum(lengths))
