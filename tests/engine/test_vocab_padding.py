@@ -251,7 +251,8 @@ def _fake_engine(vocab: int, tp: int):
 
     hf = SimpleNamespace(model_type="qwen2", vocab_size=vocab, hidden_size=64, num_hidden_layers=2,
                          num_attention_heads=6, num_key_value_heads=6, intermediate_size=96, tie_word_embeddings=False)
-    cfg = SimpleNamespace(value_head=False, params_dtype="float32", optim=SimpleNamespace(use_distributed_optimizer=False))
+    cfg = SimpleNamespace(value_head=False, params_dtype="float32", parallel=SimpleNamespace(ep=1),
+                          optim=SimpleNamespace(use_distributed_optimizer=False))
     return SimpleNamespace(hf_config=hf, tp=tp, pp=1, vpp=1, cp=1, dp=1, cfg=cfg, optimizer=None)
 
 
