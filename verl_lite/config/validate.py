@@ -144,6 +144,7 @@ def validate_config(cfg: PPOConfig, world_size: int | None = None) -> Layout:
     model_cfg = _model_config(arr.model.path) if arr.model.path else None
     dp = _check_layout(M, mg, world, "the {world} workers (trainer.n_gpus_per_node x trainer.nnodes)", model_cfg,
                        positive, p)
+    p.extend(router_loss_recompute_problems(model_cfg, engine_model_overrides(arr.model, mg)))
     traj_mini = actor.ppo_mini_batch_size * rollout.n if ok_sizes else 0
     if dp and traj_mini and traj_mini % dp:
         p.append(
@@ -535,8 +536,6 @@ def _validate_rest(cfg: PPOConfig, p: list[str], positive, world, dp, traj_mini,
         if enabled and not _cuda_visible():
             p.append(f"{key}.enable_gradient_checkpointing=true: megatron's activation recompute saves and restores "
                      f"the CUDA RNG state, so it runs on GPU only; set it false on CPU")
-    p.extend(router_loss_recompute_problems(_model_config(arr.model.path) if arr.model.path else None,
-                                            engine_model_overrides(arr.model, actor.megatron)))
 
     # ---- rollout
     if rollout.name not in ROLLOUT_NAMES:
