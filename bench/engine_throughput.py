@@ -9,7 +9,7 @@ lengths uniform in [min_len, max_len]. Two ways to feed the same sequences:
 tokens/s counts REAL tokens (sum of lengths) per second of ``train_step`` in both cases (the
 fastest of ``--steps`` alternating steps, so load spikes from other processes matter less).
 
-CPU adapter share: the adapter (``engine/cpu_adapter.py``) is a globally entered
+CPU adapter share: the adapter (``compat/cpu_adapter.py``) is a globally entered
 TorchFunctionMode, so every torch call pays one Python hop. We count the torch calls of one
 packed ``train_step`` (a counting mode stacked on top) and multiply by the adapter's cost per call
 (a tight loop of tiny ops with its mode entered vs temporarily popped, minimum of repetitions);
@@ -102,7 +102,7 @@ def _per_call_overhead(reps: int = 5, n: int = 20000) -> float:
 
 def _adapter_seconds_per_step(engine, batch) -> float:
     """(torch calls in one train_step) x (adapter cost per call); 0 when the adapter is not active."""
-    from verl_lite.engine import cpu_adapter
+    from verl_lite.compat import cpu_adapter
 
     if not cpu_adapter.is_installed():
         return 0.0

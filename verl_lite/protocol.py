@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
-from verl_lite.utils.lazy_compile import compile_decorators_deferred
+from verl_lite.compat.lazy_compile import compile_decorators_deferred
 
 with compile_decorators_deferred():  # tensordict's import-time allow_in_graph would import torch._dynamo (~0.7 s)
     from tensordict import TensorDict

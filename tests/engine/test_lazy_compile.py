@@ -1,4 +1,4 @@
-"""verl_lite.utils.lazy_compile: tensordict and megatron import without torch._dynamo / wandb, and
+"""verl_lite.compat.lazy_compile: tensordict and megatron import without torch._dynamo / wandb, and
 nothing changes for code that does compile or use wandb afterwards (fresh interpreter per check)."""
 
 import subprocess
@@ -8,7 +8,7 @@ import textwrap
 CHECK = textwrap.dedent("""
     import sys, torch
     real_compile = torch.compile
-    from verl_lite.utils.lazy_compile import compile_decorators_deferred
+    from verl_lite.compat.lazy_compile import compile_decorators_deferred
 
     with compile_decorators_deferred():
         import tensordict  # noqa: F401

@@ -106,7 +106,7 @@ def test_cpu_adapter_maps_cuda_requests_to_cpu():
     """In a fresh interpreter (the adapter is process-wide): exactly the documented rewrites."""
     code = """
 import torch
-from verl_lite.engine import cpu_adapter
+from verl_lite.compat import cpu_adapter
 assert not cpu_adapter.is_installed()
 assert cpu_adapter.install() and cpu_adapter.install() and cpu_adapter.is_installed()
 x = torch.zeros(3, device="cuda")

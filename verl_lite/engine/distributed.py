@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from verl_lite.engine import cpu_adapter
+from verl_lite.compat import cpu_adapter, megatron_internals
 
 
 @dataclass
@@ -143,19 +143,9 @@ def init_distributed(
         expert_tensor_parallel_size=parallel.etp,
         distributed_timeout_minutes=parallel.timeout_s / 60.0,  # only used as timedelta(minutes=...)
     )
-    _apply_timeout_to_megatron_groups(timeout)
+    megatron_internals.apply_timeout_to_groups(timeout)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not on_gpu)
-
-
-def _apply_timeout_to_megatron_groups(timeout: timedelta) -> None:
-    """Give every group megatron created the timeout: megatron 0.16.1 creates its expert-data-parallel
-    gloo groups without one (``parallel_state.py:1278``), which would leave them at 30 minutes."""
-    from megatron.core import parallel_state
-
-    for group in parallel_state._global_process_group_list or []:
-        if group is not None:  # None stands for the default group, created with the timeout
-            dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def destroy_distributed() -> None:

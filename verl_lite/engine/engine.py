@@ -342,7 +342,7 @@ class MegatronEngine:
             )
 
     def _pack(self, batch: SequenceBatch, micro_batches: list[list[int]]) -> list[_MicroBatch]:
-        from verl_lite.engine.cpu_adapter import suspended
+        from verl_lite.compat.cpu_adapter import suspended
 
         with suspended():  # CPU-side index work only
             return self._pack_all(batch, micro_batches)
@@ -404,7 +404,7 @@ class MegatronEngine:
         return outputs
 
     def _forward_step(self, names, temperature, width, loss_func_factory, data_iterator, model):
-        from verl_lite.engine.cpu_adapter import suspended
+        from verl_lite.compat.cpu_adapter import suspended
 
         mb: _MicroBatch = next(data_iterator)
         moe.start_micro_batch(getattr(self, "_router_step", None), mb.packed)  # MoE router losses (moe.py)
@@ -506,7 +506,7 @@ class MegatronEngine:
         owner = self.is_output_owner
 
         def loss_func(mb, names, temperature, width, output):
-            from verl_lite.engine.cpu_adapter import suspended
+            from verl_lite.compat.cpu_adapter import suspended
 
             with suspended():  # outputs + the caller's loss: plain tensor math on the output's device
                 return _loss(mb, names, temperature, width, output)

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 
 from verl_lite.engine.attention import PackedCoreAttention
 from verl_lite.engine.distributed import ParallelConfig
-from verl_lite.engine import moe
 from verl_lite.engine.moe import RouterLossCoefficients
 from verl_lite.engine.vocab_parallel import padded_vocab_size
 
@@ -405,11 +404,11 @@ def build_model_chunks(hf_config, tf_config, value_head: bool = False) -> list:
     """
     from megatron.core import parallel_state as ps
 
-    from verl_lite.engine import cpu_adapter
+    from verl_lite.compat import cpu_adapter, megatron_internals
 
     cpu_adapter.install()  # no-op on GPU or when init_distributed already did it (RoPE needs it on CPU)
     GPTModel = _gpt_model_class()
-    moe.prepare_host_dispatch()
+    megatron_internals.prepare_host_dispatch()
     vpp = tf_config.virtual_pipeline_model_parallel_size
     tied = bool(_get(hf_config, "tie_word_embeddings", False)) and not value_head
     chunks = []
@@ -431,7 +430,7 @@ def build_model_chunks(hf_config, tf_config, value_head: bool = False) -> list:
             vp_stage=vp_stage,
         )
         model.is_value_model = value_head  # read by hf_bridge on every stage
-        moe.make_dispatchers_host_safe(model)
+        megatron_internals.make_dispatchers_host_safe(model)
         if post and value_head:
             model.output_layer = ValueHead(tf_config, tf_config.hidden_size)
             model.output_layer.weight.is_embedding_or_output_parameter = True

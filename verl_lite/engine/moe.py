@@ -30,10 +30,9 @@ of one ``train_step``, or a null context for a dense model / zero coefficients),
 ``start_micro_batch`` before each micro-batch's forward (the per-token sequence index), and
 ``router_metrics`` after the step. Outside a step (inference) the router computes no loss.
 
-Two megatron-core 0.16.1 CPU gaps are closed here without patching megatron: the router's gating
-product (``RouterGatingLinearFunction`` reads the undefined ``te_general_gemm`` without
-TransformerEngine) and the alltoall dispatcher's device-to-host stream (``prepare_host_dispatch`` /
-``make_dispatchers_host_safe``, no-ops with CUDA).
+The router's gating product is computed here without TransformerEngine (megatron-core 0.16.1's
+``RouterGatingLinearFunction`` reads the undefined ``te_general_gemm`` without it); the alltoall
+dispatcher's device-to-host stream on a CPU-only torch is :mod:`verl_lite.compat.megatron_internals`'.
 """
 
 from __future__ import annotations
@@ -235,53 +234,6 @@ def _router_class():
             return super().routing(logits, padding_mask)
 
     return RouterWithMiniBatchLosses
-
-
-def prepare_host_dispatch() -> None:
-    """Before building MoE layers on a CPU-only torch: megatron's alltoall dispatcher creates a class-level
-    device-to-host copy stream (``torch.cuda.Stream()``) unless one exists; give it a placeholder.
-    No-op with CUDA."""
-    if torch.cuda.is_available():
-        return
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
-
-    if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
-        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NO_STREAM
-
-
-def make_dispatchers_host_safe(model) -> None:
-    """After building on a CPU-only torch: the alltoall dispatchers' copy-to-host + stream synchronise step
-    runs without streams (``_HostDtoH``: the split sizes become numpy arrays, as megatron's copy makes
-    them; there is nothing to copy or wait for). No-op with CUDA."""
-    if torch.cuda.is_available():
-        return
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
-
-    for module in model.modules():
-        dispatcher = getattr(module, "token_dispatcher", None)
-        if isinstance(dispatcher, MoEAlltoAllTokenDispatcher):
-            dispatcher._maybe_dtoh_and_synchronize = _HostDtoH(dispatcher)
-
-
-_NO_STREAM = object()  # placeholder for megatron's class-level DtoH stream on a CPU-only torch
-
-
-class _HostDtoH:
-    """megatron's ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` for host tensors: at the
-    dispatcher's DtoH point the split sizes are turned into numpy arrays (what ``all_to_all`` expects),
-    without streams or events."""
-
-    def __init__(self, dispatcher):
-        self.dispatcher = dispatcher
-
-    def __call__(self, point: str, tokens_per_expert=None):
-        d = self.dispatcher
-        if not d.drop_and_pad and point == d.cuda_dtoh_point:
-            for name in ("input_splits", "output_splits", "output_splits_tp"):
-                value = getattr(d, name, None)
-                if torch.is_tensor(value):
-                    setattr(d, name, value.numpy())
-        return tokens_per_expert
 
 
 _ROUTER_CLASS = None

@@ -41,7 +41,7 @@ from typing import Iterable
 
 import torch
 
-from verl_lite.engine.cpu_adapter import suspended
+from verl_lite.compat.cpu_adapter import suspended
 
 VLLM_INSTALL_HINT = (
     "install vLLM into the environment that runs verl_lite: on a CUDA machine `pip install vllm`; "

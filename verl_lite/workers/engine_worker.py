@@ -64,7 +64,7 @@ class EngineWorker(Worker):
 
     def _init_world(self):
         """init_distributed with this role's layout; returns the ``ParallelConfig``."""
-        from verl_lite.utils.lazy_compile import compile_decorators_deferred
+        from verl_lite.compat.lazy_compile import compile_decorators_deferred
 
         with compile_decorators_deferred():  # megatron's import-time torch.compile + wandb: ~1 s per worker
             import megatron.core  # noqa: F401

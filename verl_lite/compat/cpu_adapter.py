@@ -33,6 +33,10 @@ import contextlib
 import torch
 from torch.overrides import TorchFunctionMode
 
+from verl_lite.compat import require
+
+require("megatron-core", "verl_lite.compat.cpu_adapter")
+
 _INSTALLED_MODE: "_CudaToCpuMode | None" = None
 _CPU = torch.device("cpu")
 

@@ -32,6 +32,10 @@ import inspect
 import sys
 from contextlib import contextmanager
 
+from verl_lite.compat import require
+
+require("megatron-core", "verl_lite.compat.lazy_compile")
+
 HIDDEN_MODULES = frozenset({"wandb"})
 _pending_allow_in_graph: list = []
 
@@ -41,7 +45,7 @@ class _HiddenFinder(importlib.abc.MetaPathFinder):
 
     def find_spec(self, name, path, target=None):
         if name in HIDDEN_MODULES and name not in sys.modules:
-            raise ModuleNotFoundError(f"{name} is hidden while a library imports (verl_lite.utils.lazy_compile)",
+            raise ModuleNotFoundError(f"{name} is hidden while a library imports (verl_lite.compat.lazy_compile)",
                                       name=name)
         return None
 

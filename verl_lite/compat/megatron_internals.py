@@ -1,0 +1,75 @@
+"""megatron-core 0.16.1 internals verl_lite relies on (see the package docstring).
+
+- :func:`apply_timeout_to_groups`: megatron creates its expert-data-parallel gloo groups without
+  the timeout it was given (``parallel_state.py:1278``); every group gets it here.
+- :func:`prepare_host_dispatch` / :func:`make_dispatchers_host_safe`: the MoE alltoall token
+  dispatcher's device-to-host copy stream and its synchronise step, on a CPU-only torch.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from verl_lite.compat import require
+
+require("megatron-core", "verl_lite.compat.megatron_internals")
+
+
+def apply_timeout_to_groups(timeout: timedelta) -> None:
+    """Give every group megatron created the timeout: megatron 0.16.1 creates its expert-data-parallel
+    gloo groups without one (``parallel_state.py:1278``), which would leave them at 30 minutes."""
+    from megatron.core import parallel_state
+
+    for group in parallel_state._global_process_group_list or []:
+        if group is not None:  # None stands for the default group, created with the timeout
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def prepare_host_dispatch() -> None:
+    """Before building MoE layers on a CPU-only torch: megatron's alltoall dispatcher creates a class-level
+    device-to-host copy stream (``torch.cuda.Stream()``) unless one exists; give it a placeholder.
+    No-op with CUDA."""
+    if torch.cuda.is_available():
+        return
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NO_STREAM
+
+
+def make_dispatchers_host_safe(model) -> None:
+    """After building on a CPU-only torch: the alltoall dispatchers' copy-to-host + stream synchronise step
+    runs without streams (``_HostDtoH``: the split sizes become numpy arrays, as megatron's copy makes
+    them; there is nothing to copy or wait for). No-op with CUDA."""
+    if torch.cuda.is_available():
+        return
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    for module in model.modules():
+        dispatcher = getattr(module, "token_dispatcher", None)
+        if isinstance(dispatcher, MoEAlltoAllTokenDispatcher):
+            dispatcher._maybe_dtoh_and_synchronize = _HostDtoH(dispatcher)
+
+
+_NO_STREAM = object()  # placeholder for megatron's class-level DtoH stream on a CPU-only torch
+
+
+class _HostDtoH:
+    """megatron's ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` for host tensors: at the
+    dispatcher's DtoH point the split sizes are turned into numpy arrays (what ``all_to_all`` expects),
+    without streams or events."""
+
+    def __init__(self, dispatcher):
+        self.dispatcher = dispatcher
+
+    def __call__(self, point: str, tokens_per_expert=None):
+        d = self.dispatcher
+        if not d.drop_and_pad and point == d.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(d, name, None)
+                if torch.is_tensor(value):
+                    setattr(d, name, value.numpy())
+        return tokens_per_expert
