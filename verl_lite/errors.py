@@ -45,6 +45,11 @@ class RayStartError(RunFailure):
     """Ray did not start (or could not be joined) within the bounded retries."""
 
 
+class NonFiniteTraining(RunFailure):
+    """A role's loss or gradient norm went NaN / inf: the run stops at that step, as megatron's NaN
+    check does; nothing of the step is logged, checkpointed or exported."""
+
+
 class RunInterrupted(BaseException):
     """SIGINT / SIGTERM arrived: unwinds the run like KeyboardInterrupt (``except Exception`` does not catch it)."""
 

@@ -39,6 +39,7 @@ into the main parameters; ``export_hf`` of a trainable bf16 engine streams them 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
@@ -55,6 +56,26 @@ LM_OUTPUTS = ("log_probs", "entropy")
 VALUE_OUTPUTS = ("values",)
 
 LossFn = Callable[[dict, dict], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+
+
+class NonFiniteStepError(FloatingPointError):
+    """An optimizer step whose gradient norm is NaN or inf: a non-finite loss, or a gradient that overflowed.
+
+    ``MegatronEngine.train_step`` raises it on every rank of the engine alike: megatron reduces the
+    norm over the model-parallel group (and DP x CP with the distributed optimizer) after DDP's
+    gradient all-reduce, so every rank holds the same value and none skips a collective the others
+    enter (Contract 2). The step has been applied: the engine's weights are not usable afterwards.
+    ``optimizer_step``: this engine's 1-based step count; ``grad_norm``: the norm (None when
+    megatron skipped the step); ``loss``: this rank's summed loss contribution (output owners only).
+    """
+
+    def __init__(self, optimizer_step: int, grad_norm: float | None, loss: float | None = None):
+        super().__init__(optimizer_step, grad_norm, loss)  # args as __init__ takes them: pickles through Ray
+        self.optimizer_step, self.grad_norm, self.loss = optimizer_step, grad_norm, loss
+
+    def __str__(self) -> str:
+        loss = "" if self.loss is None else f" (loss {self.loss})"
+        return f"optimizer step {self.optimizer_step}: the gradient norm is {self.grad_norm}{loss}, not finite"
 
 
 @dataclass
@@ -475,7 +496,8 @@ class MegatronEngine:
         ``global_token_count`` (per-token mode only) = sum of sequence lengths (prompt + response)
         over the WHOLE mini-batch, all DP ranks; may be omitted when DP = 1.
         Returns {"grad_norm" (before clipping), "lr", and on output owners "loss" plus the sums
-        over micro-batches of the loss metrics}.
+        over micro-batches of the loss metrics}. A NaN / inf gradient norm raises
+        :class:`NonFiniteStepError` on every rank (megatron's NaN check stops the run the same way).
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -551,8 +573,7 @@ class MegatronEngine:
         self.scheduler.step(1)
         lr = self.scheduler.get_lr({})
         success, grad_norm, _ = self.optimizer.step()
-        if not success:
-            raise RuntimeError("the megatron optimizer skipped the step (inf/nan gradients)")
+        self._check_finite_step(success, grad_norm, store if owner and self._is_last_stage else None)
         result = {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": float(lr)}
         result.update(moe.router_metrics(self, router_step))  # every rank: each MoE stage adds its layers
         if owner and self._is_last_stage:
@@ -560,6 +581,15 @@ class MegatronEngine:
                 for k, v in d.items():
                     result[k] = result.get(k, 0.0) + v
         return result
+
+    def _check_finite_step(self, success: bool, grad_norm, reports: list[dict] | None) -> None:
+        """Raise :class:`NonFiniteStepError` (on every rank alike) when the step's gradient norm is
+        NaN / inf or megatron skipped the step for inf/nan gradients. ``reports``: the loss
+        reports of the micro-batches on an output owner, else None."""
+        if success and grad_norm is not None and math.isfinite(float(grad_norm)):
+            return
+        loss = None if reports is None else sum(float(d.get("loss", 0.0)) for d in reports)
+        raise NonFiniteStepError(int(self.scheduler.num_steps), None if grad_norm is None else float(grad_norm), loss)
 
     # ------------------------------------------------------------------ weights
     def export_hf(self, attr: str = "param"):

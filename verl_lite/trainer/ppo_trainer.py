@@ -29,6 +29,7 @@ group). GRPO, GSPO, DAPO, PPO ... differ only by config.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from pathlib import Path
@@ -50,7 +51,7 @@ from verl_lite.algorithms import (
     select_cov_tokens,
     truncated_is_weights,
 )
-from verl_lite.errors import RunFailure
+from verl_lite.errors import NonFiniteTraining, RunFailure
 from verl_lite.controller import MicroBatching, ResourcePool, RoleGroup, start_ray, stop_ray
 from verl_lite.protocol import Batch, response_lengths
 from verl_lite.reward import RewardError, RewardManager
@@ -129,7 +130,7 @@ class PPOTrainer:
         self.layout = validate_config(cfg, world_size=world_size)  # before anything starts
         self.world_size = self.layout.world_size
         arr = cfg.actor_rollout_ref
-        self.tokenizer = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or arr.model.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(arr.model.tokenizer_path)
         if reward_funcs is not None and reward_fn is not None:
             raise ValueError("give reward_funcs (TRL-style) or reward_fn (verl's signature), not both")
         if reward_funcs is not None:
@@ -186,7 +187,7 @@ class PPOTrainer:
         return WorkerConfig(
             **_engine_fields(arr.model.path, arr.actor.megatron, arr.actor.optim, self.total_optimizer_steps(),
                              self.cfg.trainer.seed, model=arr.model),
-            tokenizer_path=arr.model.tokenizer_path or arr.model.path,
+            tokenizer_path=arr.model.tokenizer_path,
             need_ref=self.need_ref,
             rollout_name=arr.rollout.name,
             rollout_kwargs=rollout_kwargs(arr.rollout, self.cfg.data.max_prompt_length + self.cfg.data.max_response_length),
@@ -194,7 +195,7 @@ class PPOTrainer:
 
     def _critic_config(self) -> EngineWorkerConfig:
         c = self.cfg.critic
-        return EngineWorkerConfig(**_engine_fields(c.model.path or self.cfg.actor_rollout_ref.model.path, c.megatron,
+        return EngineWorkerConfig(**_engine_fields(c.model.path, c.megatron,
                                                    c.optim, self.total_critic_steps(), self.cfg.trainer.seed,
                                                    model=c.model))
 
@@ -252,14 +253,9 @@ class PPOTrainer:
     def total_optimizer_steps(self) -> int:
         return self.total_steps() * self.layout.optimizer_steps_per_rl_step
 
-    def _critic_mini_batch_size(self) -> int:
-        return self.cfg.critic.ppo_mini_batch_size or self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size
-
-    def _critic_epochs(self) -> int:
-        return self.cfg.critic.ppo_epochs or self.cfg.actor_rollout_ref.actor.ppo_epochs
-
     def total_critic_steps(self) -> int:
-        per_step = self.cfg.data.train_batch_size // self._critic_mini_batch_size() * self._critic_epochs()
+        c = self.cfg.critic
+        per_step = self.cfg.data.train_batch_size // c.ppo_mini_batch_size * c.ppo_epochs
         return self.total_steps() * per_step
 
     def old_log_probs_from_update(self) -> bool:
@@ -277,20 +273,16 @@ class PPOTrainer:
         return MicroBatching.of(a.use_dynamic_bsz, a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu)
 
     def _log_prob_sizing(self, section) -> MicroBatching:
-        """``section`` holds ``log_prob_*`` keys (rollout: old log-probs, ref); null sizes follow the actor."""
-        return MicroBatching.of(section.log_prob_use_dynamic_bsz,
-                                section.log_prob_micro_batch_size_per_gpu
-                                or self.cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu,
+        """``section`` holds ``log_prob_*`` keys (rollout: old log-probs, ref)."""
+        return MicroBatching.of(section.log_prob_use_dynamic_bsz, section.log_prob_micro_batch_size_per_gpu,
                                 section.log_prob_max_token_len_per_gpu)
 
     def _critic_sizing(self, forward: bool) -> MicroBatching:
         c = self.cfg.critic
-        micro = c.ppo_micro_batch_size_per_gpu or self.cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
-        budget = c.ppo_max_token_len_per_gpu
         if forward:
-            micro = c.forward_micro_batch_size_per_gpu or micro
-            budget = c.forward_max_token_len_per_gpu or budget
-        return MicroBatching.of(c.use_dynamic_bsz, micro, budget)
+            return MicroBatching.of(c.use_dynamic_bsz, c.forward_micro_batch_size_per_gpu,
+                                    c.forward_max_token_len_per_gpu)
+        return MicroBatching.of(c.use_dynamic_bsz, c.ppo_micro_batch_size_per_gpu, c.ppo_max_token_len_per_gpu)
 
     # ================================================================ data
     def _train_batches(self) -> Iterator[list[dict]]:
@@ -459,36 +451,62 @@ class PPOTrainer:
                 out.append((mini, NormalizationPlan.from_mask(mini["response_mask"], mode, horizon=horizon)))
         return out
 
-    def _horizon(self) -> float:
-        a = self.cfg.actor_rollout_ref.actor
-        return a.loss_scale_factor if a.loss_scale_factor is not None else self.cfg.data.max_response_length
-
     def update_actor(self, batch: Batch) -> list[dict]:
         """ppo_epochs x mini-batches optimizer steps; returns per-step results merged over DP."""
         a = self.cfg.actor_rollout_ref.actor
         keys = ROLLOUT_COLUMNS + ["advantages"] + [k for k in ("old_log_probs", "ref_log_probs", "is_weights")
                                                    if k in batch]
         plans = self._plans(batch, keys, lambda epoch: self.mini_batches(len(batch), epoch), a.ppo_epochs,
-                            a.loss_agg_mode, self._horizon(), "actor")
+                            a.loss_agg_mode, a.loss_scale_factor, "actor")
         if LOSS_NEEDS[a.policy_loss.loss_mode] & {"cov_mask"}:  # selection over the whole mini-batch
             plans = [(mini.set("cov_mask", select_cov_tokens(
                 a.policy_loss.loss_mode, mini["advantages"], mini["old_log_probs"], mini["response_mask"],
                 self.loss_cfg, seed=self.cfg.trainer.seed * 65_537 + self.global_step * 131 + k)), plan)
                 for k, (mini, plan) in enumerate(plans)]
-        owners = self.actor.train("update_actor", plans, self._actor_update_sizing(), self.loss_cfg,
-                                  self.cfg.actor_rollout_ref.rollout.temperature)
-        return M.merge_owner_steps(owners)
+        return self._train_role("actor", self.actor, "update_actor", plans, self._actor_update_sizing(), self.loss_cfg,
+                                self.cfg.actor_rollout_ref.rollout.temperature)
 
     def update_critic(self, batch: Batch) -> list[dict]:
         """Critic epochs x mini-batches optimizer steps of the clipped value loss."""
         c = self.cfg.critic
-        mode = c.loss_agg_mode or self.cfg.actor_rollout_ref.actor.loss_agg_mode
-        rows = lambda epoch: self._mini_batch_rows(len(batch), self._critic_mini_batch_size(), c.shuffle,  # noqa: E731
+        mode = c.loss_agg_mode
+        rows = lambda epoch: self._mini_batch_rows(len(batch), c.ppo_mini_batch_size, c.shuffle,  # noqa: E731
                                                    epoch, salt=1)
-        plans = self._plans(batch, ROLLOUT_COLUMNS + ["old_values", "returns"], rows, self._critic_epochs(), mode,
-                            self._horizon(), "critic")
-        owners = self.critic.train("update_critic", plans, self._critic_sizing(False), c.cliprange_value)
-        return M.merge_owner_steps(owners)
+        plans = self._plans(batch, ROLLOUT_COLUMNS + ["old_values", "returns"], rows, c.ppo_epochs, mode,
+                            self.cfg.actor_rollout_ref.actor.loss_scale_factor, "critic")
+        return self._train_role("critic", self.critic, "update_critic", plans, self._critic_sizing(False),
+                                c.cliprange_value)
+
+    def _train_role(self, role: str, group: RoleGroup, method: str, plans, *args) -> list[dict]:
+        """``group.train(method, plans, *args)`` merged per optimizer step. A NaN / inf gradient norm (the
+        engine raises it on every rank) or loss (checked here, from the output owners) stops the run
+        with :class:`NonFiniteTraining` naming the step and the role."""
+        from verl_lite.controller.worker_group import WorkerError
+        from verl_lite.engine.engine import NonFiniteStepError
+
+        try:
+            steps = M.merge_owner_steps(group.train(method, plans, *args))
+        except WorkerError as err:
+            e = err.__cause__
+            if not isinstance(e, NonFiniteStepError):
+                raise
+            loss = "" if e.loss is None else f" (loss {e.loss})"
+            raise self._non_finite(role, f"gradient norm is {e.grad_norm} at its optimizer step {e.optimizer_step}"
+                                         f"{loss}") from err
+        for k, s in enumerate(steps):
+            bad = {key: s[key] for key in ("loss", "grad_norm") if key in s and not math.isfinite(s[key])}
+            if bad:
+                what = " and ".join(f"{key.replace('_', ' ')} is {v}" for key, v in bad.items())
+                raise self._non_finite(role, f"{what} in update {k + 1} of {len(steps)} of this step")
+        return steps
+
+    def _non_finite(self, role: str, detail: str) -> NonFiniteTraining:
+        section = "actor_rollout_ref.actor" if role == "actor" else "critic"
+        return NonFiniteTraining(
+            f"step {self.global_step + 1}: the {role}'s {detail}, not finite; the run stopped there (the step is "
+            f"not logged, checkpointed or exported)",
+            f"check the reward's scale, {section}.optim.lr and the model weights, then resume from the last "
+            f"checkpoint")
 
     def sync_weights(self) -> None:
         self.actor.call_all("sync_rollout_weights")
