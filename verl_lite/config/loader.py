@@ -234,27 +234,43 @@ def check_equal(cfg, equal: list[tuple[str, object, str]]) -> None:
 # ---------------------------------------------------------------- compose and convert
 
 
+# (section path, key, source path): a null `key` of `section` takes the value at `source` (verl's
+# `${oc.select:...}` defaults). In order: a source may itself be inherited above it.
+INHERITED = (
+    ("actor_rollout_ref.model", "tokenizer_path", "actor_rollout_ref.model.path"),
+    ("actor_rollout_ref.actor", "clip_ratio_low", "actor_rollout_ref.actor.clip_ratio"),
+    ("actor_rollout_ref.actor", "clip_ratio_high", "actor_rollout_ref.actor.clip_ratio"),
+    ("actor_rollout_ref.actor", "loss_scale_factor", "data.max_response_length"),
+    *((section, f"log_prob_{key}", f"actor_rollout_ref.actor.{source}")
+      for section in ("actor_rollout_ref.ref", "actor_rollout_ref.rollout")
+      for key, source in (("micro_batch_size_per_gpu", "ppo_micro_batch_size_per_gpu"),
+                          ("use_dynamic_bsz", "use_dynamic_bsz"),
+                          ("max_token_len_per_gpu", "ppo_max_token_len_per_gpu"))),
+    ("critic.model", "path", "actor_rollout_ref.model.path"),
+    ("critic.model", "tokenizer_path", "critic.model.path"),
+    *(("critic", key, f"actor_rollout_ref.actor.{key}")
+      for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "loss_agg_mode")),
+    ("critic", "forward_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu"),
+    ("critic", "forward_max_token_len_per_gpu", "critic.ppo_max_token_len_per_gpu"),
+)
+
+
 def resolve_inherited(cfg: PPOConfig) -> PPOConfig:
-    """verl's ``${oc.select:...}`` defaults: null ref/rollout ``log_prob_*`` sizes follow the actor's
-    (``use_dynamic_bsz``, ``ppo_max_token_len_per_gpu``); idempotent, in place."""
-    actor = cfg.actor_rollout_ref.actor
-    for section in (cfg.actor_rollout_ref.ref, cfg.actor_rollout_ref.rollout):
-        if section.log_prob_use_dynamic_bsz is None:
-            section.log_prob_use_dynamic_bsz = actor.use_dynamic_bsz
-        if section.log_prob_max_token_len_per_gpu is None:
-            section.log_prob_max_token_len_per_gpu = actor.ppo_max_token_len_per_gpu
+    """Every "null = another key's value" of the schema (``INHERITED``), resolved in place, so the
+    loaded config (and a run's config.json) holds the values that run; idempotent."""
+    for section, key, source in INHERITED:
+        node = _get_dotted(cfg, section)
+        if getattr(node, key) is None:
+            setattr(node, key, _get_dotted(cfg, source))
     return cfg
 
 
 def _fill_builtin_defaults(cfg: PPOConfig) -> PPOConfig:
     """None model path / data files -> the shipped assets; a single file path -> a one-element list;
-    inherited ``log_prob_*`` sizes resolved (``resolve_inherited``)."""
-    resolve_inherited(cfg)
+    then every inherited null resolved (``resolve_inherited``)."""
     model = cfg.actor_rollout_ref.model
     if model.path is None:
         model.path = default_model_path()
-    if model.tokenizer_path is None:
-        model.tokenizer_path = model.path
     train, val = default_data_files()
     if cfg.data.train_files is None:
         cfg.data.train_files = train
@@ -266,7 +282,7 @@ def _fill_builtin_defaults(cfg: PPOConfig) -> PPOConfig:
             setattr(cfg.data, name, [files])
         elif not isinstance(files, list):
             setattr(cfg.data, name, list(files))
-    return cfg
+    return resolve_inherited(cfg)
 
 
 def to_dataclass(dict_cfg) -> PPOConfig:

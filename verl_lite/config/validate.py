@@ -99,9 +99,6 @@ def validate_config(cfg: PPOConfig, world_size: int | None = None) -> Layout:
 
     world_size defaults to trainer.n_gpus_per_node * trainer.nnodes (the number of workers).
     """
-    from verl_lite.config.loader import resolve_inherited
-
-    resolve_inherited(cfg)
     p: list[str] = []
     d, arr, alg, tr = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
     actor, ref, rollout, mg = arr.actor, arr.ref, arr.rollout, arr.actor.megatron
@@ -174,7 +171,7 @@ def validate_config(cfg: PPOConfig, world_size: int | None = None) -> Layout:
             ("critic", c.use_dynamic_bsz, c.ppo_micro_batch_size_per_gpu, c.ppo_max_token_len_per_gpu,
              "use_dynamic_bsz", "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu", False),
             ("critic", c.use_dynamic_bsz, c.forward_micro_batch_size_per_gpu,
-             c.forward_max_token_len_per_gpu or c.ppo_max_token_len_per_gpu, "use_dynamic_bsz",
+             c.forward_max_token_len_per_gpu, "use_dynamic_bsz",
              "forward_micro_batch_size_per_gpu", "forward_max_token_len_per_gpu", False),
         ]
     for key, dynamic, micro, budget, dyn_key, micro_key, budget_key, required in sections:
@@ -437,27 +434,26 @@ def _check_critic(cfg: PPOConfig, actor_world: int, positive, p: list[str]) -> t
     world = actor_world if c.num_workers is None else c.num_workers
     if c.num_workers is not None and not positive("critic.num_workers", c.num_workers):
         return 0, 0
-    path = c.model.path or cfg.actor_rollout_ref.model.path
-    if c.model.path and not (Path(c.model.path) / "config.json").is_file():
+    path = c.model.path
+    if path != cfg.actor_rollout_ref.model.path and not (Path(path) / "config.json").is_file():
         p.append(f"critic.model.path={c.model.path!r} is not an HF model directory (no config.json); give one or "
                  f"null for the actor's model with a fresh value head")
     model_cfg = _model_config(path) if path else None
     dp = _check_layout("critic.megatron", c.megatron, world,
                        "the critic's {world} workers (critic.num_workers, null = the actor's)", model_cfg, positive, p)
-    mini = c.ppo_mini_batch_size or actor.ppo_mini_batch_size
+    mini = c.ppo_mini_batch_size
     n = cfg.actor_rollout_ref.rollout.n
-    if c.ppo_mini_batch_size is not None and positive("critic.ppo_mini_batch_size", c.ppo_mini_batch_size):
+    if mini != actor.ppo_mini_batch_size and positive("critic.ppo_mini_batch_size", mini):
         if cfg.data.train_batch_size % c.ppo_mini_batch_size:
             p.append(f"critic.ppo_mini_batch_size={c.ppo_mini_batch_size} must divide data.train_batch_size="
                      f"{cfg.data.train_batch_size} (both count prompts)")
     if dp and mini and (mini * n) % dp:
         p.append(f"critic trajectories per mini-batch = {mini} x rollout.n {n} = {mini * n} must divide by the "
                  f"critic's DP = {dp}; change critic.ppo_mini_batch_size or critic.megatron.*")
-    if c.ppo_epochs is not None:
-        positive("critic.ppo_epochs", c.ppo_epochs)
+    positive("critic.ppo_epochs", c.ppo_epochs)
     if not c.cliprange_value >= 0:
         p.append(f"critic.cliprange_value={c.cliprange_value} must be >= 0")
-    if c.loss_agg_mode is not None and c.loss_agg_mode not in AGG_MODES:
+    if c.loss_agg_mode not in AGG_MODES:
         p.append(f"critic.loss_agg_mode={c.loss_agg_mode!r} is unknown; choose one of {list(AGG_MODES)} or null")
     _check_optim("critic.optim", c.optim, p)
     return world, dp
@@ -495,7 +491,7 @@ def _validate_rest(cfg: PPOConfig, p: list[str], positive, world, dp, traj_mini,
             p.append(f"{A}.{name}={v} must be > 0")
     if not actor.clip_ratio_c > 1:
         p.append(f"{A}.clip_ratio_c={actor.clip_ratio_c} must be > 1 (dual-clip lower bound)")
-    if actor.loss_scale_factor is not None and not actor.loss_scale_factor > 0:
+    if not actor.loss_scale_factor > 0:
         p.append(f"{A}.loss_scale_factor={actor.loss_scale_factor} must be > 0 or null (= data.max_response_length)")
     if not 0.0 <= alg.gamma <= 1.0 or not 0.0 <= alg.lam <= 1.0:
         p.append(f"algorithm.gamma={alg.gamma} and algorithm.lam={alg.lam} must lie in [0, 1]")
@@ -602,7 +598,7 @@ def _validate_rest(cfg: PPOConfig, p: list[str], positive, world, dp, traj_mini,
             f"actor_rollout_ref.model.path={mpath!r} is not an HF model directory (no config.json); "
             f"give a local HF model dir or null for the shipped tiny model"
         )
-    tpath = arr.model.tokenizer_path or mpath
+    tpath = arr.model.tokenizer_path
     if tpath and not any((Path(tpath) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         p.append(f"actor_rollout_ref.model.tokenizer_path={tpath!r} holds no tokenizer.json/tokenizer_config.json")
 
