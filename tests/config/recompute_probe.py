@@ -11,7 +11,7 @@ from verl_lite.engine import EngineConfig, MegatronEngine, OptimConfig, Parallel
 from verl_lite.engine.distributed import init_distributed
 from verl_lite.utils.net import free_port
 from verl_lite.utils.tiny_model import make_tiny_hf_model
-from verl_lite.config.validate import recompute_overrides
+from verl_lite.workers.from_config import recompute_overrides
 md = str(make_tiny_hf_model(sys.argv[1], "qwen2", vocab_size=64, hidden_size=32, num_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, seed=0))
 par = ParallelConfig(timeout_s=60)
 init_distributed(0, 1, "127.0.0.1", free_port(), par)

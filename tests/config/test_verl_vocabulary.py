@@ -206,11 +206,10 @@ def test_gradient_checkpointing_and_transformer_overrides_reach_the_engine_confi
     engine builds; override_transformer_config fields land there too (and win)."""
     from transformers import AutoConfig
 
-    from verl_lite.config.validate import engine_model_overrides
     from verl_lite.engine.distributed import ParallelConfig
     from verl_lite.engine.model import transformer_config_from_hf
-    from verl_lite.trainer.ppo_trainer import _engine_fields
     from verl_lite.workers.engine_worker import EngineWorkerConfig
+    from verl_lite.workers.from_config import engine_model_overrides, engine_worker_fields
 
     # load_config accepts them on every machine; validate_config rejects recompute on CPU (see EXPECTED)
     cfg = load_config(["actor_rollout_ref.model.enable_gradient_checkpointing=true",
@@ -220,7 +219,7 @@ def test_gradient_checkpointing_and_transformer_overrides_reach_the_engine_confi
     overrides = engine_model_overrides(arr.model, arr.actor.megatron)
     assert overrides == {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2,
                          "deallocate_pipeline_outputs": True}
-    fields = _engine_fields(arr.model.path, arr.actor.megatron, arr.actor.optim, 10, 0, model=arr.model)
+    fields = engine_worker_fields(arr.model, arr.actor.megatron, arr.actor.optim, 10, 0)
     assert EngineWorkerConfig(**fields).model_overrides == overrides
     tc = transformer_config_from_hf(AutoConfig.from_pretrained(arr.model.path), ParallelConfig(), **overrides)
     assert (tc.recompute_granularity, tc.recompute_method, tc.recompute_num_layers) == ("full", "uniform", 2)

@@ -16,7 +16,9 @@ MASKS = [[1, 1, 0, 0, 1, 1], [0, 1, 1, 0, 0, 0], [1, 0, 1, 0, 1, 0]]  # holes an
 
 def _worker_log_probs(rank, world, model_dir, port):
     from verl_lite.protocol import Batch
-    from verl_lite.workers.actor_rollout_ref import ActorRolloutRefWorker, WorkerConfig
+    from verl_lite.config import load_config
+    from verl_lite.workers.actor_rollout_ref import ActorRolloutRefWorker
+    from verl_lite.workers.from_config import actor_worker_config
 
     width = max(len(r) for r in RESPONSES)
     responses = torch.zeros(len(RESPONSES), width, dtype=torch.long)
@@ -24,7 +26,9 @@ def _worker_log_probs(rank, world, model_dir, port):
     for i, (resp, m) in enumerate(zip(RESPONSES, MASKS)):
         responses[i, : len(resp)] = torch.tensor(resp)
         mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
-    worker = ActorRolloutRefWorker(rank, world, WorkerConfig(model_path=model_dir, tokenizer_path=model_dir, tp=2))
+    cfg = load_config([f"actor_rollout_ref.model.path={model_dir}",
+                       "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"])
+    worker = ActorRolloutRefWorker(rank, world, actor_worker_config(cfg, total_steps=1, need_ref=False))
     worker.set_rendezvous("127.0.0.1", port)
     worker.init_model()
     piece = Batch.from_dict({"responses": responses, "response_mask": mask}, {"prompt_ids": PROMPTS})

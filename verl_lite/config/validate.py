@@ -141,6 +141,8 @@ def validate_config(cfg: PPOConfig, world_size: int | None = None) -> Layout:
     model_cfg = _model_config(arr.model.path) if arr.model.path else None
     dp = _check_layout(M, mg, world, "the {world} workers (trainer.n_gpus_per_node x trainer.nnodes)", model_cfg,
                        positive, p)
+    from verl_lite.workers.from_config import engine_model_overrides
+
     p.extend(router_loss_recompute_problems(model_cfg, engine_model_overrides(arr.model, mg)))
     traj_mini = actor.ppo_mini_batch_size * rollout.n if ok_sizes else 0
     if dp and traj_mini and traj_mini % dp:
@@ -394,21 +396,6 @@ def transformer_override_problems(key: str, overrides: dict, dtype: str = "float
             out.append(f"{k}={value}: megatron's activation recompute saves and restores the CUDA RNG state, so it "
                        f"runs on GPU only; drop it on CPU")
     return out
-
-
-def recompute_overrides(enable_gradient_checkpointing: bool) -> dict:
-    """verl's ``model.enable_gradient_checkpointing`` as megatron activation recompute (verl's megatron
-    defaults: full granularity, uniform method, 1 layer per checkpoint)."""
-    if not enable_gradient_checkpointing:
-        return {}
-    return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-
-
-def engine_model_overrides(model_cfg, megatron_cfg) -> dict:
-    """The ``EngineConfig.model_overrides`` of one role: activation recompute from
-    ``model.enable_gradient_checkpointing`` then ``megatron.override_transformer_config`` (which wins)."""
-    return {**recompute_overrides(model_cfg.enable_gradient_checkpointing),
-            **dict(megatron_cfg.override_transformer_config or {})}
 
 
 def _check_optim(key: str, o, p: list[str]) -> None:

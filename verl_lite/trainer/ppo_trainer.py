@@ -39,7 +39,6 @@ import torch
 
 from verl_lite.algorithms import (
     LOSS_NEEDS,
-    ActorLossConfig,
     NormalizationPlan,
     apply_kl_penalty,
     compute_advantage,
@@ -55,41 +54,16 @@ from verl_lite.errors import NonFiniteTraining, RunFailure
 from verl_lite.controller import MicroBatching, ResourcePool, RoleGroup, start_ray, stop_ray
 from verl_lite.protocol import Batch, response_lengths
 from verl_lite.reward import RewardError, RewardManager
-from verl_lite.rollout import rollout_kwargs
 from verl_lite.trainer import metrics as M
 from verl_lite.trainer.checkpointing import CheckpointManager
-from verl_lite.workers import ActorRolloutRefWorker, CriticWorker, EngineWorkerConfig, WorkerConfig
+from verl_lite.workers import ActorRolloutRefWorker, CriticWorker
+from verl_lite.workers.from_config import actor_loss_config, actor_worker_config, critic_worker_config
 
 ROLLOUT_COLUMNS = ["prompt_ids", "responses", "response_mask"]
 
 
 class DynamicSamplingError(RunFailure):
     """DAPO's dynamic sampling hit ``algorithm.filter_groups.max_num_gen_batches``."""
-
-
-def _engine_fields(model_path: str, mg, opt, total_steps: int, seed: int, model=None) -> dict:
-    """The EngineWorkerConfig fields of one role from its ``megatron``, ``optim`` and ``model`` sections."""
-    from verl_lite.config.validate import engine_model_overrides
-
-    return dict(
-        model_overrides=engine_model_overrides(model, mg) if model is not None else dict(mg.override_transformer_config),
-        model_path=model_path,
-        tp=mg.tensor_model_parallel_size,
-        pp=mg.pipeline_model_parallel_size,
-        vpp=mg.virtual_pipeline_model_parallel_size,
-        cp=mg.context_parallel_size,
-        sequence_parallel=mg.sequence_parallel,
-        ep=mg.expert_model_parallel_size,
-        etp=mg.expert_tensor_parallel_size,
-        timeout_s=mg.timeout_s,
-        optim=dict(lr=opt.lr, weight_decay=opt.weight_decay, clip_grad=opt.clip_grad, betas=tuple(opt.betas),
-                   lr_warmup_steps=opt.lr_warmup_steps, lr_decay_style=opt.lr_decay_style, min_lr=opt.min_lr,
-                   total_steps=max(1, total_steps)),
-        calculate_per_token_loss=mg.calculate_per_token_loss,
-        use_distributed_optimizer=mg.use_distributed_optimizer,
-        seed=seed,
-        params_dtype=mg.dtype,
-    )
 
 
 def _vpp_multiple(mg) -> int:
@@ -145,15 +119,7 @@ class PPOTrainer:
         self.use_critic = "critic" in self.estimator_needs
         self.need_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         self.kl_ctrl = get_kl_controller(**vars(cfg.algorithm.kl_ctrl)) if cfg.algorithm.use_kl_in_reward else None
-        actor, pl = arr.actor, arr.actor.policy_loss
-        self.loss_cfg = ActorLossConfig(
-            clip_ratio=actor.clip_ratio, clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
-            clip_ratio_c=actor.clip_ratio_c, tau_pos=pl.tau_pos, tau_neg=pl.tau_neg,
-            clip_cov_ratio=pl.clip_cov_ratio, clip_cov_lb=pl.clip_cov_lb, clip_cov_ub=pl.clip_cov_ub,
-            kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef,
-            policy_loss=pl.loss_mode, loss_agg_mode=actor.loss_agg_mode, entropy_coeff=actor.entropy_coeff,
-            use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type,
-        )
+        self.loss_cfg = actor_loss_config(arr.actor)
         self.actor: RoleGroup | None = None
         self.critic: RoleGroup | None = None
         self.pool: ResourcePool | None = None
@@ -182,23 +148,6 @@ class PPOTrainer:
             datasets.append(RLDataset(given if given is not None else getattr(d, key), **kw))
         return tuple(datasets)
 
-    def _actor_config(self) -> WorkerConfig:
-        arr = self.cfg.actor_rollout_ref
-        return WorkerConfig(
-            **_engine_fields(arr.model.path, arr.actor.megatron, arr.actor.optim, self.total_optimizer_steps(),
-                             self.cfg.trainer.seed, model=arr.model),
-            tokenizer_path=arr.model.tokenizer_path,
-            need_ref=self.need_ref,
-            rollout_name=arr.rollout.name,
-            rollout_kwargs=rollout_kwargs(arr.rollout, self.cfg.data.max_prompt_length + self.cfg.data.max_response_length),
-        )
-
-    def _critic_config(self) -> EngineWorkerConfig:
-        c = self.cfg.critic
-        return EngineWorkerConfig(**_engine_fields(c.model.path, c.megatron,
-                                                   c.optim, self.total_critic_steps(), self.cfg.trainer.seed,
-                                                   model=c.model))
-
     def start(self) -> None:
         """Start (or join) Ray, place the roles, build engines and rollouts."""
         if self.actor is not None:
@@ -210,12 +159,14 @@ class PPOTrainer:
             self.pool = ResourcePool(self.world_size + (self.layout.critic_world_size if separate else 0))
             colocated_share = 0.5 if self.use_critic and not separate else 1.0
             mg = self.cfg.actor_rollout_ref.actor.megatron
-            self.actor = RoleGroup("actor", ActorRolloutRefWorker, self.world_size, self._actor_config(), self.pool,
+            self.actor = RoleGroup("actor", ActorRolloutRefWorker, self.world_size,
+                                   actor_worker_config(self.cfg, self.total_optimizer_steps(), self.need_ref), self.pool,
                                    self.worker_timeout_s, cp=mg.context_parallel_size, vpp_multiple=_vpp_multiple(mg),
                                    share=colocated_share)
             if self.use_critic:
                 self.critic = RoleGroup(
-                    "critic", CriticWorker, self.layout.critic_world_size, self._critic_config(), self.pool,
+                    "critic", CriticWorker, self.layout.critic_world_size,
+                    critic_worker_config(self.cfg, self.total_critic_steps()), self.pool,
                     self.worker_timeout_s, cp=c.megatron.context_parallel_size, vpp_multiple=_vpp_multiple(c.megatron),
                     bundle_offset=self.world_size if separate else 0, share=colocated_share)
         except BaseException:

@@ -17,7 +17,7 @@ plus the per-token tensors the loss needs (``old_log_probs``, ``advantages``, ..
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 from verl_lite.protocol import Batch
@@ -30,10 +30,10 @@ ACTOR_LOSS_KEYS = ("response_mask", "old_log_probs", "advantages", "ref_log_prob
 class WorkerConfig(EngineWorkerConfig):
     """The actor's engine layout plus what the colocated ref and rollout need."""
 
-    tokenizer_path: str = ""
-    need_ref: bool = False
-    rollout_name: str = "hf"
-    rollout_kwargs: dict = field(default_factory=dict)  # backend settings passed to make_rollout
+    tokenizer_path: str
+    need_ref: bool
+    rollout_name: str
+    rollout_kwargs: dict  # backend settings passed to make_rollout
 
 
 def _attention_override(overrides: dict) -> dict:
@@ -61,7 +61,7 @@ class ActorRolloutRefWorker(EngineWorker):
             self.ref = MegatronEngine(EngineConfig(model_path=c.model_path, parallel=parallel, forward_only=True,
                                                    seed=c.seed, params_dtype=c.params_dtype,
                                                    model_overrides=_attention_override(c.model_overrides)))
-        tokenizer = AutoTokenizer.from_pretrained(c.tokenizer_path or c.model_path)
+        tokenizer = AutoTokenizer.from_pretrained(c.tokenizer_path)
         self.rollout = make_rollout(c.rollout_name, c.model_path, tokenizer, **c.rollout_kwargs)
 
     def _owner_engine(self):

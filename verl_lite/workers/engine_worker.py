@@ -7,7 +7,7 @@ and the critic can use different layouts on the same machines.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -17,23 +17,23 @@ from verl_lite.protocol import Batch, response_lengths
 
 @dataclass
 class EngineWorkerConfig:
-    """What an engine role builds (plain data, sent once by the controller)."""
+    """What an engine role builds (plain data, sent once by the controller; built by ``workers.from_config``)."""
 
     model_path: str
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None
-    cp: int = 1
-    sequence_parallel: bool = False
-    ep: int = 1  # expert parallel (MoE models)
-    etp: int = 1  # expert tensor parallel
-    timeout_s: float = 300.0
-    optim: dict = field(default_factory=dict)  # verl_lite.engine.config.OptimConfig fields
-    calculate_per_token_loss: bool = False
-    use_distributed_optimizer: bool = False
-    seed: int = 0
-    model_overrides: dict = field(default_factory=dict)  # megatron TransformerConfig fields (EngineConfig.model_overrides)
-    params_dtype: str = "float32"  # megatron.dtype: float32 | bfloat16 (EngineConfig.params_dtype)
+    tp: int
+    pp: int
+    vpp: int | None
+    cp: int
+    sequence_parallel: bool
+    ep: int  # expert parallel (MoE models)
+    etp: int  # expert tensor parallel
+    timeout_s: float
+    optim: dict  # verl_lite.engine.config.OptimConfig fields
+    calculate_per_token_loss: bool
+    use_distributed_optimizer: bool
+    seed: int
+    model_overrides: dict  # megatron TransformerConfig fields (EngineConfig.model_overrides)
+    params_dtype: str  # megatron.dtype: float32 | bfloat16 (EngineConfig.params_dtype)
 
 
 def sequence_batch(piece: Batch, loss_keys: tuple[str, ...] = ()):

@@ -1,0 +1,87 @@
+"""The one translation from the config's sections (``verl_lite.config.schema``) to what the roles build.
+
+Every engine and worker setting comes from the loaded config through these functions; the
+engine's and workers' config classes state no default of their own for a config key.
+
+    actor_worker_config(cfg, total_steps, need_ref)   # WorkerConfig of the actor/rollout/ref role
+    critic_worker_config(cfg, total_steps)            # EngineWorkerConfig of the critic role
+    actor_loss_config(cfg.actor_rollout_ref.actor)    # algorithms.ActorLossConfig
+    engine_model_overrides(model, megatron)           # EngineConfig.model_overrides of one role
+"""
+
+from __future__ import annotations
+
+from verl_lite.workers.actor_rollout_ref import WorkerConfig
+from verl_lite.workers.engine_worker import EngineWorkerConfig
+
+# verl's model.enable_gradient_checkpointing as megatron activation recompute (verl's megatron settings)
+RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+
+def recompute_overrides(enable_gradient_checkpointing: bool) -> dict:
+    """``model.enable_gradient_checkpointing`` as megatron activation recompute (full granularity, uniform
+    method, 1 layer per checkpoint), or nothing when it is off."""
+    return dict(RECOMPUTE) if enable_gradient_checkpointing else {}
+
+
+def engine_model_overrides(model, megatron) -> dict:
+    """The ``EngineConfig.model_overrides`` of one role: activation recompute from
+    ``model.enable_gradient_checkpointing`` then ``megatron.override_transformer_config`` (which wins)."""
+    return {**recompute_overrides(model.enable_gradient_checkpointing),
+            **dict(megatron.override_transformer_config or {})}
+
+
+def engine_worker_fields(model, megatron, optim, total_steps: int, seed: int) -> dict:
+    """The ``EngineWorkerConfig`` fields of one role from its ``model``, ``megatron`` and ``optim`` sections."""
+    return dict(
+        model_path=model.path,
+        tp=megatron.tensor_model_parallel_size,
+        pp=megatron.pipeline_model_parallel_size,
+        vpp=megatron.virtual_pipeline_model_parallel_size,
+        cp=megatron.context_parallel_size,
+        sequence_parallel=megatron.sequence_parallel,
+        ep=megatron.expert_model_parallel_size,
+        etp=megatron.expert_tensor_parallel_size,
+        timeout_s=megatron.timeout_s,
+        optim={**{k: getattr(optim, k) for k in vars(optim)}, "betas": tuple(optim.betas),
+               "total_steps": max(1, total_steps)},
+        calculate_per_token_loss=megatron.calculate_per_token_loss,
+        use_distributed_optimizer=megatron.use_distributed_optimizer,
+        seed=seed,
+        model_overrides=engine_model_overrides(model, megatron),
+        params_dtype=megatron.dtype,
+    )
+
+
+def actor_worker_config(cfg, total_steps: int, need_ref: bool) -> WorkerConfig:
+    """The actor role's ``WorkerConfig`` (engine layout, the colocated ref and rollout)."""
+    from verl_lite.rollout import rollout_kwargs
+
+    arr = cfg.actor_rollout_ref
+    return WorkerConfig(
+        **engine_worker_fields(arr.model, arr.actor.megatron, arr.actor.optim, total_steps, cfg.trainer.seed),
+        tokenizer_path=arr.model.tokenizer_path,
+        need_ref=need_ref,
+        rollout_name=arr.rollout.name,
+        rollout_kwargs=rollout_kwargs(arr.rollout, cfg.data.max_prompt_length + cfg.data.max_response_length),
+    )
+
+
+def critic_worker_config(cfg, total_steps: int) -> EngineWorkerConfig:
+    """The critic role's ``EngineWorkerConfig``."""
+    c = cfg.critic
+    return EngineWorkerConfig(**engine_worker_fields(c.model, c.megatron, c.optim, total_steps, cfg.trainer.seed))
+
+
+def actor_loss_config(actor):
+    """``algorithms.ActorLossConfig`` from the ``actor_rollout_ref.actor`` section."""
+    from verl_lite.algorithms import ActorLossConfig
+
+    pl = actor.policy_loss
+    return ActorLossConfig(
+        **{k: getattr(pl, k) for k in vars(pl) if k != "loss_mode"},
+        **{k: getattr(actor, k) for k in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c",
+                                          "loss_agg_mode", "entropy_coeff", "use_kl_loss", "kl_loss_coef",
+                                          "kl_loss_type")},
+        policy_loss=pl.loss_mode,
+    )
