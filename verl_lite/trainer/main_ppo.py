@@ -32,19 +32,16 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import threading
-import time
 import traceback
-from contextlib import contextmanager
 from pathlib import Path
 
-from verl_lite.config import ConfigError, config_to_dict, load_config
-from verl_lite.errors import RunFailure, RunInterrupted, describe
+from verl_lite.config import ConfigError, load_config
+from verl_lite.errors import RunInterrupted, describe
+from verl_lite.trainer.stop_signals import SIGNALS, STOP_GRACE_S  # noqa: F401 (STOP_GRACE_S: part of the CLI's API)
 
 DEBUG_ENV = "VERL_LITE_DEBUG"
-STOP_GRACE_S = 10.0  # after SIGINT/SIGTERM the run is force-stopped if its teardown takes longer
 
 
 class RunState:
@@ -55,88 +52,11 @@ class RunState:
         self.trainer = None
 
 
-class _Signals:
-    """SIGINT/SIGTERM -> :class:`RunInterrupted` in the main thread (deferred while a metrics line is
-    written), plus a watchdog that SIGKILLs the run's processes and exits if teardown overruns."""
-
-    def __init__(self):
-        self.received: int | None = None
-        self._deferring = 0
-        self._pending: int | None = None
-        self._previous: dict = {}
-
-    def install(self) -> None:
-        for s in (signal.SIGINT, signal.SIGTERM):
-            self._previous[s] = signal.getsignal(s)
-            signal.signal(s, self._handle)
-
-    def restore(self) -> None:
-        for s, h in self._previous.items():
-            signal.signal(s, h)
-        self._previous = {}
-
-    def _handle(self, signum, frame) -> None:
-        if self.received is not None:
-            return  # a repeated signal: the first one is being handled, the watchdog bounds it
-        self.received = signum
-        threading.Thread(target=self._watchdog, args=(signum,), name="verl_lite-stop-watchdog", daemon=True).start()
-        if self._deferring:
-            self._pending = signum
-            return
-        raise RunInterrupted(signum)
-
-    @staticmethod
-    def _watchdog(signum: int) -> None:
-        time.sleep(STOP_GRACE_S)
-        import psutil
-
-        from verl_lite.utils.processes import kill_and_wait
-
-        procs = psutil.Process().children(recursive=True)
-        kill_and_wait(procs, timeout_s=3.0)
-        print(f"verl_lite: stopped by {signal.Signals(signum).name}; teardown overran {STOP_GRACE_S:.0f}s, "
-              f"{len(procs)} process(es) of the run were killed", file=sys.stderr, flush=True)
-        os._exit(128 + signum)
-
-    @contextmanager
-    def deferred(self):
-        """A signal arriving inside the block is raised when the block ends (never mid-line)."""
-        self._deferring += 1
-        try:
-            yield
-        finally:
-            self._deferring -= 1
-            if not self._deferring and self._pending is not None:
-                signum, self._pending = self._pending, None
-                raise RunInterrupted(signum)
-
-
-_SIGNALS = _Signals()
-
-
-def _warn(message: str) -> None:
-    print(f"verl_lite: warning: {message}", file=sys.stderr, flush=True)
-
-
-def _seconds_since_process_start() -> float:
-    """Wall seconds since this process started, to ~10 ms: on Linux from /proc (the start tick vs the
-    uptime clock); psutil's ``create_time`` adds the boot time, which /proc/stat rounds to a whole second."""
-    try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            uptime_s = float(f.read().split()[0])
-        return uptime_s - start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        import psutil
-
-        return time.time() - psutil.Process().create_time()
-
-
 def run(overrides: list[str], state: RunState | None = None) -> dict:
     """Train with the given overrides; returns the summary dict (raises on any error)."""
     from verl_lite.config.preflight import check_model_files
     from verl_lite.trainer.ppo_trainer import PPOTrainer
+    from verl_lite.trainer.training_run import train_and_summarize
     from verl_lite.trainer.run_dir import make_run_dir
 
     state = state if state is not None else RunState()
@@ -147,86 +67,9 @@ def run(overrides: list[str], state: RunState | None = None) -> dict:
     try:
         out = make_run_dir(cfg.trainer.output_dir, cfg.trainer.experiment_name)
         state.run_dir = trainer.run_dir = out  # as fit() does: the trainer writes its files there too
-        return _train(cfg, trainer, out)
+        return train_and_summarize(cfg, trainer, out)
     finally:
         trainer.reward_manager.close()
-
-
-def train_in_run_dir(trainer, on_step=None) -> dict:
-    """What the CLI does after the config is loaded, for a built ``PPOTrainer`` (the Python API's
-    ``fit()``): a fresh run directory, trackers, curves, summary. Returns the summary."""
-    from verl_lite.trainer.run_dir import make_run_dir
-
-    out = make_run_dir(trainer.cfg.trainer.output_dir, trainer.cfg.trainer.experiment_name)
-    trainer.run_dir = out
-    return _train(trainer.cfg, trainer, out, user_on_step=on_step)
-
-
-def _train(cfg, trainer, out: Path, user_on_step=None) -> dict:
-    from verl_lite.trainer.metrics import plot_curves
-    from verl_lite.trainer.signal_watch import ZeroSignalWatch
-
-    (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=1, default=str))
-    from verl_lite.trainer.tracking import Tracking
-
-    # trainer.logger backends; metrics.jsonl always (the summary points at it)
-    tracking = Tracking(cfg, out, trainer.total_steps(), config_dict=config_to_dict(cfg), always_jsonl=True)
-    records: list[dict] = []
-    watch = ZeroSignalWatch()
-
-    def on_step(record: dict) -> None:
-        records.append(record)
-        if user_on_step is not None:
-            user_on_step(record)
-        with _SIGNALS.deferred():
-            try:
-                tracking.log(record)
-            except OSError as e:
-                raise RunFailure(f"writing {tracking.metrics_path} failed at step {record.get('step')} ({e.strerror or e})",
-                                 "free disk space or set trainer.output_dir to a disk with room") from None
-        warning = watch.update(record)
-        if warning:
-            _warn(warning)
-
-    summary = {"status": "failed", "steps": 0, "startup_s": None}
-    try:
-        trainer.start()  # Ray + workers + engines (fit() finds them started)
-        summary["startup_s"] = round(_seconds_since_process_start(), 2)
-        trainer.run_loop(on_step=on_step)
-        summary["status"] = "completed"
-    except RunInterrupted as e:
-        summary["status"] = f"interrupted ({signal.Signals(e.signum).name})"
-        raise
-    finally:
-        trainer.close()
-        try:
-            tracking.close()
-        except OSError:
-            pass
-        if records:
-            try:
-                plot_curves(records, out / "curves.png")
-            except Exception as e:  # a plot never hides the run's own result or error
-                _warn(f"could not draw {out / 'curves.png'}: {type(e).__name__}: {e}")
-        vals = [(r["step"], r["val/accuracy"]) for r in records if r.get("val/accuracy") is not None]
-        summary.update({
-            "steps": trainer.global_step,
-            "initial_val_accuracy": vals[0][1] if vals else None,
-            "initial_val_step": vals[0][0] if vals else None,
-            "final_val_accuracy": vals[-1][1] if vals else None,
-            "final_val_step": vals[-1][0] if vals else None,
-            "total_time_s": sum(r.get("timing_s/step", 0.0) + r.get("timing_s/validate", 0.0) for r in records),
-            "run_dir": str(out),
-            "metrics": str(out / "metrics.jsonl"),
-            "curve": str(out / "curves.png"),
-        })
-        try:
-            (out / "summary.json").write_text(json.dumps(summary, indent=1))
-        except OSError as e:
-            if summary["status"] == "completed":
-                raise RunFailure(f"writing {out / 'summary.json'} failed ({e.strerror or e})",
-                                 "free disk space or set trainer.output_dir to a disk with room") from None
-    return summary
 
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"  # the repository's recipes/
@@ -321,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     state = RunState()
     in_main_thread = threading.current_thread() is threading.main_thread()
     if in_main_thread:
-        _SIGNALS.received = None
-        _SIGNALS.install()
+        SIGNALS.received = None
+        SIGNALS.install()
     try:
         summary = run(expand_recipes(argv), state)
     except BaseException as err:  # noqa: BLE001 - every failure becomes one block and an exit code
@@ -334,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
         close_all()  # the reward process, also when the trainer was never fully built
         if in_main_thread:
-            _SIGNALS.restore()
+            SIGNALS.restore()
     a0, a1 = summary["initial_val_accuracy"], summary["final_val_accuracy"]
     if a0 is None:
         accuracy = "no validation ran (trainer.test_freq <= 0 and trainer.val_before_train=false)"

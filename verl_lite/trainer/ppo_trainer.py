@@ -603,7 +603,7 @@ class PPOTrainer:
         metrics.jsonl, the trainer.logger backends, curves.png, summary.json, config.json, and the
         final policy as ``huggingface/``); returns every step's metrics. ``on_step(record)`` sees
         each record as it is logged."""
-        from verl_lite.trainer.main_ppo import train_in_run_dir
+        from verl_lite.trainer.training_run import train_in_run_dir
 
         history: list[dict] = []
 

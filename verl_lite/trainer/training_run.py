@@ -1,0 +1,116 @@
+"""A training run's files around ``PPOTrainer.run_loop``, for the CLI and the Python API's ``fit()``:
+``config.json``, the ``trainer.logger`` trackers (``metrics.jsonl`` always), ``curves.png`` and
+``summary.json`` (``status``: completed | failed | interrupted; ``startup_s``) in a fresh run directory.
+
+    summary = train_in_run_dir(trainer, on_step=None)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from verl_lite.config import config_to_dict
+from verl_lite.errors import RunFailure, RunInterrupted
+from verl_lite.trainer.stop_signals import SIGNALS
+
+
+def _warn(message: str) -> None:
+    print(f"verl_lite: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _seconds_since_process_start() -> float:
+    """Wall seconds since this process started, to ~10 ms: on Linux from /proc (the start tick vs the
+    uptime clock); psutil's ``create_time`` adds the boot time, which /proc/stat rounds to a whole second."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime_s = float(f.read().split()[0])
+        return uptime_s - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        import psutil
+
+        return time.time() - psutil.Process().create_time()
+
+
+def train_in_run_dir(trainer, on_step=None) -> dict:
+    """What the CLI does after the config is loaded, for a built ``PPOTrainer`` (the Python API's
+    ``fit()``): a fresh run directory, trackers, curves, summary. Returns the summary."""
+    from verl_lite.trainer.run_dir import make_run_dir
+
+    out = make_run_dir(trainer.cfg.trainer.output_dir, trainer.cfg.trainer.experiment_name)
+    trainer.run_dir = out
+    return train_and_summarize(trainer.cfg, trainer, out, user_on_step=on_step)
+
+
+def train_and_summarize(cfg, trainer, out: Path, user_on_step=None) -> dict:
+    """Train ``trainer`` (``start`` + ``run_loop``) writing the run's files into ``out``; returns the summary."""
+    from verl_lite.trainer.metrics import plot_curves
+    from verl_lite.trainer.signal_watch import ZeroSignalWatch
+
+    (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=1, default=str))
+    from verl_lite.trainer.tracking import Tracking
+
+    # trainer.logger backends; metrics.jsonl always (the summary points at it)
+    tracking = Tracking(cfg, out, trainer.total_steps(), config_dict=config_to_dict(cfg), always_jsonl=True)
+    records: list[dict] = []
+    watch = ZeroSignalWatch()
+
+    def on_step(record: dict) -> None:
+        records.append(record)
+        if user_on_step is not None:
+            user_on_step(record)
+        with SIGNALS.deferred():
+            try:
+                tracking.log(record)
+            except OSError as e:
+                raise RunFailure(f"writing {tracking.metrics_path} failed at step {record.get('step')} ({e.strerror or e})",
+                                 "free disk space or set trainer.output_dir to a disk with room") from None
+        warning = watch.update(record)
+        if warning:
+            _warn(warning)
+
+    summary = {"status": "failed", "steps": 0, "startup_s": None}
+    try:
+        trainer.start()  # Ray + workers + engines (fit() finds them started)
+        summary["startup_s"] = round(_seconds_since_process_start(), 2)
+        trainer.run_loop(on_step=on_step)
+        summary["status"] = "completed"
+    except RunInterrupted as e:
+        summary["status"] = f"interrupted ({signal.Signals(e.signum).name})"
+        raise
+    finally:
+        trainer.close()
+        try:
+            tracking.close()
+        except OSError:
+            pass
+        if records:
+            try:
+                plot_curves(records, out / "curves.png")
+            except Exception as e:  # a plot never hides the run's own result or error
+                _warn(f"could not draw {out / 'curves.png'}: {type(e).__name__}: {e}")
+        vals = [(r["step"], r["val/accuracy"]) for r in records if r.get("val/accuracy") is not None]
+        summary.update({
+            "steps": trainer.global_step,
+            "initial_val_accuracy": vals[0][1] if vals else None,
+            "initial_val_step": vals[0][0] if vals else None,
+            "final_val_accuracy": vals[-1][1] if vals else None,
+            "final_val_step": vals[-1][0] if vals else None,
+            "total_time_s": sum(r.get("timing_s/step", 0.0) + r.get("timing_s/validate", 0.0) for r in records),
+            "run_dir": str(out),
+            "metrics": str(out / "metrics.jsonl"),
+            "curve": str(out / "curves.png"),
+        })
+        try:
+            (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        except OSError as e:
+            if summary["status"] == "completed":
+                raise RunFailure(f"writing {out / 'summary.json'} failed ({e.strerror or e})",
+                                 "free disk space or set trainer.output_dir to a disk with room") from None
+    return summary
