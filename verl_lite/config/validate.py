@@ -94,6 +94,28 @@ def _check_reward_function(path: str, name: str, key: str, problems: list[str]) 
         )
 
 
+def _checkpoint_key_problems(tr) -> list[str]:
+    """The checkpoint keys of the ``trainer`` section (whether a resume_from_path directory holds a complete
+    checkpoint is the checkpoint manager's check, before Ray starts)."""
+    p: list[str] = []
+    if tr.resume_mode not in RESUME_MODES:
+        p.append(f"trainer.resume_mode={tr.resume_mode!r} is unknown; choose one of {list(RESUME_MODES)}")
+    if tr.resume_mode == "resume_path":
+        if not tr.resume_from_path:
+            p.append("trainer.resume_mode=resume_path needs trainer.resume_from_path=<a global_step_K directory>")
+        elif not Path(tr.resume_from_path).expanduser().is_dir():
+            p.append(f"trainer.resume_from_path={tr.resume_from_path!r} is not a directory; give a global_step_K "
+                     f"directory written by verl_lite")
+    elif tr.resume_from_path:
+        p.append(f"trainer.resume_from_path is set but trainer.resume_mode={tr.resume_mode!r}; set "
+                 f"trainer.resume_mode=resume_path to use it")
+    if tr.max_actor_ckpt_to_keep is not None and tr.max_actor_ckpt_to_keep < 1:
+        p.append(f"trainer.max_actor_ckpt_to_keep={tr.max_actor_ckpt_to_keep} must be >= 1 or null (keep all)")
+    if tr.log_freq < 1:
+        p.append(f"trainer.log_freq={tr.log_freq} must be >= 1")
+    return p
+
+
 def validate_config(cfg: PPOConfig, world_size: int | None = None) -> Layout:
     """Check cfg against every rule below; raise ConfigError listing all problems, else return the Layout.
 
@@ -599,9 +621,7 @@ def _validate_rest(cfg: PPOConfig, p: list[str], positive, world, dp, traj_mini,
         )
 
     # ---- trainer
-    from verl_lite.trainer.checkpointing import check_checkpoint_config
-
-    p.extend(check_checkpoint_config(tr))
+    p.extend(_checkpoint_key_problems(tr))
     if not isinstance(tr.log_val_generations, int) or tr.log_val_generations < 0:
         p.append(f"trainer.log_val_generations={tr.log_val_generations} must be >= 0 (validation samples logged)")
     if not tr.worker_timeout_s > 0:

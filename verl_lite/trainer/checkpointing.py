@@ -52,13 +52,14 @@ from typing import Iterator
 
 import torch
 
+from verl_lite.errors import BadInput
+
 PREFIX = "global_step_"
 COMPLETE = "complete"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 DRIVER_STATE = "driver_state.json"
 DRIVER_RNG = "driver_rng.safetensors"
 HF_DIR = "huggingface"
-RESUME_MODES = ("auto", "disable", "resume_path")
 STATE_VERSION = 1
 
 
@@ -71,27 +72,6 @@ def checkpoint_root(tr) -> Path:
     """``trainer.default_local_dir`` as an absolute path (None = ``checkpoints/<project>/<experiment>``)."""
     raw = tr.default_local_dir or os.path.join("checkpoints", tr.project_name, tr.experiment_name)
     return Path(raw).expanduser().resolve()
-
-
-def check_checkpoint_config(tr) -> list[str]:
-    """Problems with the checkpoint keys of the ``trainer`` section (validation, before anything starts)."""
-    p: list[str] = []
-    if tr.resume_mode not in RESUME_MODES:
-        p.append(f"trainer.resume_mode={tr.resume_mode!r} is unknown; choose one of {list(RESUME_MODES)}")
-    if tr.resume_mode == "resume_path":
-        if not tr.resume_from_path:
-            p.append("trainer.resume_mode=resume_path needs trainer.resume_from_path=<a global_step_K directory>")
-        elif not is_complete(Path(tr.resume_from_path)):
-            p.append(f"trainer.resume_from_path={tr.resume_from_path!r} is not a complete checkpoint (no "
-                     f"'{COMPLETE}' marker in it); give a global_step_K directory written by verl_lite")
-    elif tr.resume_from_path:
-        p.append(f"trainer.resume_from_path is set but trainer.resume_mode={tr.resume_mode!r}; set "
-                 f"trainer.resume_mode=resume_path to use it")
-    if tr.max_actor_ckpt_to_keep is not None and tr.max_actor_ckpt_to_keep < 1:
-        p.append(f"trainer.max_actor_ckpt_to_keep={tr.max_actor_ckpt_to_keep} must be >= 1 or null (keep all)")
-    if tr.log_freq < 1:
-        p.append(f"trainer.log_freq={tr.log_freq} must be >= 1")
-    return p
 
 
 # ============================================================================ directory scanning
@@ -269,7 +249,8 @@ class CheckpointManager:
             return None
         if self.resume_mode == "resume_path":
             if not is_complete(self.resume_from):
-                raise ValueError(f"trainer.resume_from_path={str(self.resume_from)!r} is not a complete checkpoint")
+                raise BadInput(f"trainer.resume_from_path={str(self.resume_from)!r} is not a complete checkpoint (no "
+                               f"'{COMPLETE}' marker in it)", "give a global_step_K directory written by verl_lite")
             return self.resume_from
         path = latest_checkpoint(self.root)
         if path is None:
