@@ -63,29 +63,16 @@ class RunInterrupted(BaseException):
 
 
 def describe(err: BaseException) -> tuple[int, str]:
-    """(exit code, the one readable block without the traceback hint) for any exception."""
-    from verl_lite.config import ConfigError
-    from verl_lite.data import DataError
+    """(exit code, the one readable block without the traceback hint) for any exception.
 
-    try:
-        from verl_lite.controller.worker_group import WorkerError
-    except Exception:  # pragma: no cover - Ray missing
-        WorkerError = ()  # type: ignore[assignment]
-    from verl_lite.reward import RewardError
-
+    An error class of verl_lite states its ``exit_code`` (and optionally a ``describe_prefix``); a
+    worker's traceback (after ``--- worker rank``) goes to the run log only."""
     if isinstance(err, RunInterrupted):
         return err.exit_code, f"verl_lite: {err}"
-    if isinstance(err, ConfigError):
-        return EXIT_BAD_INPUT, f"verl_lite: {err}"
-    if isinstance(err, DataError):
-        return EXIT_BAD_INPUT, f"verl_lite: bad data: {err}"
-    if isinstance(err, UserError):  # one line: what failed; the fix
-        return err.exit_code, f"verl_lite: {err}"
-    if isinstance(err, RewardError):
-        return EXIT_RUNTIME, f"verl_lite: the run stopped: {err}"
-    if WorkerError and isinstance(err, WorkerError):
-        head = str(err).split("\n--- worker rank", 1)[0]  # the worker traceback goes to the log only
-        return EXIT_RUNTIME, f"verl_lite: the run stopped: {head}"
+    code = getattr(err, "exit_code", None)
+    if isinstance(code, int):
+        head = str(err).split("\n--- worker rank", 1)[0]
+        return code, f"verl_lite: {getattr(err, 'describe_prefix', '')}{head}"
     if isinstance(err, KeyboardInterrupt):
         return EXIT_SIGINT, "verl_lite: stopped by SIGINT"
     return EXIT_RUNTIME, (

@@ -50,6 +50,8 @@ DEFAULT_DATA_DIR = ASSETS_DIR / "synthetic-addition"
 class ConfigError(ValueError):
     """A bad config. `problems` lists every problem found, each naming the key and the fix."""
 
+    exit_code = 2  # verl_lite.errors.describe
+
     def __init__(self, problems: list[str]):
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)

@@ -32,6 +32,8 @@ def _strip_ansi(text: str) -> str:
 class WorkerError(RuntimeError):
     """A worker failed; the message names its rank, the method, and carries the worker's traceback."""
 
+    exit_code, describe_prefix = 1, "the run stopped: "  # verl_lite.errors.describe (the traceback: the log only)
+
     def __init__(self, message: str, rank: int | None = None, method: str | None = None):
         super().__init__(message)
         self.rank = rank

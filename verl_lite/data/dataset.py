@@ -38,6 +38,8 @@ TRUNCATIONS = ("error", "left", "right")
 class DataError(ValueError):
     """A dataset file or row is not in the expected format; the message names file, row and fix."""
 
+    exit_code, describe_prefix = 2, "bad data: "  # verl_lite.errors.describe
+
 
 def _read_rows(path: Path, prompt_key: str) -> list[dict]:
     import pyarrow.parquet as pq

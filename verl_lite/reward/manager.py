@@ -44,6 +44,8 @@ KEY = "reward.custom_reward_function"
 class RewardError(RuntimeError):
     """A reward function failed or returned something that is not a finite score."""
 
+    exit_code, describe_prefix = 1, "the run stopped: "  # verl_lite.errors.describe
+
 
 class RewardConfigError(ConfigError, RewardError):
     """The reward function cannot be set up as configured (found before the run starts)."""
