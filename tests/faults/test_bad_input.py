@@ -6,7 +6,12 @@ Most cases run through the CLI entry ``main(argv)`` in this process (cheap: no R
 a few go through the real ``python -m verl_lite.trainer.main_ppo`` in a subprocess, with every
 process of it tagged by a marker, to prove the same holds end to end."""
 
+import contextlib
+import io
+import json
 import re
+import shutil
+from pathlib import Path
 
 import psutil
 import pytest
@@ -17,6 +22,34 @@ from tests.faults.conftest import CliRun, bad_files, tiny_assets, tiny_overrides
 A = "actor_rollout_ref.actor"
 R = "actor_rollout_ref.rollout"
 M = "actor_rollout_ref.actor.megatron"
+
+
+def _vocab_model(assets, files, kind: str) -> str:
+    """A tiny model dir whose vocabulary disagrees (built once, next to the other broken files):
+    ``weights_beyond_config``: config.json says vocab_size 100, the weights have 104 rows;
+    ``small_vocab``: a consistent 64-token model carrying the 103-token char tokenizer;
+    ``corrupt_weights``: model.safetensors starts with 4 KiB of 0xFF (no readable header)."""
+    from verl_lite.data import save_char_tokenizer
+    from verl_lite.utils import make_tiny_hf_model
+
+    out = Path(files["a_file"]).parent / kind
+    if not out.exists():
+        if kind == "weights_beyond_config":
+            shutil.copytree(assets["model"], out)
+            cfg = json.loads((out / "config.json").read_text())
+            cfg["vocab_size"] = 100
+            (out / "config.json").write_text(json.dumps(cfg))
+        elif kind == "corrupt_weights":
+            shutil.copytree(assets["model"], out)
+            with open(out / "model.safetensors", "r+b") as fh:
+                fh.write(b"\xff" * 4096)
+        else:
+            with contextlib.redirect_stderr(io.StringIO()):  # save_pretrained's progress bar: not the run's stderr
+                make_tiny_hf_model(out, vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=64, seed=0)
+            save_char_tokenizer(out)
+    return str(out)
+
 
 # (id, overrides (dict merged over the tiny run, or a callable(assets, files) -> dict), key regex, fix regex)
 CASES = [
@@ -66,6 +99,14 @@ CASES = [
     ("missing_model", {"actor_rollout_ref.model.path": "/nonexistent/model"}, r"model\.path='/nonexistent/model'", r"give a local HF model dir"),
     ("broken_model_json", lambda a, f: {"actor_rollout_ref.model.path": f["broken_model"]}, r"model\.path=.*config\.json is not valid JSON", r"fix the file or re-export"),
     ("model_json_lacks_fields", lambda a, f: {"actor_rollout_ref.model.path": f["partial_model"]}, r"model\.path=.*lacks \['num_hidden_layers'\]", r"give a complete HF"),
+    ("weights_beyond_vocab_size", lambda a, f: {"actor_rollout_ref.model.path": _vocab_model(a, f, "weights_beyond_config")},
+     r"model\.path=.*model\.safetensors holds model\.embed_tokens\.weight of shape \[104, 32\] but config\.json's vocab_size is 100",
+     r"set vocab_size to 104 in .*weights_beyond_config/config\.json"),
+    ("tokenizer_beyond_vocab", lambda a, f: {"actor_rollout_ref.model.path": _vocab_model(a, f, "small_vocab")},
+     r"model\.path=.*small_vocab': the tokenizer produces ids up to 102 \(103 tokens\) but the model's config\.json has vocab_size 64",
+     r"ids >= 64 have no embedding row; give the tokenizer the model was trained with .* or a model with at least 103 vocabulary rows"),
+    ("corrupt_weights", lambda a, f: {"actor_rollout_ref.model.path": _vocab_model(a, f, "corrupt_weights")},
+     r"model\.path=.*corrupt_weights/model\.safetensors cannot be read as safetensors", r"re-export the model"),
     ("response_beyond_positions", lambda a, f: {"actor_rollout_ref.model.path": f["short_context_model"], "data.max_response_length": 12},
      r"data\.max_response_length=12 \+ the longest prompt", r"set data\.max_response_length <= \d+"),
     # ---- data files
@@ -101,7 +142,8 @@ RECIPE_CASES = [
     ("missing_recipe", lambda f: ["--recipe", "/nonexistent/recipe.yaml"], r"--recipe /nonexistent/recipe\.yaml", r"no such file"),
     ("bad_value_in_recipe", lambda f: ["--recipe", f["recipe_bad"]], r"data\.train_batch_size=-3", r"must be >= 1"),
 ]
-SUBPROCESS_CASES = ["typo_key", "corrupt_parquet", "broken_model_json", "reward_kwargs_unknown", "output_dir_under_a_file"]
+SUBPROCESS_CASES = ["typo_key", "corrupt_parquet", "broken_model_json", "weights_beyond_vocab_size", "reward_kwargs_unknown",
+                    "output_dir_under_a_file"]
 
 
 def _args(case, assets, files, tmp_path) -> list[str]:
