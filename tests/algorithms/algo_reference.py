@@ -269,6 +269,58 @@ def ref_clip_cov_candidates(b: Batch, lb, ub):
     return {(i, t) for i, t in cells if lb < (A[i][t] - ma) * (lp[i][t] - ml) < ub}, len(cells)
 
 
+def ref_select_kl_cov_current(b: Batch, ratio):
+    """verl's kl_cov selection: the covariance uses the CURRENT log-probs (b.logp)."""
+    return ref_select_kl_cov(Batch(b.mask, b.logp, b.logp, b.adv, b.ref, b.is_weights, b.entropy, b.rewards,
+                                   b.values, b.index), ratio)
+
+
+def ref_verl_clip_cov(b: Batch, cfg, seed: int):
+    """verl 0.9.1's compute_policy_loss_clip_cov over the whole batch, written out as loops, with its
+    global-RNG torch.randperm replaced by one seeded with `seed`. Returns (selected cells,
+    per-token loss, d token-mean(loss) / d logp), nested lists.
+
+    verl: r = exp(logp - old); l1 = -A r; l2 = -A clip(r, 1-lo, 1+hi); a token is clipped by the
+    range when l2 > l1; cov = (A - mean A)(logp - mean logp) (means over valid tokens, CURRENT
+    logp); candidates: valid, not clipped, lb < cov < ub, in row-major order; pick the first
+    min(max(1, int(ratio N)), #candidates) of a random permutation; loss = max(l1, l2) (1 - picked).
+    """
+    m, old, lp, A = b.mask.tolist(), b.old.tolist(), b.logp.tolist(), b.adv.tolist()
+    lo, hi = cfg.eps_low, cfg.eps_high
+    rows, width = len(m), len(m[0])
+    cells = [(i, t) for i in range(rows) for t in range(width) if m[i][t] != 0]
+    ma = sum(A[i][t] for i, t in cells) / len(cells)
+    ml = sum(lp[i][t] for i, t in cells) / len(cells)
+    l1 = {(i, t): -A[i][t] * math.exp(lp[i][t] - old[i][t]) for i, t in cells}
+    l2 = {(i, t): -A[i][t] * _clip(math.exp(lp[i][t] - old[i][t]), 1 - lo, 1 + hi) for i, t in cells}
+    candidates = [(i, t) for i, t in cells
+                  if not l2[i, t] > l1[i, t] and cfg.clip_cov_lb < (A[i][t] - ma) * (lp[i][t] - ml) < cfg.clip_cov_ub]
+    clip_num = max(int(cfg.clip_cov_ratio * len(cells)), 1)
+    perm = torch.randperm(len(candidates), generator=torch.Generator().manual_seed(seed)).tolist()
+    picked = {candidates[k] for k in perm[:min(clip_num, len(candidates))]}
+    loss = [[0.0] * width for _ in range(rows)]
+    grad = [[0.0] * width for _ in range(rows)]
+    for i, t in cells:
+        keep = 0.0 if (i, t) in picked else 1.0
+        loss[i][t] = max(l1[i, t], l2[i, t]) * keep
+        unclipped = not l2[i, t] > l1[i, t]
+        grad[i][t] = (l1[i, t] if unclipped else 0.0) * keep / len(cells)  # d(-A e^(logp-old))/d logp = l1
+    return picked, loss, grad
+
+
+def ref_clipped_by_range(b: Batch, cfg):
+    """Valid cells whose PPO term is clipped (l2 > l1), from the current log-probs."""
+    m, old, lp, A = b.mask.tolist(), b.old.tolist(), b.logp.tolist(), b.adv.tolist()
+    out = set()
+    for i in range(len(m)):
+        for t in range(len(m[0])):
+            if m[i][t] != 0:
+                r = math.exp(lp[i][t] - old[i][t])
+                if -A[i][t] * _clip(r, 1 - cfg.eps_low, 1 + cfg.eps_high) > -A[i][t] * r:
+                    out.add((i, t))
+    return out
+
+
 # ----------------------------------------------------------------------------- KL
 
 

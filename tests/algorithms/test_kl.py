@@ -71,15 +71,31 @@ def test_apply_kl_penalty_matches_reference(kind):
             if m[i][t]:
                 kls.append(k)
         ref_rewards.append(row)
-        if kls:
-            row_means.append(sum(kls) / len(kls))
-    current = sum(row_means) / len(row_means)
+        row_means.append(sum(kls) / (len(kls) + 1e-8))  # verl: masked_mean(kld, mask, axis=-1), 0 for an empty row
+    assert b.mask[1].sum() == 0  # the batch has an all-masked row
+    current = sum(row_means) / len(row_means)  # verl: torch.mean over ALL rows
     torch.testing.assert_close(rewards, torch.tensor(ref_rewards, dtype=torch.float64), rtol=1e-13, atol=1e-14)
-    assert metrics["kl"] == pytest.approx(current, rel=1e-12)
+    assert metrics["kl"] == pytest.approx(current, rel=1e-7)
     assert metrics["kl_coef"] == 0.3
     err = max(min(current / 0.05 - 1, 0.2), -0.2)
-    assert ctl.value == pytest.approx(0.3 * (1 + err * len(m) / 100), rel=1e-12)
+    assert ctl.value == pytest.approx(0.3 * (1 + err * len(m) / 100), rel=1e-9)
     assert not math.isnan(ctl.value)
+
+
+def test_adaptive_beta_counts_an_all_masked_row_as_verl_does():
+    """verl's apply_kl_penalty: current_kl = torch.mean(masked_mean(kld, mask, axis=-1)) over ALL rows (an
+    all-masked row gives 0), so the adaptive beta moves as verl's does (error inside the +-0.2 clip)."""
+    b = make_batch(5)
+    assert b.mask[1].sum() == 0 and b.mask[0].sum() > 0
+    kld = (b.old - b.ref) * b.mask  # kind "kl"
+    verl_kl = float(((kld.sum(-1) / (b.mask.sum(-1) + 1e-8))).mean())
+    target = abs(verl_kl) * 1.1 + 1e-3
+    ctl = AdaptiveKLController(0.2, target_kl=target, horizon=50)
+    _, metrics = apply_kl_penalty(b.rewards.clone(), b.old, b.ref, b.mask, ctl, "kl")
+    assert metrics["kl"] == pytest.approx(verl_kl, rel=1e-7)
+    err = verl_kl / target - 1
+    assert -0.2 < err < 0.2
+    assert ctl.value == pytest.approx(0.2 * (1 + err * b.mask.shape[0] / 50), rel=1e-9)
 
 
 def test_kl_types_lists_every_accepted_kind():

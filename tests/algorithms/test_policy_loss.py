@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from algo_reference import LOSSES, MODES, make_batch, ref_clip_cov_candidates, ref_policy_grad, ref_policy_loss
-from algo_reference import ref_select_kl_cov
+from algo_reference import ref_clipped_by_range, ref_select_kl_cov, ref_select_kl_cov_current, ref_verl_clip_cov
 from verl_lite.algorithms import (
     COV_SELECTION_LOSSES,
     POLICY_LOSSES,
@@ -25,7 +25,9 @@ CFG = PolicyLossConfig(
 
 
 def _cov(name, b):
-    return select_cov_tokens(name, b.adv, b.old, b.mask, CFG, seed=3) if name in COV_SELECTION_LOSSES else None
+    if name not in COV_SELECTION_LOSSES:
+        return None
+    return select_cov_tokens(name, b.adv, b.old, b.mask, CFG, seed=3, log_probs=b.logp)
 
 
 def _valid_only(x, mask):
@@ -92,6 +94,60 @@ def test_clip_cov_selection_is_a_seeded_subset_of_candidates():
         assert len(got) == min(max(1, int(CFG.clip_cov_ratio * num_valid)), len(cand))
         again = select_cov_tokens("clip_cov", b.adv, b.old, b.mask, CFG, seed=11)
         assert torch.equal(sel, again)
+
+
+def test_kl_cov_selection_uses_the_current_log_probs():
+    """verl's kl_cov ranks by cov of the CURRENT log-probs (off-policy they differ from the old)."""
+    differs = 0
+    for seed in range(4):
+        b = make_batch(seed, n=16, width=12)
+        sel = select_cov_tokens("kl_cov", b.adv, b.old, b.mask, CFG, log_probs=b.logp)
+        got = {tuple(x) for x in torch.nonzero(sel).tolist()}
+        assert got == ref_select_kl_cov_current(b, CFG.kl_cov_ratio)
+        differs += got != ref_select_kl_cov(b, CFG.kl_cov_ratio)
+    assert differs  # the data is off-policy enough for the old-log-prob ranking to pick other tokens
+
+
+def _verl_clip_cov_check(b, cfg, seed):
+    """Our selection + clip_cov loss vs verl's formula (ref_verl_clip_cov): the picked tokens, the
+    per-token loss and the token-mean gradient w.r.t. the current log-probs."""
+    picked, ref_loss, ref_grad = ref_verl_clip_cov(b, cfg, seed)
+    sel = select_cov_tokens("clip_cov", b.adv, b.old, b.mask, cfg, seed=seed, log_probs=b.logp)
+    assert {tuple(x) for x in torch.nonzero(sel).tolist()} == picked
+    logp = b.logp.clone().requires_grad_(True)
+    loss, _ = get_policy_loss("clip_cov")(b.old, logp, b.adv, b.mask, cfg, None, sel)
+    NormalizationPlan.from_mask(b.mask, "token-mean").aggregate(loss, b.mask).backward()
+    torch.testing.assert_close(_valid_only(loss.detach(), b.mask), torch.tensor(ref_loss, dtype=torch.float64),
+                               rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(logp.grad, torch.tensor(ref_grad, dtype=torch.float64), rtol=1e-12, atol=1e-14)
+    return picked
+
+
+def test_clip_cov_matches_verl_off_policy_with_ratios_far_from_one():
+    """clip_cov_ratio 0.2 (many picks), ratios up to e^1.3 and beyond: the selection skips tokens
+    the PPO range already clips and uses the current log-probs, as verl does."""
+    cfg = PolicyLossConfig(clip_ratio=0.2, clip_cov_ratio=0.2, clip_cov_lb=-0.5, clip_cov_ub=2.0)
+    wasted = 0
+    for seed in range(6):
+        b = make_batch(seed, n=16, width=12)
+        clipped = ref_clipped_by_range(b, cfg)
+        picked = _verl_clip_cov_check(b, cfg, seed)
+        assert not picked & clipped
+        old_rule, _ = ref_clip_cov_candidates(b, cfg.clip_cov_lb, cfg.clip_cov_ub)  # old log-probs, no skip
+        wasted += len(old_rule & clipped)
+    assert wasted  # the old rule would have spent picks on clipped tokens on this data
+
+
+def test_clip_cov_matches_verl_at_the_default_ratio():
+    """verl's defaults (clip_cov_ratio 2e-4 -> one pick, window (1, 5)) on a larger off-policy batch."""
+    cfg = PolicyLossConfig()
+    assert (cfg.clip_cov_ratio, cfg.clip_cov_lb, cfg.clip_cov_ub) == (0.0002, 1.0, 5.0)
+    picks = 0
+    for seed in range(6):
+        b = make_batch(100 + seed, n=64, width=16)
+        b.adv.mul_(3.0)  # covariances reach the (1, 5) window
+        picks += len(_verl_clip_cov_check(b, cfg, seed))
+    assert picks == 6  # one pick per mini-batch, every time
 
 
 def test_cov_losses_need_the_selection():

@@ -95,17 +95,16 @@ def apply_kl_penalty(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """In-reward KL: token_level_rewards = scores - beta * kl(old_logp, ref_logp) * m.
 
-    beta is the controller's value before the update. current_kl = mean over rows with
-    n_i > 0 of the row's token-mean KL; the controller is then updated with
-    (current_kl, n_steps = number of rows). Returns (token_level_rewards, {"kl", "kl_coef"}).
+    beta is the controller's value before the update. current_kl = mean over ALL n rows of the
+    row's token-mean KL, a row without valid tokens counting as 0 (verl's masked_mean per row,
+    then the batch mean); the controller is then updated with (current_kl, n_steps = n).
+    Returns (token_level_rewards, {"kl", "kl_coef"}).
     """
     m = (response_mask != 0).to(scores.dtype)
     kld = kl_penalty(old_logp, ref_logp, kind) * m
     beta = kl_ctrl.value
     rewards = scores - beta * kld
-    n = m.sum(dim=-1)
-    has_tokens = n > 0
-    row_kl = kld.sum(dim=-1)[has_tokens] / n[has_tokens]
+    row_kl = kld.sum(dim=-1) / m.sum(dim=-1).clamp(min=1)  # an empty row: 0 / 1 = 0
     current_kl = float(row_kl.mean().item()) if row_kl.numel() else 0.0
     kl_ctrl.update(current_kl, n_steps=scores.shape[0])
     return rewards, {"kl": current_kl, "kl_coef": beta}

@@ -16,10 +16,11 @@ clipped log-ratio) are computed from whole rows, so any shard of whole rows (and
 which holds full rows) sees the same values. IS weights w (optional, e.g. rollout
 correction) multiply the per-token loss.
 
-clip_cov / kl_cov select tokens from statistics of the WHOLE mini-batch. To stay shard
+clip_cov / kl_cov select tokens from statistics of the WHOLE mini-batch, with verl's rule
+(the current log-probs; clip_cov skips tokens the PPO range already clips). To stay shard
 invariant the selection is not made inside the loss: `select_cov_tokens` runs once per
-mini-batch (on the controller, before dispatch) and its boolean mask travels with the data
-as `cov_mask`. See docs/algorithms.md for the deviation from verl this implies.
+mini-batch (on the controller, before dispatch, from the current policy's log-probs of that
+mini-batch) and its boolean mask travels with the data as `cov_mask` (docs/algorithms.md).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class PolicyLossConfig:
     clip_cov_lb: float = 1.0
     clip_cov_ub: float = 5.0
     kl_cov_ratio: float = 0.0002
-    ppo_kl_coef: float = 1.0
+    ppo_kl_coef: float = 0.1
 
     @property
     def eps_low(self) -> float:
@@ -263,6 +264,13 @@ def kl_cov_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weigh
 # ----------------------------------------------------------------------------- selection
 
 
+def clipped_by_ppo_range(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                         cfg: PolicyLossConfig) -> torch.Tensor:
+    """Tokens whose PPO term is already clipped: -A clip(r, 1-eps_lo, 1+eps_hi) > -A r (bool [n, W])."""
+    _, ratio = _ratio(old_log_prob, log_prob)
+    return -advantages * torch.clamp(ratio, 1 - cfg.eps_low, 1 + cfg.eps_high) > -advantages * ratio
+
+
 @torch.no_grad()
 def select_cov_tokens(
     loss_name: str,
@@ -271,26 +279,32 @@ def select_cov_tokens(
     response_mask: torch.Tensor,
     cfg: PolicyLossConfig,
     seed: int = 0,
+    log_probs: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The token selection of clip_cov / kl_cov, computed ONCE over a whole mini-batch.
+    """The token selection of clip_cov / kl_cov (verl's), computed ONCE over a whole mini-batch.
 
-    cov_i,t = (A_i,t - mean A) (old_logp_i,t - mean old_logp), means over the mini-batch's
-    valid tokens (N of them).
+    ``log_probs`` are the CURRENT policy's log-probs of the mini-batch (the parameters its optimizer
+    step starts from); None = ``old_log_probs`` (on-policy: the first mini-batch of the first epoch).
+    cov_i,t = (A_i,t - mean A) (logp_i,t - mean logp), means over the mini-batch's N valid tokens.
       kl_cov:   the top max(1, floor(kl_cov_ratio N)) tokens by cov (ties: lower flat index first).
-      clip_cov: among valid tokens with clip_cov_lb < cov < clip_cov_ub, pick
-                min(max(1, floor(clip_cov_ratio N)), #candidates) uniformly at random with a
-                torch.Generator seeded by `seed` (deterministic on the controller).
+      clip_cov: the candidates are the valid tokens NOT already clipped by the PPO range
+                (``clipped_by_ppo_range``) with clip_cov_lb < cov < clip_cov_ub; pick
+                min(max(1, floor(clip_cov_ratio N)), #candidates) of them uniformly at random with
+                a torch.Generator seeded by `seed` (deterministic on the controller).
     Returns a bool mask [n, W]; every shard's `cov_mask` is its rows of this mask.
     """
     if loss_name not in COV_SELECTION_LOSSES:
         raise ValueError(f"select_cov_tokens is for {COV_SELECTION_LOSSES}, got {loss_name!r}.")
+    current = old_log_probs if log_probs is None else log_probs
+    if current.shape != old_log_probs.shape:
+        raise ValueError(f"log_probs shape {tuple(current.shape)} != old_log_probs shape {tuple(old_log_probs.shape)}.")
     valid = _valid(response_mask)
     selected = torch.zeros_like(valid)
     num_valid = int(valid.sum().item())
     if num_valid == 0:
         return selected
     adv = advantages[valid].double()
-    logp = old_log_probs[valid].double()
+    logp = current[valid].double()
     cov = (adv - adv.mean()) * (logp - logp.mean())
     flat_valid = torch.nonzero(valid.reshape(-1), as_tuple=True)[0]
     if loss_name == "kl_cov":
@@ -303,7 +317,8 @@ def select_cov_tokens(
         if not cfg.clip_cov_ratio > 0:
             raise ValueError(f"clip_cov_ratio must be > 0, got {cfg.clip_cov_ratio}.")
         k = max(1, int(cfg.clip_cov_ratio * num_valid))
-        candidates = torch.nonzero((cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub), as_tuple=True)[0]
+        clipped = clipped_by_ppo_range(old_log_probs, current, advantages, cfg)[valid]
+        candidates = torch.nonzero((cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub) & ~clipped, as_tuple=True)[0]
         generator = torch.Generator().manual_seed(int(seed))
         perm = torch.randperm(len(candidates), generator=generator)
         chosen = flat_valid[candidates[perm[: min(k, len(candidates))]]]
