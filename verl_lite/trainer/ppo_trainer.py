@@ -409,13 +409,28 @@ class PPOTrainer:
                                                    if k in batch]
         plans = self._plans(batch, keys, lambda epoch: self.mini_batches(len(batch), epoch), a.ppo_epochs,
                             a.loss_agg_mode, a.loss_scale_factor, "actor")
-        if LOSS_NEEDS[a.policy_loss.loss_mode] & {"cov_mask"}:  # selection over the whole mini-batch
-            plans = [(mini.set("cov_mask", select_cov_tokens(
-                a.policy_loss.loss_mode, mini["advantages"], mini["old_log_probs"], mini["response_mask"],
-                self.loss_cfg, seed=self.cfg.trainer.seed * 65_537 + self.global_step * 131 + k)), plan)
-                for k, (mini, plan) in enumerate(plans)]
+        if LOSS_NEEDS[a.policy_loss.loss_mode] & {"cov_mask"}:
+            return self._update_actor_with_cov_selection(plans)
         return self._train_role("actor", self.actor, "update_actor", plans, self._actor_update_sizing(), self.loss_cfg,
                                 self.cfg.actor_rollout_ref.rollout.temperature)
+
+    def _update_actor_with_cov_selection(self, plans) -> list[dict]:
+        """clip_cov / kl_cov: verl's token selection over each WHOLE mini-batch, from the current policy's
+        log-probs (the parameters that mini-batch's optimizer step starts from). The first mini-batch is
+        on-policy (its old log-probs are the current ones); each later one gets a no-grad log-prob pass
+        right before its step, so these steps go to the workers one mini-batch at a time."""
+        a = self.cfg.actor_rollout_ref.actor
+        steps: list[dict] = []
+        for k, (mini, plan) in enumerate(plans):
+            current = mini["old_log_probs"] if k == 0 else self.compute_old_log_probs(mini)["log_probs"]
+            selected = select_cov_tokens(a.policy_loss.loss_mode, mini["advantages"], mini["old_log_probs"],
+                                         mini["response_mask"], self.loss_cfg,
+                                         seed=self.cfg.trainer.seed * 65_537 + self.global_step * 131 + k,
+                                         log_probs=current)
+            steps += self._train_role("actor", self.actor, "update_actor", [(mini.set("cov_mask", selected), plan)],
+                                      self._actor_update_sizing(), self.loss_cfg,
+                                      self.cfg.actor_rollout_ref.rollout.temperature)
+        return steps
 
     def update_critic(self, batch: Batch) -> list[dict]:
         """Critic epochs x mini-batches optimizer steps of the clipped value loss."""
