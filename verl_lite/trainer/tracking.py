@@ -25,7 +25,20 @@ import sys
 import time
 from pathlib import Path
 
-from verl_lite.trainer.display import SHOWN, _fmt
+# the key numbers of a console line: (metric, label)
+SHOWN = (
+    ("reward/mean", "reward"),
+    ("val/accuracy", "val acc"),
+    ("actor/pg_loss", "pg loss"),
+    ("actor/entropy", "entropy"),
+    ("actor/grad_norm", "grad norm"),
+    ("timing_s/step", "s/step"),
+)
+
+
+def _fmt(v) -> str:
+    return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:.3f}"
+
 
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
 
