@@ -1,10 +1,8 @@
-"""Config: defaults, overrides, unknown-key rejection, YAML/schema agreement, pre-flight validation."""
+"""Config: defaults, overrides, unknown-key rejection, pre-flight validation."""
 
-import dataclasses
 from pathlib import Path
 
 import pytest
-import yaml
 
 from verl_lite.config import (
     CONFIG_DIR,
@@ -19,26 +17,6 @@ from verl_lite.config import (
 
 A = "actor_rollout_ref.actor"
 M = "actor_rollout_ref.actor.megatron"
-
-
-def _leaves(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v and k != "reward_kwargs":
-            out.update(_leaves(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def test_yaml_and_schema_defaults_agree():
-    raw = yaml.safe_load((Path(CONFIG_DIR) / "ppo_trainer.yaml").read_text())
-    raw.pop("defaults")
-    yaml_leaves = _leaves(raw)
-    schema_leaves = _leaves(dataclasses.asdict(PPOConfig()))
-    assert set(yaml_leaves) == set(schema_leaves)
-    for k, v in schema_leaves.items():
-        assert yaml_leaves[k] == v, k
 
 
 def test_defaults_load_and_fill_builtin_paths():

@@ -1,4 +1,4 @@
-"""Structured config (dataclasses + ppo_trainer.yaml), Hydra loading and pre-flight validation.
+"""Structured config (the dataclasses of schema.py, the only copy of the defaults), Hydra loading and pre-flight validation.
 
     cfg = load_config(["data.train_batch_size=16", ...])   # PPOConfig
     layout = validate_config(cfg)                           # raises ConfigError listing all problems

@@ -41,7 +41,6 @@ from verl_lite.config.schema import PPOConfig
 
 CONFIG_DIR = str(Path(__file__).resolve().parent)
 CONFIG_NAME = "ppo_trainer"
-SCHEMA_NAME = "ppo_trainer_schema"
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_MODEL_DIR = ASSETS_DIR / "tiny-addition"
 DEFAULT_DATA_DIR = ASSETS_DIR / "synthetic-addition"
@@ -69,10 +68,10 @@ def default_data_files() -> tuple[list[str], list[str]]:
 
 
 def register_configs() -> None:
-    """Register the schema in Hydra's ConfigStore as `ppo_trainer_schema` (ppo_trainer.yaml's defaults list uses it)."""
+    """Register the schema in Hydra's ConfigStore as `ppo_trainer` (the config Hydra composes; no YAML restates it)."""
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name=SCHEMA_NAME, node=PPOConfig)
+    ConfigStore.instance().store(name=CONFIG_NAME, node=PPOConfig)
 
 
 # ---------------------------------------------------------------- the key space of the schema
@@ -251,7 +250,8 @@ INHERITED = (
     ("critic.model", "path", "actor_rollout_ref.model.path"),
     ("critic.model", "tokenizer_path", "critic.model.path"),
     *(("critic", key, f"actor_rollout_ref.actor.{key}")
-      for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "loss_agg_mode")),
+      for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "loss_agg_mode",
+                  "use_dynamic_bsz", "shuffle")),
     ("critic", "forward_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu"),
     ("critic", "forward_max_token_len_per_gpu", "critic.ppo_max_token_len_per_gpu"),
 )
@@ -291,14 +291,11 @@ def to_dataclass(dict_cfg) -> PPOConfig:
     """An OmegaConf DictConfig (already composed against the schema) -> PPOConfig with built-in defaults filled."""
     from omegaconf import OmegaConf
 
-    obj = OmegaConf.to_object(dict_cfg)
-    if not isinstance(obj, PPOConfig):  # composed from the YAML alone
-        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PPOConfig), dict_cfg))
-    return _fill_builtin_defaults(obj)
+    return _fill_builtin_defaults(OmegaConf.to_object(dict_cfg))
 
 
 def load_config(overrides: list[str] | None = None) -> PPOConfig:
-    """Compose `ppo_trainer.yaml` over the structured schema with Hydra, apply `overrides`, return a PPOConfig.
+    """Compose the structured schema (ConfigStore `ppo_trainer`) with Hydra, apply `overrides`, return a PPOConfig.
 
     Raises ConfigError naming any unknown key (plain or `+key`) and the closest valid key; a value of
     the wrong type raises ConfigError naming the key too. Does not validate cross-key rules: call

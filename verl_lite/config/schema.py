@@ -1,7 +1,8 @@
 """The structured config schema: one dataclass per section, verl's key names.
 
-`ppo_trainer.yaml` (next to this file) lists the same defaults for humans to read and copy;
-`tests/config` asserts that the YAML and these dataclasses agree leaf by leaf.
+Every default of verl_lite is written here once (Hydra composes this schema from its ConfigStore
+entry `ppo_trainer`; no YAML restates it). docs/config.md is generated from it
+(`python -m verl_lite.config.docs`).
 
 Batch vocabulary (see docs/config.md and docs/contracts.md):
 

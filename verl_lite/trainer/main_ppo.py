@@ -1,4 +1,4 @@
-"""The main job: ``python -m verl_lite.trainer.main_ppo key=value ...`` (Hydra overrides of ppo_trainer.yaml).
+"""The main job: ``python -m verl_lite.trainer.main_ppo key=value ...`` (Hydra overrides of the schema).
 
 Loads and validates the config BEFORE any Ray process or worker starts, trains with a live
 progress display, and writes into ``trainer.output_dir``:
@@ -15,7 +15,7 @@ it is created and checked writable before Ray starts. It also holds ``config.jso
 (the full traceback of a failure).
 
 ``--recipe FILE.yaml`` (repeatable) applies a YAML file of overrides (nested keys, as in
-ppo_trainer.yaml) before the command-line ones, e.g. ``--recipe recipes/gspo.yaml``; a shipped
+docs/config.md) before the command-line ones, e.g. ``--recipe recipes/gspo.yaml``; a shipped
 recipe can be named from any directory: ``--recipe gspo``.
 
 Failures end as one readable block on stderr (what failed, the key or file/row, the fix) with
