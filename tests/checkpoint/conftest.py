@@ -123,3 +123,36 @@ def straight_run(tiny_assets, tmp_path_factory):  # noqa: F811
                                            "trainer.log_freq": 2})
     text = run_to_end(args, root / "driver.log", env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     return {"root": root, "log": text, "metrics": metrics(root / "out"), "ckpt": root / "ckpt"}
+
+
+# ---------------------------------------------------------------------------- damaged / crafted checkpoints
+def copy_checkpoints(src_root: Path, dst_root: Path, steps=(2, 4)) -> Path:
+    """A private copy of some ``global_step_K`` directories of a saved run (to damage or craft); returns ``dst_root``."""
+    import shutil
+
+    for step in steps:
+        shutil.copytree(src_root / f"global_step_{step}", dst_root / f"global_step_{step}")
+    return dst_root
+
+
+def reseal(checkpoint: Path) -> None:
+    """Rewrite the checkpoint's manifest to match its files as they are now: what someone crafting a whole
+    checkpoint directory would do, so that the checks behind the manifest are what is tested."""
+    from verl_lite.trainer.checkpointing import COMPLETE, MANIFEST_KEY, build_manifest
+
+    marker = json.loads((checkpoint / COMPLETE).read_text())
+    marker[MANIFEST_KEY] = build_manifest(checkpoint)
+    (checkpoint / COMPLETE).write_text(json.dumps(marker))
+
+
+def run_refused(args: list[str], log: Path, timeout: float = 300) -> tuple[int, str]:
+    """A CLI run expected to stop before training: (exit code, its output)."""
+    run = Run(args, log)
+    rc = run.wait(timeout)
+    return rc, run.text()
+
+
+def export_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m verl_lite.trainer.export ARGS`` from the repository root."""
+    return subprocess.run([sys.executable, "-m", "verl_lite.trainer.export", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)

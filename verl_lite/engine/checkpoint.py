@@ -15,10 +15,11 @@ What loading reads, and why nothing arbitrary is unpickled (``torch_dist`` backe
 
 - ``metadata.json``: JSON (megatron's format marker).
 - ``.metadata``: torch.distributed.checkpoint's index, written with ``pickle``. It is read here
-  through :class:`RestrictedUnpickler`, which allows only the dataclasses of
-  ``torch.distributed.checkpoint.metadata`` / ``filesystem``, ``torch.Size``, dtypes,
-  ``torch.memory_format``/``layout`` and builtins containers; anything else raises
-  ``pickle.UnpicklingError`` naming the global.
+  through :class:`RestrictedUnpickler`, which allows exact ``(module, name)`` pairs only: the
+  dataclasses and enums of ``torch.distributed.checkpoint.metadata`` / ``filesystem`` / ``planner``
+  that the index holds, ``torch.Size``, the dtypes and torch's layout lookup; a dotted name or any
+  other global raises ``pickle.UnpicklingError`` naming it (:func:`read_dist_metadata` turns that
+  into :class:`UnsafeCheckpointFile` naming the file).
 - ``__*_*.distcp``: tensor bytes, read by torch with ``torch.load(weights_only=True)``.
 - ``common.pt``: the non-tensor part (optimizer param-group hyper-parameters, step counters,
   the scheduler's numbers), read with ``torch.load(weights_only=True)`` (:class:`SafeCommonLoad`).
@@ -53,46 +54,46 @@ class CheckpointLayoutError(ValueError):
 
 
 # ---------------------------------------------------------------------------- safe unpickling
-_ALLOWED_MODULE_PREFIXES = (
-    "torch.distributed.checkpoint.metadata",
-    "torch.distributed.checkpoint.filesystem",
-    "torch.distributed.checkpoint.planner",
-    "torch.distributed.checkpoint._extension",
-    "torch.distributed.checkpoint._storage_utils",
-    "megatron.core.dist_checkpointing.strategies.filesystem_async",
-)
-_ALLOWED_GLOBALS = {
+# Exactly the globals torch.distributed.checkpoint's ``.metadata`` pickle refers to (listed from a real
+# verl_lite checkpoint with a recording unpickler; megatron's save also keeps every rank's SavePlan in
+# it, ``Metadata.all_local_plans``). Each is a plain dataclass, an Enum, ``torch.Size``, a dtype or
+# torch's layout-by-name lookup: none can reach another callable, so nothing else can run.
+_DCP = "torch.distributed.checkpoint"
+_ALLOWED_GLOBALS = frozenset({
+    (f"{_DCP}.metadata", "Metadata"),
+    (f"{_DCP}.metadata", "StorageMeta"),
+    (f"{_DCP}.metadata", "MetadataIndex"),
+    (f"{_DCP}.metadata", "ChunkStorageMetadata"),
+    (f"{_DCP}.metadata", "TensorProperties"),
+    (f"{_DCP}.metadata", "TensorStorageMetadata"),
+    (f"{_DCP}.metadata", "_MEM_FORMAT_ENCODING"),
+    (f"{_DCP}.filesystem", "_StorageInfo"),
+    (f"{_DCP}.planner", "SavePlan"),
+    (f"{_DCP}.planner", "WriteItem"),
+    (f"{_DCP}.planner", "WriteItemType"),
+    (f"{_DCP}.planner", "TensorWriteData"),
     ("torch", "Size"),
-    ("torch", "device"),
-    ("torch", "memory_format"),
-    ("torch", "layout"),
-    ("torch", "dtype"),
-    ("torch.serialization", "_get_layout"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-    ("builtins", "slice"),
-    ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("_codecs", "encode"),
-}
-_ALLOWED_TORCH_ATTRS = {name for name in dir(torch) if isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format, torch.layout))}
+    ("torch.serialization", "_get_layout"),  # how a torch.layout pickles: an existing layout by its name
+}) | {("torch", name) for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}
 
 
 class RestrictedUnpickler(pickle.Unpickler):
-    """Unpickles torch.distributed.checkpoint metadata only (see the module docstring)."""
+    """Unpickles torch.distributed.checkpoint metadata only (see the module docstring).
+
+    ``find_class`` (every opcode that names a global goes through it: GLOBAL, STACK_GLOBAL, INST, OBJ,
+    EXT*) accepts an exact ``(module, name)`` pair of ``_ALLOWED_GLOBALS`` and nothing else. A name with a
+    dot is refused before anything is looked up: protocol 4 resolves ``name`` attribute by attribute
+    (``'os.system'`` in an allowed module reaches ``os.system``)."""
 
     def find_class(self, module: str, name: str):
-        allowed = (
-            (module, name) in _ALLOWED_GLOBALS
-            or any(module == p or module.startswith(p + ".") for p in _ALLOWED_MODULE_PREFIXES)
-            or (module == "torch" and name in _ALLOWED_TORCH_ATTRS)
-        )
-        if not allowed:
+        if "." in name:
+            raise pickle.UnpicklingError(
+                f"checkpoint metadata refers to {name!r} in {module}: a dotted name reaches attributes of "
+                f"attributes; refusing to unpickle it (the file is not a checkpoint written by verl_lite)")
+        if (module, name) not in _ALLOWED_GLOBALS:
             raise pickle.UnpicklingError(
                 f"checkpoint metadata refers to {module}.{name}, which is not a torch.distributed.checkpoint "
-                f"metadata type; refusing to unpickle it (the file is not a checkpoint written by verl_lite)"
-            )
+                f"metadata type; refusing to unpickle it (the file is not a checkpoint written by verl_lite)")
         return super().find_class(module, name)
 
 
@@ -109,6 +110,36 @@ class _RestrictedPickleModule:
     @staticmethod
     def loads(data, **_kw):
         return RestrictedUnpickler(io.BytesIO(data)).load()
+
+
+class UnsafeCheckpointFile(ValueError):
+    """A checkpoint file cannot be read safely: it does not parse, or it would unpickle a global outside
+    the allow-list (the message names the file and what was refused)."""
+
+
+METADATA_FILE = ".metadata"
+
+
+def read_dist_metadata(directory: str | Path):
+    """``<directory>/.metadata`` (the dist-checkpoint index) through :class:`RestrictedUnpickler`.
+
+    What a load reads first; callers that want a refusal before any process starts call it up front.
+    Raises :class:`UnsafeCheckpointFile` naming the file for a refused global or an unparseable file."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    path = Path(directory) / METADATA_FILE
+    try:
+        with open(path, "rb") as f:
+            metadata = RestrictedUnpickler(f).load()
+    except pickle.UnpicklingError as err:
+        raise UnsafeCheckpointFile(f"{path}: {err}") from None
+    except Exception as err:  # a damaged pickle fails in many ways (EOFError, KeyError, TypeError, ...)
+        raise UnsafeCheckpointFile(f"{path}: not a readable torch.distributed.checkpoint index "
+                                   f"({type(err).__name__}: {err})") from None
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointFile(f"{path}: holds a {type(metadata).__name__}, not a torch.distributed.checkpoint "
+                                   f"Metadata")
+    return metadata
 
 
 @contextlib.contextmanager

@@ -13,13 +13,23 @@ working directory, so give an absolute one under ``ray job submit``)::
             huggingface/                     the policy: model.safetensors + config + tokenizer
             driver_state.json                step, data position, KL controller, python RNG, ...
             driver_rng.safetensors           the driver's torch (and numpy) RNG states
-            complete                         written last (JSON: step, time)
+            complete                         written last (JSON: step, time, and the manifest: the
+                                             size and sha256 of every other file)
 
 Atomicity: a checkpoint is written into ``.tmp-global_step_K-<id>/``, every file is fsynced, the
 ``complete`` marker is written and fsynced, then the directory is renamed to ``global_step_K``
 (rename is atomic on POSIX file systems). A killed save leaves only a ``.tmp-*`` directory, which
 resume ignores (and says so); a ``global_step_*`` directory without ``complete`` is skipped with a
 message and the previous complete checkpoint is used.
+
+Integrity: before anything reads a checkpoint (resume, before Ray starts; the export command), every
+file of the manifest is checked, sizes first, then sha256 (files hashed in parallel threads; hashlib
+releases the GIL), and each role's ``dist/.metadata`` is read through the restricted unpickler. A
+missing, truncated or changed file, an index that would unpickle anything but dist-checkpoint
+metadata, or a ``driver_state.json`` that does not parse is refused with one message naming the file
+(:class:`CheckpointRefused`, exit 2). Nothing falls back on its own: the message names the previous
+complete checkpoint, which the user resumes from with ``trainer.resume_mode=resume_path``. A
+checkpoint written before manifests existed is loaded unverified, and resume says so.
 
 What the run draws random numbers from, and how each is restored:
 
@@ -39,6 +49,7 @@ Never unpickled: the driver state is JSON + safetensors; the engine side is desc
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -46,7 +57,8 @@ import shutil
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Iterator
 
@@ -61,6 +73,10 @@ DRIVER_STATE = "driver_state.json"
 DRIVER_RNG = "driver_rng.safetensors"
 HF_DIR = "huggingface"
 STATE_VERSION = 1
+MANIFEST_KEY = "files"  # in the complete marker: {relative path: {"size": bytes, "sha256": hex}}
+HASH_NAME = "sha256"
+HASH_THREADS = 8
+ROLES = ("actor", "critic")
 
 
 def _say(message: str) -> None:
@@ -113,6 +129,110 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
+# ============================================================================ integrity
+class CheckpointRefused(BadInput):
+    """A checkpoint is damaged or unsafe to read; the message names the file. Nothing of it was loaded."""
+
+
+def _hash_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, HASH_NAME).hexdigest()
+
+
+def _hash_files(directory: Path, rels: list[str]) -> dict[str, str]:
+    """sha256 of each ``directory / rel``, several files at once (hashlib releases the GIL)."""
+    with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, len(rels)))) as pool:
+        return dict(zip(rels, pool.map(lambda rel: _hash_file(directory / rel), rels)))
+
+
+def _files_of(directory: Path) -> list[str]:
+    """Every file under ``directory`` but the marker, as sorted POSIX paths relative to it."""
+    rels = [Path(d, f).relative_to(directory).as_posix() for d, _dirs, files in os.walk(directory) for f in files]
+    return sorted(r for r in rels if r != COMPLETE)
+
+
+def build_manifest(directory: Path) -> dict[str, dict]:
+    """``{relative path: {"size": bytes, "sha256": hex}}`` of every file of a checkpoint being saved."""
+    rels = _files_of(directory)
+    digests = _hash_files(directory, rels)
+    return {rel: {"size": (directory / rel).stat().st_size, HASH_NAME: digests[rel]} for rel in rels}
+
+
+def _read_marker(path: Path, fix: str | None) -> dict:
+    marker = path / COMPLETE
+    try:
+        data = json.loads(marker.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointRefused(f"checkpoint marker {marker} is unreadable ({type(e).__name__}: {e})", fix) from None
+    if not isinstance(data, dict):
+        raise CheckpointRefused(f"checkpoint marker {marker} holds no JSON object", fix)
+    return data
+
+
+def _manifest(path: Path, fix: str | None) -> dict[str, dict] | None:
+    """The marker's manifest (None: written before manifests), each entry checked to be well formed."""
+    files = _read_marker(path, fix).get(MANIFEST_KEY)
+    if files is None:
+        return None
+    ok = isinstance(files, dict) and all(
+        isinstance(rel, str) and not Path(rel).is_absolute() and ".." not in Path(rel).parts
+        and isinstance(rec, dict) and isinstance(rec.get("size"), int) and isinstance(rec.get(HASH_NAME), str)
+        for rel, rec in files.items())
+    if not ok:
+        raise CheckpointRefused(f"the manifest in {path / COMPLETE} is malformed (not written by verl_lite)", fix)
+    return files
+
+
+def _damage(path: Path, manifest: dict[str, dict]) -> list[tuple[str, str]]:
+    """(file, what is wrong) for each manifest entry that differs on disk: sizes first, then content."""
+    problems = []
+    for rel, rec in sorted(manifest.items()):
+        f = path / rel
+        if not f.is_file():
+            problems.append((rel, "is missing"))
+        elif (size := f.stat().st_size) != rec["size"]:
+            problems.append((rel, f"is {size} bytes where the save wrote {rec['size']} (truncated or overwritten)"))
+    if problems:
+        return problems
+    digests = _hash_files(path, sorted(manifest))
+    return [(rel, f"does not match the {HASH_NAME} the save recorded (its content changed)")
+            for rel in sorted(manifest) if digests[rel] != manifest[rel][HASH_NAME]]
+
+
+def verify_checkpoint(path: Path, fix: str | None = None, under: str | None = None) -> int:
+    """Check the files of checkpoint ``path`` against the manifest its save wrote, before anything reads
+    them (``under``: only those below that sub-directory, e.g. the role an export reads). Raises
+    :class:`CheckpointRefused` naming the first damaged file, with ``fix`` as the remedy. Returns how
+    many files were verified (0: a checkpoint written before manifests, which is said once)."""
+    path = Path(path)
+    manifest = _manifest(path, fix)
+    if manifest is None:
+        _say(f"{path} was saved without checksums (an older verl_lite): its files are not verified")
+        return 0
+    if under is not None:
+        manifest = {rel: rec for rel, rec in manifest.items() if rel.startswith(under.rstrip("/") + "/")}
+    problems = _damage(path, manifest)
+    if problems:
+        (rel, what), more = problems[0], len(problems) - 1
+        raise CheckpointRefused(f"checkpoint {path} is damaged: {rel} {what}"
+                                + (f" (and {more} more file{'s' * (more > 1)})" if more else ""), fix)
+    return len(manifest)
+
+
+def check_dist_metadata(path: Path, roles, fix: str | None = None) -> None:
+    """Read each role's ``<role>/dist/.metadata`` through the restricted unpickler (the only pickle in a
+    checkpoint) before any process loads it; an index that refers to anything but dist-checkpoint
+    metadata, or does not parse, raises :class:`CheckpointRefused` naming the file."""
+    from verl_lite.engine.checkpoint import UnsafeCheckpointFile, read_dist_metadata
+
+    for role in roles:
+        if (Path(path) / role / "dist").is_dir():
+            try:
+                read_dist_metadata(Path(path) / role / "dist")
+            except UnsafeCheckpointFile as e:
+                raise CheckpointRefused(str(e), fix) from None
+
+
 # ============================================================================ driver state
 @dataclass
 class DriverState:
@@ -123,6 +243,29 @@ class DriverState:
     python_random: list  # random.getstate(), as JSON lists
     config_digest: dict  # a few keys that must not change on resume (checked)
     version: int = STATE_VERSION
+
+
+def read_driver_state(path: Path, fix: str | None = None) -> DriverState:
+    """``path/driver_state.json``, parsed and type-checked; :class:`CheckpointRefused` naming the file otherwise."""
+    file = path / DRIVER_STATE
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointRefused(f"{file} is unreadable ({type(e).__name__}: {e})", fix) from None
+    if not isinstance(raw, dict) or (missing := [f.name for f in fields(DriverState) if f.name not in raw]):
+        what = "is not a JSON object" if not isinstance(raw, dict) else f"lacks {missing}"
+        raise CheckpointRefused(f"{file} {what}: not a driver state written by verl_lite", fix)
+    if raw["version"] != STATE_VERSION:
+        raise CheckpointRefused(f"{file}: driver state version {raw['version']!r} != {STATE_VERSION}", fix)
+    try:
+        state = DriverState(global_step=int(raw["global_step"]), data_epoch=int(raw["data_epoch"]),
+                            data_batch=int(raw["data_batch"]),
+                            kl_coef=None if raw["kl_coef"] is None else float(raw["kl_coef"]),
+                            python_random=raw["python_random"], config_digest=dict(raw["config_digest"]))
+        random.Random().setstate(_python_state_from_json(state.python_random))  # a valid state, or it raises
+    except (TypeError, ValueError) as e:
+        raise CheckpointRefused(f"{file} holds a malformed value ({type(e).__name__}: {e})", fix) from None
+    return state
 
 
 def _python_state_to_json(state) -> list:
@@ -242,6 +385,7 @@ class CheckpointManager:
         self.resume_from = Path(tr.resume_from_path).expanduser().resolve() if tr.resume_from_path else None
         self.resumed_from: Path | None = None
         self.last_saved_step: int | None = None
+        self._checked: tuple[Path | None, DriverState | None, str] | None = None  # prepare_resume()'s result
 
     # ---------------------------------------------------------------- resume
     def resume_path(self) -> Path | None:
@@ -257,41 +401,67 @@ class CheckpointManager:
             _say(f"no complete checkpoint under {self.root}: starting from step 0")
         return path
 
+    def _refusal_fix(self, path: Path) -> str:
+        """What to do about a refused checkpoint: resume from the previous complete one by name, or start afresh."""
+        step = step_of(path)
+        earlier = [p for s, p in list_checkpoints(path.parent, quiet=True) if step is not None and s < step]
+        if earlier:
+            return (f"to resume from the previous complete checkpoint, rerun with trainer.resume_mode=resume_path "
+                    f"trainer.resume_from_path={earlier[-1]} (nothing falls back on its own)")
+        return "restore it from a copy, or start afresh with trainer.resume_mode=disable"
+
+    def prepare_resume(self) -> None:
+        """Choose the checkpoint ``resume_mode`` selects and check it before any process reads it: every file
+        against its manifest (:func:`verify_checkpoint`), each role's dist-checkpoint index through the
+        restricted unpickler, the driver state, and the keys that must not change. Raises
+        :class:`CheckpointRefused` naming the file. ``PPOTrainer.start`` calls it before Ray starts;
+        :meth:`resume` uses its result (and calls it itself when nothing did)."""
+        path = self.resume_path()
+        if path is None:
+            self._checked = (None, None, "")
+            return
+        fix = self._refusal_fix(path)
+        t0 = time.perf_counter()
+        n = verify_checkpoint(path, fix)
+        check_dist_metadata(path, ROLES, fix)
+        state = read_driver_state(path, fix)
+        digest = _config_digest(self.cfg)
+        changed = {k: (v, digest.get(k)) for k, v in state.config_digest.items() if digest.get(k) != v}
+        if changed:
+            raise CheckpointRefused(f"{path}: cannot resume with changed " + ", ".join(
+                f"{k} (saved {a!r}, now {b!r})" for k, (a, b) in changed.items()),
+                "resume with the saved values, or start a new run (another trainer.default_local_dir)")
+        self._checked = (path, state, f"{n} files verified in {time.perf_counter() - t0:.1f}s" if n else "unverified")
+
     def resume(self, trainer) -> DataCursor:
         """Load the checkpoint ``resume_mode`` selects (if any) into the trainer; return the data cursor."""
         d = self.cfg.data
         cursor = DataCursor(trainer.train_dataset, d.train_batch_size, d.shuffle, d.seed)
-        path = self.resume_path()
+        if self._checked is None:
+            self.prepare_resume()
+        (path, state, verified), self._checked = self._checked, None
         if path is None:
             return cursor
         from safetensors.torch import load_file
 
-        state = json.loads((path / DRIVER_STATE).read_text())
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"{path}: driver state version {state.get('version')} != {STATE_VERSION}")
-        digest = _config_digest(self.cfg)
-        changed = {k: (v, digest.get(k)) for k, v in state["config_digest"].items() if digest.get(k) != v}
-        if changed:
-            raise ValueError(f"{path}: cannot resume with changed " + ", ".join(
-                f"{k} (saved {a!r}, now {b!r})" for k, (a, b) in changed.items()))
         t0 = time.perf_counter()
         infos = {"actor": trainer.actor.call_all("load_checkpoint", str(path / "actor"))}
         if getattr(trainer, "critic", None) is not None:
             if not (path / "critic").is_dir():
                 raise ValueError(f"{path} holds no critic state but this run trains a critic")
             infos["critic"] = trainer.critic.call_all("load_checkpoint", str(path / "critic"))
-        trainer.global_step = int(state["global_step"])
-        if trainer.kl_ctrl is not None and state["kl_coef"] is not None:
-            trainer.kl_ctrl.value = float(state["kl_coef"])
-        random.setstate(_python_state_from_json(state["python_random"]))
+        trainer.global_step = state.global_step
+        if trainer.kl_ctrl is not None and state.kl_coef is not None:
+            trainer.kl_ctrl.value = state.kl_coef
+        random.setstate(_python_state_from_json(state.python_random))
         _restore_global_rng(load_file(str(path / DRIVER_RNG)))
-        cursor.epoch, cursor.batch = int(state["data_epoch"]), int(state["data_batch"])
+        cursor.epoch, cursor.batch = state.data_epoch, state.data_batch
         self.resumed_from = path
         self.last_saved_step = trainer.global_step
         layout = infos["actor"][0]["layout"]
         rng = all(i["rng_restored"] for role in infos.values() for i in role)
         _say(f"resumed from {path} (step {trainer.global_step}, saved at layout {layout}; worker RNG "
-             f"{'restored' if rng else 'not restored: the layout differs'}) in {time.perf_counter() - t0:.1f}s")
+             f"{'restored' if rng else 'not restored: the layout differs'}; {verified}) in {time.perf_counter() - t0:.1f}s")
         return cursor
 
     # ---------------------------------------------------------------- save
@@ -325,7 +495,8 @@ class CheckpointManager:
         (tmp / DRIVER_STATE).write_text(json.dumps(asdict(state)))
         save_file(_global_rng_tensors(), str(tmp / DRIVER_RNG))
         _fsync_tree(tmp)
-        _write_atomic(tmp / COMPLETE, json.dumps({"global_step": step, "time": time.time()}))
+        _write_atomic(tmp / COMPLETE, json.dumps({"global_step": step, "time": time.time(),
+                                                  MANIFEST_KEY: build_manifest(tmp)}))
         if final.exists():  # the same step saved again (e.g. a resumed run that trained no further)
             old = self.root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
             os.replace(final, old)

@@ -8,6 +8,10 @@ are resharded by megatron's dist_checkpointing into one process (whatever TP/PP/
 them), then written as ``model.safetensors`` + ``config.json`` + the tokenizer, loadable with
 ``transformers.AutoModelForCausalLM.from_pretrained(DIR)``. Only the model weights are read (no
 optimizer state); nothing is unpickled (see ``verl_lite.engine.checkpoint``). Runs on CPU.
+
+Before anything is read, the role's files are checked against the checkpoint's manifest and its
+dist-checkpoint index through the restricted unpickler (``verl_lite.trainer.checkpointing``); a
+damaged or unsafe checkpoint is refused naming the file (exit 2).
 """
 
 from __future__ import annotations
@@ -34,6 +38,16 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path | None = None, role: str = "actor") -> Path:
     """Write ``<checkpoint>/<role>`` as an HF directory; returns it. Initialises a 1-process gloo world."""
+    from verl_lite.trainer.checkpointing import check_dist_metadata, verify_checkpoint
+
+    ckpt = resolve_checkpoint(checkpoint)
+    role_dir = ckpt / role
+    if not (role_dir / "dist").is_dir():
+        raise ValueError(f"{ckpt} holds no {role} state ({role_dir / 'dist'} is missing)")
+    fix = "export another checkpoint (its global_step_K directory), or restore this one from a copy"
+    verify_checkpoint(ckpt, fix, under=role)  # before megatron or transformers read any of it
+    check_dist_metadata(ckpt, [role], fix)
+
     import torch
     from transformers import AutoConfig
 
@@ -42,10 +56,6 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path | None = None, rol
     from verl_lite.engine.model import build_model_chunks, transformer_config_from_hf
     from verl_lite.utils.net import free_port
 
-    ckpt = resolve_checkpoint(checkpoint)
-    role_dir = ckpt / role
-    if not (role_dir / "dist").is_dir():
-        raise ValueError(f"{ckpt} holds no {role} state ({role_dir / 'dist'} is missing)")
     out = Path(out).expanduser().resolve() if out is not None else ckpt / "huggingface"
     config_dir = role_dir / "hf_config"
     hf_config = AutoConfig.from_pretrained(str(config_dir))
@@ -66,9 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", help="a global_step_K directory or a trainer.default_local_dir")
     parser.add_argument("--out", default=None, help="output directory (default: <checkpoint>/huggingface)")
     args = parser.parse_args(argv)
+    from verl_lite.errors import UserError
+
     try:
         out = export_checkpoint(args.checkpoint, args.out)
-    except ValueError as e:
+    except (ValueError, UserError) as e:
         print(f"verl_lite export: {e}", file=sys.stderr)
         return 2
     print(f"exported {out}")

@@ -152,6 +152,11 @@ class PPOTrainer:
         """Start (or join) Ray, place the roles, build engines and rollouts."""
         if self.actor is not None:
             return
+        try:
+            self.checkpoints.prepare_resume()  # a damaged or unsafe checkpoint is refused before Ray starts
+        except BaseException:
+            self.close()
+            raise
         self._owns_ray = start_ray(num_cpus=os.cpu_count() or 1)
         try:
             c = self.cfg.critic
