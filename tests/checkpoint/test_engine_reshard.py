@@ -16,7 +16,7 @@ LOADS = [dict(), dict(tp=2, cp=2), dict(pp=2, vpp=2)]
 REL_TOL = 1e-6
 
 
-def _build(rank, world, par_kw, model, dist_opt=True, lr=1e-2):
+def _build(rank, world, par_kw, model, dist_opt=True, lr=1e-2, keep_schedule=False):
     from verl_lite.engine.config import EngineConfig, OptimConfig
     from verl_lite.engine.distributed import ParallelConfig
     from verl_lite.engine.engine import MegatronEngine
@@ -24,7 +24,8 @@ def _build(rank, world, par_kw, model, dist_opt=True, lr=1e-2):
     par = ParallelConfig(**par_kw)
     use_layout(rank, world, par)
     return MegatronEngine(EngineConfig(model_path=model, parallel=par, optim=OptimConfig(
-        lr=lr, use_distributed_optimizer=dist_opt, total_steps=10, lr_decay_style="linear")))
+        lr=lr, use_distributed_optimizer=dist_opt, total_steps=10, lr_decay_style="linear",
+        use_checkpoint_opt_param_scheduler=keep_schedule)))
 
 
 def _step(engine):
@@ -67,13 +68,15 @@ def _worker(rank, world, model, other_model, directory):
     after = _weights(e)
     out = {"cases": []}
     for kw in LOADS:
-        f = _build(rank, world, kw, model, lr=5.0)  # a different lr: the schedule must come from the checkpoint
+        f = _build(rank, world, kw, model, lr=5.0, keep_schedule=True)  # another lr: the checkpoint's must win
         f.load_checkpoint(directory)
         loaded = _weights(f)
         exact = all(torch.equal(loaded[k], saved[k]) for k in saved)
         same_lr = f.scheduler.get_lr({}) == lr_saved
         _step(f)
         out["cases"].append({"layout": kw, "exact": exact, "same_lr": same_lr, "rel": _rel(after, _weights(f))})
+    own = _build(rank, world, {}, model, lr=5.0)  # verl's default: the saved step count, this engine's schedule
+    out["own_schedule"] = own.load_checkpoint(directory)["lr_schedule"]
     errors = {}
     g = _build(rank, world, {}, model, dist_opt=False)
     try:
@@ -106,6 +109,13 @@ def test_reshard_loads_exactly_and_continues(results, index):
     assert case["exact"], f"weights read back at {case['layout']} differ from the saved ones"
     assert case["same_lr"], "the LR schedule did not come from the checkpoint"
     assert case["rel"] <= REL_TOL, case
+
+
+def test_by_default_the_loaded_step_count_continues_this_engines_schedule(results):
+    s = results["own_schedule"]  # saved after 1 step of lr 1e-2 linear over 10; loaded with lr 5.0
+    assert (s["step"], s["max_lr"], s["decay_steps"], s["source"]) == (1, 5.0, 10, "config")
+    assert s["next_lr"] == pytest.approx(5.0 * (1 - 2 / 10), rel=1e-12)  # step 2 of 10, no warm-up, min_lr 0
+    assert s["saved"]["max_lr"] == pytest.approx(1e-2)
 
 
 def test_unsupported_changes_name_the_change(results):

@@ -55,6 +55,7 @@ class OptimConfig:
     lr_decay_style: str = "constant"  # constant | linear | cosine
     min_lr: float = 0.0  # floor for linear/cosine decay
     betas: List[float] = field(default_factory=lambda: [0.9, 0.99])  # Adam betas
+    use_checkpoint_opt_param_scheduler: bool = False  # on resume: true keeps the checkpoint's LR schedule; false (verl's default) continues this run's schedule from the saved step
 
 
 @dataclass

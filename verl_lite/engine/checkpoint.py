@@ -397,7 +397,8 @@ def check_compatible(engine, saved: dict) -> None:
 def load_engine_state(engine, directory: str | Path) -> dict:
     """Load a checkpoint written by :func:`save_engine_state`, at this engine's (possibly different) layout.
 
-    Collective. Returns the saver's description (``layout`` etc.). Raises
+    Collective. Returns the saver's description (``layout`` etc.), with ``lr_schedule`` (the schedule the
+    engine continues with, ``MegatronEngine.load_scheduler_state``) when it trains. Raises
     :class:`CheckpointLayoutError` for an unsupported change (see :func:`check_compatible`)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import CheckpointingException
@@ -427,7 +428,7 @@ def load_engine_state(engine, directory: str | Path) -> dict:
         with _torch_adam_step_fix(engine.optimizer):
             engine.optimizer.load_state_dict(loaded["optimizer"])
         _unshare_adam_steps(engine.optimizer)
-        engine.scheduler.load_state_dict(loaded["scheduler"])
+        saved = {**saved, "lr_schedule": engine.load_scheduler_state(loaded["scheduler"])}  # step count always
     _barrier()
     return saved
 
@@ -483,7 +484,7 @@ def save_role_state(engine, path: str | Path, tokenizer_path: str | None = None)
 def load_role_state(engine, path: str | Path) -> dict:
     """Load :func:`save_role_state` output (any layout). RNG states are restored only when the saver had
     the same world size and layout (per-rank streams have no meaning in another layout); the result says
-    ``{"layout": saved layout, "rng_restored": bool}``."""
+    ``{"layout": saved layout, "rng_restored": bool, "lr_schedule": the schedule in use (None forward-only)}``."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -503,7 +504,7 @@ def load_role_state(engine, path: str | Path) -> dict:
     restored = all(flags)
     if restored:
         _restore_rng(load_file(str(rng_file)))
-    return {"layout": saved["layout"], "rng_restored": restored}
+    return {"layout": saved["layout"], "rng_restored": restored, "lr_schedule": saved.get("lr_schedule")}
 
 
 def write_hf_config(hf_config, directory: str | Path, tokenizer_path: str | None) -> None:

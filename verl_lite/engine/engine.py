@@ -125,6 +125,28 @@ class _MicroBatch:
     indices: list[int]
 
 
+def _schedule_shape(s: dict) -> str:
+    if s["style"] == "constant":
+        shape = f"constant lr {s['max_lr']:g}"
+    else:
+        shape = f"{s['style']} decay from {s['max_lr']:g} to {s['min_lr']:g} at step {s['decay_steps']}"
+    return f"{shape}, warmup {s['warmup_steps']}" if s["warmup_steps"] else shape
+
+
+def format_lr_schedule(schedule: dict) -> str:
+    """One line for :meth:`MegatronEngine.load_scheduler_state`'s result: the schedule a resumed engine uses,
+    where it stands, and the checkpoint's own schedule when that one is not used and differs."""
+    own = schedule["source"] == "checkpoint"
+    whose = "kept from the checkpoint" if own else "this run's"
+    text = (f"optimizer step {schedule['step']}, lr schedule {_schedule_shape(schedule)} ({whose}), "
+            f"next lr {schedule['next_lr']:.6g}")
+    saved = schedule.get("saved")
+    if not own and saved and None not in saved.values() and _schedule_shape(saved) != _schedule_shape(schedule):
+        text += (f"; the checkpoint's was {_schedule_shape(saved)} "
+                 f"(optim.use_checkpoint_opt_param_scheduler=true keeps it)")
+    return text
+
+
 def _megatron_attention_backend(name: str):
     """EngineConfig.attention_backend -> megatron's ``AttnBackend`` (read by ``PackedCoreAttention``)."""
     from megatron.core.transformer.enums import AttnBackend
@@ -319,7 +341,35 @@ class MegatronEngine:
             end_wd=o.weight_decay,
             wd_incr_steps=1,
             wd_incr_style="constant",
+            # verl's semantics: the checkpoint's schedule is kept only when asked; otherwise a loaded
+            # checkpoint restores the step count and this config's schedule continues from it
+            use_checkpoint_opt_param_scheduler=o.use_checkpoint_opt_param_scheduler,
+            override_opt_param_scheduler=not o.use_checkpoint_opt_param_scheduler,
         )
+
+    def load_scheduler_state(self, state: dict) -> dict:
+        """Load a saved LR schedule (``scheduler.state_dict()``): the step count always; the shape (lr,
+        min_lr, warm-up, decay steps, style) is the checkpoint's with ``optim.use_checkpoint_opt_param_scheduler``,
+        else this engine's. Returns :meth:`lr_schedule` with ``"saved"``: the checkpoint's shape."""
+        self.scheduler.load_state_dict(state)
+        saved = {"style": state.get("lr_decay_style"), "warmup_steps": state.get("lr_warmup_steps"),
+                 "decay_steps": state.get("lr_decay_steps"), "max_lr": state.get("max_lr"),
+                 "min_lr": state.get("min_lr")}
+        return {**self.lr_schedule(), "saved": saved}
+
+    def lr_schedule(self) -> dict:
+        """The LR schedule in use: ``style``, ``warmup_steps``, ``decay_steps`` (the step at which it reaches
+        ``min_lr``), ``max_lr``, ``min_lr``, ``step`` (optimizer steps taken), ``next_lr`` (the lr of the next
+        optimizer step, which :meth:`train_step` advances to before stepping) and ``source``."""
+        s = self.scheduler
+        s.num_steps += 1
+        try:
+            next_lr = float(s.get_lr({}))
+        finally:
+            s.num_steps -= 1
+        return {"style": s.lr_decay_style, "warmup_steps": int(s.lr_warmup_steps), "decay_steps": int(s.lr_decay_steps),
+                "max_lr": float(s.max_lr), "min_lr": float(s.min_lr), "step": int(s.num_steps), "next_lr": next_lr,
+                "source": "checkpoint" if self.cfg.optim.use_checkpoint_opt_param_scheduler else "config"}
 
     # ------------------------------------------------------------------ properties
     @property

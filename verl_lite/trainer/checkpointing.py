@@ -462,7 +462,17 @@ class CheckpointManager:
         rng = all(i["rng_restored"] for role in infos.values() for i in role)
         _say(f"resumed from {path} (step {trainer.global_step}, saved at layout {layout}; worker RNG "
              f"{'restored' if rng else 'not restored: the layout differs'}; {verified}) in {time.perf_counter() - t0:.1f}s")
+        self._say_lr_schedules(trainer.global_step, infos)
         return cursor
+
+    @staticmethod
+    def _say_lr_schedules(step: int, infos: dict) -> None:
+        """One line per trained role: the LR schedule it continues with (``optim.use_checkpoint_opt_param_scheduler``)."""
+        from verl_lite.engine.engine import format_lr_schedule
+
+        for role, ranks in infos.items():
+            if ranks and ranks[0].get("lr_schedule"):
+                _say(f"{role} resumed at step {step}: {format_lr_schedule(ranks[0]['lr_schedule'])}")
 
     # ---------------------------------------------------------------- save
     def after_step(self, trainer, cursor: DataCursor, last: bool) -> dict:

@@ -124,6 +124,7 @@ class PPOTrainer:
         self.critic: RoleGroup | None = None
         self.pool: ResourcePool | None = None
         self._owns_ray = False
+        self._checkpoint_lock = None  # trainer.default_local_dir's run lock, held from start() to close()
         self.global_step = 0
         self.update_history: list[list[dict]] = []  # per RL step: the actor's per-optimizer-step results
         self.critic_update_history: list[list[dict]] = []  # the same for the critic
@@ -149,9 +150,13 @@ class PPOTrainer:
         return tuple(datasets)
 
     def start(self) -> None:
-        """Start (or join) Ray, place the roles, build engines and rollouts."""
+        """Lock ``trainer.default_local_dir`` (a run that saves; ``run_lock``), start (or join) Ray, place the
+        roles, build engines and rollouts."""
         if self.actor is not None:
             return
+        from verl_lite.trainer.run_lock import lock_checkpoint_dir
+
+        self._checkpoint_lock = self._checkpoint_lock or lock_checkpoint_dir(self.cfg.trainer)  # before Ray starts
         try:
             self.checkpoints.prepare_resume()  # a damaged or unsafe checkpoint is refused before Ray starts
         except BaseException:
@@ -190,6 +195,9 @@ class PPOTrainer:
         if self._owns_ray:
             stop_ray()
             self._owns_ray = False
+        if self._checkpoint_lock is not None:
+            self._checkpoint_lock.release()
+            self._checkpoint_lock = None
 
     def __enter__(self):
         self.start()

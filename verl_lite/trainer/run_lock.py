@@ -1,0 +1,165 @@
+"""One run at a time per checkpoint directory: a ``flock`` on ``<trainer.default_local_dir>/.verl_lite.lock``.
+
+    lock = lock_checkpoint_dir(cfg.trainer)   # None when the run saves no checkpoint (save_freq <= 0)
+    ...                                       # start Ray and the workers, train, save global_step_K
+    lock.release()                            # also released by the kernel when the driver dies
+
+Two runs given the same ``trainer.default_local_dir`` would both write ``global_step_K`` (and prune
+each other's checkpoints). The driver of a run that saves checkpoints takes an exclusive, non-blocking
+``fcntl.flock`` on the lock file before Ray or any worker starts and holds it until the run ends. A
+second run finds it taken and stops with :class:`CheckpointDirInUse` (exit 2), naming the holder's
+pid and host, which the holder writes into the file as JSON (``pid``, ``host``, ``started``).
+
+A killed holder never blocks: a flock belongs to the open file, which the kernel closes when the
+process dies, so a lock file left by a SIGKILLed driver is stale text and the next run takes the lock
+(and overwrites the text). The descriptor is close-on-exec and closed in forked children, so no
+process the driver starts (Ray, workers, the reward process) keeps the lock alive after the driver.
+The file itself stays (deleting a lock file lets two runs lock two different files); release empties it.
+On NFS, Linux maps flock onto the server's byte-range locks, so runs on different hosts exclude each
+other too.
+
+A run with ``save_freq <= 0`` takes no lock: it only reads complete checkpoints (``resume_mode``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from verl_lite.errors import BadInput
+
+LOCK_NAME = ".verl_lite.lock"
+HOLDER_READ_TRIES = 20  # the holder writes its pid just after taking the lock: wait up to ~0.2 s for it
+
+
+class CheckpointDirInUse(BadInput):
+    """Another live run holds the checkpoint directory's lock (refused before anything started)."""
+
+
+class RunLock:
+    """An exclusive flock on ``directory / LOCK_NAME``, held from :meth:`acquire` to :meth:`release`."""
+
+    def __init__(self, directory: Path, key: str = "trainer.default_local_dir"):
+        self.directory, self.key = Path(directory), key
+        self.path = self.directory / LOCK_NAME
+        self._fd: int | None = None
+        self._pid: int | None = None  # the process that took it (a forked copy of this object releases nothing)
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None and self._pid == os.getpid()
+
+    def acquire(self) -> RunLock:
+        """Take the lock and record this process as the holder; raise :class:`CheckpointDirInUse`
+        naming the holder when another process has it, :class:`BadInput` when the directory is unusable."""
+        if self.held:
+            return self
+        fd = self._open()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise self._in_use(read_holder(self.path)) from None
+        except OSError as e:
+            os.close(fd)
+            raise BadInput(f"{self.key}={str(self.directory)!r}: cannot lock {self.path} ({e.strerror or e})",
+                           f"set {self.key} to a directory on a file system that supports file locks") from None
+        self._fd, self._pid = fd, os.getpid()
+        _FORKED_CLOSE.add(fd)
+        self._write_holder()
+        return self
+
+    def release(self) -> None:
+        """Empty the holder record and drop the lock (idempotent)."""
+        fd, self._fd = self._fd, None
+        if fd is None or self._pid != os.getpid():
+            return
+        _FORKED_CLOSE.discard(fd)
+        try:
+            os.ftruncate(fd, 0)
+        except OSError:
+            pass
+        os.close(fd)  # closing the only descriptor of the open file releases the flock
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def _open(self) -> int:
+        fix = f"set {self.key} to a directory you can write (it is created if missing)"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise BadInput(f"{self.key}={str(self.directory)!r}: cannot create the lock file {self.path} "
+                           f"({e.strerror or e})", fix) from None
+
+    def _write_holder(self) -> None:
+        record = {"pid": os.getpid(), "host": socket.gethostname(),
+                  "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+        data = json.dumps(record).encode()
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, data, 0)
+        os.fsync(self._fd)
+
+    def _in_use(self, holder: dict) -> CheckpointDirInUse:
+        if holder.get("pid") is None:
+            who = "another run (its pid is not recorded yet)"
+        else:
+            who = f"another run: pid {holder['pid']} on host {holder.get('host', '?')}"
+            if holder.get("started"):
+                who += f", started {holder['started']}"
+        return CheckpointDirInUse(
+            f"{self.key}={str(self.directory)!r} is in use by {who} (lock file {self.path}); two runs writing "
+            f"one checkpoint directory would overwrite each other's global_step_K",
+            f"wait for that run to end, or give this run another {self.key}")
+
+
+def read_holder(path: Path) -> dict:
+    """The holder record of a lock file (``{}`` when empty, unreadable or not written yet)."""
+    for attempt in range(HOLDER_READ_TRIES):
+        try:
+            text = Path(path).read_text()
+        except OSError:
+            return {}
+        if text.strip():
+            try:
+                record = json.loads(text)
+            except ValueError:
+                record = None
+            if isinstance(record, dict):
+                return record
+        time.sleep(0.01)
+    return {}
+
+
+def lock_checkpoint_dir(trainer_cfg) -> RunLock | None:
+    """Take the lock of ``trainer.default_local_dir`` when the run saves checkpoints (``save_freq > 0``);
+    ``None`` otherwise. Raises :class:`CheckpointDirInUse` while another run holds it."""
+    from verl_lite.trainer.checkpointing import checkpoint_root
+
+    if trainer_cfg.save_freq <= 0:
+        return None
+    return RunLock(checkpoint_root(trainer_cfg)).acquire()
+
+
+# descriptors of held locks: a child made by a bare fork() closes its copies, so a lock dies with its driver
+_FORKED_CLOSE: set[int] = set()
+
+
+def _close_in_child() -> None:
+    for fd in list(_FORKED_CLOSE):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _FORKED_CLOSE.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
