@@ -4,10 +4,13 @@
   the timeout it was given (``parallel_state.py:1278``); every group gets it here.
 - :func:`prepare_host_dispatch` / :func:`make_dispatchers_host_safe`: the MoE alltoall token
   dispatcher's device-to-host copy stream and its synchronise step, on a CPU-only torch.
+- :func:`torch_adam_step_fix` / :func:`unshare_adam_steps`: loading the distributed optimizer's
+  ``fully_reshardable`` state into torch's Adam (no Apex/TE).
 """
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 
 import torch
@@ -73,3 +76,44 @@ class _HostDtoH:
                 if torch.is_tensor(value):
                     setattr(d, name, value.numpy())
         return tokens_per_expert
+
+
+@contextlib.contextmanager
+def torch_adam_step_fix(optimizer):
+    """megatron-core 0.16.1, distributed optimizer on torch's Adam (no Apex/TE): loading the
+    ``fully_reshardable`` format copies every per-parameter state key from the checkpoint, but the
+    checkpoint's per-parameter tensors exclude ``step`` (it travels in the param groups and is already
+    restored), so ``_set_main_param_and_optimizer_states`` raises ``KeyError: 'step'``. While active,
+    the missing ``step`` is filled with the value already restored (a copy onto itself)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer):
+            continue
+        original = opt._set_main_param_and_optimizer_states
+
+        def set_states(model_param, tensors, opt=opt, original=original):
+            group_index, group_order = opt.model_param_group_index_map[model_param]
+            state = opt.optimizer.state[opt.optimizer.param_groups[group_index]["params"][group_order]]
+            if "step" in state and "step" not in tensors:
+                tensors = dict(tensors, step=state["step"])
+            original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = set_states
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
+
+
+def unshare_adam_steps(optimizer) -> None:
+    """megatron's load_state_dict gives every parameter the SAME ``step`` tensor; torch's Adam increments
+    each parameter's step in place, so a shared one would advance once per parameter per optimizer step
+    (wrong bias correction from the second step after a resume on). Give each parameter its own copy."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in opt.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].detach().clone()

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from verl_lite.compat import megatron_internals
 from verl_lite.engine.vocab_parallel import padded_vocab_size
 
 # Reshardable in TP, PP, VPP, CP and DP, and readable by the regular optimizer.
@@ -235,47 +236,6 @@ def _init_optimizer_state(optimizer) -> None:
                     st["step"] = torch.zeros((), dtype=torch.float32)
 
 
-@contextlib.contextmanager
-def _torch_adam_step_fix(optimizer):
-    """megatron-core 0.16.1, distributed optimizer on torch's Adam (no Apex/TE): loading the
-    ``fully_reshardable`` format copies every per-parameter state key from the checkpoint, but the
-    checkpoint's per-parameter tensors exclude ``step`` (it travels in the param groups and is already
-    restored), so ``_set_main_param_and_optimizer_states`` raises ``KeyError: 'step'``. While active,
-    the missing ``step`` is filled with the value already restored (a copy onto itself)."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    patched = []
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not isinstance(opt, DistributedOptimizer):
-            continue
-        original = opt._set_main_param_and_optimizer_states
-
-        def set_states(model_param, tensors, opt=opt, original=original):
-            group_index, group_order = opt.model_param_group_index_map[model_param]
-            state = opt.optimizer.state[opt.optimizer.param_groups[group_index]["params"][group_order]]
-            if "step" in state and "step" not in tensors:
-                tensors = dict(tensors, step=state["step"])
-            original(model_param, tensors)
-
-        opt._set_main_param_and_optimizer_states = set_states
-        patched.append(opt)
-    try:
-        yield
-    finally:
-        for opt in patched:
-            del opt._set_main_param_and_optimizer_states
-
-
-def _unshare_adam_steps(optimizer) -> None:
-    """megatron's load_state_dict gives every parameter the SAME ``step`` tensor; torch's Adam increments
-    each parameter's step in place, so a shared one would advance once per parameter per optimizer step
-    (wrong bias correction from the second step after a resume on). Give each parameter its own copy."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for state in opt.optimizer.state.values():
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].detach().clone()
-
-
 def _engine_sharded_state_dict(engine, is_loading: bool, with_optimizer: bool) -> dict:
     state = _model_sharded_state_dict(engine)
     if with_optimizer:
@@ -425,9 +385,9 @@ def load_engine_state(engine, directory: str | Path) -> dict:
         if missing or unexpected:
             raise CheckpointLayoutError(f"model chunk {i}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if with_optimizer:
-        with _torch_adam_step_fix(engine.optimizer):
+        with megatron_internals.torch_adam_step_fix(engine.optimizer):
             engine.optimizer.load_state_dict(loaded["optimizer"])
-        _unshare_adam_steps(engine.optimizer)
+        megatron_internals.unshare_adam_steps(engine.optimizer)
         saved = {**saved, "lr_schedule": engine.load_scheduler_state(loaded["scheduler"])}  # step count always
     _barrier()
     return saved
