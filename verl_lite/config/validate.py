@@ -13,6 +13,7 @@ from pathlib import Path
 
 from verl_lite.config.loader import ConfigError
 from verl_lite.config.schema import PPOConfig
+from verl_lite.engine import rules
 
 ROLLOUT_NAMES = ("hf", "vllm")
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
@@ -165,7 +166,9 @@ def validate_config(cfg: PPOConfig, world_size: int | None = None) -> Layout:
                        positive, p)
     from verl_lite.workers.from_config import engine_model_overrides
 
-    p.extend(router_loss_recompute_problems(model_cfg, engine_model_overrides(arr.model, mg)))
+    p.extend(rules.router_loss_recompute_problems(f"{M}.override_transformer_config", model_cfg,
+                                                  engine_model_overrides(arr.model, mg),
+                                                  "actor_rollout_ref.model.enable_gradient_checkpointing"))
     traj_mini = actor.ppo_mini_batch_size * rollout.n if ok_sizes else 0
     if dp and traj_mini and traj_mini % dp:
         p.append(
@@ -267,172 +270,12 @@ def _check_layout(key: str, mg, world: int, workers: str, model_cfg: dict | None
         p.append(f"{M}.sequence_parallel=true needs tensor_model_parallel_size > 1 (got {tp}); set it to false")
     if mg.timeout_s is None or mg.timeout_s <= 0:
         p.append(f"{M}.timeout_s={mg.timeout_s} must be > 0 seconds (a stuck collective fails after it)")
-    p.extend(engine_dtype_problems(f"{M}.dtype", mg.dtype))
-    p.extend(transformer_override_problems(f"{M}.override_transformer_config", mg.override_transformer_config,
-                                           dtype=mg.dtype))
+    p.extend(rules.dtype_problems(f"{M}.dtype", mg.dtype))
+    p.extend(rules.transformer_override_problems(f"{M}.override_transformer_config", mg.override_transformer_config,
+                                                 dtype=mg.dtype, cuda=_cuda_visible()))
     if ok_par:
-        p.extend(moe_layout_problems(M, mg, world, model_cfg))
+        p.extend(rules.moe_layout_problems(M, mg, world, model_cfg))
     return dp
-
-
-def moe_layout_problems(key: str, mg, world: int, model_cfg: dict | None) -> list[str]:
-    """Expert parallelism (``expert_model_parallel_size`` / ``expert_tensor_parallel_size``) and the router-loss
-    overrides of one role: EP > 1 and router-loss coefficients only for a mixture-of-experts model."""
-    from verl_lite.engine.moe import ROUTER_LOSS_KEYS
-
-    ep, etp = mg.expert_model_parallel_size, mg.expert_tensor_parallel_size
-    tp, pp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size
-    out = []
-    for name, v in (("expert_model_parallel_size", ep), ("expert_tensor_parallel_size", etp)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            out.append(f"{key}.{name}={v!r} must be an integer >= 1")
-            return out
-    if etp != 1:
-        out.append(f"{key}.expert_tensor_parallel_size={etp}: expert tensor parallelism is not built (experts are "
-                   "kept whole on their EP rank); set it to 1")
-    moe = model_cfg is not None and model_cfg.get("model_type") in ("qwen3_moe", "qwen2_moe")
-    router = {k: v for k, v in (mg.override_transformer_config or {}).items() if k in ROUTER_LOSS_KEYS}
-    if model_cfg is not None and not moe:
-        if ep > 1:
-            out.append(f"{key}.expert_model_parallel_size={ep}: the model ({model_cfg.get('model_type')}) is dense, "
-                       "it has no experts to split; set it to 1")
-        for k, v in router.items():
-            if v:
-                out.append(f"{key}.override_transformer_config.{k}={v}: the model ({model_cfg.get('model_type')}) "
-                           "is dense, it has no router; drop it")
-    if moe:
-        experts = model_cfg.get("num_experts") or model_cfg.get("num_local_experts")
-        if experts and experts % ep:
-            out.append(f"{key}.expert_model_parallel_size={ep} must divide the model's {experts} experts")
-        if world >= 1 and (world // pp) % (ep * etp):
-            out.append(f"{key}.expert_model_parallel_size x expert_tensor_parallel_size = {ep * etp} must divide "
-                       f"the {world // pp} ranks of a pipeline stage (workers / pp)")
-        if tp > 1 and not mg.sequence_parallel:
-            out.append(f"{key}: a mixture-of-experts model with tensor_model_parallel_size={tp} needs "
-                       "sequence_parallel=true (megatron's token dispatcher splits the tokens over TP)")
-    return out
-
-
-def router_loss_recompute_problems(model_cfg: dict | None, overrides: dict) -> list[str]:
-    """MoE router losses and activation recompute are not built together (the recomputed router forward
-    would see another micro-batch's token map): reject them before start, as the engine would at step 1."""
-    from verl_lite.engine.moe import ROUTER_LOSS_KEYS
-
-    moe = model_cfg is not None and model_cfg.get("model_type") in ("qwen3_moe", "qwen2_moe")
-    router = [k for k in ROUTER_LOSS_KEYS if overrides.get(k)]
-    if moe and router and overrides.get("recompute_granularity") is not None:
-        return [f"actor_rollout_ref.actor.megatron.override_transformer_config.{router[0]}={overrides[router[0]]} with activation recompute "
-                f"(actor_rollout_ref.model.enable_gradient_checkpointing / recompute_granularity): MoE router losses "
-                f"under recompute are not built; turn one of them off"]
-    return []
-
-
-def engine_dtype_problems(key: str, value) -> list[str]:
-    """``megatron.dtype``: float32 / fp32, or bfloat16 / bf16 (megatron mixed precision); float16 rejected."""
-    from verl_lite.engine.config import FP16_UNSUPPORTED, PARAMS_DTYPES, canonical_dtype
-
-    name = canonical_dtype(value)
-    if name in ("float16", "fp16", "half"):
-        return [f"{key}={value}: {FP16_UNSUPPORTED}"]
-    if name not in PARAMS_DTYPES:
-        return [f"{key}={value!r} is unknown; choose float32 (fp32) or bfloat16 (bf16)"]
-    return []
-
-
-def attention_backend_problem(key: str, value, dtype: str = "float32") -> str | None:
-    """``override_transformer_config.attention_backend`` (megatron's names): auto, flash, unfused/local
-    (= torch SDPA); fused (Transformer Engine) is not built; flash must be able to run here."""
-    from verl_lite.engine.config import MEGATRON_ATTENTION_NAMES
-
-    name = str(value).lower()
-    if name not in MEGATRON_ATTENTION_NAMES:
-        return (f"{key}={value}: megatron's {name} attention (Transformer Engine) is not built; use auto (flash-attn "
-                f"on GPU with bf16, else SDPA), flash, or unfused/local (torch SDPA)")
-    if MEGATRON_ATTENTION_NAMES[name] == "flash":
-        import torch
-
-        from verl_lite.engine.attention import select_attention_backend
-        from verl_lite.engine.config import canonical_dtype
-
-        try:
-            select_attention_backend("flash", getattr(torch, canonical_dtype(dtype), torch.float32))
-        except ValueError as err:
-            return f"{key}={value}: {err}"
-    return None
-
-
-# megatron TransformerConfig fields that the engine sets itself and that cannot be overridden here
-_OVERRIDE_REJECT = {
-    "num_layers_in_first_pipeline_stage": "uneven pipeline splits are not built (every stage holds layers / pp)",
-    "num_layers_in_last_pipeline_stage": "uneven pipeline splits are not built (every stage holds layers / pp)",
-}
-_OVERRIDE_FALSE_ONLY = ("apply_rope_fusion", "bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion",
-                        "persist_layer_norm", "gradient_accumulation_fusion", "cross_entropy_loss_fusion",
-                        "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
-_OVERRIDE_ENGINE_OWNED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                          "kv_channels", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                          "virtual_pipeline_model_parallel_size", "context_parallel_size", "sequence_parallel",
-                          "params_dtype", "pipeline_dtype", "bf16", "fp16", "calculate_per_token_loss",
-                          "variable_seq_lengths", "normalization", "gated_linear_unit", "add_bias_linear",
-                          "add_qkv_bias", "qk_layernorm", "layernorm_epsilon")
-
-
-def transformer_override_problems(key: str, overrides: dict, dtype: str = "float32") -> list[str]:
-    """``megatron.override_transformer_config``: only megatron ``TransformerConfig`` fields the engine does
-    not derive from the HF config / layout; fusions only false (the local layer spec has no fused
-    kernels); of the moe_* fields only the router-loss coefficients (the engine derives the MoE layer from
-    config.json); activation recompute only where CUDA runs it."""
-    if not overrides:
-        return []
-    import dataclasses
-
-    from megatron.core.transformer import TransformerConfig
-
-    from verl_lite.engine.moe import ROUTER_LOSS_KEYS
-
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    out = []
-    for name, value in overrides.items():
-        k = f"{key}.{name}"
-        if name not in fields:
-            out.append(f"{k}: not a field of megatron's TransformerConfig; drop it")
-        elif name == "attention_backend":
-            problem = attention_backend_problem(k, value, dtype)
-            if problem:
-                out.append(problem)
-        elif name in ROUTER_LOSS_KEYS:
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                out.append(f"{k}={value!r} must be a number >= 0")
-        elif name.startswith("moe_"):
-            out.append(f"{k}: the engine derives the MoE layer from the model's config.json (experts, top-k, shared "
-                       f"expert, routing); of the moe_* fields only {' and '.join(ROUTER_LOSS_KEYS)} can be set; drop it")
-        elif name in _OVERRIDE_REJECT:
-            out.append(f"{k}: {_OVERRIDE_REJECT[name]}; drop it")
-        elif name in _OVERRIDE_ENGINE_OWNED:
-            out.append(f"{k}: the engine derives it from model.path/config.json and the megatron layout keys; "
-                       f"set those instead")
-        elif name in _OVERRIDE_FALSE_ONLY and value:
-            out.append(f"{k}={value}: the engine builds megatron's local (non-Transformer-Engine) layer spec, "
-                       f"which has no fused kernel for it; drop it (false is accepted)")
-        elif name.startswith("recompute_") and value is not None and not _cuda_visible():
-            out.append(f"{k}={value}: megatron's activation recompute saves and restores the CUDA RNG state, so it "
-                       f"runs on GPU only; drop it on CPU")
-    return out
-
-
-def _check_optim(key: str, o, p: list[str]) -> None:
-    if not o.lr > 0:
-        p.append(f"{key}.lr={o.lr} must be > 0")
-    if o.lr_decay_style not in ("constant", "linear", "cosine"):
-        p.append(f"{key}.lr_decay_style={o.lr_decay_style!r} is unknown; choose constant, linear or cosine")
-    if not 0.0 <= o.min_lr <= o.lr:
-        p.append(f"{key}.min_lr={o.min_lr} must lie in [0, {key}.lr={o.lr}]")
-    if o.lr_warmup_steps < 0:
-        p.append(f"{key}.lr_warmup_steps={o.lr_warmup_steps} must be >= 0")
-    if not o.clip_grad > 0:
-        p.append(f"{key}.clip_grad={o.clip_grad} must be > 0 (use 1e9 to effectively disable clipping)")
-    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
-        p.append(f"{key}.betas={list(o.betas)} must be two numbers in [0, 1)")
 
 
 def _check_critic(cfg: PPOConfig, actor_world: int, positive, p: list[str]) -> tuple[int, int]:
@@ -464,7 +307,7 @@ def _check_critic(cfg: PPOConfig, actor_world: int, positive, p: list[str]) -> t
         p.append(f"critic.cliprange_value={c.cliprange_value} must be >= 0")
     if c.loss_agg_mode not in AGG_MODES:
         p.append(f"critic.loss_agg_mode={c.loss_agg_mode!r} is unknown; choose one of {list(AGG_MODES)} or null")
-    _check_optim("critic.optim", c.optim, p)
+    p.extend(rules.optim_problems("critic.optim", c.optim))
     return world, dp
 
 
@@ -535,7 +378,7 @@ def _validate_rest(cfg: PPOConfig, p: list[str], positive, world, dp, traj_mini,
             p.append(f"reward.overlong_buffer.penalty_factor={ob.penalty_factor} must be >= 0")
 
     # ---- optimizer
-    _check_optim(f"{A}.optim", actor.optim, p)
+    p.extend(rules.optim_problems(f"{A}.optim", actor.optim))
     for key, enabled in (("actor_rollout_ref.model", arr.model.enable_gradient_checkpointing),
                          ("critic.model", cfg.critic.model.enable_gradient_checkpointing and "critic" in needs)):
         if enabled and not _cuda_visible():

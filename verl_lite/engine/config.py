@@ -12,21 +12,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     from verl_lite.engine.distributed import ParallelConfig
 
-LR_DECAY_STYLES = ("constant", "linear", "cosine")
-PARAMS_DTYPES = ("float32", "bfloat16")
-DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
-FP16_UNSUPPORTED = (
-    "float16 training needs megatron's dynamic loss scaling (skipped steps on overflow), which the engine does "
-    "not build; use bfloat16 (same memory, no loss scaling) or float32"
+from verl_lite.engine.rules import (
+    ATTENTION_BACKENDS,
+    MEGATRON_ATTENTION_NAMES,
+    canonical_dtype,
+    dtype_problems,
+    optim_problems,
 )
-ATTENTION_BACKENDS = ("auto", "flash", "sdpa")
-# megatron's AttnBackend names (verl's override_transformer_config.attention_backend) -> ours
-MEGATRON_ATTENTION_NAMES = {"auto": "auto", "flash": "flash", "unfused": "sdpa", "local": "sdpa", "sdpa": "sdpa"}
-
-
-def canonical_dtype(name: str) -> str:
-    """'bf16' -> 'bfloat16', 'fp32' -> 'float32' (verl's spellings); other names unchanged."""
-    return DTYPE_ALIASES.get(str(name).lower(), str(name).lower())
 
 
 @dataclass
@@ -56,34 +48,14 @@ class OptimConfig:
 
     def __post_init__(self):
         self.betas = tuple(float(b) for b in self.betas)
-        if not self.lr > 0:
-            raise ValueError(f"OptimConfig.lr must be > 0, got {self.lr}")
-        if self.weight_decay < 0:
-            raise ValueError(f"OptimConfig.weight_decay must be >= 0, got {self.weight_decay}")
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ValueError(f"OptimConfig.betas must be two numbers in [0, 1), got {self.betas}")
-        if not self.eps > 0:
-            raise ValueError(f"OptimConfig.eps must be > 0, got {self.eps}")
-        if not self.clip_grad > 0:
-            raise ValueError(
-                f"OptimConfig.clip_grad must be > 0 (a global-norm threshold), got {self.clip_grad}; "
-                f"use a large value such as 1e9 to effectively disable clipping"
-            )
-        if self.lr_decay_style not in LR_DECAY_STYLES:
-            raise ValueError(
-                f"OptimConfig.lr_decay_style={self.lr_decay_style!r} is unknown; choose one of {LR_DECAY_STYLES}"
-            )
-        if self.lr_warmup_steps < 0:
-            raise ValueError(f"OptimConfig.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
-        if self.total_steps < 1:
-            raise ValueError(f"OptimConfig.total_steps must be >= 1, got {self.total_steps}")
+        problems = optim_problems("OptimConfig", self, value_last=True)
+        if problems:
+            raise ValueError("; ".join(problems))
         if self.lr_decay_style != "constant" and self.lr_warmup_steps >= self.total_steps:
             raise ValueError(
                 f"OptimConfig: lr_warmup_steps={self.lr_warmup_steps} must be < total_steps={self.total_steps} "
                 f"for lr_decay_style={self.lr_decay_style!r}"
             )
-        if not 0.0 <= self.min_lr <= self.lr:
-            raise ValueError(f"OptimConfig.min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
 
 
 @dataclass
@@ -130,11 +102,9 @@ class EngineConfig:
                 f"EngineConfig.model_path={self.model_path!r} has no config.json; give an HF model directory "
                 f"(config.json + *.safetensors)"
             )
+        if problems := dtype_problems("EngineConfig.params_dtype", self.params_dtype):
+            raise ValueError(problems[0])
         self.params_dtype = canonical_dtype(self.params_dtype)
-        if self.params_dtype in ("float16", "fp16", "half"):
-            raise ValueError(f"EngineConfig.params_dtype={self.params_dtype!r}: {FP16_UNSUPPORTED}")
-        if self.params_dtype not in PARAMS_DTYPES:
-            raise ValueError(f"EngineConfig.params_dtype={self.params_dtype!r}; choose one of {PARAMS_DTYPES}")
         if "attention_backend" in self.model_overrides:  # verl's override_transformer_config.attention_backend
             overrides = dict(self.model_overrides)
             value = overrides.pop("attention_backend")
