@@ -211,6 +211,63 @@ def test_worker_sigkilled_mid_step(tiny_assets, tmp_path):  # noqa: F811
     assert run.ended - killed_at <= SLACK_S
 
 
+def _session_dir(run: CliRun) -> str:
+    """The Ray session directory of the run, from the raylet's command line."""
+    for cmd in run.cmdlines.values():
+        match = re.search(r"--session_dir=(\S+)", cmd)
+        if match:
+            return match.group(1)
+    raise AssertionError(f"no raylet seen among the run's processes: {sorted(run.cmdlines.values())}")
+
+
+def _session_processes(session_dir: str, marker: str) -> list:
+    """Live processes of one Ray session: the session dir on their command line or among their open
+    files (their logs: Ray's Python processes overwrite their command line and environment with a
+    ``ray::`` title), or the run's marker in their environment."""
+    from tests.faults.conftest import marked_pids
+
+    found = set(marked_pids(marker))
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if session_dir in " ".join(p.info["cmdline"] or []) or any(
+                    f.path.startswith(session_dir + "/") for f in p.open_files()):
+                found.add(p.pid)
+        except psutil.Error:
+            continue
+    return [(pid, " ".join(psutil.Process(pid).cmdline())[:100]) for pid in alive(found)]
+
+
+def test_driver_sigkilled_mid_run_takes_its_ray_down(tiny_assets, tmp_path):  # noqa: F811
+    """SIGKILL of the driver (no handler, no teardown): every process of its Ray session, the
+    dashboard and runtime-env agents included, is gone within a bounded time."""
+    out = tmp_path / "out"
+    overrides = {**_reward(tmp_path, "plain"), "trainer.total_training_steps": 200, "trainer.test_freq": -1,
+                 "trainer.output_dir": str(out)}
+    run = CliRun(tiny_overrides(tiny_assets, **overrides))
+    metrics = out / "latest" / "metrics.jsonl"
+    _wait_for(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 1, run, 300, "a metrics line")
+    session_dir = _session_dir(run)
+
+    def titled_agents():  # set late in their start-up; they also hide the session's marker then
+        names = set()
+        for p in psutil.Process(run.proc.pid).children(recursive=True):
+            try:
+                names.add(p.cmdline()[0].split()[0])
+            except (psutil.Error, IndexError):
+                pass
+        return {"ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= names
+
+    _wait_for(titled_agents, run, 120, "the dashboard and runtime-env agents running")
+    killed_at = time.time()
+    run.proc.kill()
+    run.wait(timeout=60)
+    deadline = killed_at + 20.0
+    while _session_processes(session_dir, run.marker) and time.time() < deadline:
+        time.sleep(0.5)
+    assert _session_processes(session_dir, run.marker) == [], "processes of the killed driver's Ray left behind"
+    assert run.leftover(settle_s=0) == []
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_signal_stops_the_run_cleanly(signum, tiny_assets, tmp_path):  # noqa: F811
     from verl_lite.trainer.main_ppo import STOP_GRACE_S

@@ -23,6 +23,15 @@ Multi-node users start Ray themselves (``ray start --head --node-ip-address=<rou
 the head, ``ray start --address=<head>:6379`` on the others) and set ``RAY_ADDRESS``; nothing
 here then changes Ray's networking.
 
+- dies with its driver: a reaper process (``ray_reaper.py``, started before Ray) SIGKILLs every
+  process of this Ray session when the driver exits without stopping Ray, however it died
+  (SIGKILL included). Ray itself ties only the GCS and the raylet to the driver; the raylet's
+  dashboard and runtime-env agents outlived a killed driver. Ray 2.60's raylet cannot run without
+  them (it refuses an empty agent command and exits when an agent does), and the runtime-env agent
+  serves the actors' ``runtime_env``, so they are started, and reaped. The session's processes
+  are found by an environment marker (``VERL_LITE_RAY_SESSION``) set only while ``ray.init``
+  spawns them: other Ray instances on the machine are never touched.
+
 :func:`stop_ray` shuts down what :func:`start_ray` started, SIGKILLs any process of that Ray
 that outlives the shutdown (found by pid: the processes Ray's node started and their
 descendants), and removes the run's Ray session directory (``VERL_LITE_KEEP_RAY_SESSION=1``
@@ -35,7 +44,11 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
+import uuid
+from pathlib import Path
 
 import psutil
 import ray
@@ -48,8 +61,47 @@ LOCAL_SYSTEM_CONFIG = {"worker_niceness": 0, "enable_worker_prestart": False, "p
 # head processes a local run does not use (see the module docstring); absent hooks are left alone
 LOCAL_SKIPPED_HEAD_PROCESSES = ("start_api_server", "start_monitor")
 _LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+SESSION_MARKER_ENV = "VERL_LITE_RAY_SESSION"  # carried by every process of the local Ray this process started
+REAPER = Path(__file__).with_name("ray_reaper.py")
 
 _session_dir: str | None = None  # the session directory of the local Ray this process started
+_reaper: subprocess.Popen | None = None  # kills that Ray's processes if this process dies
+
+
+def _start_reaper() -> str:
+    """Start the reaper of the next local Ray session; returns the marker value its processes must carry."""
+    global _reaper
+    token = uuid.uuid4().hex
+    _reaper = subprocess.Popen([sys.executable, "-S", str(REAPER), str(os.getpid()), f"{SESSION_MARKER_ENV}={token}"],
+                               stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, close_fds=True)
+    return token
+
+
+def _tell_reaper(line: str) -> None:
+    if _reaper is not None:
+        try:
+            _reaper.stdin.write(f"{line}\n".encode())
+            _reaper.stdin.flush()
+        except OSError:
+            pass
+
+
+def _stop_reaper(timeout_s: float = 10.0) -> None:
+    """Tell the reaper Ray was stopped by this process, let it sweep what is left of the session, reap it."""
+    global _reaper
+    reaper, _reaper = _reaper, None
+    if reaper is None:
+        return
+    try:
+        reaper.stdin.write(b"stop\n")
+        reaper.stdin.close()
+    except OSError:
+        pass
+    try:
+        reaper.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        reaper.kill()
+        reaper.wait()
 
 
 def _quiet() -> dict:
@@ -61,12 +113,13 @@ def _skip_head_process(self, *args, **kwargs) -> None:
     return None
 
 
-def _init_local(num_cpus: int | None, num_gpus: int | None) -> None:
+def _init_local(num_cpus: int | None, num_gpus: int | None, marker: str) -> None:
     from ray._private import node as ray_node
     from ray._private import ray_constants
 
     saved_env, saved_flag = os.environ.get(_LOOPBACK_ENV), ray_constants.ENABLE_RAY_CLUSTER
     os.environ[_LOOPBACK_ENV] = "0"  # inherited by every process Ray spawns now
+    os.environ[SESSION_MARKER_ENV] = marker  # likewise: the reaper finds this session's processes by it
     ray_constants.ENABLE_RAY_CLUSTER = False  # this process read the variable at import time
     skipped = {name: getattr(ray_node.Node, name) for name in LOCAL_SKIPPED_HEAD_PROCESSES
                if callable(getattr(ray_node.Node, name, None))}
@@ -86,6 +139,7 @@ def _init_local(num_cpus: int | None, num_gpus: int | None) -> None:
         for name, method in skipped.items():
             setattr(ray_node.Node, name, method)
         ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        os.environ.pop(SESSION_MARKER_ENV, None)
         if saved_env is None:
             os.environ.pop(_LOOPBACK_ENV, None)
         else:
@@ -109,13 +163,15 @@ def start_ray(num_cpus: int | None = None, num_gpus: int | None = None, attempts
             if address:
                 ray.init(address=address, **_quiet())
             else:
-                _init_local(num_cpus, num_gpus)
+                _init_local(num_cpus, num_gpus, _start_reaper())
                 _session_dir = ray._private.worker._global_node.get_session_dir_path()
+                _tell_reaper(f"session {_session_dir}")
             last = None
             break
         except Exception as err:  # Ray raises plain Exception / ConnectionError / TimeoutError here
             last = err
             _shutdown_quietly()
+            _stop_reaper()
             if attempt < attempts:
                 time.sleep(2.0 * attempt)
         finally:
@@ -169,6 +225,7 @@ def stop_ray(grace_s: float = 5.0) -> None:
     _shutdown_quietly()
     _, alive = psutil.wait_procs(tree, timeout=grace_s)
     kill_and_wait(alive, timeout_s=2.0)
+    _stop_reaper()
     if _session_dir and not os.environ.get("VERL_LITE_KEEP_RAY_SESSION"):
         shutil.rmtree(_session_dir, ignore_errors=True)
     _session_dir = None
