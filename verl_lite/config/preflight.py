@@ -12,100 +12,11 @@ The weights are checked from the safetensors headers only (tensor names and shap
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from verl_lite.config.loader import ConfigError
+from verl_lite.engine.model_files import config_int, model_config_problems, model_weight_problems, tokenizer_id_problems
 
 MODEL_KEY = "actor_rollout_ref.model.path"
 CRITIC_MODEL_KEY = "critic.model.path"
-VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")  # [vocab_size, hidden] in an HF causal LM
-SAFETENSORS_MAX_HEADER = 100_000_000  # bytes; safetensors' own limit
-
-
-def model_config_problems(model_path: str | None) -> list[str]:
-    """Problems with ``<model_path>/config.json``: unreadable, not JSON, not an object, no architecture fields."""
-    if not model_path:
-        return []
-    file = Path(model_path) / "config.json"
-    if not file.is_file():
-        return []  # validate_config reports the missing directory / file
-    try:
-        cfg = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError) as e:
-        return [f"{MODEL_KEY}={model_path!r}: {file} cannot be read ({e}); fix its permissions or re-export the model"]
-    except ValueError as e:
-        return [f"{MODEL_KEY}={model_path!r}: {file} is not valid JSON ({e}); fix the file or re-export the model"]
-    if not isinstance(cfg, dict):
-        return [f"{MODEL_KEY}={model_path!r}: {file} holds a {type(cfg).__name__}, not a JSON object; re-export the model"]
-    missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size") if k not in cfg]
-    if missing:
-        return [f"{MODEL_KEY}={model_path!r}: {file} lacks {missing}; give a complete HF causal-LM config.json"]
-    return []
-
-
-def safetensors_header(file: Path) -> dict:
-    """The JSON header of a ``.safetensors`` file: tensor name -> {dtype, shape, data_offsets}. Reads the
-    8-byte header length and the header, never a tensor; ValueError / OSError when it is not one."""
-    with open(file, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{len(head)} bytes, shorter than the 8-byte header length")
-        size = int.from_bytes(head, "little")
-        if not 0 < size <= SAFETENSORS_MAX_HEADER:
-            raise ValueError(f"header length {size} is not a safetensors header")
-        raw = f.read(size)
-    if len(raw) < size:
-        raise ValueError(f"the header is truncated ({len(raw)} of {size} bytes)")
-    header = json.loads(raw)
-    if not isinstance(header, dict):
-        raise ValueError("the header is not a JSON object")
-    return header
-
-
-def _weight_files(model_dir: Path) -> list[Path]:
-    """The model's safetensors files: those the index names, else every ``*.safetensors``."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        return sorted({model_dir / name for name in weight_map.values()})
-    return sorted(model_dir.glob("*.safetensors"))
-
-
-def _vocab_size(model_path: str | None) -> int | None:
-    try:
-        value = json.loads((Path(model_path) / "config.json").read_text()).get("vocab_size")
-    except (OSError, ValueError, TypeError, AttributeError):
-        return None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def model_weight_problems(key: str, model_path: str | None) -> list[str]:
-    """The vocabulary tensors (embed_tokens, lm_head) of ``<model_path>/*.safetensors`` must have
-    config.json's ``vocab_size`` rows (the engine shards them by it); a header that does not read
-    as safetensors is named too. A model dir without safetensors is left to the loader."""
-    vocab = _vocab_size(model_path)
-    if vocab is None:
-        return []  # model_config_problems reports a broken config.json
-    try:
-        files = _weight_files(Path(model_path))
-    except (OSError, ValueError, AttributeError) as e:
-        return [f"{key}={model_path!r}: model.safetensors.index.json cannot be read ({e}); re-export the model"]
-    problems = []
-    for file in files:
-        try:
-            header = safetensors_header(file)
-        except (OSError, ValueError) as e:
-            problems.append(f"{key}={model_path!r}: {file} cannot be read as safetensors ({e}); re-export the model")
-            continue
-        for name in VOCAB_TENSORS:
-            shape = header.get(name, {}).get("shape") if isinstance(header.get(name), dict) else None
-            if shape and shape[0] != vocab:
-                problems.append(
-                    f"{key}={model_path!r}: {file} holds {name} of shape {list(shape)} but config.json's "
-                    f"vocab_size is {vocab}; set vocab_size to {shape[0]} in {Path(model_path) / 'config.json'} "
-                    f"(or re-export the model)")
-    return problems
 
 
 def _model_dirs(cfg) -> list[tuple[str, str]]:
@@ -122,7 +33,7 @@ def _model_dirs(cfg) -> list[tuple[str, str]]:
 
 def model_file_problems(cfg) -> list[str]:
     """config.json of the actor's model, then the vocabulary rows of every model's weights."""
-    problems = model_config_problems(cfg.actor_rollout_ref.model.path)
+    problems = model_config_problems(MODEL_KEY, cfg.actor_rollout_ref.model.path)
     if not problems:
         problems = [p for key, path in _model_dirs(cfg) for p in model_weight_problems(key, path)]
     return problems
@@ -137,35 +48,11 @@ def check_model_files(cfg) -> None:
 
 
 def tokenizer_vocab_problems(cfg, tokenizer) -> list[str]:
-    """Every id the tokenizer can produce (its vocabulary and added tokens) must have an embedding row
-    in every model of the run (``vocab_size`` of its config.json)."""
-    if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
-        return []
-    ids = list(tokenizer.get_vocab().values())
-    if not ids:
-        return []
-    top = max(ids)
+    """Every id the tokenizer produces must have an embedding row in every model of the run."""
     m = cfg.actor_rollout_ref.model
-    tok_key, tok_path = ("actor_rollout_ref.model.tokenizer_path", m.tokenizer_path) \
-        if m.tokenizer_path and m.tokenizer_path != m.path else (MODEL_KEY, m.path)
-    problems = []
-    for key, path in _model_dirs(cfg):
-        vocab = _vocab_size(path)
-        if vocab is not None and top >= vocab:
-            model = "the model's config.json" if (key, path) == (tok_key, tok_path) else f"{key}={path!r}"
-            problems.append(
-                f"{tok_key}={tok_path!r}: the tokenizer produces ids up to {top} ({len(ids)} tokens) but {model} "
-                f"has vocab_size {vocab}: ids >= {vocab} have no embedding row; give the tokenizer the model was trained "
-                f"with (actor_rollout_ref.model.tokenizer_path), or a model with at least {top + 1} vocabulary rows")
-    return problems
-
-
-def _max_positions(model_path: str | None) -> int | None:
-    try:
-        value = json.loads((Path(model_path) / "config.json").read_text()).get("max_position_embeddings")
-    except (OSError, ValueError, TypeError, AttributeError):
-        return None
-    return value if isinstance(value, int) and value > 0 else None
+    tok = ("actor_rollout_ref.model.tokenizer_path", m.tokenizer_path) if m.tokenizer_path and \
+        m.tokenizer_path != m.path else (MODEL_KEY, m.path)
+    return tokenizer_id_problems(tok, tokenizer, _model_dirs(cfg))
 
 
 def preflight(cfg, train_dataset, val_dataset, tokenizer=None, reward_manager=None) -> None:
@@ -192,7 +79,7 @@ def preflight(cfg, train_dataset, val_dataset, tokenizer=None, reward_manager=No
             f"data.train_batch_size={d.train_batch_size} exceeds the {n_train} prompts in data.train_files{note}; "
             f"set data.train_batch_size <= {n_train} or add data"
         )
-    limit = _max_positions(cfg.actor_rollout_ref.model.path)
+    limit = config_int(cfg.actor_rollout_ref.model.path, "max_position_embeddings")
     if limit is not None:
         longest_prompt = max((len(it["prompt_ids"]) for ds in (train_dataset, val_dataset) for it in ds.items),
                              default=0) if hasattr(train_dataset, "items") else d.max_prompt_length

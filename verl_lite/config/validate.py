@@ -7,13 +7,13 @@ listing them; each names the key(s) and the fix. It returns a small `Layout` sum
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from verl_lite.config.loader import ConfigError
 from verl_lite.config.schema import PPOConfig
 from verl_lite.engine import rules
+from verl_lite.engine.model_files import read_config
 
 ROLLOUT_NAMES = ("hf", "vllm")
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
@@ -51,13 +51,6 @@ def _registries():
     from verl_lite.algorithms.kl import KL_TYPES
 
     return tuple(AGG_MODES), tuple(sorted(POLICY_LOSSES)), tuple(sorted(ADVANTAGE_ESTIMATORS)), tuple(KL_TYPES)
-
-
-def _model_config(path: str) -> dict | None:
-    try:
-        return json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _check_reward_function(path: str, name: str, key: str, problems: list[str]) -> None:
@@ -161,7 +154,7 @@ def validate_config(cfg: PPOConfig, world_size: int | None = None) -> Layout:
 
     # ---- parallel layout
     world = world_size if world_size is not None else tr.n_gpus_per_node * tr.nnodes
-    model_cfg = _model_config(arr.model.path) if arr.model.path else None
+    model_cfg = read_config(arr.model.path) if arr.model.path else None
     dp = _check_layout(M, mg, world, "the {world} workers (trainer.n_gpus_per_node x trainer.nnodes)", model_cfg,
                        positive, p)
     from verl_lite.workers.from_config import engine_model_overrides
@@ -290,7 +283,7 @@ def _check_critic(cfg: PPOConfig, actor_world: int, positive, p: list[str]) -> t
     if path != cfg.actor_rollout_ref.model.path and not (Path(path) / "config.json").is_file():
         p.append(f"critic.model.path={c.model.path!r} is not an HF model directory (no config.json); give one or "
                  f"null for the actor's model with a fresh value head")
-    model_cfg = _model_config(path) if path else None
+    model_cfg = read_config(path) if path else None
     dp = _check_layout("critic.megatron", c.megatron, world,
                        "the critic's {world} workers (critic.num_workers, null = the actor's)", model_cfg, positive, p)
     mini = c.ppo_mini_batch_size
@@ -395,7 +388,7 @@ def _validate_rest(cfg: PPOConfig, p: list[str], positive, world, dp, traj_mini,
             p.append(f"{R}.name=vllm cannot run here: {why}; or use {R}.name=hf")
         if rollout.free_cache_engine and not _cuda_visible():
             p.append(f"{R}.free_cache_engine=true needs vLLM's sleep mode, which needs a CUDA GPU; set it false on CPU")
-        max_pos = ((_model_config(arr.model.path) if arr.model.path else None) or {}).get("max_position_embeddings")
+        max_pos = ((read_config(arr.model.path) if arr.model.path else None) or {}).get("max_position_embeddings")
         if max_pos and d.max_prompt_length + d.max_response_length > max_pos:
             p.append(f"{R}.name=vllm: data.max_prompt_length + data.max_response_length = "
                      f"{d.max_prompt_length + d.max_response_length} exceeds the model's max_position_embeddings "

@@ -1,0 +1,128 @@
+"""What an HF model directory must hold for the engine to load it, checked from its files before anything
+reads the model: config.json parses and has the architecture fields, and the vocabulary rows of the
+weights (from the safetensors headers: tensor names and shapes, no tensor is read) match its vocab_size.
+
+Each ``*_problems`` function takes ``key`` (the caller's name of the model path) and returns one line
+per problem, naming the file and the fix; ``verl_lite.config.preflight`` collects them for a run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")  # [vocab_size, hidden] in an HF causal LM
+SAFETENSORS_MAX_HEADER = 100_000_000  # bytes; safetensors' own limit
+
+
+def read_config(model_path: str | None) -> dict | None:
+    """``<model_path>/config.json`` as a dict; None when it is missing or does not parse."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def config_int(model_path: str | None, name: str) -> int | None:
+    """A positive integer field of config.json (vocab_size, max_position_embeddings); None when it is not one."""
+    value = (read_config(model_path) or {}).get(name)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def model_config_problems(key: str, model_path: str | None) -> list[str]:
+    """Problems with ``<model_path>/config.json``: unreadable, not JSON, not an object, no architecture fields."""
+    if not model_path:
+        return []
+    file = Path(model_path) / "config.json"
+    if not file.is_file():
+        return []  # validate_config reports the missing directory / file
+    try:
+        cfg = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        return [f"{key}={model_path!r}: {file} cannot be read ({e}); fix its permissions or re-export the model"]
+    except ValueError as e:
+        return [f"{key}={model_path!r}: {file} is not valid JSON ({e}); fix the file or re-export the model"]
+    if not isinstance(cfg, dict):
+        return [f"{key}={model_path!r}: {file} holds a {type(cfg).__name__}, not a JSON object; re-export the model"]
+    missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size") if k not in cfg]
+    if missing:
+        return [f"{key}={model_path!r}: {file} lacks {missing}; give a complete HF causal-LM config.json"]
+    return []
+
+
+def safetensors_header(file: Path) -> dict:
+    """The JSON header of a ``.safetensors`` file: tensor name -> {dtype, shape, data_offsets}. Reads the
+    8-byte header length and the header, never a tensor; ValueError / OSError when it is not one."""
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{len(head)} bytes, shorter than the 8-byte header length")
+        size = int.from_bytes(head, "little")
+        if not 0 < size <= SAFETENSORS_MAX_HEADER:
+            raise ValueError(f"header length {size} is not a safetensors header")
+        raw = f.read(size)
+    if len(raw) < size:
+        raise ValueError(f"the header is truncated ({len(raw)} of {size} bytes)")
+    header = json.loads(raw)
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    return header
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    """The model's safetensors files: those the index names, else every ``*.safetensors``."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        return sorted({model_dir / name for name in weight_map.values()})
+    return sorted(model_dir.glob("*.safetensors"))
+
+
+def model_weight_problems(key: str, model_path: str | None) -> list[str]:
+    """The vocabulary tensors (embed_tokens, lm_head) of ``<model_path>/*.safetensors`` must have
+    config.json's ``vocab_size`` rows (the engine shards them by it); a header that does not read
+    as safetensors is named too. A model dir without safetensors is left to the loader."""
+    vocab = config_int(model_path, "vocab_size")
+    if vocab is None:
+        return []  # model_config_problems reports a broken config.json
+    try:
+        files = _weight_files(Path(model_path))
+    except (OSError, ValueError, AttributeError) as e:
+        return [f"{key}={model_path!r}: model.safetensors.index.json cannot be read ({e}); re-export the model"]
+    problems = []
+    for file in files:
+        try:
+            header = safetensors_header(file)
+        except (OSError, ValueError) as e:
+            problems.append(f"{key}={model_path!r}: {file} cannot be read as safetensors ({e}); re-export the model")
+            continue
+        for name in VOCAB_TENSORS:
+            shape = header.get(name, {}).get("shape") if isinstance(header.get(name), dict) else None
+            if shape and shape[0] != vocab:
+                problems.append(
+                    f"{key}={model_path!r}: {file} holds {name} of shape {list(shape)} but config.json's "
+                    f"vocab_size is {vocab}; set vocab_size to {shape[0]} in {Path(model_path) / 'config.json'} "
+                    f"(or re-export the model)")
+    return problems
+
+
+def tokenizer_id_problems(tok: tuple[str, str], tokenizer, models: list[tuple[str, str]]) -> list[str]:
+    """Every id the tokenizer can produce (its vocabulary and added tokens) must have an embedding row in each
+    model (``vocab_size`` of its config.json). ``tok`` = (key, path) of the tokenizer, ``models`` = (key, path)."""
+    if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
+        return []
+    ids = list(tokenizer.get_vocab().values())
+    if not ids:
+        return []
+    top, (tok_key, tok_path) = max(ids), tok
+    problems = []
+    for key, path in models:
+        vocab = config_int(path, "vocab_size")
+        if vocab is not None and top >= vocab:
+            model = "the model's config.json" if (key, path) == tok else f"{key}={path!r}"
+            problems.append(
+                f"{tok_key}={tok_path!r}: the tokenizer produces ids up to {top} ({len(ids)} tokens) but {model} "
+                f"has vocab_size {vocab}: ids >= {vocab} have no embedding row; give the tokenizer the model was trained "
+                f"with (actor_rollout_ref.model.tokenizer_path), or a model with at least {top + 1} vocabulary rows")
+    return problems
