@@ -118,7 +118,7 @@ CASES = [
     ("empty_prompt", lambda a, f: {"data.val_files": f["empty_prompt"]}, r"empty_prompt\.parquet row 1: every message .* empty content", r"give the prompt text or drop the row"),
     ("bad_message", lambda a, f: {"data.train_files": f["bad_message"]}, r"bad_message\.parquet row 0: message 0", r"must be \{'role': str, 'content': str\}"),
     ("bad_data_source", lambda a, f: {"data.train_files": f["bad_source"]}, r"bad_source\.parquet row 0: 'data_source'", r"must be a string"),
-    ("no_prompts_left", {"data.max_prompt_length": 2}, r"no prompts left", r"raise data\.max_prompt_length"),
+    ("no_prompts_left", {"data.filter_overlong_prompts": "true", "data.max_prompt_length": 2}, r"no prompts left", r"raise data\.max_prompt_length"),
     ("overlong_prompt_error", {"data.filter_overlong_prompts": "false", "data.max_prompt_length": 5}, r"row 0: prompt has \d+ tokens > data\.max_prompt_length=5", r"raise max_prompt_length, set data\.filter_overlong_prompts=true"),
     ("batch_beyond_dataset", {"data.train_batch_size": 128, f"{A}.ppo_mini_batch_size": 2}, r"data\.train_batch_size=128 exceeds the 64 prompts", r"set data\.train_batch_size <= 64"),
     # ---- reward

@@ -33,7 +33,7 @@ class DataConfig:
     max_response_length: int = 12  # tokens generated at most (EOS included)
     train_batch_size: int = 16  # prompts per RL step
     val_batch_size: Optional[int] = None  # prompts per validation generate call; None = all at once
-    filter_overlong_prompts: bool = True  # drop prompts longer than max_prompt_length (else see truncation)
+    filter_overlong_prompts: bool = False  # drop prompts longer than max_prompt_length (else see truncation)
     truncation: str = "error"  # overlong prompt when not filtered: error | left | right
     shuffle: bool = True  # reshuffle the prompts every epoch (seeded by data.seed)
     seed: int = 0  # data order seed
@@ -81,7 +81,7 @@ class PolicyLossConfig:
     clip_cov_lb: float = 1.0  # clip_cov: covariance window lower bound
     clip_cov_ub: float = 5.0  # clip_cov: covariance window upper bound
     kl_cov_ratio: float = 0.0002  # kl_cov: fraction of tokens that get the KL penalty
-    ppo_kl_coef: float = 1.0  # kl_cov: coefficient of that penalty
+    ppo_kl_coef: float = 0.1  # kl_cov: coefficient of that penalty
     tau_pos: float = 1.0  # sapo: gate temperature for A > 0
     tau_neg: float = 1.05  # sapo: gate temperature for A <= 0
 
@@ -91,12 +91,12 @@ class ActorConfig:
     ppo_mini_batch_size: int = 16  # prompts per optimizer step (x rollout.n trajectories)
     ppo_micro_batch_size_per_gpu: Optional[int] = 64  # trajectories per micro-batch on one DP rank
     use_dynamic_bsz: bool = False  # cut micro-batches by token budget instead
-    ppo_max_token_len_per_gpu: int = 4096  # token budget per micro-batch (x CP) with use_dynamic_bsz
+    ppo_max_token_len_per_gpu: int = 16384  # token budget per micro-batch (x CP) with use_dynamic_bsz
     ppo_epochs: int = 1  # passes over the step's trajectories
     shuffle: bool = False  # reshuffle trajectories between mini-batches each epoch
     clip_ratio: float = 0.2  # PPO clip range epsilon (both sides unless clip_ratio_low/high)
-    clip_ratio_low: Optional[float] = None  # None = clip_ratio
-    clip_ratio_high: Optional[float] = None  # None = clip_ratio
+    clip_ratio_low: Optional[float] = 0.2  # lower clip range (verl: 0.2, so clip_ratio alone changes neither); None = clip_ratio
+    clip_ratio_high: Optional[float] = 0.2  # upper clip range (verl: 0.2); None = clip_ratio
     clip_ratio_c: float = 3.0  # dual-clip constant (> 1)
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     loss_agg_mode: str = "token-mean"  # token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
@@ -122,7 +122,7 @@ class RefConfig:
 @dataclass
 class ValKwargs:
     do_sample: bool = False  # greedy validation by default
-    temperature: float = 1.0  # used only when do_sample
+    temperature: float = 0.0  # used only when do_sample (then it must be > 0)
     top_p: float = 1.0  # nucleus sampling (1.0 = off)
     top_k: int = -1  # -1 or 0 = disabled
     n: int = 1  # samples per validation prompt (> 1 needs do_sample)
@@ -164,11 +164,11 @@ class CriticConfig:
     ppo_mini_batch_size: Optional[int] = None  # prompts per critic optimizer step; None = the actor's
     ppo_micro_batch_size_per_gpu: Optional[int] = None  # None = the actor's
     forward_micro_batch_size_per_gpu: Optional[int] = None  # value pass; None = ppo_micro_batch_size_per_gpu
-    use_dynamic_bsz: bool = False  # cut critic micro-batches by token budget
-    ppo_max_token_len_per_gpu: int = 4096  # critic token budget per micro-batch (x CP) with use_dynamic_bsz
+    use_dynamic_bsz: Optional[bool] = None  # cut critic micro-batches by token budget; None = the actor's
+    ppo_max_token_len_per_gpu: int = 32768  # critic token budget per micro-batch (x CP) with use_dynamic_bsz
     forward_max_token_len_per_gpu: Optional[int] = None  # None = ppo_max_token_len_per_gpu
     ppo_epochs: Optional[int] = None  # None = the actor's
-    shuffle: bool = False  # reshuffle trajectories between critic mini-batches
+    shuffle: Optional[bool] = None  # reshuffle trajectories between critic mini-batches; None = the actor's
     cliprange_value: float = 0.5  # values stay within old_values +- this in the clipped loss
     loss_agg_mode: Optional[str] = None  # None = the actor's loss_agg_mode
     num_workers: Optional[int] = None  # None = colocated on the actor's workers; N = N workers of its own
