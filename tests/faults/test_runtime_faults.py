@@ -71,8 +71,17 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return 0.5
 '''),
     "plain": ("naive", '''
+import subprocess
+_helper = subprocess.Popen(["sleep", "1000"])  # a helper the file never stops: it must end with the run
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return sum(c.isdigit() for c in solution_str) / max(1, len(solution_str))
+'''),
+    "leak": ("naive", MARK + '''
+_kept = []
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    _mark()
+    _kept.append(bytearray(32 << 20))  # 32 MiB more per call, never freed
+    return 0.5
 '''),
 }
 
@@ -170,6 +179,10 @@ REWARD_FAULTS = [
     ("hang", {"reward.timeout_s": 3}, 3.0,
      r"reward function .*reward_hang\.py:compute_score did not return within reward\.timeout_s=3\.0s on sample 2 "
      r"\(data_source='synthetic/addition'\) of a batch of 16.*raise reward\.timeout_s"),
+    ("leak", {"reward.max_memory_gb": 0.25}, 0.0,
+     r"reward function .*reward_leak\.py:compute_score raised MemoryError: the reward process reached its memory "
+     r"limit reward\.max_memory_gb=0\.25 GiB; free what the function keeps between calls or raise "
+     r"reward\.max_memory_gb on sample \d+"),
 ]
 
 

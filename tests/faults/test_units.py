@@ -3,6 +3,7 @@ Ray start-up retries, the reward process (time bound, crash, import once), run d
 the zero-signal warning."""
 
 import os
+import re
 import signal
 import time
 
@@ -142,6 +143,65 @@ def test_reward_process_dying_is_an_error_not_a_hang(reward_file):
         m.close()
 
 
+HELPER_REWARD = '''
+import os, subprocess
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    helper = subprocess.Popen(["sleep", "1000"])  # a helper the file never stops
+    with open(os.environ["HELPER_PIDS"], "a") as f:
+        f.write(f"{helper.pid}\\n")
+    return 1.0
+'''
+
+
+@pytest.mark.parametrize("ending", ["close", "timeout"])
+def test_helpers_the_reward_file_starts_end_with_its_process(ending, tmp_path, monkeypatch):
+    pids_file = tmp_path / "helpers"
+    monkeypatch.setenv("HELPER_PIDS", str(pids_file))
+    path = tmp_path / "helper_reward.py"
+    path.write_text(HELPER_REWARD if ending == "close" else HELPER_REWARD.replace("return 1.0", "return time.sleep(60)")
+                    .replace("import os", "import os, time"))
+    m = _manager(path, timeout_s=1.0)
+    try:
+        if ending == "close":
+            assert _call(m, ["a", "b"])[0].tolist() == [1.0, 1.0]
+        else:
+            with pytest.raises(RewardError, match="did not return within"):
+                _call(m, ["a"])
+    finally:
+        m.close()
+    helpers = [int(line) for line in pids_file.read_text().split()]
+    assert len(helpers) == (2 if ending == "close" else 1)
+    deadline = time.monotonic() + 5.0
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in helpers):
+        assert time.monotonic() < deadline, f"the reward file's helper processes {helpers} outlived it"
+        time.sleep(0.1)
+
+
+LEAKY_REWARD = '''
+_kept = []
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    _kept.append(bytearray(64 << 20))  # 64 MiB more per call, never freed
+    return 1.0
+'''
+
+
+def test_leaking_reward_stops_at_its_memory_limit(tmp_path):
+    path = tmp_path / "leaky_reward.py"
+    path.write_text(LEAKY_REWARD)
+    cfg = RewardConfig(max_memory_gb=0.25, custom_reward_function=CustomRewardFunctionConfig(path=str(path)))
+    m = RewardManager(cfg, build_char_tokenizer())
+    try:
+        assert _call(m, ["a"])[0].tolist() == [1.0]  # well under the limit
+        with pytest.raises(RewardError) as info:
+            _call(m, ["x"] * 8)  # 8 x 64 MiB more
+    finally:
+        m.close()
+    assert re.fullmatch(r"reward function .*leaky_reward\.py:compute_score raised MemoryError: the reward process "
+                        r"reached its memory limit reward\.max_memory_gb=0\.25 GiB; free what the function keeps "
+                        r"between calls or raise reward\.max_memory_gb on sample [1-4] \(data_source='src'\) of a "
+                        r"batch of 8", str(info.value)), str(info.value)
+
+
 def test_python_callable_is_bounded_too():
     cfg = RewardConfig(timeout_s=0.5)
 
@@ -153,6 +213,26 @@ def test_python_callable_is_bounded_too():
     with pytest.raises(RewardError, match=r"did not return within reward\.timeout_s=0\.5s on sample 0"):
         _call(m, ["x"])
     assert time.monotonic() - start < 5.0
+
+
+def test_python_api_reward_functions_are_bounded_and_report_their_error():
+    import asyncio
+
+    from verl_lite.reward.functions import RewardFunctions
+
+    async def judge(completions, **kwargs):
+        await asyncio.sleep(30)
+
+    def broken(completions, **kwargs):
+        raise KeyError("no grader")
+
+    start = time.monotonic()
+    with pytest.raises(RewardError, match=r"reward functions judge did not return within reward\.timeout_s=0\.5s on a "
+                                          r"batch of 1 samples"):
+        RewardFunctions(judge, build_char_tokenizer(), timeout_s=0.5)([[1]], ["d"], ["x"])
+    assert time.monotonic() - start < 5.0
+    with pytest.raises(RewardError, match=r"reward functions broken raised KeyError: 'no grader' on a batch of 1"):
+        RewardFunctions(broken, build_char_tokenizer(), timeout_s=5.0)([[1]], ["d"], ["x"])
 
 
 def test_reward_kwargs_checked_against_the_signature(reward_file):

@@ -65,14 +65,15 @@ def _exe(pid: str) -> str | None:
         return None
 
 
-def session_pids(needle: bytes, session_dir: str | None) -> list[int]:
-    """Pids (other than this process) of the session: the marker in their start-up environment, or,
-    for the Python processes of Ray that overwrite that memory with their title (``ray::...``), an
-    open file under the session directory and this interpreter as their executable."""
-    me, my_exe, found = str(os.getpid()), _exe("self"), []
+def session_pids(needle: bytes, session_dir: str | None, driver_pid: int) -> list[int]:
+    """Pids (other than this process and the driver, which logs into the session directory too) of
+    the session: the marker in their start-up environment, or, for the Python processes of Ray that
+    overwrite that memory with their title (``ray::...``), an open file under the session directory
+    and this interpreter as their executable."""
+    me, my_exe, found = {str(os.getpid()), str(driver_pid)}, _exe("self"), []
     prefix = session_dir.rstrip("/") + "/" if session_dir else None
     for pid in os.listdir("/proc"):
-        if not pid.isdigit() or pid == me:
+        if not pid.isdigit() or pid in me:
             continue
         if _environ_has(pid, needle) or (prefix and _exe(pid) == my_exe and _uses_dir(pid, prefix)):
             found.append(int(pid))
@@ -87,13 +88,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def kill_session(needle: bytes, session_dir: str | None) -> int:
+def kill_session(needle: bytes, session_dir: str | None, driver_pid: int) -> int:
     """SIGKILL every process of the session (again, for any that a dying one started) until none is
     left or :data:`KILL_WAIT_S` passes; returns how many were signalled."""
     seen: set[int] = set()
     deadline = time.monotonic() + KILL_WAIT_S
     while time.monotonic() < deadline:
-        pids = [p for p in session_pids(needle, session_dir) if _alive(p)]
+        pids = [p for p in session_pids(needle, session_dir, driver_pid) if _alive(p)]
         if not pids:
             break
         for pid in pids:
@@ -133,7 +134,7 @@ def main() -> None:
         signal.signal(s, signal.SIG_IGN)
     driver_pid, needle = int(sys.argv[1]), sys.argv[2].encode()
     session_dir, driver_died = wait_for_driver(driver_pid)
-    kill_session(needle, session_dir)
+    kill_session(needle, session_dir, driver_pid)
     if driver_died and session_dir and not os.environ.get("VERL_LITE_KEEP_RAY_SESSION"):
         shutil.rmtree(session_dir, ignore_errors=True)
 

@@ -23,13 +23,14 @@ are reported too (``reward/<name>/mean`` in the metrics). The whole batch call i
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
-import threading
 from typing import Any, Callable, Sequence
 
 import torch
 
 from verl_lite.reward.manager import RewardError, _as_score, as_score_list
+from verl_lite.reward.sandbox import call_bounded
 
 FIXED_KWARGS = ("prompts", "completions", "ground_truth", "data_source", "extra_info")
 
@@ -105,29 +106,22 @@ class RewardFunctions:
         n = len(responses)
         extra_infos = list(extra_infos) if extra_infos is not None else [None] * n
         kwargs = self._kwargs(responses, data_sources, ground_truths, extra_infos, prompts)
-        box: dict[str, Any] = {}
-
-        def target():
-            try:
-                box["ok"] = asyncio.run(self._call_all(kwargs))
-            except BaseException as e:  # re-raised on the driver thread
-                box["err"] = e
-
-        thread = threading.Thread(target=target, name="verl_lite-reward-funcs", daemon=True)
-        thread.start()
-        thread.join(self.timeout_s)
-        if thread.is_alive():
+        try:
+            future = call_bounded(lambda: asyncio.run(self._call_all(kwargs)), self.timeout_s, "verl_lite-reward-funcs")
+        except concurrent.futures.TimeoutError:
             raise RewardError(f"reward functions {self.fn_name} did not return within reward.timeout_s="
-                              f"{self.timeout_s}s on a batch of {n} samples; make them faster or raise reward.timeout_s")
-        if "err" in box:
-            e = box["err"]
-            if isinstance(e, RewardError):
-                raise e
+                              f"{self.timeout_s}s on a batch of {n} samples; make them faster or raise reward.timeout_s"
+                              ) from None
+        e = future.exception()
+        if isinstance(e, RewardError):
+            raise e
+        if e is not None:
             raise RewardError(f"reward functions {self.fn_name} raised {type(e).__name__}: {e} on a batch of {n} "
                               f"samples") from e
+        all_results = future.result()
         total = torch.zeros(n, dtype=torch.float64)
         extra: dict[str, list] = {}
-        for name, weight, results in zip(self.names, self.weights, box["ok"]):
+        for name, weight, results in zip(self.names, self.weights, all_results):
             results = as_score_list(results, n, f"reward function {name}")
             scores = [_finite(r, f"reward function {name} on sample {i}") for i, r in enumerate(results)]
             extra[name] = scores

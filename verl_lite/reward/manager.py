@@ -106,7 +106,8 @@ class RewardManager:
                 raise RewardConfigError([f"{KEY}.path={custom.path!r} does not exist; give the path of a python file "
                                          f"defining {custom.name!r}"])
             try:
-                self.runner = RewardProcess(custom.path, custom.name, self.mode, list(self.reward_kwargs))
+                self.runner = RewardProcess(custom.path, custom.name, self.mode, list(self.reward_kwargs),
+                                            max_memory_gb=getattr(reward_cfg, "max_memory_gb", None))
             except RewardCallFailed as e:
                 if e.kind == "load" and str(e) == "missing":
                     raise RewardConfigError([f"{KEY}.name={custom.name!r}: {custom.path} defines no function "

@@ -4,11 +4,15 @@
   (``sandbox_child.py``, started once; the file is imported there once). Each batch call waits
   at most ``timeout_s``; past it the process is SIGKILLed and a :class:`TimeoutError`-like
   :class:`RewardCallFailed` says which sample it was stuck on. If the process dies (segfault,
-  ``os._exit``), the call fails at once naming its exit status. The process dies with the driver
-  (``PR_SET_PDEATHSIG``) and on :meth:`close`.
+  ``os._exit``), the call fails at once naming its exit status. The process leads a session
+  (and process group) of its own: :meth:`close`, a timeout and the driver's death end the whole
+  group, so helper processes the reward file started go with it. Its data segment is limited to
+  ``reward.max_memory_gb`` (``RLIMIT_DATA``): a leaking reward fails with a ``MemoryError`` that
+  names the limit and the key.
 - :class:`InProcessReward`: a Python callable (the Python API's ``reward_fn``, or the built-in
-  scorer) runs in a daemon thread of the driver, awaited with the same bound; a call past the
-  bound is abandoned (the thread cannot be killed) and reported the same way.
+  scorer) runs in a daemon thread of the driver, awaited with the same bound
+  (:func:`call_bounded`); a call past the bound is abandoned (the thread cannot be killed) and
+  reported the same way.
 
 Both return the raw results (one per sample, or the batched function's return value); checking
 them is the manager's job.
@@ -16,6 +20,7 @@ them is the manager's job.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import pickle
 import select
@@ -40,6 +45,14 @@ def close_all() -> None:
         proc.close()
 
 
+def _kill_group(pgid: int) -> None:
+    """SIGKILL the process group the reward process leads (gone already: nothing to do)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 class RewardCallFailed(Exception):
     """A reward call failed. ``kind``: raised | timeout | died | bad_result | load; ``sample``: index or None."""
 
@@ -47,6 +60,32 @@ class RewardCallFailed(Exception):
                  remote_traceback: str | None = None):
         super().__init__(message)
         self.kind, self.sample, self.cause, self.remote_traceback = kind, sample, cause, remote_traceback
+
+
+MEMORY_KEY = "reward.max_memory_gb"
+
+
+def call_bounded(fn: Callable[[], Any], timeout_s: float | None, thread_name: str) -> concurrent.futures.Future:
+    """``fn()`` in a daemon thread, awaited at most ``timeout_s`` seconds (None: no bound); returns its
+    finished future (its result or the exception ``fn`` raised). Past the bound raises
+    :class:`concurrent.futures.TimeoutError` and abandons the thread (a daemon: it never holds up the
+    driver's exit, which an executor's worker would). A signal handler's exception raised while
+    waiting propagates as it is (it is never taken for ``fn``'s failure)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def target():
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # handed to the caller through the future
+            future.set_exception(e)
+
+    threading.Thread(target=target, name=thread_name, daemon=True).start()
+    done, _ = concurrent.futures.wait([future], timeout=timeout_s)
+    if not done:
+        raise concurrent.futures.TimeoutError(f"did not return within {timeout_s}s")
+    return future
 
 
 def _call_fn(fn: Callable, mode: str, texts, data_sources, ground_truths, extra_infos, kwargs, progress: list):
@@ -74,24 +113,16 @@ class InProcessReward:
         return _signature_problem(self.fn, mode, kwarg_names)
 
     def __call__(self, mode, texts, data_sources, ground_truths, extra_infos, kwargs, timeout_s: float | None):
-        box: dict[str, Any] = {}
         progress: list = [None]
-
-        def target():
-            try:
-                box["ok"] = _call_fn(self.fn, mode, texts, data_sources, ground_truths, extra_infos, kwargs, progress)
-            except BaseException as e:  # reported on the calling thread
-                box["err"] = e
-
-        thread = threading.Thread(target=target, name="verl_lite-reward", daemon=True)
-        thread.start()
-        thread.join(timeout_s)
-        if thread.is_alive():
-            raise RewardCallFailed("timeout", f"did not return within {timeout_s}s", sample=progress[0])
-        if "err" in box:
-            e = box["err"]
+        try:
+            future = call_bounded(lambda: _call_fn(self.fn, mode, texts, data_sources, ground_truths, extra_infos,
+                                                   kwargs, progress), timeout_s, "verl_lite-reward")
+        except concurrent.futures.TimeoutError:
+            raise RewardCallFailed("timeout", f"did not return within {timeout_s}s", sample=progress[0]) from None
+        e = future.exception()
+        if e is not None:
             raise RewardCallFailed("raised", f"{type(e).__name__}: {e}", sample=progress[0], cause=e)
-        return box["ok"]
+        return future.result()
 
     def close(self) -> None:
         pass
@@ -100,8 +131,9 @@ class InProcessReward:
 class RewardProcess:
     """The reward file ``path``:``name`` in its own process (see module docstring)."""
 
-    def __init__(self, path: str, name: str, mode: str, kwarg_names: list[str]):
+    def __init__(self, path: str, name: str, mode: str, kwarg_names: list[str], max_memory_gb: float | None = None):
         self.path, self.name, self.mode, self.kwarg_names = str(path), name, mode, list(kwarg_names)
+        self.max_memory_gb = max_memory_gb if max_memory_gb is not None and max_memory_gb > 0 else None
         self.proc: subprocess.Popen | None = None
         self.signature = None
         _LIVE.add(self)
@@ -111,8 +143,9 @@ class RewardProcess:
     def _start(self) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen([sys.executable, "-u", str(CHILD)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env, close_fds=True)
-        self._send(("init", self.path, self.name, self.mode, self.kwarg_names))
+                                     stdout=subprocess.PIPE, env=env, close_fds=True, start_new_session=True)
+        limit = int(self.max_memory_gb * 2**30) if self.max_memory_gb else None
+        self._send(("init", self.path, self.name, self.mode, self.kwarg_names, limit))
         reply = self._recv(time.monotonic() + START_TIMEOUT_S, during="importing the reward file")
         if reply[0] == "load_error":
             self.close()
@@ -136,6 +169,7 @@ class RewardProcess:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=5.0)
+        _kill_group(proc.pid)  # what the reward file started (its process group outlives the leader)
         for f in (proc.stdout,):
             try:
                 f.close()
@@ -144,10 +178,7 @@ class RewardProcess:
 
     def _kill(self) -> None:
         if self.proc is not None:
-            try:
-                self.proc.send_signal(signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_group(self.proc.pid)
             self.close()
             _LIVE.add(self)  # restarted on its next call, so still closed by close_all()
 
@@ -174,7 +205,9 @@ class RewardProcess:
             if not chunk:
                 code = self.proc.wait(timeout=5.0)
                 how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-                raise RewardCallFailed("died", f"the reward process {how} while {during}", sample=sample)
+                limit = (f" (its memory limit is {MEMORY_KEY}={self.max_memory_gb:g} GiB)"
+                         if self.max_memory_gb and code < 0 else "")  # a failed allocation in C code can crash it
+                raise RewardCallFailed("died", f"the reward process {how} while {during}{limit}", sample=sample)
             chunks.append(chunk)
             got += len(chunk)
         return b"".join(chunks)
@@ -212,6 +245,10 @@ class RewardProcess:
         if reply[0] == "bad_result":
             raise RewardCallFailed("bad_result", reply[1])
         _, sample, type_name, message, payload, tb = reply
+        if type_name == "MemoryError" and self.max_memory_gb:
+            raise RewardCallFailed("raised", f"MemoryError: the reward process reached its memory limit {MEMORY_KEY}="
+                                   f"{self.max_memory_gb:g} GiB; free what the function keeps between calls or raise "
+                                   f"{MEMORY_KEY}", sample=sample, remote_traceback=tb)
         cause = None
         if payload is not None:
             try:

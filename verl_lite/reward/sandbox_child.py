@@ -3,9 +3,13 @@
 Run by path (``python sandbox_child.py``, standard library only, so nothing of verl_lite or torch
 is imported unless the user's file does). Protocol over stdin/stdout: length-prefixed pickles
 (see ``verl_lite.reward.sandbox``). The user's prints go to stderr (fd 1 is re-pointed there).
+The driver starts it as the leader of a process group of its own; when the driver dies, the
+kernel sends it SIGTERM (``PR_SET_PDEATHSIG``), on which it SIGKILLs its whole group (itself and
+whatever the reward file started). The memory limit (``RLIMIT_DATA``) is set before the file is
+imported.
 
 Requests and replies:
-    ("init", path, name, mode, kwarg_names) -> ("ready", signature_problem | None)
+    ("init", path, name, mode, kwarg_names, memory_limit_bytes | None) -> ("ready", signature_problem | None)
                                              | ("load_error", "missing" | "import", message)
     ("call", mode, texts, data_sources, ground_truths, extra_infos, kwargs)
         -> ("progress", i) per sample (naive mode), then
@@ -14,6 +18,7 @@ Requests and replies:
 """
 
 import ctypes
+import resource
 import importlib.util
 import inspect
 import os
@@ -26,11 +31,25 @@ import traceback
 HEADER = struct.Struct("<Q")
 
 
+def _kill_own_group(signum=None, frame=None) -> None:
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
 def _die_with_parent() -> None:
-    try:  # Linux: SIGKILL this process when the driver dies
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    """The driver's death -> SIGTERM here -> SIGKILL to this process group (Linux)."""
+    signal.signal(signal.SIGTERM, _kill_own_group)
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except Exception:
-        pass
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        return
+    if os.getppid() == 1:  # the driver died before the prctl took effect
+        _kill_own_group()
+
+
+def _limit_memory(limit_bytes) -> None:
+    if limit_bytes:
+        resource.setrlimit(resource.RLIMIT_DATA, (limit_bytes, limit_bytes))
 
 
 def _send(out, message) -> None:
@@ -89,8 +108,9 @@ def main() -> None:
         if msg is None:
             return
         if msg[0] == "init":
-            _, path, name, mode, kwarg_names = msg
+            _, path, name, mode, kwarg_names, limit_bytes = msg
             try:
+                _limit_memory(limit_bytes)
                 fn = _load(path, name)
             except BaseException as e:  # the user's file fails at import
                 _send(out, ("load_error", "import", f"{type(e).__name__}: {e}"))
