@@ -235,6 +235,7 @@ class RewardConfig:
     reward_manager: str = "naive"  # naive (one call per sample) | batch (one call per batch)
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     timeout_s: float = 300.0  # bound on each batch call of the reward (a step's or a validation batch's scoring)
+    max_memory_gb: float = 4.0  # memory limit (GiB, RLIMIT_DATA) of a reward file's process; reaching it stops the run; <= 0: none
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
