@@ -294,29 +294,80 @@ def to_dataclass(dict_cfg) -> PPOConfig:
     return _fill_builtin_defaults(OmegaConf.to_object(dict_cfg))
 
 
+RECIPE = "--recipe="  # an item of load_config's overrides naming a recipe file (main_ppo.expand_recipes writes them)
+
+
+def _recipe_leaves(node: dict, keys: dict[str, str], prefix: str = "") -> list[str]:
+    """The dotted keys a recipe sets (a free-form dict counts as one key)."""
+    out = []
+    for name, value in node.items():
+        key = f"{prefix}{name}"
+        nested = isinstance(value, dict) and value and keys.get(key) == "section"
+        out += _recipe_leaves(value, keys, key + ".") if nested else [key]
+    return out
+
+
+def merge_recipe(node, path: str):
+    """``node`` (the config composed so far) with the recipe file at ``path`` (nested schema keys) merged over
+    it by OmegaConf.merge; ConfigError names a recipe's unknown key (with the close one) or a file that does
+    not load."""
+    from omegaconf import OmegaConf
+
+    keys = schema_keys()
+    try:
+        recipe = OmegaConf.load(path)
+    except Exception as e:  # noqa: BLE001 - unreadable file, YAML syntax
+        raise ConfigError([f"--recipe {path}: cannot be read as YAML ({e})"]) from e
+    unknown = [k for k in _recipe_leaves(OmegaConf.to_container(recipe), keys) if _classify(k, keys) is None]
+    if unknown:
+        raise ConfigError([f"--recipe {path}: {unknown_key_message(k, keys)}" for k in unknown])
+    return OmegaConf.merge(node, recipe)
+
+
+def _compose(node, overrides: list[str]):
+    """Hydra's compose of ``node`` (stored as ConfigStore ``ppo_trainer``) with ``overrides``."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.global_hydra import GlobalHydra
+
+    ConfigStore.instance().store(name=CONFIG_NAME, node=node)
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        return compose(config_name=CONFIG_NAME, overrides=overrides)
+
+
 def load_config(overrides: list[str] | None = None) -> PPOConfig:
     """Compose the structured schema (ConfigStore `ppo_trainer`) with Hydra, apply `overrides`, return a PPOConfig.
+
+    An item ``--recipe=FILE`` merges that YAML file of nested schema keys over what the items before it
+    built (``merge_recipe``, OmegaConf.merge); the items after it override it.
 
     Raises ConfigError naming any unknown key (plain or `+key`) and the closest valid key; a value of
     the wrong type raises ConfigError naming the key too. Does not validate cross-key rules: call
     `validate_config` for that.
     """
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
+    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    overrides, equal = translate_overrides(list(overrides or []))
-    register_configs()
-    if GlobalHydra.instance().is_initialized():
-        GlobalHydra.instance().clear()
+    node, pending, equal = OmegaConf.structured(PPOConfig), [], []
     try:
-        with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
-            dict_cfg = compose(config_name=CONFIG_NAME, overrides=overrides)
+        for item in [*(overrides or []), None]:
+            if item is not None and not item.startswith(RECIPE):
+                pending.append(item)
+                continue
+            if pending or item is None:
+                composed, checks = translate_overrides(pending)
+                node, pending, equal = _compose(node, composed), [], equal + checks
+            if item is not None:
+                node = merge_recipe(node, item[len(RECIPE):])
     except (HydraException, OmegaConfBaseException) as e:
         cause = f" ({e.__cause__})" if e.__cause__ is not None else ""
         raise ConfigError([f"{e}{cause}"]) from e
-    cfg = to_dataclass(dict_cfg)
+    finally:
+        register_configs()  # the bare schema again, for the next compose
+    cfg = to_dataclass(node)
     check_equal(cfg, equal)
     return cfg
 

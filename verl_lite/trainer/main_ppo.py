@@ -30,7 +30,6 @@ Also works under ``ray job submit --address ... -- python -m verl_lite.trainer.m
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
@@ -93,40 +92,20 @@ def resolve_recipe(name_or_path: str) -> Path:
                        f"path or one of {shipped}"])
 
 
-def recipe_overrides(path: str) -> list[str]:
-    """A YAML file of nested keys (or a shipped recipe's name, see ``resolve_recipe``) -> Hydra ``key=value``
-    overrides."""
-    from omegaconf import OmegaConf
-
-    path = str(resolve_recipe(path))
-    flat: list[str] = []
-
-    def walk(node, prefix):
-        for key, value in node.items():
-            name = f"{prefix}{key}"
-            if isinstance(value, dict) and value and name != "reward.custom_reward_function.reward_kwargs":
-                walk(value, name + ".")
-            else:
-                text = "null" if value is None else json.dumps(value) if isinstance(value, (list, dict)) else str(value)
-                flat.append(f"{name}={text}")
-
-    walk(OmegaConf.to_container(OmegaConf.load(path)), "")
-    return flat
-
-
 def expand_recipes(argv: list[str]) -> list[str]:
-    """``--recipe FILE`` / ``--recipe=FILE`` arguments -> their overrides, in place."""
+    """``--recipe FILE`` / ``--recipe=FILE`` arguments -> ``--recipe=<resolved path>`` items, which ``load_config``
+    merges (OmegaConf.merge) where it stands: later items override it."""
     out, i = [], 0
     while i < len(argv):
         a = argv[i]
         if a == "--recipe":
             if i + 1 >= len(argv):
                 raise ConfigError(["--recipe needs a file path"])
-            out += recipe_overrides(argv[i + 1])
+            out.append(f"--recipe={resolve_recipe(argv[i + 1])}")
             i += 2
             continue
         if a.startswith("--recipe="):
-            out += recipe_overrides(a.split("=", 1)[1])
+            out.append(f"--recipe={resolve_recipe(a.split('=', 1)[1])}")
         else:
             out.append(a)
         i += 1
