@@ -1,32 +1,13 @@
 """Loading the config: Hydra compose over the structured schema, unknown keys rejected.
 
-Two ways to build the entry point `python -m verl_lite.trainer.main_ppo key=value ...`:
+    cfg = load_config(sys.argv[1:])   # PPOConfig; then validate_config(cfg) before any worker starts
 
-1. Recommended (no working-dir change, no Hydra output folders)::
-
-       from verl_lite.config import load_config, validate_config
-       cfg = load_config(sys.argv[1:])      # PPOConfig dataclass instance
-       validate_config(cfg)                 # before any worker starts
-
-2. With `@hydra.main` (Hydra 1.3)::
-
-       from verl_lite.config import CONFIG_DIR, register_configs, config_from_hydra
-       register_configs()                   # at import time, before hydra.main runs
-       @hydra.main(config_path=CONFIG_DIR, config_name="ppo_trainer", version_base=None)
-       def main(dict_cfg):
-           cfg = config_from_hydra(dict_cfg)   # re-checks the overrides, fills built-in defaults
-
-Both reject keys the schema does not have, including Hydra's `+key=value` additions
-(which would otherwise slip typos through), with a message naming the key and, when one in the
-same section is spelled closely, that key. Only free-form dict fields
-(`reward.custom_reward_function.reward_kwargs`, `*.megatron.override_transformer_config`) take
-new keys; there `key=value` and `+key=value` both work.
-
-verl's command-line keys that are not schema keys go through `verl_keys` (aliases, keys accepted
-when they state what verl_lite does, keys that must equal another key, rejections with the
-reason) in `load_config`. Under `@hydra.main` Hydra composes before verl_lite sees the command
-line, so there only schema keys work (Hydra itself rejects the others): use `load_config` for verl
-command lines.
+Under ``@hydra.main(config_path=CONFIG_DIR, config_name="ppo_trainer")`` call ``register_configs()`` at
+import time and ``config_from_hydra(dict_cfg)`` in the main function. Both reject keys the schema does
+not have, Hydra's ``+key=value`` additions included, naming the key and a close key of the same section.
+Only free-form dict fields (``reward.custom_reward_function.reward_kwargs``,
+``*.megatron.override_transformer_config``) take new keys. verl's command-line keys that are not schema
+keys go through ``verl_keys`` in ``load_config`` only (under ``@hydra.main`` Hydra composes first).
 """
 
 from __future__ import annotations
@@ -201,11 +182,6 @@ def translate_overrides(overrides: list[str]) -> tuple[list[str], list[tuple[str
     if problems:
         raise ConfigError(problems)
     return out, equal
-
-
-def check_override_keys(overrides: list[str]) -> list[str]:
-    """The overrides to compose (see ``translate_overrides``); raises ConfigError for rejected/unknown keys."""
-    return translate_overrides(overrides)[0]
 
 
 def _get_dotted(cfg, key: str):

@@ -13,10 +13,8 @@ from pathlib import Path
 from verl_lite.config.loader import ConfigError
 from verl_lite.config.schema import PPOConfig
 from verl_lite.engine import rules
-from verl_lite.engine.model_files import read_config
+from verl_lite.engine.model_files import config_int, read_config
 
-ROLLOUT_NAMES = ("hf", "vllm")
-ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
 REWARD_MANAGERS = ("naive", "batch")
 TRUNCATIONS = ("error", "left", "right")
 KL_CTRL_TYPES = ("fixed", "adaptive")
@@ -379,50 +377,11 @@ def _validate_rest(cfg: PPOConfig, p: list[str], positive, world, dp, traj_mini,
                      f"the CUDA RNG state, so it runs on GPU only; set it false on CPU")
 
     # ---- rollout
-    if rollout.name not in ROLLOUT_NAMES:
-        p.append(f"{R}.name={rollout.name!r} is unknown; choose one of {list(ROLLOUT_NAMES)}")
-    elif rollout.name == "vllm":
-        from verl_lite.rollout import vllm_unavailable_reason
+    from verl_lite.rollout.rules import rollout_problems
 
-        if (why := vllm_unavailable_reason()) is not None:
-            p.append(f"{R}.name=vllm cannot run here: {why}; or use {R}.name=hf")
-        if rollout.free_cache_engine and not _cuda_visible():
-            p.append(f"{R}.free_cache_engine=true needs vLLM's sleep mode, which needs a CUDA GPU; set it false on CPU")
-        max_pos = ((read_config(arr.model.path) if arr.model.path else None) or {}).get("max_position_embeddings")
-        if max_pos and d.max_prompt_length + d.max_response_length > max_pos:
-            p.append(f"{R}.name=vllm: data.max_prompt_length + data.max_response_length = "
-                     f"{d.max_prompt_length + d.max_response_length} exceeds the model's max_position_embeddings "
-                     f"{max_pos} (vLLM's max_model_len); shorten them")
-    from verl_lite.rollout import VLLM_ENGINE_KEYS
-
-    for name in VLLM_ENGINE_KEYS:
-        value = getattr(rollout, name)
-        if value is not None and rollout.name != "vllm":
-            p.append(f"{R}.{name}={value} is a vLLM engine setting and {R}.name={rollout.name!r} has no such setting; "
-                     f"set {R}.name=vllm or drop it")
-        elif isinstance(value, int) and not isinstance(value, bool) and value < 1:
-            p.append(f"{R}.{name}={value} must be >= 1 (or null for vLLM's default)")
-    if rollout.dtype not in ROLLOUT_DTYPES:
-        p.append(f"{R}.dtype={rollout.dtype!r} is unknown; choose one of {list(ROLLOUT_DTYPES)}")
-    if rollout.tensor_model_parallel_size != 1:
-        p.append(f"{R}.tensor_model_parallel_size={rollout.tensor_model_parallel_size}: only 1 is built "
-                 "(every worker holds a full rollout model); set it to 1")
-    if not 0.0 < rollout.gpu_memory_utilization <= 1.0:
-        p.append(f"{R}.gpu_memory_utilization={rollout.gpu_memory_utilization} must lie in (0, 1]")
-    for key, temp, top_p, top_k, sampling in (
-        (R, rollout.temperature, rollout.top_p, rollout.top_k, True),
-        (f"{R}.val_kwargs", rollout.val_kwargs.temperature, rollout.val_kwargs.top_p, rollout.val_kwargs.top_k,
-         rollout.val_kwargs.do_sample),
-    ):
-        if sampling and not temp > 0:
-            p.append(f"{key}.temperature={temp} must be > 0 when sampling (use val_kwargs.do_sample=false for greedy)")
-        if not 0.0 < top_p <= 1.0:
-            p.append(f"{key}.top_p={top_p} must lie in (0, 1]")
-        if top_k < -1:
-            p.append(f"{key}.top_k={top_k} must be -1/0 (disabled) or a positive count")
-    positive(f"{R}.val_kwargs.n", rollout.val_kwargs.n)
-    if rollout.val_kwargs.n > 1 and not rollout.val_kwargs.do_sample:
-        p.append(f"{R}.val_kwargs.n={rollout.val_kwargs.n} > 1 needs val_kwargs.do_sample=true (greedy samples repeat)")
+    p.extend(rollout_problems(R, rollout, d.max_prompt_length + d.max_response_length,
+                              config_int(arr.model.path, "max_position_embeddings") if arr.model.path else None,
+                              _cuda_visible()))
 
     # ---- data
     if d.truncation not in TRUNCATIONS:
