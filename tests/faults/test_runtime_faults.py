@@ -281,8 +281,15 @@ def test_driver_sigkilled_mid_run_takes_its_ray_down(tiny_assets, tmp_path):  # 
     assert run.leftover(settle_s=0) == []
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_signal_stops_the_run_cleanly(signum, tiny_assets, tmp_path):  # noqa: F811
+# when the signal lands: "init_model" (the workers are building their engines; the driver waits in
+# ray.wait), or seconds after the second metrics line (mid-step: mostly inside ray.wait too, where a
+# handler's exception used to surface as "SystemError: <cyfunction CoreWorker.wait> returned a
+# result with an exception set")
+SIGNAL_MOMENTS = [(signal.SIGTERM, "init_model"), (signal.SIGINT, 0.0), (signal.SIGINT, 0.5), (signal.SIGINT, 1.3)]
+
+
+@pytest.mark.parametrize("signum,moment", SIGNAL_MOMENTS, ids=[f"{s.name}-{m}" for s, m in SIGNAL_MOMENTS])
+def test_signal_stops_the_run_cleanly(signum, moment, tiny_assets, tmp_path):  # noqa: F811
     from verl_lite.trainer.main_ppo import STOP_GRACE_S
 
     out = tmp_path / "out"
@@ -290,14 +297,30 @@ def test_signal_stops_the_run_cleanly(signum, tiny_assets, tmp_path):  # noqa: F
                  "trainer.output_dir": str(out)}
     run = CliRun(tiny_overrides(tiny_assets, **overrides))
     metrics = out / "latest" / "metrics.jsonl"
-    _wait_for(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 2, run, 300, "two metrics lines")
+    if moment == "init_model":
+        def in_init_model():
+            for p in psutil.Process(run.proc.pid).children(recursive=True):
+                try:
+                    if p.cmdline()[0].startswith("ray::") and ".init_model" in p.cmdline()[0]:
+                        return True
+                except (psutil.Error, IndexError):
+                    pass
+            return False
+
+        _wait_for(in_init_model, run, 300, "a worker running init_model")
+    else:
+        _wait_for(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 2, run, 300, "two metrics lines")
+        time.sleep(moment)
     sent = time.time()
     run.proc.send_signal(signum)
     run.wait(timeout=120)
     name = signal.Signals(signum).name
     _check_clean_exit(run, 128 + signum, rf"stopped by {name}")
+    assert "internal error" not in run.err, run.err[-3000:]
     assert run.ended - sent <= STOP_GRACE_S + 5.0, f"{run.ended - sent:.1f}s from {name} to the exit"
-    text = metrics.read_text()
-    assert text.endswith("\n") and all(json.loads(line) for line in text.splitlines()), "a torn metrics line"
     summary = json.loads((out / "latest" / "summary.json").read_text())
-    assert summary["status"] == f"interrupted ({name})" and summary["steps"] >= 1
+    assert summary["status"] == f"interrupted ({name})", summary
+    if moment != "init_model":
+        text = metrics.read_text()
+        assert text.endswith("\n") and all(json.loads(line) for line in text.splitlines()), "a torn metrics line"
+        assert summary["steps"] >= 1

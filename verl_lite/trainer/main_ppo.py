@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as err:  # noqa: BLE001 - every failure becomes one block and an exit code
         if isinstance(err, SystemExit):
             raise
-        return _report(err, state, debug)
+        return _report(SIGNALS.interruption(err), state, debug)
     finally:
         from verl_lite.reward.sandbox import close_all
 

@@ -39,6 +39,18 @@ class Signals:
         for s, h in self._previous.items():
             signal.signal(s, h)
         self._previous = {}
+        self.received = None
+
+    def interruption(self, err: BaseException) -> BaseException:
+        """What ``err`` means for the run: once a signal has arrived, :class:`RunInterrupted` (chained
+        to ``err``). The handler raises wherever the main thread is; inside a Cython call (``ray.wait``,
+        ``ray.get``) that surfaces as ``SystemError: <cyfunction CoreWorker.wait> returned a result
+        with an exception set``, and any error after the signal is the stop's consequence anyway."""
+        if self.received is None or isinstance(err, RunInterrupted):
+            return err
+        stop = RunInterrupted(self.received)
+        stop.__cause__ = err
+        return stop
 
     def _handle(self, signum, frame) -> None:
         if self.received is not None:

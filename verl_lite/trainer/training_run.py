@@ -81,9 +81,14 @@ def train_and_summarize(cfg, trainer, out: Path, user_on_step=None) -> dict:
         summary["startup_s"] = round(_seconds_since_process_start(), 2)
         trainer.run_loop(on_step=on_step)
         summary["status"] = "completed"
-    except RunInterrupted as e:
-        summary["status"] = f"interrupted ({signal.Signals(e.signum).name})"
-        raise
+    except BaseException as err:
+        stop = SIGNALS.interruption(err)  # a signal inside ray.wait surfaces as a SystemError
+        if not isinstance(stop, RunInterrupted):
+            raise
+        summary["status"] = f"interrupted ({signal.Signals(stop.signum).name})"
+        if stop is err:
+            raise
+        raise stop from err
     finally:
         trainer.close()
         try:
