@@ -23,14 +23,15 @@ import torch
 
 
 def _setup(hidden: int, root: Path):
-    from verl_lite.engine import EngineConfig, MegatronEngine, OptimConfig, ParallelConfig
+    from verl_lite.engine import MegatronEngine
+    from verl_lite.workers.from_config import engine_config, optim_config, parallel_config
     from verl_lite.utils.tiny_model import make_tiny_hf_model
 
     heads = max(4, hidden // 32)
     model_dir = make_tiny_hf_model(root / f"h{hidden}", "qwen2", vocab_size=128, hidden_size=hidden, num_layers=4,
                                    num_attention_heads=heads, num_key_value_heads=heads // 2,
                                    intermediate_size=hidden * 3, seed=0, init_std=0.02)
-    return MegatronEngine(EngineConfig(str(model_dir), ParallelConfig(), OptimConfig(lr=1e-4, clip_grad=1.0,
+    return MegatronEngine(engine_config(str(model_dir), parallel_config(), optim_config(lr=1e-4, clip_grad=1.0,
                                                                                       betas=(0.9, 0.99))))
 
 
@@ -55,10 +56,11 @@ def _batch(num_seqs: int, vocab: int = 128):
 
 
 def _loss_fn(batch):
-    from verl_lite.algorithms import ActorLossConfig, NormalizationPlan, actor_loss
+    from verl_lite.algorithms import NormalizationPlan, actor_loss
+    from verl_lite.workers.from_config import actor_loss_config
 
     plan = NormalizationPlan.from_mask(batch.data["response_mask"], "token-mean")
-    return partial(actor_loss, plan=plan, cfg=ActorLossConfig(loss_agg_mode="token-mean"))
+    return partial(actor_loss, plan=plan, cfg=actor_loss_config(loss_agg_mode="token-mean"))
 
 
 def _phases(engine, batch, loss_fn, mbs):
@@ -124,10 +126,11 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from verl_lite.engine import ParallelConfig, init_distributed
+    from verl_lite.engine import init_distributed
+    from verl_lite.workers.from_config import parallel_config
     from verl_lite.utils.net import free_port
 
-    init_distributed(0, 1, "127.0.0.1", free_port(), ParallelConfig())
+    init_distributed(0, 1, "127.0.0.1", free_port(), parallel_config())
     with tempfile.TemporaryDirectory() as tmp:
         for h in args.hidden:
             run(h, args.seqs, args.steps, args.rows, Path(tmp))

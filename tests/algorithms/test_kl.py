@@ -50,7 +50,7 @@ def test_controllers():
     assert ctl.value == pytest.approx(0.1 * 1.01 * (1 - 0.05 * 0.05), rel=1e-14)
     assert isinstance(get_kl_controller("adaptive", 0.1, 0.2, 10), AdaptiveKLController)
     with pytest.raises(ValueError, match="adaptive"):
-        get_kl_controller("pid")
+        get_kl_controller("pid", 0.1, 0.1, 10)
     with pytest.raises(ValueError, match="horizon"):
         AdaptiveKLController(0.1, 0.1, 0)
 

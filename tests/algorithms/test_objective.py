@@ -8,16 +8,16 @@ import torch
 from algo_reference import LOSSES, MODES, make_batch, ref_aggregate, ref_kl, ref_policy_loss, ref_weights
 from verl_lite.algorithms import (
     COV_SELECTION_LOSSES,
-    ActorLossConfig,
     NormalizationPlan,
     actor_loss,
     critic_loss,
     select_cov_tokens,
 )
+from verl_lite.workers.from_config import actor_loss_config
 
 
 def _cfg(name, mode, **kw):
-    return ActorLossConfig(
+    return actor_loss_config(
         policy_loss=name, loss_agg_mode=mode, clip_ratio_low=0.18, clip_ratio_high=0.3,
         clip_cov_ratio=0.1, clip_cov_lb=-0.5, clip_cov_ub=2.0, kl_cov_ratio=0.1,
         use_kl_loss=True, kl_loss_coef=0.07, kl_loss_type="low_var_kl", entropy_coeff=0.013, **kw,
@@ -65,7 +65,7 @@ def test_actor_loss_matches_reference(name, mode):
 
 def test_terms_are_off_when_disabled():
     b = make_batch(2)
-    cfg = ActorLossConfig(policy_loss="gpg", loss_agg_mode="token-sum")
+    cfg = actor_loss_config(policy_loss="gpg", loss_agg_mode="token-sum")
     plan = NormalizationPlan.from_mask(b.mask, "token-sum")
     total, metrics = actor_loss({"log_probs": b.logp}, {"response_mask": b.mask, "old_log_probs": b.old,
                                                           "advantages": b.adv}, plan, cfg)
@@ -78,17 +78,17 @@ def test_actor_loss_clear_errors():
     plan = NormalizationPlan.from_mask(b.mask, "token-mean")
     data = {"response_mask": b.mask, "old_log_probs": b.old, "advantages": b.adv}
     with pytest.raises(ValueError, match="loss_agg_mode"):
-        actor_loss({"log_probs": b.logp}, data, plan, ActorLossConfig(loss_agg_mode="token-sum"))
+        actor_loss({"log_probs": b.logp}, data, plan, actor_loss_config(loss_agg_mode="token-sum"))
     with pytest.raises(ValueError, match="ref_log_probs"):
-        actor_loss({"log_probs": b.logp}, data, plan, ActorLossConfig(use_kl_loss=True))
+        actor_loss({"log_probs": b.logp}, data, plan, actor_loss_config(use_kl_loss=True))
     with pytest.raises(ValueError, match="entropy"):
-        actor_loss({"log_probs": b.logp}, data, plan, ActorLossConfig(entropy_coeff=0.01))
+        actor_loss({"log_probs": b.logp}, data, plan, actor_loss_config(entropy_coeff=0.01))
     with pytest.raises(ValueError, match="select_cov_tokens"):
-        actor_loss({"log_probs": b.logp}, data, plan, ActorLossConfig(policy_loss="kl_cov"))
+        actor_loss({"log_probs": b.logp}, data, plan, actor_loss_config(policy_loss="kl_cov"))
     with pytest.raises(ValueError, match="Registered"):
-        ActorLossConfig(policy_loss="nope")
+        actor_loss_config(policy_loss="nope")
     with pytest.raises(ValueError, match="Valid modes"):
-        ActorLossConfig(loss_agg_mode="mean")
+        actor_loss_config(loss_agg_mode="mean")
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -12,13 +12,13 @@ from verl_lite.algorithms import (
     COV_SELECTION_LOSSES,
     POLICY_LOSSES,
     NormalizationPlan,
-    PolicyLossConfig,
     get_policy_loss,
     register_policy_loss,
     select_cov_tokens,
 )
+from verl_lite.workers.from_config import policy_loss_config
 
-CFG = PolicyLossConfig(
+CFG = policy_loss_config(
     clip_ratio=0.2, clip_ratio_low=0.15, clip_ratio_high=0.28, clip_ratio_c=2.5,
     clip_cov_ratio=0.1, clip_cov_lb=-0.5, clip_cov_ub=2.0, kl_cov_ratio=0.15, ppo_kl_coef=0.7,
 )
@@ -126,7 +126,7 @@ def _verl_clip_cov_check(b, cfg, seed):
 def test_clip_cov_matches_verl_off_policy_with_ratios_far_from_one():
     """clip_cov_ratio 0.2 (many picks), ratios up to e^1.3 and beyond: the selection skips tokens
     the PPO range already clips and uses the current log-probs, as verl does."""
-    cfg = PolicyLossConfig(clip_ratio=0.2, clip_cov_ratio=0.2, clip_cov_lb=-0.5, clip_cov_ub=2.0)
+    cfg = policy_loss_config(clip_ratio=0.2, clip_cov_ratio=0.2, clip_cov_lb=-0.5, clip_cov_ub=2.0)
     wasted = 0
     for seed in range(6):
         b = make_batch(seed, n=16, width=12)
@@ -140,7 +140,7 @@ def test_clip_cov_matches_verl_off_policy_with_ratios_far_from_one():
 
 def test_clip_cov_matches_verl_at_the_default_ratio():
     """verl's defaults (clip_cov_ratio 2e-4 -> one pick, window (1, 5)) on a larger off-policy batch."""
-    cfg = PolicyLossConfig()
+    cfg = policy_loss_config()
     assert (cfg.clip_cov_ratio, cfg.clip_cov_lb, cfg.clip_cov_ub) == (0.0002, 1.0, 5.0)
     picks = 0
     for seed in range(6):
@@ -176,7 +176,7 @@ def test_register_custom_loss_and_refuse_silent_override():
 def test_dual_clip_bound_must_exceed_one():
     b = make_batch(0)
     with pytest.raises(ValueError, match="clip_ratio_c"):
-        get_policy_loss("vanilla")(b.old, b.logp, b.adv, b.mask, PolicyLossConfig(clip_ratio_c=1.0))
+        get_policy_loss("vanilla")(b.old, b.logp, b.adv, b.mask, policy_loss_config(clip_ratio_c=1.0))
 
 
 def test_truncated_is_weights_match_a_loop():

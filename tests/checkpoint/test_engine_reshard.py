@@ -17,13 +17,12 @@ REL_TOL = 1e-6
 
 
 def _build(rank, world, par_kw, model, dist_opt=True, lr=1e-2, keep_schedule=False):
-    from verl_lite.engine.config import EngineConfig, OptimConfig
-    from verl_lite.engine.distributed import ParallelConfig
+    from verl_lite.workers.from_config import engine_config, optim_config, parallel_config
     from verl_lite.engine.engine import MegatronEngine
 
-    par = ParallelConfig(**par_kw)
+    par = parallel_config(**par_kw)
     use_layout(rank, world, par)
-    return MegatronEngine(EngineConfig(model_path=model, parallel=par, optim=OptimConfig(
+    return MegatronEngine(engine_config(model_path=model, parallel=par, optim=optim_config(
         lr=lr, use_distributed_optimizer=dist_opt, total_steps=10, lr_decay_style="linear",
         use_checkpoint_opt_param_scheduler=keep_schedule)))
 

@@ -206,7 +206,7 @@ def test_gradient_checkpointing_and_transformer_overrides_reach_the_engine_confi
     engine builds; override_transformer_config fields land there too (and win)."""
     from transformers import AutoConfig
 
-    from verl_lite.engine.distributed import ParallelConfig
+    from verl_lite.workers.from_config import parallel_config
     from verl_lite.engine.model import transformer_config_from_hf
     from verl_lite.workers.engine_worker import EngineWorkerConfig
     from verl_lite.workers.from_config import engine_model_overrides, engine_worker_fields
@@ -221,11 +221,11 @@ def test_gradient_checkpointing_and_transformer_overrides_reach_the_engine_confi
                          "deallocate_pipeline_outputs": True}
     fields = engine_worker_fields(arr.model, arr.actor.megatron, arr.actor.optim, 10, 0)
     assert EngineWorkerConfig(**fields).model_overrides == overrides
-    tc = transformer_config_from_hf(AutoConfig.from_pretrained(arr.model.path), ParallelConfig(), **overrides)
+    tc = transformer_config_from_hf(AutoConfig.from_pretrained(arr.model.path), parallel_config(), **overrides)
     assert (tc.recompute_granularity, tc.recompute_method, tc.recompute_num_layers) == ("full", "uniform", 2)
     assert tc.deallocate_pipeline_outputs is True
-    plain = transformer_config_from_hf(AutoConfig.from_pretrained(arr.model.path), ParallelConfig(),
-                                       **engine_model_overrides(load_config([]).actor_rollout_ref.model,
+    plain = transformer_config_from_hf(AutoConfig.from_pretrained(arr.model.path), parallel_config(),
+                                        **engine_model_overrides(load_config([]).actor_rollout_ref.model,
                                                                 load_config([]).actor_rollout_ref.actor.megatron))
     assert plain.recompute_granularity is None
 

@@ -40,11 +40,11 @@ def _loss(outputs, data):
 
 
 def _engine(model_dir, dtype, forward_only=False):
-    from verl_lite.engine.config import EngineConfig, OptimConfig
+    from verl_lite.workers.from_config import engine_config, optim_config
     from verl_lite.engine.engine import MegatronEngine
 
-    return MegatronEngine(EngineConfig(model_path=str(model_dir), params_dtype=dtype, forward_only=forward_only,
-                                       optim=OptimConfig(lr=1e-2, use_distributed_optimizer=True)))
+    return MegatronEngine(engine_config(model_path=str(model_dir), params_dtype=dtype, forward_only=forward_only,
+                                        optim=optim_config(lr=1e-2, use_distributed_optimizer=True)))
 
 
 def _export(engine) -> dict:
@@ -159,15 +159,15 @@ def test_bf16_reference_engine_runs_bf16_without_main_params(bf16_results):
 
 
 def test_engine_config_dtypes():
-    from verl_lite.engine.config import EngineConfig
+    from verl_lite.workers.from_config import engine_config
 
     here = str(Path(__file__).resolve().parents[2] / "verl_lite" / "assets")
     model_dir = next(p.parent for p in Path(here).rglob("config.json") if (p.parent / "model.safetensors").exists())
-    assert EngineConfig(model_path=str(model_dir), params_dtype="bf16").params_dtype == "bfloat16"
-    assert EngineConfig(model_path=str(model_dir)).params_dtype == "float32"
+    assert engine_config(model_path=str(model_dir), params_dtype="bf16").params_dtype == "bfloat16"
+    assert engine_config(model_path=str(model_dir)).params_dtype == "float32"  # the schema's default reaches the engine
     with pytest.raises(ValueError, match="loss scaling"):
-        EngineConfig(model_path=str(model_dir), params_dtype="float16")
-    cfg = EngineConfig(model_path=str(model_dir), model_overrides={"attention_backend": "unfused"})
+        engine_config(model_path=str(model_dir), params_dtype="float16")
+    cfg = engine_config(model_path=str(model_dir), model_overrides={"attention_backend": "unfused"})
     assert cfg.attention_backend == "sdpa" and "attention_backend" not in cfg.model_overrides
     with pytest.raises(ValueError, match="Transformer Engine"):
-        EngineConfig(model_path=str(model_dir), model_overrides={"attention_backend": "fused"})
+        engine_config(model_path=str(model_dir), model_overrides={"attention_backend": "fused"})

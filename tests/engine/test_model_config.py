@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from verl_lite.engine.distributed import ParallelConfig
+from verl_lite.workers.from_config import parallel_config
 
 
 def _hf(arch, **kw):
@@ -33,11 +33,11 @@ def _hf(arch, **kw):
 )
 def test_parallel_config_rejects_bad_layouts(kwargs, world, match):
     with pytest.raises(ValueError, match=match):
-        ParallelConfig(**kwargs).validate(world)
+        parallel_config(**kwargs).validate(world)
 
 
 def test_parallel_config_accepts_and_reports_dp():
-    p = ParallelConfig(tp=2, pp=2, cp=2).validate(16)
+    p = parallel_config(tp=2, pp=2, cp=2).validate(16)
     assert p.dp(16) == 2
 
 
@@ -45,10 +45,10 @@ def test_vpp_with_batch_p2p_comm_is_rejected_with_the_reason():
     from verl_lite.engine.model import transformer_config_from_hf
 
     with pytest.raises(ValueError, match="silently wrong"):
-        transformer_config_from_hf(_hf("qwen2"), ParallelConfig(pp=2, vpp=2), batch_p2p_comm=True)
+        transformer_config_from_hf(_hf("qwen2"), parallel_config(pp=2, vpp=2), batch_p2p_comm=True)
     with pytest.raises(ValueError, match="overlap_p2p_comm"):
-        transformer_config_from_hf(_hf("qwen2"), ParallelConfig(pp=2, vpp=2), overlap_p2p_comm=False)
-    cfg = transformer_config_from_hf(_hf("qwen2"), ParallelConfig(pp=2, vpp=2))
+        transformer_config_from_hf(_hf("qwen2"), parallel_config(pp=2, vpp=2), overlap_p2p_comm=False)
+    cfg = transformer_config_from_hf(_hf("qwen2"), parallel_config(pp=2, vpp=2))
     assert cfg.overlap_p2p_comm and not cfg.batch_p2p_comm
     assert cfg.virtual_pipeline_model_parallel_size == 2
 
@@ -56,16 +56,16 @@ def test_vpp_with_batch_p2p_comm_is_rejected_with_the_reason():
 def test_architecture_mapping():
     from verl_lite.engine.model import rope_settings, rope_theta, transformer_config_from_hf
 
-    q2 = transformer_config_from_hf(_hf("qwen2"), ParallelConfig(tp=2))
+    q2 = transformer_config_from_hf(_hf("qwen2"), parallel_config(tp=2))
     assert q2.add_qkv_bias and not q2.qk_layernorm and not q2.add_bias_linear
     assert q2.num_query_groups == 2 and q2.kv_channels == 16 and q2.ffn_hidden_size == 96
     assert q2.gated_linear_unit and q2.activation_func is torch.nn.functional.silu
     assert q2.normalization == "RMSNorm" and q2.layernorm_epsilon == 1e-5
     assert q2.variable_seq_lengths and q2.moe_token_dispatcher_type == "alltoall"
     assert q2.hidden_dropout == 0 and q2.attention_dropout == 0
-    q3 = transformer_config_from_hf(_hf("qwen3", head_dim=32), ParallelConfig(), calculate_per_token_loss=True)
+    q3 = transformer_config_from_hf(_hf("qwen3", head_dim=32), parallel_config(), calculate_per_token_loss=True)
     assert q3.qk_layernorm and not q3.add_qkv_bias and q3.kv_channels == 32 and q3.calculate_per_token_loss
-    ll = transformer_config_from_hf(_hf("llama"), ParallelConfig(pp=2), params_dtype=torch.bfloat16)
+    ll = transformer_config_from_hf(_hf("llama"), parallel_config(pp=2), params_dtype=torch.bfloat16)
     assert not ll.add_qkv_bias and not ll.qk_layernorm
     assert ll.bf16 and ll.params_dtype == torch.bfloat16 and ll.pipeline_dtype == torch.bfloat16
     assert rope_theta(_hf("qwen2", rope_theta=12345.0)) == 12345.0
@@ -79,12 +79,12 @@ def test_architecture_mapping():
 @pytest.mark.parametrize(
     "hf_kw,parallel,match",
     [
-        (dict(num_hidden_layers=3), ParallelConfig(pp=2), "not divisible by pp\\*vpp"),
-        (dict(num_hidden_layers=4), ParallelConfig(pp=2, vpp=4), "not divisible by pp\\*vpp"),
-        (dict(num_attention_heads=4, num_key_value_heads=4), ParallelConfig(tp=8), "num_attention_heads=4"),
-        (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), ParallelConfig(), "RoPE type"),
+        (dict(num_hidden_layers=3), parallel_config(pp=2), "not divisible by pp\\*vpp"),
+        (dict(num_hidden_layers=4), parallel_config(pp=2, vpp=4), "not divisible by pp\\*vpp"),
+        (dict(num_attention_heads=4, num_key_value_heads=4), parallel_config(tp=8), "num_attention_heads=4"),
+        (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), parallel_config(), "RoPE type"),
         (dict(max_position_embeddings=16384, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
-              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}), ParallelConfig(), "llama3 RoPE"),
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}), parallel_config(), "llama3 RoPE"),
     ],
 )
 def test_unsupported_models_are_rejected(hf_kw, parallel, match):
@@ -98,7 +98,7 @@ def test_unknown_model_type_is_rejected():
     from verl_lite.engine.model import transformer_config_from_hf
 
     with pytest.raises(ValueError, match="model_type 'gpt2'"):
-        transformer_config_from_hf(transformers.GPT2Config(), ParallelConfig())
+        transformer_config_from_hf(transformers.GPT2Config(), parallel_config())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU adapter is inert when CUDA is available")

@@ -28,10 +28,10 @@ def _loss_fn(outputs, data):
 
 
 def _engine_config(model_dir, par):
-    from verl_lite.engine.config import EngineConfig, OptimConfig
+    from verl_lite.workers.from_config import engine_config, optim_config
 
-    return EngineConfig(model_path=model_dir, parallel=par, optim=OptimConfig(lr=1e-3),
-                        model_overrides={"moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001})
+    return engine_config(model_path=model_dir, parallel=par, optim=optim_config(lr=1e-3),
+                          model_overrides={"moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001})
 
 
 def _worker(rank, world, port, model_dir, ckpt, out):
@@ -39,10 +39,11 @@ def _worker(rank, world, port, model_dir, ckpt, out):
     try:
         import torch.distributed as dist
 
-        from verl_lite.engine.distributed import ParallelConfig, destroy_distributed, init_distributed
+        from verl_lite.engine.distributed import destroy_distributed, init_distributed
+        from verl_lite.workers.from_config import parallel_config
         from verl_lite.engine.engine import MegatronEngine, SequenceBatch
 
-        par = ParallelConfig(ep=2, timeout_s=120)
+        par = parallel_config(ep=2, timeout_s=120)
         init_distributed(rank, world, "127.0.0.1", port, par)
         cfg = _engine_config(model_dir, par)
         batch = SequenceBatch(_rank_sequences(rank), [4, 4], {"w": torch.full((2, 4), 1 / 16)})
@@ -79,10 +80,11 @@ def _ep1_worker(rank, world, port, model_dir, ckpt, out):
         from dataclasses import replace
 
         from verl_lite.engine.checkpoint import CheckpointLayoutError
-        from verl_lite.engine.distributed import ParallelConfig, destroy_distributed, init_distributed
+        from verl_lite.engine.distributed import destroy_distributed, init_distributed
+        from verl_lite.workers.from_config import parallel_config
         from verl_lite.engine.engine import MegatronEngine
 
-        par = ParallelConfig(timeout_s=120)
+        par = parallel_config(timeout_s=120)
         init_distributed(rank, world, "127.0.0.1", port, par)
         refusals = []
         for forward_only in (False, True):

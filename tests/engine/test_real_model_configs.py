@@ -218,7 +218,7 @@ def _run(rank, world, plan):
     size)]; a layout is (name, ParallelConfig kwargs). Returns {(model, vocab, layout): results}."""
     import time
 
-    from verl_lite.engine.distributed import ParallelConfig
+    from verl_lite.workers.from_config import parallel_config
 
     out = {}
     for name, real_layouts, odd_layouts in plan:
@@ -235,7 +235,7 @@ def _run(rank, world, plan):
             odd = (cut_config(name, odd_vocab), _odd_state_dict(sd, odd_vocab), seqs[:ODD_SEQS], ref[odd_vocab], True)
             cases += [(*odd, layout) for layout in odd_layouts]
         for c, c_sd, c_seqs, c_ref, poison, (layout, kw) in cases:
-            parallel = ParallelConfig(timeout_s=300.0, **kw)
+            parallel = parallel_config(timeout_s=300.0, **kw)
             out[(name, c.vocab_size, layout)] = _check(rank, world, parallel, c, c_sd, c_seqs, c_ref, poison)
         del sd, cases
         gc.collect()

@@ -65,18 +65,18 @@ def test_padding_rule_rejects_bad_input(args):
 def test_tp_and_kv_head_rules_on_real_configs(name, tp, vocab, match):
     import transformers
 
-    from verl_lite.engine.distributed import ParallelConfig
+    from verl_lite.workers.from_config import parallel_config
     from verl_lite.engine.model import transformer_config_from_hf
 
     cfg = transformers.AutoConfig.from_pretrained(CONFIG_DIR / name)
     if vocab is not None:
         cfg.vocab_size = vocab
     if match is None:
-        tf = transformer_config_from_hf(cfg, ParallelConfig(tp=tp))
+        tf = transformer_config_from_hf(cfg, parallel_config(tp=tp))
         assert tf.num_query_groups == cfg.num_key_value_heads and tf.tensor_model_parallel_size == tp
     else:
         with pytest.raises(ValueError, match=match):
-            transformer_config_from_hf(cfg, ParallelConfig(tp=tp))
+            transformer_config_from_hf(cfg, parallel_config(tp=tp))
 
 
 def test_bridge_pads_on_load_and_strips_on_export_at_tp3():
@@ -146,14 +146,15 @@ def _engine_check(rank, model_dir, ref):
     from megatron.core import parallel_state as ps
     from safetensors.torch import load_file
 
-    from verl_lite.engine import EngineConfig, MegatronEngine, OptimConfig, ParallelConfig, SequenceBatch
+    from verl_lite.engine import MegatronEngine, SequenceBatch
+    from verl_lite.workers.from_config import engine_config, optim_config, parallel_config
     from verl_lite.engine.model import unwrap_model
 
     from .conftest import use_layout
 
-    par = ParallelConfig(tp=2, timeout_s=120.0)
+    par = parallel_config(tp=2, timeout_s=120.0)
     use_layout(rank, 2, par)
-    engine = MegatronEngine(EngineConfig(model_dir, par, OptimConfig(lr=1e-2, weight_decay=0.0)))
+    engine = MegatronEngine(engine_config(model_dir, par, optim_config(lr=1e-2, weight_decay=0.0)))
     head = unwrap_model(engine.chunks[0]).output_layer.weight
     out = {"local_rows": head.shape[0]}
     last = ps.get_tensor_model_parallel_rank() == 1

@@ -167,9 +167,9 @@ def old_log_probs(prob) -> torch.Tensor:
 
 
 def loss_cfg(loss: str, mode: str):
-    from verl_lite.algorithms.objective import ActorLossConfig
+    from verl_lite.workers.from_config import actor_loss_config
 
-    return ActorLossConfig(policy_loss=loss, loss_agg_mode=mode, entropy_coeff=ENTROPY_COEFF)
+    return actor_loss_config(policy_loss=loss, loss_agg_mode=mode, entropy_coeff=ENTROPY_COEFF)
 
 
 def reference_step(prob, loss: str, mode: str, old_lp: torch.Tensor) -> dict:
@@ -345,13 +345,14 @@ def _worker_body(rank, world, port, layout_name, cell_dicts, problem_path, refs_
 
     from verl_lite.algorithms.aggregation import NormalizationPlan
     from verl_lite.algorithms.objective import actor_loss, critic_loss
-    from verl_lite.engine.config import EngineConfig, OptimConfig
-    from verl_lite.engine.distributed import ParallelConfig, destroy_distributed, init_distributed
+    from verl_lite.workers.from_config import engine_config, optim_config
+    from verl_lite.engine.distributed import destroy_distributed, init_distributed
+    from verl_lite.workers.from_config import parallel_config
     from verl_lite.engine.engine import MegatronEngine
 
     t_start = time.perf_counter()
     _, par_kw, distopt = LAYOUTS[layout_name]
-    par = ParallelConfig(**par_kw, timeout_s=timeout_s)
+    par = parallel_config(**par_kw, timeout_s=timeout_s)
     init_distributed(rank, world, "127.0.0.1", port, par, seed=1234)
     timeline = {"init": time.perf_counter() - t_start}
     prob, refs, lengths, data_all = load_problem(problem_path, refs_path)
@@ -383,9 +384,9 @@ def _worker_body(rank, world, port, layout_name, cell_dicts, problem_path, refs_
             if not todo:
                 continue
             t0 = time.perf_counter()
-            cfg = EngineConfig(
+            cfg = engine_config(
                 model_path=prob["model_dir"], parallel=par,
-                optim=OptimConfig(**optim_kwargs(), use_distributed_optimizer=distopt),
+                optim=optim_config(**optim_kwargs(), use_distributed_optimizer=distopt),
                 calculate_per_token_loss=per_token, value_head=critic,
             )
             engine = MegatronEngine(cfg)

@@ -110,13 +110,14 @@ def _worker_body(rank, world, port, layout, problem_path, refs_path, out_dir, ti
 
     from verl_lite.algorithms.aggregation import NormalizationPlan
     from verl_lite.algorithms.objective import actor_loss
-    from verl_lite.engine.config import EngineConfig, OptimConfig
-    from verl_lite.engine.distributed import ParallelConfig, destroy_distributed, init_distributed
+    from verl_lite.workers.from_config import engine_config, optim_config
+    from verl_lite.engine.distributed import destroy_distributed, init_distributed
+    from verl_lite.workers.from_config import parallel_config
     from verl_lite.engine.engine import MegatronEngine
 
     t0 = time.perf_counter()
     _, par_kw, distopt = BF16_LAYOUTS[layout]
-    par = ParallelConfig(**par_kw, timeout_s=timeout_s)
+    par = parallel_config(**par_kw, timeout_s=timeout_s)
     init_distributed(rank, world, "127.0.0.1", port, par, seed=1234)
     prob, refs, lengths, data_all = H.load_problem(problem_path, refs_path)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -124,9 +125,9 @@ def _worker_body(rank, world, port, layout, problem_path, refs_path, out_dir, ti
     state = {k: v.float() for k, v in refs[(BF16_LOSSES[0], BF16_MODES[0])]["params_before"].items()}
     out: dict = {"cells": {}}
     for per_token in (False, True):
-        engine = MegatronEngine(EngineConfig(
+        engine = MegatronEngine(engine_config(
             model_path=prob["model_dir"], parallel=par, params_dtype="bfloat16",
-            optim=OptimConfig(**H.optim_kwargs(), use_distributed_optimizer=distopt),
+            optim=optim_config(**H.optim_kwargs(), use_distributed_optimizer=distopt),
             calculate_per_token_loss=per_token))
         if "export_max_abs" not in out:  # the fp32 main params hold the HF weights exactly
             exported = {n: t.cpu().clone() for n, t in engine.export_hf("param")}

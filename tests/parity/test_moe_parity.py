@@ -184,13 +184,14 @@ def _worker_body(rank, world, port, layout, cell_dicts, problem_path, refs_path,
 
     from verl_lite.algorithms.aggregation import NormalizationPlan
     from verl_lite.algorithms.objective import actor_loss
-    from verl_lite.engine.config import EngineConfig, OptimConfig
-    from verl_lite.engine.distributed import ParallelConfig, destroy_distributed, init_distributed
+    from verl_lite.workers.from_config import engine_config, optim_config
+    from verl_lite.engine.distributed import destroy_distributed, init_distributed
+    from verl_lite.workers.from_config import parallel_config
     from verl_lite.engine.engine import MegatronEngine
 
     t_start = time.perf_counter()
     _, par_kw, _ = MOE_LAYOUTS[layout]
-    par = ParallelConfig(**par_kw, timeout_s=180)
+    par = parallel_config(**par_kw, timeout_s=180)
     init_distributed(rank, world, "127.0.0.1", port, par, seed=1234)
     prob, refs, lengths, data_all = H.load_problem(problem_path, refs_path)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -210,9 +211,9 @@ def _worker_body(rank, world, port, layout, cell_dicts, problem_path, refs_path,
         todo = [c for c in cells if c.per_token == per_token]
         if not todo:
             continue
-        engine = MegatronEngine(EngineConfig(
+        engine = MegatronEngine(engine_config(
             model_path=prob["model_dir"], parallel=par,
-            optim=OptimConfig(**H.optim_kwargs(), use_distributed_optimizer=layout.endswith("distopt")),
+            optim=optim_config(**H.optim_kwargs(), use_distributed_optimizer=layout.endswith("distopt")),
             calculate_per_token_loss=per_token, model_overrides=dict(overrides)))
         if "export_max_abs" not in results:
             diffs = [float((t - state[n]).abs().max()) if n in state else float("inf")

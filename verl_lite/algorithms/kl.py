@@ -75,13 +75,16 @@ class AdaptiveKLController:
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
-def get_kl_controller(type: str = "fixed", kl_coef: float = 0.001, target_kl: float = 0.1, horizon: float = 10000):
-    """Build a controller from verl's `algorithm.kl_ctrl` fields."""
+KL_CTRL_TYPES = ("fixed", "adaptive")
+
+
+def get_kl_controller(type: str, kl_coef: float, target_kl: float, horizon: float):
+    """Build a controller from verl's `algorithm.kl_ctrl` fields (their defaults: the config schema)."""
     if type == "fixed":
         return FixedKLController(kl_coef)
     if type == "adaptive":
         return AdaptiveKLController(kl_coef, target_kl, horizon)
-    raise ValueError(f"Unknown kl_ctrl.type {type!r}. Valid: 'fixed', 'adaptive'.")
+    raise ValueError(f"Unknown kl_ctrl.type {type!r}. Valid: {', '.join(map(repr, KL_CTRL_TYPES))}.")
 
 
 @torch.no_grad()
@@ -91,7 +94,7 @@ def apply_kl_penalty(
     ref_logp: torch.Tensor,
     response_mask: torch.Tensor,
     kl_ctrl,
-    kind: str = "kl",
+    kind: str,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """In-reward KL: token_level_rewards = scores - beta * kl(old_logp, ref_logp) * m.
 

@@ -30,12 +30,12 @@ IS_WEIGHTS_KEY = "is_weights"  # data key of optional importance-sampling weight
 class ActorLossConfig(PolicyLossConfig):
     """Actor objective config; field names follow verl's `actor` section."""
 
-    policy_loss: str = "vanilla"  # verl: policy_loss.loss_mode
-    loss_agg_mode: str = "token-mean"
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
+    policy_loss: str  # verl: policy_loss.loss_mode
+    loss_agg_mode: str
+    entropy_coeff: float
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
 
     def __post_init__(self):
         check_agg_mode(self.loss_agg_mode)

@@ -43,19 +43,20 @@ RATIO_LOG_CLAMP = 20.0
 
 @dataclass
 class PolicyLossConfig:
-    """Hyper-parameters of the policy losses (verl field names and defaults)."""
+    """Hyper-parameters of the policy losses (verl field names). No defaults: the config's schema holds
+    them (``verl_lite.workers.from_config.actor_loss_config`` builds one from the actor section)."""
 
-    clip_ratio: float = 0.2
-    clip_ratio_low: float | None = None
-    clip_ratio_high: float | None = None
-    clip_ratio_c: float = 3.0  # dual-clip bound for A < 0 (vanilla); must be > 1
-    tau_pos: float = 1.0  # sapo temperature for A > 0
-    tau_neg: float = 1.05  # sapo temperature for A <= 0
-    clip_cov_ratio: float = 0.0002
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 0.0002
-    ppo_kl_coef: float = 0.1
+    clip_ratio: float
+    clip_ratio_low: float | None  # None = clip_ratio
+    clip_ratio_high: float | None  # None = clip_ratio
+    clip_ratio_c: float  # dual-clip bound for A < 0 (vanilla); must be > 1
+    tau_pos: float  # sapo temperature for A > 0
+    tau_neg: float  # sapo temperature for A <= 0
+    clip_cov_ratio: float
+    clip_cov_lb: float
+    clip_cov_ub: float
+    kl_cov_ratio: float
+    ppo_kl_coef: float
 
     @property
     def eps_low(self) -> float:

@@ -22,6 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+# trainer.logger's names (verl_lite.trainer.tracking builds one tracker per name)
+LOGGER_BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
+
 
 @dataclass
 class DataConfig:

@@ -11,14 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from verl_lite.config.loader import ConfigError
-from verl_lite.config.schema import PPOConfig
+from verl_lite.config.schema import LOGGER_BACKENDS, PPOConfig
 from verl_lite.engine import rules
 from verl_lite.engine.model_files import config_int, read_config
 
-REWARD_MANAGERS = ("naive", "batch")
-TRUNCATIONS = ("error", "left", "right")
-KL_CTRL_TYPES = ("fixed", "adaptive")
-LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 RESUME_MODES = ("auto", "disable", "resume_path")
 FILTER_GROUPS_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 
@@ -49,41 +45,6 @@ def _registries():
     from verl_lite.algorithms.kl import KL_TYPES
 
     return tuple(AGG_MODES), tuple(sorted(POLICY_LOSSES)), tuple(sorted(ADVANTAGE_ESTIMATORS)), tuple(KL_TYPES)
-
-
-def _check_reward_function(path: str, name: str, key: str, problems: list[str]) -> None:
-    """The file exists, parses, and names `name` at top level, checked WITHOUT running it: the reward
-    manager imports it exactly once, in the reward process, and reports import errors and a
-    signature that does not fit reward_kwargs there (still before anything starts)."""
-    import ast
-
-    file = Path(path)
-    if not file.is_file():
-        problems.append(f"{key}.path={path!r} does not exist; give the path of a python file defining '{name}'")
-        return
-    try:
-        tree = ast.parse(file.read_text(), filename=str(file))
-    except (SyntaxError, ValueError, UnicodeDecodeError) as e:
-        problems.append(f"{key}.path={path!r} does not parse ({type(e).__name__}: {e}); fix the file")
-        return
-    defined: set[str] = set()
-    functions: list[str] = []
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            defined.add(node.name)
-            if not node.name.startswith("_"):
-                functions.append(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            defined.update(name if a.name == "*" else (a.asname or a.name).split(".")[0] for a in node.names)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            defined.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
-        elif not isinstance(node, (ast.Expr,)):
-            defined.add(name)  # defined under if/try/...: leave the check to the reward manager's import
-    if name not in defined:
-        problems.append(
-            f"{key}.name={name!r}: {path} defines no function of that name; set {key}.name to one of {sorted(functions)}"
-        )
 
 
 def _checkpoint_key_problems(tr) -> list[str]:
@@ -326,6 +287,8 @@ def _validate_rest(cfg: PPOConfig, p: list[str], positive, world, dp, traj_mini,
         p.append(f"{A}.kl_loss_type={actor.kl_loss_type!r} is unknown; choose one of {list(kl_types)}")
     if alg.use_kl_in_reward and alg.kl_penalty not in kl_types:
         p.append(f"algorithm.kl_penalty={alg.kl_penalty!r} is unknown; choose one of {list(kl_types)}")
+    from verl_lite.algorithms.kl import KL_CTRL_TYPES
+
     if alg.kl_ctrl.type not in KL_CTRL_TYPES:
         p.append(f"algorithm.kl_ctrl.type={alg.kl_ctrl.type!r} is unknown; choose one of {list(KL_CTRL_TYPES)}")
     for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
@@ -384,16 +347,9 @@ def _validate_rest(cfg: PPOConfig, p: list[str], positive, world, dp, traj_mini,
                               _cuda_visible()))
 
     # ---- data
-    if d.truncation not in TRUNCATIONS:
-        p.append(f"data.truncation={d.truncation!r} is unknown; choose one of {list(TRUNCATIONS)}")
-    for key in ("train_files", "val_files"):
-        files = getattr(d, key)
-        files = [files] if isinstance(files, str) else list(files or [])
-        if not files:
-            p.append(f"data.{key} is empty; give one or more parquet files (or null for the built-in task)")
-        for f in files:
-            if not Path(f).is_file():
-                p.append(f"data.{key}: {f!r} does not exist; give an existing parquet file")
+    from verl_lite.data.rules import data_problems
+
+    p.extend(data_problems(d))
 
     # ---- model
     mpath = arr.model.path
@@ -407,13 +363,9 @@ def _validate_rest(cfg: PPOConfig, p: list[str], positive, world, dp, traj_mini,
         p.append(f"actor_rollout_ref.model.tokenizer_path={tpath!r} holds no tokenizer.json/tokenizer_config.json")
 
     # ---- reward
-    rw = cfg.reward
-    if rw.reward_manager not in REWARD_MANAGERS:
-        p.append(f"reward.reward_manager={rw.reward_manager!r} is unknown; choose one of {list(REWARD_MANAGERS)}")
-    if rw.custom_reward_function.path:
-        _check_reward_function(
-            rw.custom_reward_function.path, rw.custom_reward_function.name, "reward.custom_reward_function", p
-        )
+    from verl_lite.reward.rules import reward_problems
+
+    p.extend(reward_problems(cfg.reward))
 
     # ---- trainer
     p.extend(_checkpoint_key_problems(tr))
@@ -422,8 +374,8 @@ def _validate_rest(cfg: PPOConfig, p: list[str], positive, world, dp, traj_mini,
     if not tr.worker_timeout_s > 0:
         p.append(f"trainer.worker_timeout_s={tr.worker_timeout_s} must be > 0 (seconds the driver waits for a worker call)")
     for lg in tr.logger:
-        if lg not in LOGGERS:
-            p.append(f"trainer.logger entry {lg!r} is unknown; choose from {list(LOGGERS)}")
+        if lg not in LOGGER_BACKENDS:
+            p.append(f"trainer.logger entry {lg!r} is unknown; choose from {list(LOGGER_BACKENDS)}")
 
     if p:
         raise ConfigError(p)

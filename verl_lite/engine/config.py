@@ -32,19 +32,21 @@ class OptimConfig:
     Loading a checkpoint always restores the step count k; the schedule's shape (lr, min_lr,
     warm-up, total_steps, style) is this config's unless ``use_checkpoint_opt_param_scheduler``
     (verl's key and meaning: then the checkpoint's shape is kept).
+    Every field the config's ``optim`` section holds is required here (its defaults live in
+    ``verl_lite.config.schema`` only); ``verl_lite.workers.from_config.optim_config`` builds one.
     """
 
-    lr: float = 1e-6
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    clip_grad: float = 1.0
-    lr_warmup_steps: int = 0
-    lr_decay_style: str = "constant"
-    min_lr: float = 0.0
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    clip_grad: float
+    lr_warmup_steps: int
+    lr_decay_style: str
+    min_lr: float
+    use_checkpoint_opt_param_scheduler: bool
+    use_distributed_optimizer: bool
     total_steps: int = 1
-    use_distributed_optimizer: bool = False
-    use_checkpoint_opt_param_scheduler: bool = False
+    eps: float = 1e-8
 
     def __post_init__(self):
         self.betas = tuple(float(b) for b in self.betas)
@@ -62,13 +64,18 @@ class OptimConfig:
 class EngineConfig:
     """What ``MegatronEngine`` builds.
 
+    The fields the config states (seed, params_dtype, the layout's timeout) are required, their
+    defaults live in ``verl_lite.config.schema`` only; ``verl_lite.workers.from_config.engine_config``
+    builds one from the schema's defaults.
+
     model_path: HF model directory (config.json + safetensors).
     parallel: TP/PP/VPP/CP/SP layout and the collective timeout.
     calculate_per_token_loss: megatron's per-token mode (the engine hands megatron token counts
         and scales the loss so the gradient is the same in both modes).
     value_head: build a critic (scalar head) instead of the LM head.
     forward_only: no DDP, no optimizer (reference policy, inference).
-    params_dtype: "float32" (default) or "bfloat16" (also "fp32"/"bf16"). bfloat16 is megatron's mixed
+    optim: the optimizer; None only for a forward_only engine.
+    params_dtype: "float32" or "bfloat16" (also "fp32"/"bf16"). bfloat16 is megatron's mixed
         precision: bf16 weights and activations (``Float16Module``), fp32 main parameters in the
         optimizer, fp32 gradient accumulation and reduction (DDP ``grad_reduce_in_fp32``), logits
         cast to fp32 before log-probs/entropy/values, so every loss is computed in fp32.
@@ -78,23 +85,19 @@ class EngineConfig:
     """
 
     model_path: str
-    parallel: "ParallelConfig | None" = None
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: "ParallelConfig"
+    optim: OptimConfig | None = None
     calculate_per_token_loss: bool = False
     value_head: bool = False
     forward_only: bool = False
-    seed: int = 1234
-    params_dtype: str = "float32"
+    seed: int = field(kw_only=True)
+    params_dtype: str = field(kw_only=True)
     attention_backend: str = "auto"
     model_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         from pathlib import Path
 
-        if self.parallel is None:
-            from verl_lite.engine.distributed import ParallelConfig
-
-            self.parallel = ParallelConfig()
         if not self.model_path:
             raise ValueError("EngineConfig.model_path is empty; give an HF model directory")
         if not (Path(self.model_path) / "config.json").is_file():
@@ -125,8 +128,9 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.attention_backend={self.attention_backend!r}; choose one of {ATTENTION_BACKENDS}"
             )
-        if not isinstance(self.optim, OptimConfig):
-            raise TypeError(f"EngineConfig.optim must be an OptimConfig, got {type(self.optim).__name__}")
+        if not isinstance(self.optim, OptimConfig) and not (self.forward_only and self.optim is None):
+            raise TypeError(f"EngineConfig.optim must be an OptimConfig (None only with forward_only), "
+                            f"got {type(self.optim).__name__}")
 
     @property
     def torch_dtype(self):

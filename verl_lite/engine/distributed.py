@@ -13,7 +13,7 @@ parallel, expert data parallel); its groups (EP, ETP, expert-DP) get the same ti
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -28,18 +28,19 @@ class ParallelConfig:
 
     tp: tensor parallel size; pp: pipeline stages; vpp: virtual stages (model chunks) per
     pipeline rank, None to disable; cp: context parallel size; sequence_parallel: megatron
-    sequence parallelism (needs tp > 1); timeout_s: timeout of every process group.
+    sequence parallelism (needs tp > 1); timeout_s: timeout of every process group (required: the
+    config's ``megatron.timeout_s`` holds its default).
     ep: expert parallel size (mixture-of-experts models only; the experts of every MoE layer are
     split over ep ranks carved out of DP x CP x TP); etp: expert tensor parallel size (1: every
     expert whole on its rank). ``tp*cp*dp`` must divide by ``ep*etp``.
     """
 
+    timeout_s: float = field(kw_only=True)
     tp: int = 1
     pp: int = 1
     vpp: int | None = None
     cp: int = 1
     sequence_parallel: bool = False
-    timeout_s: float = 300.0  # the same default as the config's actor_rollout_ref.actor.megatron.timeout_s
     ep: int = 1
     etp: int = 1
 

@@ -124,7 +124,7 @@ def _override_problem(k: str, name: str, value, dtype: str, cuda: bool) -> str |
     return None
 
 
-def transformer_override_problems(key: str, overrides: dict, dtype: str = "float32", cuda: bool = False) -> list[str]:
+def transformer_override_problems(key: str, overrides: dict, dtype: str, cuda: bool) -> list[str]:
     """megatron ``TransformerConfig`` overrides: only fields the engine does not derive from the HF config /
     layout; fusions only false (the local layer spec has no fused kernels); of the moe_* fields only the
     router-loss coefficients; activation recompute only where CUDA runs it (``cuda``)."""

@@ -35,9 +35,9 @@ from typing import Any, Callable
 import torch
 
 from verl_lite.config.loader import ConfigError
+from verl_lite.reward.rules import REWARD_MANAGERS
 from verl_lite.reward.scorers import default_compute_score
 
-REWARD_MANAGERS = ("naive", "batch")
 KEY = "reward.custom_reward_function"
 
 
@@ -51,7 +51,7 @@ class RewardConfigError(ConfigError, RewardError):
     """The reward function cannot be set up as configured (found before the run starts)."""
 
 
-def load_reward_function(path: str, name: str = "compute_score") -> Callable:
+def load_reward_function(path: str, name: str) -> Callable:
     """Import `name` from the python file at `path` (verl's custom_reward_function.{path,name})."""
     file = Path(path)
     if not file.is_file():

@@ -52,14 +52,15 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path | None = None, rol
     from transformers import AutoConfig
 
     from verl_lite.engine.checkpoint import load_model_only, save_hf_pretrained
-    from verl_lite.engine.distributed import ParallelConfig, destroy_distributed, init_distributed
+    from verl_lite.engine.distributed import destroy_distributed, init_distributed
+    from verl_lite.workers.from_config import parallel_config
     from verl_lite.engine.model import build_model_chunks, transformer_config_from_hf
     from verl_lite.utils.net import free_port
 
     out = Path(out).expanduser().resolve() if out is not None else ckpt / "huggingface"
     config_dir = role_dir / "hf_config"
     hf_config = AutoConfig.from_pretrained(str(config_dir))
-    parallel = ParallelConfig()
+    parallel = parallel_config()
     init_distributed(0, 1, "127.0.0.1", free_port(), parallel)
     try:
         tf_config = transformer_config_from_hf(hf_config, parallel, params_dtype=torch.float32)

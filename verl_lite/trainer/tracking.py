@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from verl_lite.config.schema import LOGGER_BACKENDS
+
 # the key numbers of a console line: (metric, label)
 SHOWN = (
     ("reward/mean", "reward"),
@@ -40,7 +42,7 @@ def _fmt(v) -> str:
     return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:.3f}"
 
 
-BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
+BACKENDS = LOGGER_BACKENDS  # the names trainer.logger accepts (the config schema owns the list)
 
 
 def _numeric(record: dict) -> dict[str, float]:

@@ -7,6 +7,9 @@ engine's and workers' config classes state no default of their own for a config 
     critic_worker_config(cfg, total_steps)            # EngineWorkerConfig of the critic role
     actor_loss_config(cfg.actor_rollout_ref.actor)    # algorithms.ActorLossConfig
     engine_model_overrides(model, megatron)           # EngineConfig.model_overrides of one role
+    parallel_config / optim_config / engine_config    # the engine's configs from a section (default:
+                                                      # the schema's defaults) plus overrides: SFT,
+                                                      # export, tests and bench scripts
 """
 
 from __future__ import annotations
@@ -73,15 +76,68 @@ def critic_worker_config(cfg, total_steps: int) -> EngineWorkerConfig:
     return EngineWorkerConfig(**engine_worker_fields(c.model, c.megatron, c.optim, total_steps, cfg.trainer.seed))
 
 
-def actor_loss_config(actor):
-    """``algorithms.ActorLossConfig`` from the ``actor_rollout_ref.actor`` section."""
-    from verl_lite.algorithms import ActorLossConfig
+ACTOR_LOSS_KEYS = ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode",
+                   "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type")
 
+
+def _loss_fields(actor) -> dict:
     pl = actor.policy_loss
-    return ActorLossConfig(
-        **{k: getattr(pl, k) for k in vars(pl) if k != "loss_mode"},
-        **{k: getattr(actor, k) for k in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c",
-                                          "loss_agg_mode", "entropy_coeff", "use_kl_loss", "kl_loss_coef",
-                                          "kl_loss_type")},
-        policy_loss=pl.loss_mode,
-    )
+    return {**{k: getattr(pl, k) for k in vars(pl) if k != "loss_mode"}, **{k: getattr(actor, k) for k in ACTOR_LOSS_KEYS}}
+
+
+def actor_loss_config(actor=None, **overrides):
+    """``algorithms.ActorLossConfig`` from the ``actor_rollout_ref.actor`` section (None: the schema's
+    defaults), then ``overrides``."""
+    from verl_lite.algorithms import ActorLossConfig
+    from verl_lite.config.schema import ActorConfig
+
+    actor = actor if actor is not None else ActorConfig()
+    return ActorLossConfig(**{**_loss_fields(actor), "policy_loss": actor.policy_loss.loss_mode, **overrides})
+
+
+def policy_loss_config(**overrides):
+    """``algorithms.PolicyLossConfig`` with the schema's defaults, then ``overrides``."""
+    from verl_lite.algorithms import PolicyLossConfig
+    from verl_lite.config.schema import ActorConfig
+
+    fields = _loss_fields(ActorConfig())
+    return PolicyLossConfig(**{k: fields[k] for k in PolicyLossConfig.__dataclass_fields__} | overrides)
+
+
+def parallel_config(megatron=None, **overrides):
+    """``engine.ParallelConfig`` from a ``megatron`` section (None: the schema's defaults), then ``overrides``."""
+    from verl_lite.config.schema import MegatronConfig
+    from verl_lite.engine.distributed import ParallelConfig
+
+    m = megatron if megatron is not None else MegatronConfig()
+    fields = dict(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
+                  vpp=m.virtual_pipeline_model_parallel_size, cp=m.context_parallel_size,
+                  sequence_parallel=m.sequence_parallel, ep=m.expert_model_parallel_size,
+                  etp=m.expert_tensor_parallel_size, timeout_s=m.timeout_s)
+    return ParallelConfig(**{**fields, **overrides})
+
+
+def optim_config(optim=None, megatron=None, **overrides):
+    """``engine.OptimConfig`` from an ``optim`` and a ``megatron`` section (None: the schema's defaults),
+    then ``overrides`` (e.g. ``total_steps``)."""
+    from verl_lite.config.schema import MegatronConfig, OptimConfig as OptimSection
+    from verl_lite.engine.config import OptimConfig
+
+    o = optim if optim is not None else OptimSection()
+    m = megatron if megatron is not None else MegatronConfig()
+    fields = {k: getattr(o, k) for k in vars(o)}
+    fields.update(betas=tuple(o.betas), use_distributed_optimizer=m.use_distributed_optimizer)
+    return OptimConfig(**{**fields, **overrides})
+
+
+def engine_config(model_path: str, parallel=None, optim=None, **overrides):
+    """``engine.EngineConfig`` for ``model_path`` with the schema's defaults (layout, optimizer, seed,
+    dtype, per-token loss) for everything ``parallel``, ``optim`` and ``overrides`` do not give."""
+    from verl_lite.config.schema import MegatronConfig, TrainerConfig
+    from verl_lite.engine.config import EngineConfig
+
+    m = MegatronConfig()
+    fields = dict(seed=TrainerConfig().seed, params_dtype=m.dtype, calculate_per_token_loss=m.calculate_per_token_loss)
+    forward_only = overrides.get("forward_only", False)
+    return EngineConfig(model_path, parallel if parallel is not None else parallel_config(),
+                        optim if optim is not None or forward_only else optim_config(), **{**fields, **overrides})
