@@ -53,13 +53,12 @@ from pathlib import Path
 import psutil
 import ray
 
+from verl_lite.compat import ray_local
 from verl_lite.errors import RayStartError
 from verl_lite.utils.processes import kill_and_wait
 
 RAY_START_ATTEMPTS = 3
 LOCAL_SYSTEM_CONFIG = {"worker_niceness": 0, "enable_worker_prestart": False, "prestart_worker_first_driver": False}
-# head processes a local run does not use (see the module docstring); absent hooks are left alone
-LOCAL_SKIPPED_HEAD_PROCESSES = ("start_api_server", "start_monitor")
 _LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 SESSION_MARKER_ENV = "VERL_LITE_RAY_SESSION"  # carried by every process of the local Ray this process started
 REAPER = Path(__file__).with_name("ray_reaper.py")
@@ -108,37 +107,22 @@ def _quiet() -> dict:
     return dict(logging_level=logging.WARNING, log_to_driver=True, configure_logging=True)
 
 
-def _skip_head_process(self, *args, **kwargs) -> None:
-    """Stands in for a ``ray._private.node.Node.start_*`` head process the local run does not need."""
-    return None
-
-
 def _init_local(num_cpus: int | None, num_gpus: int | None, marker: str) -> None:
-    from ray._private import node as ray_node
-    from ray._private import ray_constants
-
-    saved_env, saved_flag = os.environ.get(_LOOPBACK_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    saved_env = os.environ.get(_LOOPBACK_ENV)
     os.environ[_LOOPBACK_ENV] = "0"  # inherited by every process Ray spawns now
     os.environ[SESSION_MARKER_ENV] = marker  # likewise: the reaper finds this session's processes by it
-    ray_constants.ENABLE_RAY_CLUSTER = False  # this process read the variable at import time
-    skipped = {name: getattr(ray_node.Node, name) for name in LOCAL_SKIPPED_HEAD_PROCESSES
-               if callable(getattr(ray_node.Node, name, None))}
-    for name in skipped:
-        setattr(ray_node.Node, name, _skip_head_process)
     try:
-        ray.init(
-            address="local",
-            include_dashboard=False,
-            num_cpus=num_cpus if num_cpus is not None else (os.cpu_count() or 1),
-            num_gpus=num_gpus,
-            _node_ip_address="127.0.0.1",
-            _system_config=dict(LOCAL_SYSTEM_CONFIG),
-            **_quiet(),
-        )
+        with ray_local.local_head_hooks():  # this process read the loopback switch at import time
+            ray.init(
+                address="local",
+                include_dashboard=False,
+                num_cpus=num_cpus if num_cpus is not None else (os.cpu_count() or 1),
+                num_gpus=num_gpus,
+                _node_ip_address="127.0.0.1",
+                _system_config=dict(LOCAL_SYSTEM_CONFIG),
+                **_quiet(),
+            )
     finally:
-        for name, method in skipped.items():
-            setattr(ray_node.Node, name, method)
-        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
         os.environ.pop(SESSION_MARKER_ENV, None)
         if saved_env is None:
             os.environ.pop(_LOOPBACK_ENV, None)
@@ -164,7 +148,7 @@ def start_ray(num_cpus: int | None = None, num_gpus: int | None = None, attempts
                 ray.init(address=address, **_quiet())
             else:
                 _init_local(num_cpus, num_gpus, _start_reaper())
-                _session_dir = ray._private.worker._global_node.get_session_dir_path()
+                _session_dir = ray_local.session_dir()
                 _tell_reaper(f"session {_session_dir}")
             last = None
             break
@@ -193,19 +177,15 @@ def start_ray(num_cpus: int | None = None, num_gpus: int | None = None, attempts
 
 def _ray_process_tree() -> list[psutil.Process]:
     """The processes the local Ray node of this process started, and their descendants (by pid)."""
-    node = getattr(ray._private.worker, "_global_node", None)
     procs: dict[int, psutil.Process] = {}
-    if node is None:
-        return []
-    for infos in getattr(node, "all_processes", {}).values():
-        for info in infos:
-            try:
-                p = psutil.Process(info.process.pid)
-                procs[p.pid] = p
-                for c in p.children(recursive=True):
-                    procs[c.pid] = c
-            except (psutil.Error, AttributeError):
-                pass
+    for pid in ray_local.node_process_pids():
+        try:
+            p = psutil.Process(pid)
+            procs[p.pid] = p
+            for c in p.children(recursive=True):
+                procs[c.pid] = c
+        except psutil.Error:
+            pass
     return list(procs.values())
 
 

@@ -36,7 +36,6 @@ import threading
 import traceback
 from pathlib import Path
 
-from verl_lite.config import ConfigError, load_config
 from verl_lite.errors import RunInterrupted, describe
 from verl_lite.trainer.stop_signals import SIGNALS, STOP_GRACE_S  # noqa: F401 (STOP_GRACE_S: part of the CLI's API)
 
@@ -53,6 +52,7 @@ class RunState:
 
 def run(overrides: list[str], state: RunState | None = None) -> dict:
     """Train with the given overrides; returns the summary dict (raises on any error)."""
+    from verl_lite.config import load_config  # inside: an incompatible library is reported like any error
     from verl_lite.config.preflight import check_model_files
     from verl_lite.trainer.ppo_trainer import PPOTrainer
     from verl_lite.trainer.training_run import train_and_summarize
@@ -87,6 +87,8 @@ def resolve_recipe(name_or_path: str) -> Path:
     for candidate in candidates:
         if candidate.is_file():
             return candidate
+    from verl_lite.config import ConfigError
+
     shipped = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
     raise ConfigError([f"--recipe {name_or_path}: no such file, and no shipped recipe of that name; give a YAML "
                        f"path or one of {shipped}"])
@@ -100,6 +102,8 @@ def expand_recipes(argv: list[str]) -> list[str]:
         a = argv[i]
         if a == "--recipe":
             if i + 1 >= len(argv):
+                from verl_lite.config import ConfigError
+
                 raise ConfigError(["--recipe needs a file path"])
             out.append(f"--recipe={resolve_recipe(argv[i + 1])}")
             i += 2

@@ -1,0 +1,64 @@
+"""Ray 2.60 internals behind verl_lite's minimal, loopback-only local Ray (``controller/local_ray.py``).
+
+- :func:`local_head_hooks`: while a local head starts, Ray's "single machine" flag
+  (``ray_constants.ENABLE_RAY_CLUSTER``, read once at import) is off, so the node address stays
+  127.0.0.1, and ``Node.start_api_server`` / ``Node.start_monitor`` (the API server and the
+  autoscaler monitor, unused by a fixed one-node local run) start nothing;
+- :func:`session_dir` / :func:`node_process_pids`: the session directory and the processes of the
+  node this process started (``ray._private.worker._global_node``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import ray
+
+from verl_lite.compat import require
+
+require("ray", "verl_lite.compat.ray_local")
+
+SKIPPED_HEAD_PROCESSES = ("start_api_server", "start_monitor")
+
+
+def _skip_head_process(self, *args, **kwargs) -> None:
+    """Stands in for a ``ray._private.node.Node.start_*`` head process the local run does not need."""
+    return None
+
+
+@contextlib.contextmanager
+def local_head_hooks():
+    """Within the block a local ``ray.init`` keeps 127.0.0.1 and skips the unused head processes."""
+    from ray._private import node as ray_node
+    from ray._private import ray_constants
+
+    saved_flag = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    skipped = {name: getattr(ray_node.Node, name) for name in SKIPPED_HEAD_PROCESSES}
+    for name in skipped:
+        setattr(ray_node.Node, name, _skip_head_process)
+    try:
+        yield
+    finally:
+        for name, method in skipped.items():
+            setattr(ray_node.Node, name, method)
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+
+
+def _global_node():
+    return getattr(ray._private.worker, "_global_node", None)
+
+
+def session_dir() -> str | None:
+    """The session directory of the Ray node this process started or joined (None without one)."""
+    node = _global_node()
+    return None if node is None else node.get_session_dir_path()
+
+
+def node_process_pids() -> list[int]:
+    """Pids of the processes the Ray node of this process started (GCS, raylet, agents, ...)."""
+    node = _global_node()
+    if node is None:
+        return []
+    return [info.process.pid for infos in getattr(node, "all_processes", {}).values() for info in infos
+            if getattr(info, "process", None) is not None]
