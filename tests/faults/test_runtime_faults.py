@@ -149,6 +149,17 @@ def test_default_job_listens_on_loopback_only(finished_run):
     assert run.leftover() == []
 
 
+LIBRARY_NOISE = ("Warning", "Transformer Engine", "Apex", "authentication_token_setup", "Token authentication")
+
+
+def test_default_job_console_has_no_library_noise(finished_run):
+    """Megatron's import warnings (driver and workers) and Ray's token-auth notice are hidden by default
+    (verl_lite/utils/quiet.py); --debug brings them back (tests/trainer/test_console_quiet.py)."""
+    _, _, run = finished_run
+    noisy = [line for line in (run.out + run.err).splitlines() if any(w in line for w in LIBRARY_NOISE)]
+    assert noisy == [], "\n".join(noisy)
+
+
 def test_failing_rerun_keeps_the_finished_run(finished_run, tiny_assets, tmp_path, capsys):  # noqa: F811
     from verl_lite.trainer import main_ppo
 

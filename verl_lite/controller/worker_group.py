@@ -23,6 +23,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from verl_lite.controller.resource_pool import ResourcePool
 from verl_lite.utils.net import free_port
+from verl_lite.utils.quiet import worker_env
 
 
 def _strip_ansi(text: str) -> str:
@@ -100,7 +101,7 @@ class WorkerGroup:
             # of one job take turns, so each may use the cores its peers leave)
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size))),
             # quiet workers: library warnings and progress bars once per process add nothing
-            "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore"),
+            **worker_env(),  # PYTHONWARNINGS, VLLM_LOGGING_LEVEL; all shown with --debug
             "TRANSFORMERS_VERBOSITY": os.environ.get("TRANSFORMERS_VERBOSITY", "error"),
             "HF_HUB_DISABLE_PROGRESS_BARS": "1",
             "TQDM_DISABLE": "1",

@@ -42,6 +42,7 @@ from typing import Iterable
 import torch
 
 from verl_lite.compat.cpu_adapter import suspended
+from verl_lite.utils.quiet import quiet_vllm
 
 VLLM_INSTALL_HINT = (
     "install vLLM into the environment that runs verl_lite: on a CUDA machine `pip install vllm`; "
@@ -113,10 +114,12 @@ class VLLMRollout:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if not _on_cuda():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        quiet_vllm()  # its log level, read at import
         try:
             from vllm import LLM
         except ImportError as e:
             raise ImportError(f"rollout.name=vllm: the vllm package is not importable ({e}); {VLLM_INSTALL_HINT}") from e
+        quiet_vllm()  # its handlers exist now
 
         self.free_cache_engine = bool(free_cache_engine)
         self.llm = LLM(

@@ -20,7 +20,8 @@ recipe can be named from any directory: ``--recipe gspo``.
 
 Failures end as one readable block on stderr (what failed, the key or file/row, the fix) with
 exit code 2 for bad input (config, data, output dir) and 1 for runtime failures; ``--debug`` or
-``VERL_LITE_DEBUG=1`` also prints the traceback. SIGINT / SIGTERM stop the run within a few
+``VERL_LITE_DEBUG=1`` also prints the traceback and the libraries' warnings and logging (hidden by
+default: verl_lite/utils/quiet.py). SIGINT / SIGTERM stop the run within a few
 seconds (the current metrics line is finished, every worker and the local Ray are stopped) and
 exit 130 / 143.
 
@@ -38,6 +39,7 @@ from pathlib import Path
 
 from verl_lite.errors import RunInterrupted, describe
 from verl_lite.trainer.stop_signals import SIGNALS, STOP_GRACE_S  # noqa: F401 (STOP_GRACE_S: part of the CLI's API)
+from verl_lite.utils.quiet import quiet_process
 
 DEBUG_ENV = "VERL_LITE_DEBUG"
 
@@ -144,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
+    quiet_process(debug)  # library warnings / notices: hidden unless debugging (driver and workers)
     state = RunState()
     in_main_thread = threading.current_thread() is threading.main_thread()
     if in_main_thread:
