@@ -14,6 +14,8 @@ engine's and workers' config classes state no default of their own for a config 
 
 from __future__ import annotations
 
+import dataclasses
+
 from verl_lite.workers.actor_rollout_ref import WorkerConfig
 from verl_lite.workers.engine_worker import EngineWorkerConfig
 
@@ -38,14 +40,7 @@ def engine_worker_fields(model, megatron, optim, total_steps: int, seed: int) ->
     """The ``EngineWorkerConfig`` fields of one role from its ``model``, ``megatron`` and ``optim`` sections."""
     return dict(
         model_path=model.path,
-        tp=megatron.tensor_model_parallel_size,
-        pp=megatron.pipeline_model_parallel_size,
-        vpp=megatron.virtual_pipeline_model_parallel_size,
-        cp=megatron.context_parallel_size,
-        sequence_parallel=megatron.sequence_parallel,
-        ep=megatron.expert_model_parallel_size,
-        etp=megatron.expert_tensor_parallel_size,
-        timeout_s=megatron.timeout_s,
+        **dataclasses.asdict(parallel_config(megatron)),  # tp, pp, vpp, cp, sequence_parallel, ep, etp, timeout_s
         optim={**{k: getattr(optim, k) for k in vars(optim)}, "betas": tuple(optim.betas),
                "total_steps": max(1, total_steps)},
         calculate_per_token_loss=megatron.calculate_per_token_loss,
