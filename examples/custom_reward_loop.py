@@ -24,7 +24,8 @@ def make_rows(n: int, seed: int) -> list[dict]:
     rows = []
     for _ in range(n):
         a, b = rng.randint(10, 99), rng.randint(10, 99)
-        rows.append({"prompt": f"{a}+{b}=", "ground_truth": str(a + b), "data_source": "synthetic/addition"})
+        rows.append({"prompt": [{"role": "user", "content": f"{a}+{b}="}], "ground_truth": str(a + b),
+                     "data_source": "synthetic/addition"})
     return rows
 
 

@@ -35,6 +35,58 @@ class BadInput(UserError):
     exit_code = EXIT_BAD_INPUT
 
 
+class ConfigError(ValueError):
+    """A bad config. `problems` lists every problem found, each naming the key and the fix."""
+
+    exit_code = EXIT_BAD_INPUT  # describe()
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"invalid config ({len(self.problems)} problem(s)):\n{lines}")
+
+
+class Problems:
+    """Pre-flight's collector, so one run reports every problem: ``check(fn, ...)`` runs one stage and
+    returns its result, or None when it failed on bad input (any error with exit code 2), keeping its
+    lines. A stage that fails otherwise after earlier problems were found is put down to them.
+    ``raise_if_any()`` raises the one error (as it was), or one ConfigError listing every line; a line
+    naming a key the user set through one of verl's aliases (``aliases``: key -> verl's key) names both."""
+
+    def __init__(self, lines=()):
+        self.lines, self.errors, self.aliases = list(lines), [], {}
+
+    def check(self, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - sorted below
+            if getattr(e, "exit_code", None) != EXIT_BAD_INPUT and not self.lines:
+                raise
+            if getattr(e, "exit_code", None) == EXIT_BAD_INPUT:
+                self.errors.append(e)
+                lines = getattr(e, "problems", None) or [f"{getattr(e, 'describe_prefix', '')}{e}"]
+                self.lines += [line for line in lines if line not in self.lines]
+            return None
+
+    def mentions(self, *keys: str) -> bool:
+        """Whether a problem found so far names one of ``keys`` (a later stage reading them is skipped)."""
+        return any(key in line for line in self.lines for key in keys)
+
+    def passes(self, fn, *args, **kwargs) -> bool:
+        """``check`` for a stage that returns nothing: whether it found no problem."""
+        before = len(self.lines)
+        self.check(fn, *args, **kwargs)
+        return len(self.lines) == before
+
+    def raise_if_any(self):
+        if len(self.errors) == 1 and len(self.lines) == len(getattr(self.errors[0], "problems", None) or [0]):
+            # one stage's error alone: raised as it was (its own class and wording)
+            raise self.errors[0]
+        if self.lines:
+            raise ConfigError([line + "".join(f" (set as verl's '{verl}')" for key, verl in self.aliases.items()
+                                              if key in line and verl not in line) for line in self.lines])
+
+
 class RunFailure(UserError):
     """The run started and then failed (exit 1)."""
 

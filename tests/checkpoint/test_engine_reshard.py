@@ -1,8 +1,10 @@
 """Engine resharding (4 processes, one launch): a checkpoint written at TP2xPP2 with the distributed
 optimizer after one step loads at DP4, CP2xTP2 and PP2xVPP2: the weights read back are bit-identical
 to the saved ones, and one more identical step from the loaded state (model + Adam moments + step
-count + LR schedule) matches the saver's own next step within 1e-6 relative. Unsupported changes
-raise CheckpointLayoutError naming the change."""
+count + LR schedule) matches the saver's own next step within 1e-6 relative. The same holds for a LoRA
+checkpoint (adapters on every linear, their Adam moments; the frozen base): its factors and base read
+back bit-identical at each layout and the next step matches. Unsupported changes raise
+CheckpointLayoutError naming the change."""
 
 from __future__ import annotations
 
@@ -16,13 +18,16 @@ LOADS = [dict(), dict(tp=2, cp=2), dict(pp=2, vpp=2)]
 REL_TOL = 1e-6
 
 
-def _build(rank, world, par_kw, model, dist_opt=True, lr=1e-2, keep_schedule=False):
-    from verl_lite.workers.from_config import engine_config, optim_config, parallel_config
+def _build(rank, world, par_kw, model, dist_opt=True, lr=1e-2, keep_schedule=False, lora=False):
     from verl_lite.engine.engine import MegatronEngine
+    from verl_lite.engine.lora import LoraConfig
+    from verl_lite.workers.from_config import engine_config, optim_config, parallel_config
 
     par = parallel_config(**par_kw)
     use_layout(rank, world, par)
-    return MegatronEngine(engine_config(model_path=model, parallel=par, optim=optim_config(
+    adapters = LoraConfig(rank=4, alpha=8.0, dropout=0.0, target_modules=("all-linear",), exclude_modules=(),
+                          adapter_path=None) if lora else None
+    return MegatronEngine(engine_config(model_path=model, parallel=par, lora=adapters, optim=optim_config(
         lr=lr, use_distributed_optimizer=dist_opt, total_steps=10, lr_decay_style="linear",
         use_checkpoint_opt_param_scheduler=keep_schedule)))
 
@@ -47,7 +52,11 @@ def _step(engine):
 
 
 def _weights(engine):
-    return {k: v.clone() for k, v in engine.export_hf()}
+    """The full HF-named weights, and with LoRA also the PEFT-named factors."""
+    weights = {k: v.clone() for k, v in engine.export_hf()}
+    if engine.cfg.lora is not None:
+        weights.update({k: v.clone() for k, v in engine.export_adapter().items()})
+    return weights
 
 
 def _rel(a, b):
@@ -58,22 +67,26 @@ def _rel(a, b):
 def _worker(rank, world, model, other_model, directory):
     from verl_lite.engine.checkpoint import CheckpointLayoutError
 
-    e = _build(rank, world, SAVE, model)
-    _step(e)
-    e.save_checkpoint(directory)
-    saved = _weights(e)
-    lr_saved = e.scheduler.get_lr({})
-    _step(e)
-    after = _weights(e)
     out = {"cases": []}
-    for kw in LOADS:
-        f = _build(rank, world, kw, model, lr=5.0, keep_schedule=True)  # another lr: the checkpoint's must win
-        f.load_checkpoint(directory)
-        loaded = _weights(f)
-        exact = all(torch.equal(loaded[k], saved[k]) for k in saved)
-        same_lr = f.scheduler.get_lr({}) == lr_saved
-        _step(f)
-        out["cases"].append({"layout": kw, "exact": exact, "same_lr": same_lr, "rel": _rel(after, _weights(f))})
+    for lora in (False, True):
+        where = f"{directory}/{'lora' if lora else 'full'}"
+        e = _build(rank, world, SAVE, model, lora=lora)
+        _step(e)
+        e.save_checkpoint(where)
+        saved = _weights(e)
+        lr_saved = e.scheduler.get_lr({})
+        _step(e)
+        after = _weights(e)
+        for kw in LOADS:
+            f = _build(rank, world, kw, model, lr=5.0, keep_schedule=True, lora=lora)  # the checkpoint's lr must win
+            f.load_checkpoint(where)
+            loaded = _weights(f)
+            exact = loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
+            same_lr = f.scheduler.get_lr({}) == lr_saved
+            _step(f)
+            out["cases"].append({"layout": kw, "lora": lora, "exact": exact, "same_lr": same_lr,
+                                 "rel": _rel(after, _weights(f)), "adapters": sum("lora_" in k for k in saved)})
+    directory = f"{directory}/full"
     own = _build(rank, world, {}, model, lr=5.0)  # verl's default: the saved step count, this engine's schedule
     out["own_schedule"] = own.load_checkpoint(directory)["lr_schedule"]
     errors = {}
@@ -102,9 +115,14 @@ def results(tmp_path_factory):
     return spawn_ranks(_worker, 4, str(model), str(other), str(root / "ckpt"), timeout_s=300)[0]
 
 
-@pytest.mark.parametrize("index", range(len(LOADS)), ids=[str(k) for k in LOADS])
+CASES = [(lora, kw) for lora in (False, True) for kw in LOADS]
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{'lora-' if lora else ''}{kw}" for lora, kw in CASES])
 def test_reshard_loads_exactly_and_continues(results, index):
     case = results["cases"][index]
+    assert (case["lora"], case["layout"]) == CASES[index]
+    assert case["adapters"] == (2 * 7 * 4 if case["lora"] else 0)  # A and B of 7 projections in 4 layers
     assert case["exact"], f"weights read back at {case['layout']} differ from the saved ones"
     assert case["same_lr"], "the LR schedule did not come from the checkpoint"
     assert case["rel"] <= REL_TOL, case

@@ -69,13 +69,17 @@ def test_hf_export_loads_and_matches_engine(straight_run, tiny_assets):
 
 def test_export_command_after_the_fact(straight_run, tmp_path):
     out = tmp_path / "exported"
+    # a directory that is no checkpoint: refused (started first, it runs beside the export below)
+    bad = subprocess.Popen([sys.executable, "-m", "verl_lite.trainer.export", str(tmp_path)], cwd=REPO,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     res = subprocess.run([sys.executable, "-m", "verl_lite.trainer.export", str(straight_run["ckpt"]), "--out", str(out)],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    _, bad_err = bad.communicate(timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
+    assert f"exported step 4 ({straight_run['ckpt'] / 'global_step_4'}, actor saved at tp=1 pp=1 vpp=1 cp=1 dp=2 ep=1)" in res.stdout
+    assert "model.safetensors" in res.stdout  # the layout it wrote: one unsharded HF directory
     got, ref = hf_weights(out), hf_weights(straight_run["ckpt"] / "global_step_4" / "huggingface")
     assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
     assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
 
-    bad = subprocess.run([sys.executable, "-m", "verl_lite.trainer.export", str(tmp_path)], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "neither a complete global_step_K checkpoint" in bad.stderr
+    assert bad.returncode == 2 and "neither a complete global_step_K checkpoint" in bad_err

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import psutil
@@ -45,6 +46,19 @@ def _stop(procs: list[psutil.Process]) -> None:
     kill_and_wait(procs, timeout_s=20)
 
 
+def _submit_when_the_job_agent_is_up(command: list[str], env: dict, cwd: str,
+                                     agent_wait_s: float = 90.0) -> subprocess.CompletedProcess:
+    """``ray start`` returns before the head's dashboard agent has registered; until it has, the
+    head answers a submission with "No available agent to submit job" (HTTP 500) and accepts
+    nothing, so resubmitting is safe. Bounded: after ``agent_wait_s`` the last answer is returned."""
+    deadline = time.monotonic() + agent_wait_s
+    while True:
+        res = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=cwd)
+        if "No available agent" not in res.stdout + res.stderr or time.monotonic() > deadline:
+            return res
+        time.sleep(1.0)
+
+
 @pytest.mark.skipif(shutil.which("ray", path=str(BIN)) is None, reason="the ray CLI is not installed next to python")
 def test_ray_job_submit_loopback_head(tiny_assets, tmp_path):
     home = Path(tempfile.mkdtemp(prefix="vlh", dir="/tmp"))  # short: Ray's socket paths live under it
@@ -56,7 +70,10 @@ def test_ray_job_submit_loopback_head(tiny_assets, tmp_path):
     try:
         subprocess.run([str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
                         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true",
-                        "--num-cpus=2", f"--temp-dir={temp}", "--disable-usage-stats"],
+                        "--num-cpus=2", f"--temp-dir={temp}", "--disable-usage-stats",
+                        # the job agent's HTTP port (default 52365) and the metrics port are fixed by default: with
+                        # another Ray on this machine (the suite's own) the agent cannot bind and never registers
+                        f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}"],
                        env=env, check=True, capture_output=True, text=True, timeout=120)
         started = _started_by(str(temp))
         workdir = tmp_path / "job"
@@ -67,9 +84,10 @@ def test_ray_job_submit_loopback_head(tiny_assets, tmp_path):
             "reward.custom_reward_function.path": "my_reward.py",  # relative: inside the uploaded working dir
             "trainer.total_training_steps": 3, "trainer.save_freq": 3, "trainer.n_gpus_per_node": 1,
             "trainer.logger": "[console,jsonl]"})
-        res = subprocess.run([str(BIN / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{dash}",
-                              "--working-dir", str(workdir), "--", "python", "-m", "verl_lite.trainer.main_ppo", *args],
-                             env=env, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+        res = _submit_when_the_job_agent_is_up(
+            [str(BIN / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{dash}",
+             "--working-dir", str(workdir), "--", "python", "-m", "verl_lite.trainer.main_ppo", *args],
+            env=env, cwd=str(tmp_path))
         log = res.stdout + res.stderr
         assert res.returncode == 0 and "succeeded" in log, log[-4000:]
         job_id = log.split("Job '", 1)[1].split("'", 1)[0]

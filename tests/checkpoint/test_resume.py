@@ -14,7 +14,6 @@ from tests.checkpoint.conftest import (
     hf_weights,
     metrics,
     overrides,
-    run_to_end,
     wait_for,
     without_timing,
 )
@@ -46,8 +45,18 @@ def test_kill_resume_is_exact_and_skips_half_written(straight_run, tiny_assets, 
     shutil.copytree(ckpt / "global_step_2", ckpt / "global_step_3")
     (ckpt / "global_step_3" / "complete").unlink()
 
-    text = run_to_end(overrides(tiny_assets, tmp_path, **{"trainer.output_dir": str(tmp_path / "out2")}),
-                      tmp_path / "resumed.log")
+    # the resume (auto: the newest complete checkpoint) and, at the same time (to save wall time), the same
+    # step-2 checkpoint resumed at another layout (TP2 instead of DP2) into a directory of its own
+    resume = Run(overrides(tiny_assets, tmp_path, **{"trainer.output_dir": str(tmp_path / "out2")}),
+                 tmp_path / "resumed.log")
+    other = tmp_path / "tp2"
+    tp2_run = Run(overrides(tiny_assets, other, **{
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": 2,
+        "trainer.resume_mode": "resume_path", "trainer.resume_from_path": str(ckpt / "global_step_2")}),
+        other / "resumed.log")
+    for run, rc in [(run, run.wait(400)) for run in (resume, tp2_run)]:
+        assert rc == 0, f"run failed:\n{run.text()[-4000:]}"
+    text = resume.text()
     assert "skipping" in text and "global_step_3: no 'complete' marker" in text, text[-3000:]
     assert ".tmp-global_step_4" in text and "a save that did not finish" in text
     assert f"resumed from {ckpt / 'global_step_2'} (step 2" in text
@@ -64,11 +73,7 @@ def test_kill_resume_is_exact_and_skips_half_written(straight_run, tiny_assets, 
         assert torch.equal(final[k], ref[k]), k
 
     # the same checkpoint resumed at another layout: TP2 instead of DP2
-    other = tmp_path / "tp2"
-    args = overrides(tiny_assets, other, **{
-        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": 2,
-        "trainer.resume_mode": "resume_path", "trainer.resume_from_path": str(ckpt / "global_step_2")})
-    text = run_to_end(args, other / "resumed.log")
+    text = tp2_run.text()
     assert "not restored: the layout differs" in text
     rows = metrics(other / "out")
     assert [r["step"] for r in rows] == [3, 4]

@@ -157,20 +157,39 @@ def test_export_refuses_every_form(straight_run, tmp_path, capsys):
         ckpt = _crafted_checkpoint(straight_run, tmp_path / form, form, marker)
         rc = main([str(ckpt), "--out", str(out)])
         _assert_export_refused(rc, capsys.readouterr().err, ckpt, out, marker, form)
-    for form in ("dotted_name", "text_global"):
+    from concurrent.futures import ThreadPoolExecutor
+
+    cli_forms = ("dotted_name", "text_global")
+    with ThreadPoolExecutor(max_workers=len(cli_forms)) as pool:  # both commands at once
+        results = pool.map(lambda f: export_cli(str(tmp_path / f / "global_step_2"), "--out",
+                                                str(tmp_path / f"cli_out_{f}")), cli_forms)
+    for form, res in zip(cli_forms, results):
         marker, out = tmp_path / f"marker_{form}", tmp_path / f"cli_out_{form}"
         ckpt = tmp_path / form / "global_step_2"
-        res = export_cli(str(ckpt), "--out", str(out))
         _assert_export_refused(res.returncode, res.stderr, ckpt, out, marker, form)
 
 
+@pytest.fixture(scope="module")
+def resumes(straight_run, tiny_assets, tmp_path_factory):
+    """The CLI resume from each RESUME_FORMS checkpoint, both at once (each stops at pre-flight: one Python
+    start-up, mostly one core's work); form -> (tmp dir, marker, checkpoint, exit code, output)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def launch(form):
+        tmp = tmp_path_factory.mktemp(f"resume_{form}")
+        marker = tmp / "marker"
+        ckpt = _crafted_checkpoint(straight_run, tmp / "ckpt", form, marker)
+        return (tmp, marker, ckpt, *run_refused(overrides(tiny_assets, tmp), tmp / "resume.log"))
+
+    with ThreadPoolExecutor(max_workers=len(RESUME_FORMS)) as pool:
+        return dict(zip(RESUME_FORMS, pool.map(launch, RESUME_FORMS)))
+
+
 @pytest.mark.parametrize("form", RESUME_FORMS)
-def test_resume_refuses_before_anything_runs(form, straight_run, tiny_assets, tmp_path):
+def test_resume_refuses_before_anything_runs(form, resumes):
     """A CLI resume from a crafted checkpoint stops with one message naming the index (exit 2) before Ray
     or any worker starts; no step runs, and the marker never appears."""
-    marker = tmp_path / "marker"
-    ckpt = _crafted_checkpoint(straight_run, tmp_path / "ckpt", form, marker)
-    rc, text = run_refused(overrides(tiny_assets, tmp_path), tmp_path / "resume.log")
+    tmp_path, marker, ckpt, rc, text = resumes[form]
     assert rc == 2, text[-3000:]
     assert f"verl_lite: {ckpt / 'actor' / 'dist' / '.metadata'}: checkpoint metadata refers to" in text, text[-3000:]
     assert "Traceback" not in text, text[-3000:]

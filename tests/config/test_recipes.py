@@ -37,3 +37,14 @@ def test_unknown_recipe_lists_the_shipped_ones(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="gspo") as info:
         resolve_recipe("nope")
     assert "no shipped recipe" in str(info.value)
+
+
+def test_a_wrong_type_in_a_recipe_file_is_one_line(tmp_path):
+    """A recipe value that does not fit the schema's type gets the override's one line (key, type, example),
+    prefixed by the file, instead of OmegaConf's traceback."""
+    own = tmp_path / "bad.yaml"
+    own.write_text("data:\n  train_batch_size: sixteen\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(expand_recipes([f"--recipe={own}"]))
+    assert info.value.problems == [f"--recipe {own}: data.train_batch_size=sixteen: expects an integer, "
+                                   "e.g. data.train_batch_size=16"]

@@ -1,7 +1,7 @@
 """Every accepted verl key keeps verl 0.9.1's default, or docs/config.md lists it with the reason.
 
 `verl_0_9_1_defaults.json` (next to this file) is DATA recorded once from the verl 0.9.1 wheel by
-`record_verl_0_9_1_defaults.py`. `verl_lite.config.docs.VERL_DEFAULTS` is the one list of the
+`record_verl_0_9_1_defaults.py`. `VERL_DEFAULTS` of scripts/config_docs.py is the one list of the
 deliberate differences (docs/config.md's "Defaults that differ from verl's" is rendered from it):
 each listed key really differs and states both defaults right; no unlisted key differs.
 """
@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from verl_lite.config.docs import VERL_DEFAULTS, verl_default_ours
+from tests.config.config_docs import docs
+
+VERL_DEFAULTS, verl_default_ours = docs.VERL_DEFAULTS, docs.verl_default_ours
 from verl_lite.config.loader import INHERITED
 from verl_lite.config.schema import PPOConfig
 from verl_lite.config.verl_keys import rule_for

@@ -84,8 +84,16 @@ EXPECTED = [
     (f"{M}.expert_model_parallel_size=1", "accepted"),
     (f"{REF}.megatron.tensor_model_parallel_size=1", "accepted"),
     (f"{REF}.megatron.tensor_model_parallel_size=2", "rejected"),  # the actor's is 1
-    ("actor_rollout_ref.model.lora.rank=64", "rejected"),
+    ("actor_rollout_ref.model.lora.rank=64", "accepted"),
     ("actor_rollout_ref.model.lora_rank=0", "accepted"),
+    ("actor_rollout_ref.model.lora_rank=8", "accepted"),
+    ("actor_rollout_ref.model.lora.rank=-1", "rejected"),
+    ("actor_rollout_ref.model.lora.type=dora", "rejected"),
+    ("actor_rollout_ref.model.lora.merge=False", "rejected"),
+    ("actor_rollout_ref.model.lora.dropout_position=post", "rejected"),
+    ("actor_rollout_ref.model.lora.lora_A_init_method=xavier", "rejected"),
+    ("actor_rollout_ref.model.lora.a2a_experimental=True", "rejected"),
+    ("critic.model.lora_rank=8", "accepted"),
     ("reward_model.enable=False", "accepted"),
     ("reward_model.enable=True", "rejected"),
     ("reward_model.reward_manager=dapo", "accepted"),
@@ -115,7 +123,8 @@ EXPECTED = [
     ("data.return_raw_chat=True", "accepted"),
     (f"{A}.optim.lr_warmup_steps_ratio=0.1", "rejected"),
     ("trainer.total_training_steps=null", "accepted"),
-    ("algorithm.rollout_correction.rollout_is_threshold=2.0", "rejected"),
+    ("algorithm.rollout_correction.rollout_is_threshold=2.0", "accepted"),
+    ("async_training.partial_rollout=true", "rejected"),
 ]
 
 
@@ -231,9 +240,9 @@ def test_gradient_checkpointing_and_transformer_overrides_reach_the_engine_confi
 
 
 def test_docs_config_md_is_generated_from_the_schema():
-    from verl_lite.config import docs
+    from tests.config.config_docs import docs
 
-    assert docs.DOC_PATH.read_text() == docs.render(), "docs/config.md is stale: run `python -m verl_lite.config.docs`"
+    assert docs.DOC_PATH.read_text() == docs.render(), "docs/config.md is stale: run `python scripts/config_docs.py`"
 
 
 def test_vllm_engine_keys_reach_vllm():
@@ -257,4 +266,5 @@ def test_vllm_engine_keys_reach_vllm():
     path = cfg.actor_rollout_ref.model.path
     rollout = make_rollout("vllm", path, AutoTokenizer.from_pretrained(path), **kw)
     sched = rollout.llm.llm_engine.vllm_config.scheduler_config
+    rollout.close()  # one vLLM engine per process at a time (VLLMRollout)
     assert (sched.enable_chunked_prefill, sched.max_num_batched_tokens, sched.max_num_seqs) == (False, 512, 7)

@@ -89,9 +89,10 @@ def test_overlong_filter_and_truncation(tmp_path, tok, capsys):
     "rows,match",
     [
         ([{"data_source": "s", "reward_model": {"ground_truth": "1"}}], r"missing column\(s\) \['prompt'\]"),
-        ([{**_row("b"), "prompt": "just text"}], r"row 0: 'prompt' is a string"),
+        ([{**_row("b"), "prompt": "  "}], r"row 0: 'prompt' is empty"),
+        ([{**_row("b"), "prompt": 7}], r"row 0: 'prompt' must be plain text or a non-empty list of chat messages"),
         ([{**_row("a"), "prompt": [{"role": "user", "content": None}]}], r"row 0: message 0 of 'prompt'"),
-        ([_row("a"), {**_row("a"), "reward_model": {"ground_truth": None}}], r"row 1: 'reward_model' must be a dict"),
+        ([{**_row("a"), "reward_model": "x"}], r"row 0: 'reward_model' must be a dict"),
     ],
 )
 def test_bad_rows_name_file_and_row(tmp_path, tok, rows, match):

@@ -1,6 +1,6 @@
 """Tiny assets for the end-to-end runs: a random Qwen2 model with the char tokenizer, a small
 synthetic-addition split, and a dense reward (so GRPO/GSPO advantages are non-zero even for an
-untrained model). Ray is started once per session and shared by the runs."""
+untrained model). One local Ray is shared by the runs (`shared_ray`)."""
 
 import sys
 import tempfile
@@ -52,11 +52,13 @@ def tiny_overrides(assets, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
-@pytest.fixture(scope="session")
-def shared_ray():
+@pytest.fixture(scope="module")
+def shared_ray(request):
+    """One local Ray for the session's runs, stopped when the session ends. Module-scoped so that it is
+    started again (once) after a test of a Ray-free path (tests/faults, tests/trainer/test_failures,
+    tests/multinode) stopped it: otherwise every later trainer would start and stop a Ray of its own."""
     from verl_lite.controller import start_ray, stop_ray
 
-    started = start_ray(num_cpus=2)
+    if start_ray(num_cpus=2):
+        request.config.add_cleanup(stop_ray)  # idempotent: a no-op when a test stopped it already
     yield
-    if started:
-        stop_ray()

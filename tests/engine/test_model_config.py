@@ -23,9 +23,9 @@ def _hf(arch, **kw):
 @pytest.mark.parametrize(
     "kwargs,world,match",
     [
-        (dict(tp=2), 3, "not divisible by tp\\*pp\\*cp"),
-        (dict(vpp=2), 2, "needs pipeline parallelism"),
-        (dict(pp=2, vpp=1), 2, "integer >= 2"),
+        (dict(tp=2), 3, "the 3 processes must divide by tp\\*pp\\*cp = 2\\*1\\*1"),  # engine/rules.layout_problems
+        (dict(vpp=2), 2, "parallel.vpp=2 needs pp > 1"),
+        (dict(pp=2, vpp=1), 2, "parallel.vpp=1 must be >= 2"),
         (dict(sequence_parallel=True), 1, "needs tp > 1"),
         (dict(timeout_s=0), 1, "timeout_s"),
         (dict(cp=0), 1, "parallel.cp"),

@@ -23,7 +23,7 @@ vocabulary TP4 does not divide, and TP2 x PP2 with padding and tied embeddings o
 One multi-process launch per rank count runs every config and layout.
 
 The cut (memory and time: 2-4 ranks on a shared 2-core, 24 GB machine each hold an HF model, its
-float64 copy and their shards): ``num_hidden_layers = 2`` (one per PP2 stage); where
+float64 copy of the decoder layers and their shards): ``num_hidden_layers = 2`` (one per PP2 stage); where
 ``hidden_size > 1024``: ``hidden_size = 512``, ``intermediate_size = 1024``. Never cut: the
 vocabulary, num heads, KV heads, head_dim (pinned to the real value, so q/k/v keep the real head
 layout and GQA ratio), tied/untied embeddings, RoPE (theta, Llama-3 scaling), RMS eps, q/k/v bias,
@@ -111,6 +111,12 @@ def _reference(hf, seqs, odd_vocab, rank, world):
     for the config's vocabulary (all ``seqs``) and for ``odd_vocab`` (``seqs[:ODD_SEQS]``). Each rank
     computes its share of the sequences; the results are all-gathered.
 
+    float64 is what HF's ``ForCausalLM.forward`` computes, ``lm_head(model(ids).last_hidden_state)``,
+    on a float64 copy of the model, without a float64 copy of the vocabulary tensors (2 x 152k rows
+    on every rank, most of the launch's time): ``model`` (decoder layers, norm, RoPE) is copied to
+    float64 and fed the ids' embedding rows (``inputs_embeds``: a row lookup, exact in float64); the
+    LM head (bias-free) is the float64 product with ``lm_head.weight``, one block of rows at a time.
+
     The padded variant's reference is the same forward with the logits cut to the first ``odd_vocab``
     columns: the HF model with ``vocab_size = odd_vocab`` holds the first ``odd_vocab`` rows of the
     embedding and LM head (``_odd_state_dict``), and a sequence of ids < ``odd_vocab`` reads no other
@@ -120,17 +126,20 @@ def _reference(hf, seqs, odd_vocab, rank, world):
     import torch.distributed as dist
 
     V = hf.config.vocab_size
-    hf64 = copy.deepcopy(hf).double()
+    embed, head = hf.model.embed_tokens.weight, hf.lm_head.weight
+    assert hf.lm_head.bias is None
+    body64 = copy.deepcopy(hf.model, memo={id(embed): None}).double()  # every tensor but the embedding
+    share = [i for i in range(len(seqs)) if i % world == rank]
     mine = {}
     with torch.no_grad():
-        for i, s in enumerate(seqs):
-            if i % world != rank:
-                continue
-            logits = hf64(s[None]).logits[0]
+        h = torch.cat([body64(inputs_embeds=embed[seqs[i]].double()[None]).last_hidden_state[0] for i in share])
+        logits_all = torch.cat([h @ rows.double().T for rows in head.split(16384)], dim=1)
+        for i, logits in zip(share, logits_all.split([len(seqs[i]) for i in share])):
+            s = seqs[i]
             for vocab in (V, odd_vocab) if i < ODD_SEQS else (V,):
                 lsm = logits[:, :vocab].log_softmax(-1)
                 mine[(vocab, i)] = (lsm[:-1].gather(-1, s[1:, None])[:, 0], -(lsm.exp() * lsm).sum(-1))
-    del hf64
+    del body64, logits_all
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
     out = {k: v for d in gathered for k, v in d.items()}
@@ -141,9 +150,10 @@ def _reference(hf, seqs, odd_vocab, rank, world):
 
 
 def _odd_state_dict(sd: dict, odd_vocab: int) -> dict:
-    """The checkpoint of the same model with its vocabulary cut to the first ``odd_vocab`` tokens."""
+    """The checkpoint of the same model with its vocabulary cut to the first ``odd_vocab`` tokens
+    (views of ``sd``'s rows: loading copies them, nothing writes to them)."""
     vocab_tensors = ("model.embed_tokens.weight", "lm_head.weight")
-    return {k: (v[:odd_vocab].clone() if k in vocab_tensors else v) for k, v in sd.items()}
+    return {k: (v[:odd_vocab] if k in vocab_tensors else v) for k, v in sd.items()}
 
 
 def _padded_vocab_params(chunks):
@@ -209,8 +219,16 @@ def _check(rank, world, parallel, cfg, sd, seqs, ref, poison_padding):
                 (unmasked[w[:-1]].double() - ref[0][i]).abs().max().item() for i, w in enumerate(where) if len(w) > 1
             )
     del chunks
-    gc.collect()
+    _collect_garbage()
     return r
+
+
+def _collect_garbage():
+    """Free the dropped models (module graphs may hold reference cycles), then freeze what is left
+    (the imported libraries' millions of objects), so the next collection scans only the new ones
+    (a full one takes ~0.4 s)."""
+    gc.collect()
+    gc.freeze()
 
 
 def _run(rank, world, plan):
@@ -238,7 +256,7 @@ def _run(rank, world, plan):
             parallel = parallel_config(timeout_s=300.0, **kw)
             out[(name, c.vocab_size, layout)] = _check(rank, world, parallel, c, c_sd, c_seqs, c_ref, poison)
         del sd, cases
-        gc.collect()
+        _collect_garbage()
         if rank == 0:
             print(f"{name}: {time.time() - t0:.1f}s", flush=True)
     return out

@@ -45,7 +45,7 @@ def bad_files(tiny_assets, tmp_path_factory):  # noqa: F811
     (root / "corrupt.parquet").write_bytes(b"PAR1 this is not a parquet file at all")
     f["corrupt"] = str(root / "corrupt.parquet")
     f["string_prompt"] = write_parquet(root / "string_prompt.parquet",
-                                       [{**_row(), "prompt": "1+2="}])
+                                       [{**_row(), "prompt": "   "}])
     f["no_truth"] = write_parquet(root / "no_truth.parquet", [{**_row(), "reward_model": {"style": "rule"}}])
     f["empty_prompt"] = write_parquet(root / "empty_prompt.parquet", [_row(), _row(content="   ")])
     f["bad_message"] = write_parquet(root / "bad_message.parquet", [{**_row(), "prompt": [{"role": "user"}]}])

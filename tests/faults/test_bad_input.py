@@ -56,7 +56,9 @@ CASES = [
     # ---- keys and values the schema rejects
     ("typo_key", {f"{A}.ppo_mini_bach_size": 2}, r"unknown config key '[^']*ppo_mini_bach_size'", r"did you mean '[^']*ppo_mini_batch_size'"),
     ("added_key", {"+trainer.learning_rate": 1}, r"trainer\.learning_rate", r"did you mean|see docs/config\.md"),
-    ("wrong_type", {"data.train_batch_size": "many"}, r"data\.train_batch_size", r"many|int"),
+    ("wrong_type", {"data.train_batch_size": "many"}, r"data\.train_batch_size=many: expects an integer", r"e\.g\. data\.train_batch_size=\d+$"),
+    ("wrong_type_list", {f"{A}.optim.betas": 3}, r"optim\.betas=3: expects a list", r"e\.g\. .*optim\.betas=\[0\.9,0\.\d+\]$"),
+    ("unknown_section", {"critc.optim.lr": 1e-5}, r"unknown config key 'critc\.optim\.lr'", r"did you mean 'critic\.optim\.lr'"),
     ("unparsable", {"data.train_batch_size": "[1,"}, r"data\.train_batch_size|could not parse", r"parse|mismatched|no viable|extraneous"),
     # ---- sizes and layout
     ("zero_batch", {"data.train_batch_size": 0}, r"data\.train_batch_size=0", r"must be >= 1"),
@@ -113,8 +115,8 @@ CASES = [
     ("missing_column", lambda a, f: {"data.train_files": f["no_column"]}, r"no_column\.parquet: missing column\(s\) \['prompt'\]", r"set data\.prompt_key"),
     ("corrupt_parquet", lambda a, f: {"data.train_files": f["corrupt"]}, r"corrupt\.parquet: cannot be read as parquet", r"cannot be read"),
     ("empty_parquet", lambda a, f: {"data.val_files": f["empty_file"]}, r"empty\.parquet: cannot be read as parquet", r"cannot be read"),
-    ("string_prompt", lambda a, f: {"data.train_files": f["string_prompt"]}, r"string_prompt\.parquet row 0: 'prompt' is a string", r"must be a list of chat messages"),
-    ("no_ground_truth", lambda a, f: {"data.train_files": f["no_truth"]}, r"no_truth\.parquet row 0: 'reward_model'", r"must be a dict with a 'ground_truth'"),
+    ("blank_string_prompt", lambda a, f: {"data.train_files": f["string_prompt"]}, r"string_prompt\.parquet row 0: 'prompt' is empty", r"give the prompt text or drop the row"),
+    ("no_ground_truth", lambda a, f: {"data.train_files": f["no_truth"], "reward.custom_reward_function.path": "null"}, r"data\.train_files: 1 row\(s\) have no ground truth \(first: .*no_truth\.parquet row 0\) and the reward verl_lite\.reward\.default_compute_score needs one", r"give each row 'reward_model': \{'ground_truth': \.\.\.\} or a 'ground_truth' column"),
     ("empty_prompt", lambda a, f: {"data.val_files": f["empty_prompt"]}, r"empty_prompt\.parquet row 1: every message .* empty content", r"give the prompt text or drop the row"),
     ("bad_message", lambda a, f: {"data.train_files": f["bad_message"]}, r"bad_message\.parquet row 0: message 0", r"must be \{'role': str, 'content': str\}"),
     ("bad_data_source", lambda a, f: {"data.train_files": f["bad_source"]}, r"bad_source\.parquet row 0: 'data_source'", r"must be a string"),
@@ -187,13 +189,49 @@ def test_bad_input_is_rejected_before_start(case, tiny_assets, bad_files, tmp_pa
     assert not (tmp_path / "out").exists() or case[0].startswith("output_dir"), "a rejected run wrote an output dir"
 
 
+def test_every_problem_is_reported_in_one_run(tiny_assets, bad_files, tmp_path, capsys):  # noqa: F811
+    """A wrong type, an unknown key, a layout rule, a missing data file and a missing reward file: one block."""
+    from verl_lite.trainer import main_ppo
+
+    cases = ["wrong_type", "typo_key", "mini_not_dividing", "missing_train_file", "missing_reward_file"]
+    extra = {k: v for name in cases for k, v in next(c for c in CASES if c[0] == name)[1].items()}
+    code = main_ppo.main(tiny_overrides(tiny_assets, **extra, **{"trainer.output_dir": str(tmp_path / "out")}))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith(f"verl_lite: invalid config ({len(cases)} problem(s)):"), err
+    for name in cases:
+        _, _, key, fix = next(c for c in CASES if c[0] == name)
+        assert [ln for ln in err.splitlines() if re.search(key, ln) and re.search(fix, ln)], f"{name} missing:\n{err}"
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tiny_assets, bad_files, tmp_path_factory):  # noqa: F811
+    """The SUBPROCESS_CASES' CLI runs, three at a time (each is one Python start-up that stops at
+    pre-flight: mostly one core's import work, so two cores take about two at once); name -> CliRun."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def launch(name):
+        try:
+            case = next(c for c in CASES if c[0] == name)
+            run = CliRun(_args(case, tiny_assets, bad_files, tmp_path_factory.mktemp(name))).wait(timeout=120)
+            run.left = run.leftover(settle_s=2.0)  # as soon as it exited, as a run of its own is checked
+            return run
+        except BaseException as err:  # noqa: BLE001 - reported by that case's test
+            return err
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        return dict(zip(SUBPROCESS_CASES, pool.map(launch, SUBPROCESS_CASES)))
+
+
 @pytest.mark.parametrize("name", SUBPROCESS_CASES)
-def test_bad_input_through_the_real_cli(name, tiny_assets, bad_files, tmp_path):  # noqa: F811
+def test_bad_input_through_the_real_cli(name, cli_runs):
     case = next(c for c in CASES if c[0] == name)
-    run = CliRun(_args(case, tiny_assets, bad_files, tmp_path)).wait(timeout=120)
+    run = cli_runs[name]
+    if isinstance(run, BaseException):
+        raise run
     assert run.code == 2, f"exit {run.code}:\n{run.err}"
     _check_block(run.err, case[2], case[3])
     assert run.ended - run.started < 60
-    assert run.leftover(settle_s=2.0) == []
+    assert run.left == []
     others = {pid: cmd for pid, cmd in run.cmdlines.items() if pid != run.proc.pid and "sandbox_child.py" not in cmd}
     assert others == {}, f"processes other than the reward process were started: {others}"

@@ -4,8 +4,10 @@ and the role, exit 1, ``status: failed``, and nothing of the bad step written as
 no metrics line for it, no checkpoint after it, no exported policy. (A NaN / inf reward is refused
 earlier, naming the reward function: ``test_runtime_faults.py::test_reward_fault_stops_the_run``.)
 
-- actor: a learning rate that blows the weights up (lr 1e4): step 1 trains and is checkpointed
-  (``save_freq=1``), and the step-2 update's gradient norm is NaN.
+- actor: a learning rate that blows the weights up (lr 1e10: Adam moves each weight by ~lr, so step 2's
+  forward overflows float32 and its gradient norm is NaN on any machine; at lr 1e4 the softmax only
+  saturated, and whether that gave NaN or a zero gradient depended on the CPU): step 1 trains and is
+  checkpointed (``save_freq=1``), and the step-2 update's gradient norm is NaN.
 - critic: a reward on the wrong scale (1e30 per digit) under GAE: the value loss overflows to inf
   at step 1, before the actor is touched.
 """
@@ -24,7 +26,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 CASES = [
     # id, overrides, the step that fails, the message
-    ("actor_lr_blows_up", {"actor_rollout_ref.actor.optim.lr": 1e4, "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+    ("actor_lr_blows_up", {"actor_rollout_ref.actor.optim.lr": 1e10, "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
                            "trainer.total_training_steps": 3, "trainer.save_freq": 1}, 2,
      r"step 2: the actor's gradient norm is nan at its optimizer step 2 .*not finite; the run stopped there"),
     ("critic_loss_overflows", {"algorithm.adv_estimator": "gae", "trainer.total_training_steps": 1}, 1,

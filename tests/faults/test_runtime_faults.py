@@ -175,10 +175,11 @@ def test_failing_rerun_keeps_the_finished_run(finished_run, tiny_assets, tmp_pat
     _check_clean_exit(run, 1, r"reward function .*reward_raise\.py:compute_score raised ValueError: the grader "
                               r"crashed on sample 5")
     assert _digest(first) == before, "the failing rerun changed the finished run's results"
-    runs = sorted(p for p in out.iterdir() if p.is_dir() and not p.is_symlink())
-    assert len(runs) == 2 and (out / "latest").resolve() == runs[-1] != first
-    failed = json.loads((runs[-1] / "summary.json").read_text())
-    assert failed["status"] == "failed" and "the grader crashed" in (runs[-1] / "run.log").read_text()
+    runs = [p for p in out.iterdir() if p.is_dir() and not p.is_symlink()]
+    rerun = [p for p in runs if p != first]  # its name differs: the run name follows the data and the model
+    assert len(runs) == 2 and len(rerun) == 1 and (out / "latest").resolve() == rerun[0]
+    failed = json.loads((rerun[0] / "summary.json").read_text())
+    assert failed["status"] == "failed" and "the grader crashed" in (rerun[0] / "run.log").read_text()
 
 
 # ---------------------------------------------------------------- the reward fails mid-run

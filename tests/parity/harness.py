@@ -7,11 +7,16 @@ The reference (``reference_step``) computes, for one (policy loss, aggregation m
   min(1, clip / (|g| + 1e-6)), and the parameters after one AdamW step (decoupled weight decay,
   none on biases and 1-D parameters, as megatron's default param groups).
 
-A layout run (``run_layout``) spawns ``world`` processes; each builds the engine (once per
+A layout run (``run_layout``) is one job of the ``world``-process pool (``run_in_pool``: one launch per
+world size for the whole parity suite); each rank builds the engine (once per
 ``calculate_per_token_loss`` value), and for every cell resets the weights, plans micro-batches
 with ``controller.planning``, takes one ``train_step`` on its DP share, and exports
 ``main_grad`` and the parameters through the HF bridge. Rank 0 streams the comparison (global
 norm of the difference / global norm) and writes the numbers to JSON; the tests assert them.
+
+References are computed once per problem: one float64 forward serves every (loss, mode) of it
+(``policy_references``, ``critic_references``, ``lora_references``: each loss takes its gradient from
+the shared graph, and the AdamW step runs on copies of the parameters).
 """
 
 from __future__ import annotations
@@ -80,24 +85,42 @@ def all_cells() -> list[Cell]:
     return [Cell(lo, mo, pt, mb) for pt in (False, True) for lo in LOSSES for mo in MODES for mb in MB_SCHEMES]
 
 
+FULL_PRODUCT_LAYOUTS = ("single", "dp2")  # every (loss, mode, per-token, micro-batching) cell
+
+
+def rotate_micro_batching(cells: list[Cell], offset: int) -> list[Cell]:
+    """One cell per (loss, mode, per-token) of ``cells``, its micro-batching rotated: the i-th combination
+    (in ``all_cells`` order) runs scheme (i + offset) mod 3. So a layout still runs every loss x mode x
+    per-token cell, and every mode with every scheme (its four (per-token, loss) combinations fall on
+    schemes m, m+2, m+1, m mod 3); layouts with other offsets run the other schemes of each combination."""
+    combos = list(dict.fromkeys((c.loss, c.mode, c.per_token) for c in cells))
+    return [Cell(loss, mode, pt, MB_SCHEMES[(i + offset) % len(MB_SCHEMES)]) for i, (loss, mode, pt) in enumerate(combos)]
+
+
 def cells_for(layout: str) -> list[Cell]:
     """The cells one launch of ``layout`` runs.
 
-    Every matrix layout runs the full product (losses x modes x per-token x micro-batching);
-    the two extra layouts (distributed optimizer, sequence parallelism) run a slice of it.
+    The single process and DP2 run the full product (losses x modes x per-token x micro-batching, and the
+    critic's); every other matrix layout runs each loss x mode x per-token cell once with micro-batching
+    rotated (``rotate_micro_batching``, offset = the layout's index), so each full-product cell runs in a
+    third of them. The two extra layouts (distributed optimizer, sequence parallelism) run a slice.
     """
     if layout == "dp2_distopt":
         cells = [c for c in all_cells() if c.mb == "three" and c.mode in ("token-mean", "seq-mean-token-mean")]
     elif layout == "tp2_sp":
         cells = [c for c in all_cells() if c.mb == "budget" and c.mode in ("token-mean", "seq-mean-token-sum-norm")]
-    else:
+    elif layout in FULL_PRODUCT_LAYOUTS:
         cells = all_cells() + critic_cells()  # the critic's value loss: the same full product
-    return cells
+    else:
+        offset = list(LAYOUTS).index(layout)
+        cells = rotate_micro_batching(all_cells(), offset) + rotate_micro_batching(critic_cells(), offset)
+    return cells + lora_cells()
 
 
 # ---------------------------------------------------------------------------------- problem
 def make_problem(root: Path) -> Path:
-    """Tiny Qwen2 (q/k/v bias, untied) + a ragged batch with one fully masked trajectory."""
+    """Tiny Qwen2 (q/k/v bias, untied) + a ragged batch with one fully masked trajectory and multi-turn
+    trajectories (several model segments of different lengths, environment tokens between them)."""
     from verl_lite.utils.tiny_model import make_tiny_hf_model
 
     model_dir = make_tiny_hf_model(
@@ -118,6 +141,12 @@ def make_problem(root: Path) -> Path:
     mask[3, :] = 0.0  # fully masked trajectory
     mask[4, 8:] = 0.0  # a truncated tail inside the response
     mask[9, 2] = 0.0  # a hole
+    # multi-turn trajectories: model segments (1) between environment tokens (0: tool responses, user turns)
+    mask[0, 4:6] = 0.0  # 4 model tokens, then a tool response ends it (turn limit)
+    mask[2, 3:5] = mask[2, 7] = 0.0  # 3 model segments (3, 2, 1 tokens), holes of 2 and 1
+    mask[4, 4:6] = 0.0  # 2 model segments (4, 2) then the truncated tail
+    mask[6, 2:5] = 0.0  # 2 model segments (2, 2), a hole of 3
+    mask[9, 5:7] = 0.0  # with the hole above: 3 model segments (2, 2, 1)
     prob = {
         "model_dir": str(model_dir),
         "ids": ids,
@@ -142,12 +171,16 @@ def _hf_model(model_dir: str):
     return model
 
 
-def reference_outputs(model, prob, temperature=TEMPERATURE):
-    """float64 log-probs and entropy [n, W] of the responses, one sequence at a time (no padding)."""
+def reference_outputs(model, prob, temperature=TEMPERATURE, outputs: list | None = None, **model_kwargs):
+    """float64 log-probs and entropy [n, W] of the responses, one sequence at a time (no padding).
+    ``outputs``: a list that receives each sequence's model output (e.g. its router logits)."""
     width = prob["mask"].shape[1]
     logps, ents = [], []
     for ids, r in zip(prob["ids"], prob["resp_lens"].tolist()):
-        logits = model(ids.unsqueeze(0)).logits[0] / temperature
+        out = model(ids.unsqueeze(0), **model_kwargs)
+        if outputs is not None:
+            outputs.append(out)
+        logits = out.logits[0] / temperature
         n = ids.numel()
         lp_all = torch.log_softmax(logits, -1)
         scored = lp_all[n - r - 1 : n - 1]
@@ -173,6 +206,15 @@ def loss_cfg(loss: str, mode: str):
 
 
 def reference_step(prob, loss: str, mode: str, old_lp: torch.Tensor) -> dict:
+    """One (policy loss, mode)'s reference (its own forward; :func:`policy_references` shares one)."""
+    return policy_references(prob, [(loss, mode)], old_lp=old_lp)[1][(loss, mode)]
+
+
+def policy_references(prob, specs, old_lp: torch.Tensor | None = None, noise: torch.Tensor | None = None):
+    """(old log-probs, {(loss, mode): reference step}) from ONE float64 forward of the HF model: the loss of
+    each spec is a function of the same log-probs / entropy, so each takes its gradient from the shared
+    graph. ``old_lp`` None: the behaviour log-probs are this forward's plus ``noise`` (default prob["noise"]),
+    masked, as :func:`old_log_probs`."""
     from verl_lite.algorithms.aggregation import NormalizationPlan
     from verl_lite.algorithms.objective import actor_loss
 
@@ -180,37 +222,46 @@ def reference_step(prob, loss: str, mode: str, old_lp: torch.Tensor) -> dict:
     params = dict(model.named_parameters())
     lp, ent = reference_outputs(model, prob)
     mask = prob["mask"].double()
+    if old_lp is None:
+        old_lp = (lp.detach() + (prob["noise"] if noise is None else noise).double()) * (prob["mask"] != 0)
     data = {"response_mask": mask, "old_log_probs": old_lp.double(), "advantages": prob["advantages"].double()}
-    plan = NormalizationPlan.from_mask(mask, mode)
-    L, _ = actor_loss({"log_probs": lp, "entropy": ent}, data, plan, loss_cfg(loss, mode))
-    return {**reference_update(params, L), "log_probs": lp.detach(), "entropy": ent.detach()}
+    refs = {}
+    for k, (loss, mode) in enumerate(specs):
+        L, _ = actor_loss({"log_probs": lp, "entropy": ent}, data, NormalizationPlan.from_mask(mask, mode),
+                          loss_cfg(loss, mode))
+        refs[(loss, mode)] = {**reference_update(params, L, retain_graph=k + 1 < len(specs)),
+                              "log_probs": lp.detach(), "entropy": ent.detach()}
+    return old_lp, refs
 
 
-def reference_update(params: dict, L: torch.Tensor) -> dict:
-    """Backward L, clip the global grad norm as megatron does, take one AdamW step (float64).
+def reference_update(params: dict, L: torch.Tensor, retain_graph: bool = False) -> dict:
+    """dL/dparams, the global grad norm clipped as megatron clips it, one AdamW step (float64) on copies
+    of the parameters (the model is left as it is, so several losses can share its forward).
 
     Weight decay on matrices only (not biases / norms), as megatron's optimizer groups it."""
     o = optim_kwargs()
-    L.backward()
-    grads = {k: p.grad.detach().clone() for k, p in params.items()}
+    names = list(params)
+    grads = dict(zip(names, (g.detach() for g in torch.autograd.grad(L, [params[k] for k in names],
+                                                                     retain_graph=retain_graph))))
     norm = torch.sqrt(sum((g**2).sum() for g in grads.values()))
     coef = min(1.0, o["clip_grad"] / (float(norm) + 1e-6))
-    for p in params.values():
-        p.grad.mul_(coef)
-    decay = [p for k, p in params.items() if p.ndim > 1 and not k.endswith(".bias")]
-    no_decay = [p for k, p in params.items() if not (p.ndim > 1 and not k.endswith(".bias"))]
+    before = {k: p.detach().clone() for k, p in params.items()}
+    work = {k: torch.nn.Parameter(before[k].clone()) for k in names}
+    for k in names:
+        work[k].grad = grads[k] * coef
+    decay = [work[k] for k in names if work[k].ndim > 1 and not k.endswith(".bias")]
+    no_decay = [work[k] for k in names if not (work[k].ndim > 1 and not k.endswith(".bias"))]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": o["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
         lr=o["lr"], betas=o["betas"], eps=o["eps"],
     )
-    before = {k: p.detach().clone() for k, p in params.items()}
     opt.step()
     return {
         "loss": float(L.detach()),
         "grad_norm": float(norm),
         "grads_clipped": {k: g * coef for k, g in grads.items()},
         "params_before": before,
-        "params_after": {k: p.detach().clone() for k, p in params.items()},
+        "params_after": {k: p.detach().clone() for k, p in work.items()},
     }
 
 
@@ -236,6 +287,11 @@ def reference_values(model, score_w, prob):
 
 def critic_reference_step(prob, mode: str) -> dict:
     """Same as reference_step for the critic: clipped value loss through the plan."""
+    return critic_references(prob, [mode])[mode]
+
+
+def critic_references(prob, modes) -> dict:
+    """{mode: critic reference step} from one float64 forward (the values), as :func:`policy_references`."""
     from verl_lite.algorithms.aggregation import NormalizationPlan
     from verl_lite.algorithms.objective import critic_loss
 
@@ -246,22 +302,119 @@ def critic_reference_step(prob, mode: str) -> dict:
     values = reference_values(model, score, prob)
     mask = prob["mask"].double()
     data = {"response_mask": mask, "old_values": prob["old_values"].double(), "returns": prob["returns"].double()}
-    L, _ = critic_loss({"values": values}, data, NormalizationPlan.from_mask(mask, mode), CLIPRANGE_VALUE)
-    return {**reference_update(params, L), "values": values.detach()}
+    out = {}
+    for k, mode in enumerate(modes):
+        L, _ = critic_loss({"values": values}, data, NormalizationPlan.from_mask(mask, mode), CLIPRANGE_VALUE)
+        out[mode] = {**reference_update(params, L, retain_graph=k + 1 < len(modes)), "values": values.detach()}
+    return out
 
 
 def make_references(root: Path, problem_path: Path) -> Path:
+    """Every float64 reference of the dense matrix: one forward for the 2 x 5 policy cells (and the old
+    log-probs), one for the 5 critic modes, one for the LoRA modes."""
     prob = torch.load(problem_path)
-    old_lp = old_log_probs(prob)
-    refs = {"old_log_probs": old_lp}
-    for loss in LOSSES:
-        for mode in MODES:
-            refs[(loss, mode)] = reference_step(prob, loss, mode, old_lp)
-    for mode in MODES:
-        refs[("critic", mode)] = critic_reference_step(prob, mode)
+    old_lp, policy = policy_references(prob, [(loss, mode) for loss in LOSSES for mode in MODES])
+    refs = {"old_log_probs": old_lp, "lora_dir": str(make_lora_adapter(root, prob["model_dir"]))}
+    refs.update(lora_references(prob, refs["lora_dir"], sorted({c.mode for c in lora_cells()}), old_lp))
+    refs.update(policy)
+    refs.update({("critic", mode): ref for mode, ref in critic_references(prob, MODES).items()})
     path = root / "refs.pt"
     torch.save(refs, path)
     return path
+
+
+# ---------------------------------------------------------------------------------- LoRA
+# Adapters on every linear (q, k, v, o, gate, up, down), rank 4, alpha 8, factors drawn at random (B != 0,
+# so every A gets a gradient) and saved by peft; the reference is peft's LoRA on the HF model in float64.
+LORA_RANK, LORA_ALPHA = 4, 8.0
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_cells() -> list[Cell]:
+    """Two LoRA cells per layout (vanilla PPO): token-mean / 3 micro-batches, and per-token
+    seq-mean-token-mean / token budget."""
+    return [Cell("lora", "token-mean", False, "three"), Cell("lora", "seq-mean-token-mean", True, "budget")]
+
+
+def make_lora_adapter(root: Path, model_dir: str) -> Path:
+    """A PEFT adapter directory saved by peft itself, with random A and B (std 0.1, seeded)."""
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
+                                                    target_modules=list(LORA_TARGETS)))
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    out = root / "lora_adapter"
+    pm.save_pretrained(str(out))
+    return out
+
+
+def peft_model(model_dir: str, adapter_dir, dtype=torch.float64):
+    """HF model + the PEFT adapter (peft's own loading), adapters trainable, base frozen."""
+    import peft
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = peft.PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=True)
+    model.eval()
+    return model
+
+
+def lora_reference_step(prob, lora_dir, mode: str, old_lp: torch.Tensor) -> dict:
+    """``reference_step`` for the adapters: gradients and one AdamW step of the PEFT factors only
+    (named as peft saves them), the base frozen."""
+    return lora_references(prob, lora_dir, [mode], old_lp)[("lora", mode)]
+
+
+def lora_references(prob, lora_dir, modes, old_lp: torch.Tensor) -> dict:
+    """{("lora", mode): reference step} from one float64 forward of peft's model (vanilla PPO)."""
+    from verl_lite.algorithms.aggregation import NormalizationPlan
+    from verl_lite.algorithms.objective import actor_loss
+
+    model = peft_model(prob["model_dir"], lora_dir)
+    params = {k.replace(".default.weight", ".weight"): p for k, p in model.named_parameters() if p.requires_grad}
+    assert params and all("lora_" in k for k in params)
+    lp, ent = reference_outputs(model, prob)
+    mask = prob["mask"].double()
+    data = {"response_mask": mask, "old_log_probs": old_lp.double(), "advantages": prob["advantages"].double()}
+    out = {}
+    for k, mode in enumerate(modes):
+        L, _ = actor_loss({"log_probs": lp, "entropy": ent}, data, NormalizationPlan.from_mask(mask, mode),
+                          loss_cfg("vanilla", mode))
+        out[("lora", mode)] = {**reference_update(params, L, retain_graph=k + 1 < len(modes)), "log_probs": lp.detach()}
+    return out
+
+
+def lora_engine_config(prob, lora_dir, par, per_token: bool, distopt: bool):
+    from verl_lite.engine.lora import LoraConfig
+    from verl_lite.workers.from_config import engine_config, optim_config
+
+    lora = LoraConfig(rank=LORA_RANK, alpha=LORA_ALPHA, dropout=0.0, target_modules=LORA_TARGETS,
+                      exclude_modules=(), adapter_path=str(lora_dir))
+    return engine_config(model_path=prob["model_dir"], parallel=par, calculate_per_token_loss=per_token,
+                         optim=optim_config(**optim_kwargs(), use_distributed_optimizer=distopt), lora=lora)
+
+
+def base_gradient_report(engine) -> dict:
+    """What the frozen base holds after a step: parameters that train or carry a gradient (none
+    expected), and the adapter vs trainable element counts on this rank."""
+    from verl_lite.engine.lora import is_adapter_name
+    from verl_lite.engine.model import unwrap_model
+
+    with_grad, trainable, adapter = [], 0, 0
+    for chunk in engine.chunks:
+        for name, p in unwrap_model(chunk).named_parameters():
+            if is_adapter_name(name):
+                adapter += p.numel()
+            elif p.requires_grad or getattr(p, "main_grad", None) is not None or p.grad is not None:
+                with_grad.append(name)
+            trainable += p.numel() if p.requires_grad else 0
+    return {"base_with_grad": with_grad, "trainable": trainable, "adapter": adapter}
 
 
 # ---------------------------------------------------------------------------------- worker
@@ -308,15 +461,6 @@ def _compare(stream, ref: dict, base: dict | None = None) -> dict:
     return {"rel": whole.rel, "update_rel": acc.rel if base is not None else None, "missing": missing}
 
 
-def _worker(rank, world, port, layout_name, cell_dicts, problem_path, refs_path, out_path, timeout_s):
-    torch.set_num_threads(1)
-    try:
-        _worker_body(rank, world, port, layout_name, cell_dicts, problem_path, refs_path, out_path, timeout_s)
-    except BaseException:
-        Path(f"{out_path}.rank{rank}.err").write_text(traceback.format_exc())
-        raise
-
-
 def load_problem(problem_path, refs_path):
     """A layout run's inputs: the problem and its float64 references (both written by the test), the
     sequence lengths, and the actor's per-token data in fp32 (response mask, old log-probs, advantages)."""
@@ -346,7 +490,7 @@ def _worker_body(rank, world, port, layout_name, cell_dicts, problem_path, refs_
     from verl_lite.algorithms.aggregation import NormalizationPlan
     from verl_lite.algorithms.objective import actor_loss, critic_loss
     from verl_lite.workers.from_config import engine_config, optim_config
-    from verl_lite.engine.distributed import destroy_distributed, init_distributed
+    from verl_lite.engine.distributed import init_distributed
     from verl_lite.workers.from_config import parallel_config
     from verl_lite.engine.engine import MegatronEngine
 
@@ -380,7 +524,7 @@ def _worker_body(rank, world, port, layout_name, cell_dicts, problem_path, refs_
 
     for critic in (False, True):
         for per_token in (False, True):
-            todo = [c for c in cells if c.per_token == per_token and (c.loss == "critic") == critic]
+            todo = [c for c in cells if c.per_token == per_token and (c.loss == "critic") == critic and c.loss != "lora"]
             if not todo:
                 continue
             t0 = time.perf_counter()
@@ -445,11 +589,63 @@ def _worker_body(rank, world, port, layout_name, cell_dicts, problem_path, refs_
                         "num_micro_batches": len(mbs), "seconds": [t1 - t0, t2 - t1, t3 - t2],
                     }
             del engine
+    _run_lora_cells([c for c in cells if c.loss == "lora"], rank, world, par, distopt, prob, refs, lengths,
+                    data_all, dp, dp_rank, vpp_multiple, results)
     timeline["total"] = time.perf_counter() - t_start
     if rank == 0:
         Path(out_path).write_text(json.dumps(results))
-    dist.barrier()
-    destroy_distributed()
+    end_job()
+
+
+def _run_lora_cells(cells, rank, world, par, distopt, prob, refs, lengths, data_all, dp, dp_rank, vpp_multiple,
+                    results) -> None:
+    """The layout's LoRA cells: one engine per per-token value, the adapters reset from the PEFT adapter
+    before each cell; the adapters' gradients and parameters vs ``lora_reference_step``, and the base's
+    (``base_gradient_report``)."""
+    import torch.distributed as dist
+
+    from verl_lite.algorithms.aggregation import NormalizationPlan
+    from verl_lite.algorithms.objective import actor_loss
+    from verl_lite.engine.engine import MegatronEngine
+
+    for per_token in (False, True):
+        todo = [c for c in cells if c.per_token == per_token]
+        if not todo:
+            continue
+        t0 = time.perf_counter()
+        engine = MegatronEngine(lora_engine_config(prob, refs["lora_dir"], par, per_token, distopt))
+        results["timeline"][f"build lora pt={per_token}"] = time.perf_counter() - t0
+        for cell in todo:
+            t0 = time.perf_counter()
+            engine.load_adapter(refs["lora_dir"])
+            t1 = time.perf_counter()
+            plan = _plan(lengths, dp, cell.mb, vpp_multiple)
+            _, batch, mbs = rank_share(prob, data_all, plan, dp_rank)
+            nplan = NormalizationPlan.from_mask(prob["mask"], cell.mode)
+            loss_fn = partial(actor_loss, plan=nplan, cfg=loss_cfg("vanilla", cell.mode))
+            out = engine.train_step(batch, mbs, loss_fn, temperature=TEMPERATURE, global_token_count=sum(lengths))
+            t2 = time.perf_counter()
+            ref = refs[("lora", cell.mode)]
+            grads = None if distopt else _compare(engine.export_adapter("main_grad").items(), ref["grads_clipped"])
+            upd = _compare(engine.export_adapter("param").items(), ref["params_after"], base=ref["params_before"])
+            base = [None] * world
+            dist.all_gather_object(base, base_gradient_report(engine))
+            gathered = [None] * world
+            dist.all_gather_object(gathered, out.get("loss") if engine.is_output_owner else None)
+            owners = [x for x in gathered if x is not None]
+            t3 = time.perf_counter()
+            if rank == 0:
+                results["cells"][cell.key] = {
+                    "grad_rel": None if grads is None else grads["rel"],
+                    "grad_missing": None if grads is None else grads["missing"],
+                    "param_rel": upd["rel"], "update_rel": upd["update_rel"], "param_missing": upd["missing"],
+                    "loss": sum(owners), "num_owners": len(owners), "ref_loss": ref["loss"],
+                    "grad_norm": out["grad_norm"], "ref_grad_norm": ref["grad_norm"], "lr": out["lr"],
+                    "num_micro_batches": len(mbs), "seconds": [t1 - t0, t2 - t1, t3 - t2],
+                    "base_with_grad": sorted({n for b in base for n in b["base_with_grad"]}),
+                    "trainable_is_adapter": all(b["trainable"] == b["adapter"] > 0 for b in base),
+                }
+        del engine
 
 
 RESULTS: dict[str, dict] = {}  # layout -> rank 0's results, filled by the tests (one launch each)
@@ -472,22 +668,142 @@ def summary_lines() -> list[str]:
 
 
 def run_layout(layout_name: str, cells: list[Cell], problem_path: Path, refs_path: Path, timeout_s: float = 180):
-    """Spawn the layout's processes, run all cells, return rank 0's JSON results."""
-    import torch.multiprocessing as mp
-
+    """Run all cells of a layout in the ``world``-process pool (:func:`run_in_pool`); rank 0's JSON results."""
     world = LAYOUTS[layout_name][0]
     out_path = Path(tempfile.mkdtemp(prefix=f"parity_{layout_name}_")) / "result.json"
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        mp.spawn(
-            _worker,
-            args=(world, free_port(), layout_name, [asdict(c) for c in cells], str(problem_path), str(refs_path),
-                  str(out_path), timeout_s),
-            nprocs=world,
-            join=True,
-        )
-    except Exception as e:
-        errs = sorted(out_path.parent.glob("*.err"))
-        detail = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in errs)
-        raise RuntimeError(f"layout {layout_name} failed: {e}\n{detail}") from e
+    run_in_pool(world, f"layout {layout_name}", _worker_body,
+                (layout_name, [asdict(c) for c in cells], str(problem_path), str(refs_path), str(out_path), timeout_s))
     return json.loads(out_path.read_text())
+
+
+# ---------------------------------------------------------------------------------- process pool
+# A parity layout needs a fresh megatron decomposition, not fresh processes: ``init_distributed`` on an
+# initialised process keeps the default (gloo) group and rebuilds megatron's groups. So every world size
+# gets ONE launch of ``world`` processes that runs the layouts of that size one after another, for all three
+# parity modules (the conftest orders the tests by world size, so each pool is started once and closed
+# when the next size starts). A job is ``body(rank, world, port, *args)``; it writes its own results and
+# ends with ``parallel_state.destroy_model_parallel()``. Any failure (an exception on a rank, a dead
+# process, the deadline) closes the pool and raises with every rank's traceback; the next job starts a
+# fresh one. Every wait is bounded: each collective by the layout's ``timeout_s``, a job by JOB_DEADLINE_S.
+JOB_DEADLINE_S = 840.0  # under the suite's 900 s per-test timeout
+FAILED_RANKS_GRACE_S = 20.0  # after one rank fails, how long the others get to report theirs
+
+
+def _pool_main(rank: int, world: int, port: int, jobs, replies) -> None:
+    torch.set_num_threads(1)
+    while True:
+        job = jobs.get()
+        if job is None:
+            break
+        body, args = job
+        try:
+            body(rank, world, port, *args)
+            replies.put((rank, None))
+        except BaseException:
+            replies.put((rank, traceback.format_exc()))
+            return  # the groups may be broken: this pool is closed by the parent
+    from verl_lite.engine.distributed import destroy_distributed
+
+    destroy_distributed()
+
+
+class RankPool:
+    """``world`` spawned processes that run parity jobs (see above)."""
+
+    def __init__(self, world: int):
+        import multiprocessing as mp
+
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        ctx = mp.get_context("spawn")
+        self.world, self.port, self.launched = world, free_port(), time.perf_counter()
+        self.jobs = [ctx.Queue() for _ in range(world)]
+        self.replies = ctx.Queue()
+        self.procs = [ctx.Process(target=_pool_main, args=(r, world, self.port, self.jobs[r], self.replies), daemon=True)
+                      for r in range(world)]
+        for proc in self.procs:
+            proc.start()
+        self.alive = True
+
+    def run(self, what: str, body, args: tuple, deadline_s: float = JOB_DEADLINE_S) -> None:
+        import queue
+
+        for q in self.jobs:
+            q.put((body, args))
+        errors, done, end = {}, set(), time.monotonic() + deadline_s
+        while len(done) < self.world:
+            if errors:
+                end = min(end, time.monotonic() + FAILED_RANKS_GRACE_S)
+            try:
+                rank, err = self.replies.get(timeout=max(0.1, min(5.0, end - time.monotonic())))
+                done.add(rank)
+                if err is not None:
+                    errors[rank] = err
+                continue
+            except queue.Empty:
+                pass
+            dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in done]
+            if dead and not errors:
+                errors.update({r: f"process exited with code {self.procs[r].exitcode}" for r in dead})
+            if time.monotonic() >= end:
+                missing = sorted(set(range(self.world)) - done - set(errors))
+                if not errors:
+                    errors.update({r: f"no reply within {deadline_s:.0f} s" for r in missing})
+                break
+        if errors:
+            self.close(kill=True)  # a rank may sit in a collective its failed peer never joins
+            detail = "\n".join(f"--- rank {r}\n{e[-3000:]}" for r, e in sorted(errors.items()))
+            raise RuntimeError(f"{what} failed ({self.world} processes):\n{detail}")
+
+    def close(self, kill: bool = False, grace_s: float = 30.0) -> None:
+        """Stop the processes: ask them to exit (``kill``: do not ask), kill what is left after ``grace_s``."""
+        if not self.alive:
+            return
+        self.alive = False
+        if not kill:
+            for q in self.jobs:
+                q.put(None)
+            end = time.monotonic() + grace_s
+            for proc in self.procs:
+                proc.join(timeout=max(0.0, end - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=10)
+
+
+_POOL: RankPool | None = None
+LAUNCHES: list[int] = []  # world size of every pool started this session (the summary prints them)
+
+
+def run_in_pool(world: int, what: str, body, args: tuple) -> None:
+    """Run ``body(rank, world, port, *args)`` on every rank of the ``world``-process pool (started here,
+    closing the pool of another size, which the test order has finished with)."""
+    global _POOL
+    if _POOL is not None and (_POOL.world != world or not _POOL.alive):
+        _POOL.close()
+        _POOL = None
+    if _POOL is None:
+        _POOL = RankPool(world)
+        LAUNCHES.append(world)
+    _POOL.run(what, body, args)
+
+
+def close_pool() -> None:
+    global _POOL
+    if _POOL is not None:
+        _POOL.close()
+        _POOL = None
+
+
+def end_job() -> None:
+    """A job's last step on every rank: wait for the others, drop megatron's groups (the default group stays)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    dist.barrier()
+    ps.destroy_model_parallel()
+
+
+def layout_world(layouts: dict, name) -> int:
+    """World size of a layout name of ``layouts`` (0 for anything else): the conftest's test order."""
+    return layouts[name][0] if isinstance(name, str) and name in layouts else 0

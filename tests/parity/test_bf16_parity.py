@@ -40,10 +40,8 @@ LAYOUT_TOL = 2u = 7.8e-3 (one extra rounding of a weight gradient); measured 2.2
 
 from __future__ import annotations
 
-import os
 import tempfile
 import time
-import traceback
 from functools import partial
 from pathlib import Path
 
@@ -95,15 +93,6 @@ def bf16_cells() -> list[H.Cell]:
 
 
 # ---------------------------------------------------------------------------------- worker
-def _worker(rank, world, port, layout, problem_path, refs_path, out_dir, timeout_s):
-    torch.set_num_threads(1)
-    try:
-        _worker_body(rank, world, port, layout, problem_path, refs_path, out_dir, timeout_s)
-    except BaseException:
-        Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
-
-
 def _worker_body(rank, world, port, layout, problem_path, refs_path, out_dir, timeout_s):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -111,7 +100,7 @@ def _worker_body(rank, world, port, layout, problem_path, refs_path, out_dir, ti
     from verl_lite.algorithms.aggregation import NormalizationPlan
     from verl_lite.algorithms.objective import actor_loss
     from verl_lite.workers.from_config import engine_config, optim_config
-    from verl_lite.engine.distributed import destroy_distributed, init_distributed
+    from verl_lite.engine.distributed import init_distributed
     from verl_lite.workers.from_config import parallel_config
     from verl_lite.engine.engine import MegatronEngine
 
@@ -161,41 +150,33 @@ def _worker_body(rank, world, port, layout, problem_path, refs_path, out_dir, ti
     out["seconds"] = time.perf_counter() - t0
     if rank == 0:
         torch.save(out, Path(out_dir, "result.pt"))
-    dist.barrier()
-    destroy_distributed()
+    H.end_job()
 
 
 def run_bf16_layout(layout: str, problem_path: Path, refs_path: Path, timeout_s: float = 180) -> dict:
-    import torch.multiprocessing as mp
-
-    from verl_lite.utils.net import free_port
-
-    world = BF16_LAYOUTS[layout][0]
+    """The layout's bf16 cells in the harness's process pool of its world size; rank 0's results."""
     out_dir = tempfile.mkdtemp(prefix=f"bf16_parity_{layout}_")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        mp.spawn(_worker, args=(world, free_port(), layout, str(problem_path), str(refs_path), out_dir, timeout_s),
-                 nprocs=world, join=True)
-    except Exception as e:
-        detail = "\n".join(p.read_text()[-3000:] for p in sorted(Path(out_dir).glob("*.err")))
-        raise RuntimeError(f"bf16 layout {layout} failed: {e}\n{detail}") from e
+    H.run_in_pool(BF16_LAYOUTS[layout][0], f"bf16 layout {layout}", _worker_body,
+                  (layout, str(problem_path), str(refs_path), out_dir, timeout_s))
     return torch.load(Path(out_dir, "result.pt"))
 
 
+def layout_world(name) -> int:
+    """The conftest's test order: tests run grouped by the world size of their layout."""
+    return H.layout_world(BF16_LAYOUTS, name)
+
+
 # ---------------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def problem(tmp_path_factory):
     """harness.make_problem + float64 references for the bf16 cells only (old log-probs shared)."""
     root = tmp_path_factory.mktemp("bf16_parity")
     problem_path = H.make_problem(root)
     prob = torch.load(problem_path)
-    with torch.no_grad():
-        lp, _ = H.reference_outputs(H._hf_model(prob["model_dir"]), prob)
-    old_lp = (lp + clip_safe_noise(prob["mask"])) * (prob["mask"] != 0)
-    refs = {"old_log_probs": old_lp}
-    for loss in BF16_LOSSES:
-        for mode in BF16_MODES:
-            refs[(loss, mode)] = H.reference_step(prob, loss, mode, old_lp)
+    # one float64 forward: old log-probs = its log-probs + clip_safe_noise, and the four cells' references
+    old_lp, refs = H.policy_references(prob, [(lo, mo) for lo in BF16_LOSSES for mo in BF16_MODES],
+                                       noise=clip_safe_noise(prob["mask"]))
+    refs["old_log_probs"] = old_lp
     refs_path = root / "refs.pt"
     torch.save(refs, refs_path)
     return problem_path, refs_path, refs

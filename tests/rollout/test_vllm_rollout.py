@@ -47,9 +47,14 @@ def hf_model(model_path):
 
 @pytest.fixture(scope="module")
 def vllm_rollout(model_path, tok):
+    """The module's one engine (vLLM allows one per process at a time, see VLLMRollout), with verl's DAPO
+    token budget at its CPU minimum (max_model_len): the budget test below shows it changes no draw."""
     from verl_lite.rollout import make_rollout
 
-    return make_rollout("vllm", model_path, tok, dtype="float32", max_model_len=64)
+    rollout = make_rollout("vllm", model_path, tok, dtype="float32", max_model_len=64,
+                           engine_args={"max_num_batched_tokens": 64})
+    yield rollout
+    rollout.close()
 
 
 def _ids(tok, texts):
@@ -135,15 +140,23 @@ def test_seeds_make_draws_batch_independent(vllm_rollout, tok):
 
 
 @needs_vllm
-def test_weight_sync_in_place_matches_hf_with_same_weights(model_path, tok):
+def test_weight_sync_in_place_matches_hf_with_same_weights(vllm_rollout, model_path, tok):
     """Perturbed weights pushed into the running engine: greedy tokens and log-probs equal an HF model
-    holding the same weights (and differ from the original model's log-probs, so the sync is real)."""
+    holding the same weights (and differ from the original model's log-probs, so the sync is real).
+    The model file's own weights are synced back afterwards, for the tests after this one."""
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from verl_lite.rollout import make_rollout
+    rollout = vllm_rollout
+    try:
+        _perturbed_weights_match_hf(rollout, AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64).eval(),
+                                    tok)
+    finally:
+        original = load_file(f"{model_path}/model.safetensors")
+        assert rollout.load_weights(original.items()) == len(original)
 
-    rollout = make_rollout("vllm", model_path, tok, dtype="float32", max_model_len=64)
-    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64).eval()
+
+def _perturbed_weights_match_hf(rollout, hf, tok):
     prompts = _ids(tok, PROMPTS)
     before = rollout.generate(prompts, n=1, do_sample=False, max_new_tokens=8)
     gen = torch.Generator().manual_seed(0)
@@ -177,8 +190,9 @@ def test_vllm_keys_are_checked_before_start(monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
     R = "actor_rollout_ref.rollout"
+    cpu_only = [f"{R}.free_cache_engine=true", f"{R}.enable_chunked_prefill=true", f"{R}.max_num_batched_tokens=64"]
     cfg = load_config([f"{R}.name=vllm", f"{R}.tensor_model_parallel_size=2", f"{R}.gpu_memory_utilization=1.5",
-                       f"{R}.dtype=fp8", "data.max_prompt_length=200"] + ([f"{R}.free_cache_engine=true"] if not torch.cuda.is_available() else []))
+                       f"{R}.dtype=fp8", "data.max_prompt_length=200"] + (cpu_only if not torch.cuda.is_available() else []))
     with pytest.raises(ConfigError) as e:
         validate_config(cfg, world_size=1)
     msg = str(e.value)
@@ -190,6 +204,38 @@ def test_vllm_keys_are_checked_before_start(monkeypatch):
     assert "exceeds the model's max_position_embeddings 128 (vLLM's max_model_len)" in msg  # the shipped model
     if not torch.cuda.is_available():
         assert f"{R}.free_cache_engine=true needs vLLM's sleep mode" in msg
+        assert f"{R}.enable_chunked_prefill=true: vLLM's CPU sampler cannot resume a seeded request" in msg
+        assert f"{R}.max_num_batched_tokens=64: without chunked prefill (off on CPU) vLLM needs at least" in msg
+
+
+@needs_vllm
+def test_a_token_budget_below_the_batch_runs_on_cpu(vllm_rollout):
+    """verl's DAPO scripts set max_num_batched_tokens; here (the module's engine) it is below the batch's
+    prompt tokens (16 prompts of 12-16 tokens > 64), which with vLLM's chunked prefill on CPU failed mid-run
+    ('CPU Generator does not use offset'). The CPU rollout runs without chunked prefill: every sample is
+    generated, and each seeded draw equals that prompt's draw alone (a batch well inside the budget;
+    seeded draws do not depend on the batch, test_seeds_make_draws_batch_independent)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = vllm_rollout.llm
+    assert llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens == 64
+    prompts = [TokensPrompt(prompt_token_ids=list(range(3, 15 + i % 5))) for i in range(16)]
+    params = [SamplingParams(max_tokens=6, temperature=1.0, seed=100 + i, logprobs=0) for i in range(16)]
+    assert sum(len(p["prompt_token_ids"]) for p in prompts) > 64
+    out = llm.generate(prompts, params, use_tqdm=False)
+    alone = [llm.generate([p], [q], use_tqdm=False)[0] for p, q in zip(prompts, params)]
+    assert all(o.outputs[0].token_ids for o in out)
+    assert [list(o.outputs[0].token_ids) for o in out] == [list(o.outputs[0].token_ids) for o in alone]
+
+
+def test_a_second_engine_in_the_process_is_refused(vllm_rollout, model_path, tok):
+    """vLLM's engine shutdown tears down the process's distributed state, so a second in-process engine
+    would break the first when either closes: it is refused with the reason."""
+    from verl_lite.rollout import make_rollout
+
+    with pytest.raises(RuntimeError, match="already has an open vLLM engine"):
+        make_rollout("vllm", model_path, tok, dtype="float32", max_model_len=64)
 
 
 # ---------------------------------------------------------------------------- through the trainer

@@ -3,11 +3,12 @@ shipped recipe trains from the CLI.
 
 - Pre-flight: every pair of the registries is accepted with a valid config; a pair that cannot run
   (e.g. a group estimator with rollout.n = 1) is rejected with one line naming the key.
-- Runs: for each estimator ONE trainer starts its roles (Ray, megatron engines, rollout, critic for
-  gae) and then every policy loss takes 2 RL steps on those running workers: a fresh
+- Runs: ONE trainer starts the roles (Ray, megatron engines, rollout, and the critic that gae needs)
+  for every estimator, and then every policy loss takes 2 RL steps on those running workers: a fresh
   ``PPOTrainer`` built from the pair's own config takes over the started role groups (the roles do
-  not depend on the loss), so the driver path of each pair (old-log-prob pass or not, cov-mask
-  selection, the loss config sent to the workers) is exactly the CLI's. Each pair's metrics must be
+  not depend on the loss or the estimator; only gae's trainer gets the critic), so the driver path
+  of each pair (old-log-prob pass or not, cov-mask selection, the loss config sent to the workers)
+  is exactly the CLI's. Each pair's metrics must be
   finite and hold the algorithm's own metric (gae: value loss; remax: the greedy baseline reward;
   clip_cov / kl_cov: the selected-token fraction).
 - Recipes: ``main_ppo.main(["--recipe", ...])`` for each shipped recipe, 2 steps on the shipped
@@ -69,21 +70,43 @@ def _finite(record: dict) -> list[str]:
     return [k for k, v in record.items() if v is None or (isinstance(v, float) and not math.isfinite(v))]
 
 
-@pytest.mark.parametrize("estimator", ESTIMATORS)
-def test_every_loss_runs_two_steps_with_each_estimator(tiny_assets, shared_ray, estimator):
+@pytest.fixture(scope="class")
+def roles(tiny_assets, shared_ray):  # noqa: F811
+    """gae's started roles (actor + critic), for the tests of TestOnStartedRoles; closed after its last test."""
     from verl_lite.config import load_config
     from verl_lite.trainer.ppo_trainer import PPOTrainer
 
-    first = PPOTrainer(load_config(pair_overrides(tiny_assets, estimator, LOSSES[0])))
+    first = PPOTrainer(load_config(pair_overrides(tiny_assets, "gae", LOSSES[0])))
     first.start()
     try:
+        yield first
+    finally:
+        first.close()
+
+
+class TestOnStartedRoles:
+    """The pairs (and the dynamic-sampling bound) on one started set of roles, shut down at the end of
+    the class (before the recipe runs below need the Ray's CPUs)."""
+
+    @staticmethod
+    def take_over(trainer, roles):
+        trainer.actor, trainer.pool = roles.actor, roles.pool
+        trainer.critic = roles.critic if trainer.use_critic else None
+        return trainer
+
+    @pytest.mark.parametrize("estimator", ESTIMATORS)
+    def test_every_loss_runs_two_steps_with_each_estimator(self, tiny_assets, roles, estimator):
+        from verl_lite.config import load_config
+        from verl_lite.trainer.ppo_trainer import PPOTrainer
+
         variants = [(loss, {}) for loss in LOSSES]
         if estimator == "grpo":  # truncated importance weights reach the loss
             variants.append(("vanilla", {"actor_rollout_ref.actor.tis_imp_ratio_cap": 2.0}))
         for loss, extra in variants:
-            trainer = PPOTrainer(load_config(pair_overrides(tiny_assets, estimator, loss, **extra)))
-            trainer.actor, trainer.critic, trainer.pool = first.actor, first.critic, first.pool
+            trainer = self.take_over(PPOTrainer(load_config(pair_overrides(tiny_assets, estimator, loss, **extra))),
+                                     roles)
             assert trainer.loss_cfg.policy_loss == loss
+            assert (trainer.critic is not None) == (estimator == "gae")
             batches = trainer._train_batches()
             history = [trainer.step(next(batches), more_rows=lambda: next(batches)) for _ in range(2)]
             for record in history:
@@ -98,8 +121,21 @@ def test_every_loss_runs_two_steps_with_each_estimator(tiny_assets, shared_ray, 
                 assert 0 < history[0]["rollout/is_weight_mean"] <= 2.0
             if loss == "kl_cov":  # always selects at least one token (clip_cov only inside its window)
                 assert history[0]["actor/cov_selected_frac"] > 0, (estimator, loss)
-    finally:
-        first.close()
+
+    def test_dynamic_sampling_bound_is_a_clear_error(self, tiny_assets, roles):
+        """The toy reward never reaches 1.0, so every group's `acc` is constant: every round drops every
+        group and the bound (max_num_gen_batches) ends the step with an error naming the key."""
+        from verl_lite.config import load_config
+        from verl_lite.errors import RunFailure, describe
+        from verl_lite.trainer.ppo_trainer import DynamicSamplingError, PPOTrainer
+
+        trainer = self.take_over(PPOTrainer(load_config(pair_overrides(tiny_assets, "grpo", "vanilla", **{
+            "algorithm.filter_groups.enable": "true", "algorithm.filter_groups.max_num_gen_batches": 2}))), roles)
+        batches = trainer._train_batches()
+        with pytest.raises(DynamicSamplingError, match="max_num_gen_batches") as info:
+            trainer.step(next(batches), more_rows=lambda: next(batches))
+        assert isinstance(info.value, RunFailure) and describe(info.value)[0] == 1
+        assert "found only 0 of 2 prompt groups" in str(info.value)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +147,9 @@ def shipped():
             "data.val_files": val[0]}
 
 
-@pytest.mark.parametrize("recipe", sorted(p.stem for p in RECIPES.glob("*.yaml") if p.stem != "tp2pp2_cpu"))
+# tool_agent: its own model and task (multi-turn), run by tests/agent/test_tool_agent_recipe.py
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in RECIPES.glob("*.yaml")
+                                           if p.stem not in ("tp2pp2_cpu", "tool_agent")))
 def test_recipe_trains_from_the_cli(recipe, shipped, tmp_path, shared_ray):
     from verl_lite.trainer import main_ppo
 
@@ -131,23 +169,5 @@ def test_recipe_trains_from_the_cli(recipe, shipped, tmp_path, shared_ray):
         assert "dynamic_sampling/groups_dropped" in rows[1] and "reward/overlong_penalty_mean" in rows[1]
     if recipe == "remax":
         assert "remax/baseline_reward/mean" in rows[1]
-
-
-def test_dynamic_sampling_bound_is_a_clear_error(tiny_assets, shared_ray):
-    """The toy reward never reaches 1.0, so every group's `acc` is constant: every round drops every
-    group and the bound (max_num_gen_batches) ends the step with an error naming the key."""
-    from verl_lite.config import load_config
-    from verl_lite.errors import RunFailure, describe
-    from verl_lite.trainer.ppo_trainer import DynamicSamplingError, PPOTrainer
-
-    trainer = PPOTrainer(load_config(pair_overrides(tiny_assets, "grpo", "vanilla", **{
-        "algorithm.filter_groups.enable": "true", "algorithm.filter_groups.max_num_gen_batches": 2})))
-    try:
-        trainer.start()
-        batches = trainer._train_batches()
-        with pytest.raises(DynamicSamplingError, match="max_num_gen_batches") as info:
-            trainer.step(next(batches), more_rows=lambda: next(batches))
-        assert isinstance(info.value, RunFailure) and describe(info.value)[0] == 1
-        assert "found only 0 of 2 prompt groups" in str(info.value)
-    finally:
-        trainer.close()
+    if recipe == "one_step_off":  # batch 2 was sampled by version 1 (one step old), importance-weighted
+        assert [r.get("async/staleness") for r in rows[1:]] == [0, 1] and "rollout_corr/is_weight_mean" in rows[2]

@@ -4,53 +4,8 @@
     layout = validate_config(cfg)                           # raises ConfigError listing all problems
 """
 
-from verl_lite.config.loader import (
-    CONFIG_DIR,
-    CONFIG_NAME,
-    ConfigError,
-    config_from_hydra,
-    config_to_dict,
-    default_data_files,
-    default_model_path,
-    load_config,
-    register_configs,
-    schema_keys,
-)
-from verl_lite.config.schema import (
-    ActorConfig,
-    ActorRolloutRefConfig,
-    AlgorithmConfig,
-    DataConfig,
-    MegatronConfig,
-    PPOConfig,
-    RefConfig,
-    RewardConfig,
-    RolloutConfig,
-    TrainerConfig,
-)
-from verl_lite.config.validate import Layout, validate_config
-
-__all__ = [
-    "CONFIG_DIR",
-    "CONFIG_NAME",
-    "ActorConfig",
-    "ActorRolloutRefConfig",
-    "AlgorithmConfig",
-    "ConfigError",
-    "DataConfig",
-    "Layout",
-    "MegatronConfig",
-    "PPOConfig",
-    "RefConfig",
-    "RewardConfig",
-    "RolloutConfig",
-    "TrainerConfig",
-    "config_from_hydra",
-    "config_to_dict",
-    "default_data_files",
-    "default_model_path",
-    "load_config",
-    "register_configs",
-    "schema_keys",
-    "validate_config",
-]
+from verl_lite.config.loader import (CONFIG_DIR, ConfigError, config_from_hydra, config_to_dict,  # noqa: F401
+                                     default_data_files, default_model_path, load_config, register_configs,
+                                     schema_keys)
+from verl_lite.config.schema import PPOConfig  # noqa: F401
+from verl_lite.config.validate import Layout, validate_config  # noqa: F401

@@ -1,4 +1,4 @@
-"""Loading the config: Hydra compose over the structured schema, unknown keys rejected.
+"""Loading the config: the structured schema with the overrides applied as Hydra applies them, unknown keys rejected.
 
     cfg = load_config(sys.argv[1:])   # PPOConfig; then validate_config(cfg) before any worker starts
 
@@ -12,30 +12,24 @@ keys go through ``verl_keys`` in ``load_config`` only (under ``@hydra.main`` Hyd
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import functools
+import os
+import re
 import typing
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
 from verl_lite.config.schema import PPOConfig
+from verl_lite.errors import ConfigError, Problems  # noqa: F401 (the config's error and pre-flight's collector)
 
 CONFIG_DIR = str(Path(__file__).resolve().parent)
-CONFIG_NAME = "ppo_trainer"
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_MODEL_DIR = ASSETS_DIR / "tiny-addition"
 DEFAULT_DATA_DIR = ASSETS_DIR / "synthetic-addition"
-
-
-class ConfigError(ValueError):
-    """A bad config. `problems` lists every problem found, each naming the key and the fix."""
-
-    exit_code = 2  # verl_lite.errors.describe
-
-    def __init__(self, problems: list[str]):
-        self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"invalid config ({len(self.problems)} problem(s)):\n{lines}")
 
 
 def default_model_path() -> str:
@@ -52,14 +46,10 @@ def register_configs() -> None:
     """Register the schema in Hydra's ConfigStore as `ppo_trainer` (the config Hydra composes; no YAML restates it)."""
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name=CONFIG_NAME, node=PPOConfig)
+    ConfigStore.instance().store(name="ppo_trainer", node=PPOConfig)
 
 
 # ---------------------------------------------------------------- the key space of the schema
-
-
-def _is_dataclass_type(tp: Any) -> bool:
-    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -67,30 +57,17 @@ def _field_types(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-def _is_free_dict(tp: Any) -> bool:
-    return typing.get_origin(tp) in (dict, typing.Dict)
-
-
+@functools.cache
 def schema_keys(cls: type = PPOConfig, prefix: str = "") -> dict[str, str]:
     """All dotted keys of the schema -> 'section' | 'leaf' | 'dict' (a free-form dict that takes any sub-key)."""
     keys: dict[str, str] = {}
     for name, tp in _field_types(cls).items():
-        key = f"{prefix}{name}"
-        if _is_dataclass_type(tp):
-            keys[key] = "section"
-            keys.update(schema_keys(tp, key + "."))
+        if dataclasses.is_dataclass(tp):
+            keys[prefix + name] = "section"
+            keys.update(schema_keys(tp, f"{prefix}{name}."))
         else:
-            keys[key] = "dict" if _is_free_dict(tp) else "leaf"
+            keys[prefix + name] = "dict" if typing.get_origin(tp) is dict else "leaf"
     return keys
-
-
-def _free_dict_parent(key: str, keys: dict[str, str]) -> str | None:
-    parts = key.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        parent = ".".join(parts[:i])
-        if keys.get(parent) == "dict":
-            return parent
-    return None
 
 
 def unknown_key_message(key: str, keys: dict[str, str] | None = None) -> str:
@@ -100,18 +77,17 @@ def unknown_key_message(key: str, keys: dict[str, str] | None = None) -> str:
     one valid key that X is the dotted tail of (a key given without its prefix). Otherwise no hint."""
     keys = keys if keys is not None else schema_keys()
     parts = key.split(".")
-    parent = ""
-    for i in range(len(parts) - 1, 0, -1):
-        cand = ".".join(parts[:i])
-        if keys.get(cand) == "section":
-            parent = cand
-            break
+    heads = (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1))
+    parent = next((head for head in heads if keys.get(head) == "section"), "")
     close: list[str] = []
     if parent or len(parts) == 1:
         prefix = parent + "." if parent else ""
         siblings = {k[len(prefix):]: k for k in keys if k.startswith(prefix) and "." not in k[len(prefix):]}
-        wanted = key[len(prefix):]
-        close = [siblings[m] for m in difflib.get_close_matches(wanted, list(siblings), n=1, cutoff=0.75)]
+        close = [siblings[m] for m in difflib.get_close_matches(key[len(prefix):], list(siblings), n=1, cutoff=0.75)]
+    if not close and not parent and len(parts) > 1:  # an unknown section: the close section, same rest
+        sections = [k for k, kind in keys.items() if kind == "section" and "." not in k]
+        close = [f"{m}.{'.'.join(parts[1:])}" for m in difflib.get_close_matches(parts[0], sections, n=1, cutoff=0.75)]
+        close = [c for c in close if c in keys]
     if not close:
         tails = [k for k in keys if k.endswith("." + key)]
         close = tails if len(tails) == 1 else []
@@ -121,91 +97,75 @@ def unknown_key_message(key: str, keys: dict[str, str] | None = None) -> str:
 
 def _classify(key: str, keys: dict[str, str]) -> str | None:
     """'schema' (a leaf/section/dict key), 'free' (under a free-form dict) or None (not in the schema)."""
-    if keys.get(key) in ("leaf", "dict", "section"):
+    if key in keys:
         return "schema"
-    if _free_dict_parent(key, keys) is not None:
-        return "free"
-    return None
+    parts = key.split(".")
+    return "free" if any(keys.get(".".join(parts[:i])) == "dict" for i in range(1, len(parts))) else None
 
 
-def translate_overrides(overrides: list[str]) -> tuple[list[str], list[tuple[str, object, str]]]:
-    """Parse Hydra overrides; map verl's vocabulary (``verl_keys``); raise ConfigError for keys that are
-    rejected or unknown. Returns (overrides to compose, equality checks ``(key, value, message)``
-    to run on the composed config).
-
-    `key=value` under a free-form dict field is rewritten to `++key=value` (add or replace).
-    `hydra.*` overrides pass through untouched.
-    """
+def translate_overrides(overrides: list[str], problems: list[str], aliases: dict | None = None
+                        ) -> tuple[list[tuple[str, Any, str, bool]], list[tuple[str, object, str]]]:
+    """Parse Hydra overrides; map verl's vocabulary (``verl_keys``); append a line to ``problems`` for each
+    key that is rejected or unknown. Returns (assignments ``(key, value, value as given, under a free-form
+    dict)`` for ``_apply``, equality checks ``(key, value, message)`` to run on the loaded config);
+    ``aliases`` gets each verl key's target (target -> verl key). ``hydra.*`` overrides (Hydra's own
+    settings, not the config's) are passed over."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from verl_lite.config.verl_keys import decide, render
+    from verl_lite.config.verl_keys import decide
 
-    keys = schema_keys()
-    problems, out, equal = [], [], []
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides=list(overrides))
-    except Exception as e:  # hydra's grammar errors
-        raise ConfigError([f"could not parse overrides {list(overrides)}: {e}"]) from e
-    for raw, ov in zip(overrides, parsed):
-        key = ov.key_or_group
+    keys, parser = schema_keys(), OverridesParser.create()
+    out, equal = [], []
+    for raw in overrides:
+        try:
+            ov = parser.parse_overrides(overrides=[raw])[0]
+        except Exception as e:  # noqa: BLE001 - hydra's grammar errors
+            problems.append(f"could not parse the override {raw!r}: {str(e).splitlines()[0]}")
+            continue
+        key, text = ov.key_or_group, raw.split("=", 1)[1] if "=" in raw else ""
         if key.startswith("hydra.") or key == "hydra":
-            out.append(raw)
             continue
         if ov.is_delete():
             problems.append(f"'~{key}': deleting schema keys is not supported; set the key to a value instead")
             continue
-        kind = _classify(key, keys)
-        if kind == "schema":
-            # A '+' addition of an existing key is what Hydra calls an error; accept it as a plain override.
-            out.append(raw.lstrip("+") if ov.is_add() else raw)
-            continue
-        if kind == "free":
-            out.append("++" + raw.lstrip("+"))
-            continue
         try:
             value = ov.value()
-        except Exception:  # interpolations and sweeps: keep the text
-            value = raw.split("=", 1)[1] if "=" in raw else None
-        decision = decide(key, value)
-        if decision is None:
-            problems.append(unknown_key_message(key, keys))
-        elif decision.kind == "alias":
-            target_kind = _classify(decision.target, keys)
-            if target_kind is None:
+        except Exception:  # noqa: BLE001 - interpolations and sweeps: keep the text
+            value = text
+        kind = _classify(key, keys)
+        if kind is None:
+            decision = decide(key, value)
+            if decision is None:
+                problems.append(unknown_key_message(key, keys))
+            elif decision.kind == "equal":
+                equal.append((decision.target, decision.value, decision.message))
+            elif decision.kind == "rejected":
+                problems.append(decision.message)
+            if decision is None or decision.kind != "alias":
+                continue
+            kind = _classify(decision.target, keys)
+            if kind is None:
                 problems.append(unknown_key_message(decision.target, keys) + f" (from verl's '{key}')")
-            else:
-                out.append(("++" if target_kind == "free" else "") + f"{decision.target}={render(decision.value)}")
-        elif decision.kind == "equal":
-            equal.append((decision.target, decision.value, decision.message))
-        elif decision.kind == "rejected":
-            problems.append(decision.message)
-    if problems:
-        raise ConfigError(problems)
+                continue
+            if aliases is not None:
+                aliases[decision.target] = key
+            key, value = decision.target, decision.value
+        out.append((key, value, text, kind == "free"))  # a '+' on a schema key is a plain override
     return out, equal
 
 
-def _get_dotted(cfg, key: str):
-    node = cfg
-    for part in key.split("."):
-        node = getattr(node, part)
-    return node
-
-
-def check_equal(cfg, equal: list[tuple[str, object, str]]) -> None:
-    """verl keys accepted only when equal to verl_lite's key (e.g. ref layout = actor layout)."""
+def check_equal(cfg, equal: list[tuple[str, object, str]]) -> list[str]:
+    """verl keys accepted only when equal to verl_lite's key (e.g. ref layout = actor layout): the problems."""
     problems = []
     for target, value, message in equal:
-        actual = _get_dotted(cfg, target)
-        same = actual == value or (value is None and actual is None)
+        actual = attrgetter(target)(cfg)
+        same = actual == value
         if not same and isinstance(actual, (int, float)) and isinstance(value, str):
-            try:
+            with contextlib.suppress(ValueError):
                 same = type(actual)(value) == actual
-            except ValueError:
-                same = False
         if not same:
             problems.append(f"{message} (it is {actual!r})")
-    if problems:
-        raise ConfigError(problems)
+    return problems
 
 
 # ---------------------------------------------------------------- compose and convert
@@ -230,6 +190,8 @@ INHERITED = (
                   "use_dynamic_bsz", "shuffle")),
     ("critic", "forward_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu"),
     ("critic", "forward_max_token_len_per_gpu", "critic.ppo_max_token_len_per_gpu"),
+    ("reward_model.model", "tokenizer_path", "reward_model.model.path"),
+    ("reward_model", "micro_batch_size_per_gpu", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"),
 )
 
 
@@ -237,29 +199,87 @@ def resolve_inherited(cfg: PPOConfig) -> PPOConfig:
     """Every "null = another key's value" of the schema (``INHERITED``), resolved in place, so the
     loaded config (and a run's config.json) holds the values that run; idempotent."""
     for section, key, source in INHERITED:
-        node = _get_dotted(cfg, section)
+        node = attrgetter(section)(cfg)
         if getattr(node, key) is None:
-            setattr(node, key, _get_dotted(cfg, source))
+            setattr(node, key, attrgetter(source)(cfg))
     return cfg
 
 
+SPLIT_STEMS = ("train", "training", "val", "valid", "validation", "test", "data")  # stems that name no task
+
+
+def _name_part(path: str, model: bool = False) -> str:
+    """A file's stem (with its directory's name when the stem only names a split: gsm8k-train), or a model
+    directory's name (a hub id's or its HF-cache snapshot's repository name), safe for a path."""
+    p = Path(str(path).rstrip("/"))
+    if model:
+        cache = p.parent.parent.name  # <HF cache>/models--Org--Name/snapshots/<revision>
+        name = cache.split("--")[-1] if p.parent.name == "snapshots" and cache.startswith("models--") else p.name
+    else:
+        name = f"{p.parent.name}-{p.stem}" if p.stem.lower() in SPLIT_STEMS and p.parent.name else p.stem
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "data"
+
+
+def default_experiment_name(cfg) -> str:
+    """trainer.experiment_name=null: ``<estimator>_<first train file>_<model>``, from the files the run uses
+    (the default job: grpo_synthetic-addition-train_tiny-addition)."""
+    files = cfg.data.train_files
+    first = files if isinstance(files, str) else (list(files) or ["data"])[0]
+    return (f"{cfg.algorithm.adv_estimator}_{_name_part(first)}_"
+            f"{_name_part(cfg.actor_rollout_ref.model.path, model=True)}")
+
+
+def default_checkpoint_dir(tr) -> str:
+    """trainer.default_local_dir=null: ``<working directory>/checkpoints/<project_name>/<experiment_name>``."""
+    return os.path.abspath(os.path.join("checkpoints", tr.project_name, tr.experiment_name))
+
+
+@contextlib.contextmanager
+def names_follow(cfg):
+    """A run name and checkpoint dir derived from the data and the model (``default_experiment_name``) follow a
+    change of them made inside the block (the Python API's ``train_dataset=`` / ``model=``)."""
+    tr = cfg.trainer
+    named, placed = tr.experiment_name == default_experiment_name(cfg), tr.default_local_dir == default_checkpoint_dir(tr)
+    yield
+    tr.experiment_name = default_experiment_name(cfg) if named else tr.experiment_name
+    tr.default_local_dir = default_checkpoint_dir(tr) if placed else tr.default_local_dir
+
+
+def use_train_data(cfg, name: str) -> None:
+    """``data.train_files`` becomes ``name`` (the Python API's train_dataset: its path or the in-memory mark);
+    the derived names follow (``names_follow``), and the shipped val split goes with the shipped train split
+    (no validation set: no validation)."""
+    with names_follow(cfg):
+        if list(cfg.data.train_files) == default_data_files()[0] and cfg.data.val_files == default_data_files()[1]:
+            cfg.data.val_files = []
+        cfg.data.train_files = name
+
+
 def _fill_builtin_defaults(cfg: PPOConfig) -> PPOConfig:
-    """None model path / data files -> the shipped assets; a single file path -> a one-element list;
-    then every inherited null resolved (``resolve_inherited``)."""
-    model = cfg.actor_rollout_ref.model
+    """None model path / data files -> the shipped assets (the shipped val split only with the shipped train
+    split: own train data without val files has no validation); a single file path -> a one-element list;
+    the run name and checkpoint dir derived from the files; HF hub ids -> their snapshot directory in the HF
+    cache (``resolve_model_dir``); then every inherited null resolved (``resolve_inherited``)."""
+    from verl_lite.engine.model_files import resolve_model_dir
+
+    model, default_job = cfg.actor_rollout_ref.model, cfg.data.train_files is None
     if model.path is None:
         model.path = default_model_path()
     train, val = default_data_files()
     if cfg.data.train_files is None:
         cfg.data.train_files = train
     if cfg.data.val_files is None:
-        cfg.data.val_files = val
+        cfg.data.val_files = val if default_job else []
     for name in ("train_files", "val_files"):
         files = getattr(cfg.data, name)
-        if isinstance(files, str):
-            setattr(cfg.data, name, [files])
-        elif not isinstance(files, list):
-            setattr(cfg.data, name, list(files))
+        setattr(cfg.data, name, [files] if isinstance(files, str) else list(files))
+    tr = cfg.trainer
+    tr.experiment_name = tr.experiment_name or default_experiment_name(cfg)
+    tr.default_local_dir = tr.default_local_dir or default_checkpoint_dir(tr)
+    for section in (model, cfg.critic.model):
+        for key in ("path", "tokenizer_path"):
+            if getattr(section, key):
+                setattr(section, key, resolve_model_dir(getattr(section, key)))
     return resolve_inherited(cfg)
 
 
@@ -297,54 +317,81 @@ def merge_recipe(node, path: str):
     unknown = [k for k in _recipe_leaves(OmegaConf.to_container(recipe), keys) if _classify(k, keys) is None]
     if unknown:
         raise ConfigError([f"--recipe {path}: {unknown_key_message(k, keys)}" for k in unknown])
-    return OmegaConf.merge(node, recipe)
+    try:
+        return OmegaConf.merge(node, recipe)
+    except Exception as e:  # noqa: BLE001 - OmegaConf's validation error: a value of the wrong type
+        key = getattr(e, "full_key", None)
+        if not key:
+            raise ConfigError([f"--recipe {path}: {e}"]) from e
+        raise ConfigError([f"--recipe {path}: {_type_problem(key, str(OmegaConf.select(recipe, key)))}"]) from e
 
 
-def _compose(node, overrides: list[str]):
-    """Hydra's compose of ``node`` (stored as ConfigStore ``ppo_trainer``) with ``overrides``."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.config_store import ConfigStore
-    from hydra.core.global_hydra import GlobalHydra
+def _type_problem(key: str, text: str) -> str:
+    """One line for an override whose value does not fit the schema's type: the key, the type expected,
+    an example (the default)."""
+    from verl_lite.config.verl_keys import render
 
-    ConfigStore.instance().store(name=CONFIG_NAME, node=node)
-    if GlobalHydra.instance().is_initialized():
-        GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
-        return compose(config_name=CONFIG_NAME, overrides=overrides)
+    tp, default = PPOConfig, PPOConfig()
+    for part in key.split("."):
+        tp = _field_types(tp)[part] if dataclasses.is_dataclass(tp) else Any
+        default = getattr(default, part, None)
+    nullable = type(None) in typing.get_args(tp)
+    base = next(t for t in typing.get_args(tp) if t is not type(None)) if nullable else tp
+    base = typing.get_origin(base) or base
+    words, example = {int: ("an integer", 16), float: ("a number", 0.5), bool: ("true or false", True),
+                      str: ("a string", "..."), list: ("a list", ["a", "b"]), tuple: ("a list", ["a", "b"]),
+                      dict: ("a mapping", {"k": "v"})}.get(base, (getattr(base, "__name__", str(base)), "..."))
+    if default is not None:
+        example = dataclasses.asdict(default) if dataclasses.is_dataclass(default) else default
+    return f"{key}={text}: expects {words}{' (or null)' if nullable else ''}, e.g. {key}={render(example).replace(', ', ',')}"
 
 
-def load_config(overrides: list[str] | None = None) -> PPOConfig:
-    """Compose the structured schema (ConfigStore `ppo_trainer`) with Hydra, apply `overrides`, return a PPOConfig.
+def _apply(node, assignments: list[tuple[str, Any, str, bool]], problems: list[str]) -> None:
+    """Each ``(key, value, text, free)`` of ``translate_overrides`` onto ``node`` as Hydra's compose applies an
+    override (``OmegaConf.update``, merging; added when under a free-form dict); a value that does not fit the
+    schema's type becomes one line in ``problems`` (the others still apply)."""
+    from omegaconf import OmegaConf
+
+    for key, value, text, free in assignments:
+        try:
+            OmegaConf.update(node, key, value, merge=True, force_add=free)
+        except Exception:  # noqa: BLE001 - OmegaConf's validation errors: the type does not fit
+            problems.append(_type_problem(key, text))
+
+
+def load_config(overrides: list[str] | None = None, problems: Problems | None = None) -> PPOConfig:
+    """The structured schema with ``overrides`` applied in order (Hydra's override grammar, applied as Hydra's
+    compose applies it), as a PPOConfig with the built-in defaults and every inherited null filled in.
 
     An item ``--recipe=FILE`` merges that YAML file of nested schema keys over what the items before it
     built (``merge_recipe``, OmegaConf.merge); the items after it override it.
 
-    Raises ConfigError naming any unknown key (plain or `+key`) and the closest valid key; a value of
-    the wrong type raises ConfigError naming the key too. Does not validate cross-key rules: call
-    `validate_config` for that.
+    Raises ConfigError naming every unknown key (plain or `+key`) with the closest valid key, and every
+    value of the wrong type (key, type, example). With a ``Problems`` collector, adds those lines (and
+    verl's aliases used) there instead and returns the config of the items that are fine (pre-flight then
+    reports everything at once). Does not validate cross-key rules: call `validate_config` for that.
     """
-    from hydra.errors import HydraException
     from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
 
-    node, pending, equal = OmegaConf.structured(PPOConfig), [], []
-    try:
-        for item in [*(overrides or []), None]:
-            if item is not None and not item.startswith(RECIPE):
-                pending.append(item)
-                continue
-            if pending or item is None:
-                composed, checks = translate_overrides(pending)
-                node, pending, equal = _compose(node, composed), [], equal + checks
-            if item is not None:
+    collected, aliases, equal = [], {}, []
+    node = OmegaConf.structured(PPOConfig)
+    for item in overrides or []:
+        if item.startswith(RECIPE):
+            try:
                 node = merge_recipe(node, item[len(RECIPE):])
-    except (HydraException, OmegaConfBaseException) as e:
-        cause = f" ({e.__cause__})" if e.__cause__ is not None else ""
-        raise ConfigError([f"{e}{cause}"]) from e
-    finally:
-        register_configs()  # the bare schema again, for the next compose
+            except ConfigError as e:
+                collected.extend(e.problems)
+            continue
+        assignments, checks = translate_overrides([item], collected, aliases)
+        _apply(node, assignments, collected)
+        equal += checks
     cfg = to_dataclass(node)
-    check_equal(cfg, equal)
+    collected.extend(check_equal(cfg, equal))
+    if problems is None and collected:
+        raise ConfigError(collected)
+    if problems is not None:
+        problems.lines += collected
+        problems.aliases.update(aliases)
     return cfg
 
 
@@ -356,9 +403,12 @@ def config_from_hydra(dict_cfg) -> PPOConfig:
         task_overrides = list(HydraConfig.get().overrides.task)
     except Exception:  # not running under hydra.main
         task_overrides = []
-    _, equal = translate_overrides(task_overrides)
+    problems: list[str] = []
+    _, equal = translate_overrides(task_overrides, problems)
     cfg = to_dataclass(dict_cfg)
-    check_equal(cfg, equal)
+    problems += check_equal(cfg, equal)
+    if problems:
+        raise ConfigError(problems)
     return cfg
 
 

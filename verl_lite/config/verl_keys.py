@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -35,7 +36,7 @@ class Rule:
     pattern: str  # fnmatch pattern over the dotted key
     kind: str  # alias | same | equal | reject
     reason: str = ""  # reject / not-same: why it does not apply and what to use
-    target: str = ""  # alias: verl_lite key ('*' in pattern -> the same tail); equal: the other key
+    target: str = ""  # alias: verl_lite key (each '*' = what the pattern's '*' there matched); equal: the other key
     accepts: Callable[[Any], bool] | None = None  # same: the values that state what verl_lite does
     value_map: dict | None = None  # alias: verl value -> verl_lite value
     effect: str = ""  # same/alias: what accepting it means here (docs)
@@ -50,54 +51,58 @@ class Decision:
     message: str = ""  # rejected: the full problem line
 
 
+def render(value) -> str:
+    """A value as Hydra override text."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    if isinstance(value, str):
+        return json.dumps(value) if not value or any(c in value for c in " ,[]{}=:'\"") else value
+    return str(value)
+
+
 def _is(*values) -> Callable[[Any], bool]:
+    """Exactly these values (a bool is no number; strings in any case)."""
     def check(v):
         return any(v == x and type(v) is type(x) or (isinstance(x, str) and isinstance(v, str) and v.lower() == x)
                    for x in values)
 
-    check.label = " / ".join(str(x).lower() if isinstance(x, bool) else str(x) for x in values)
+    check.label = " / ".join(render(x) for x in values)
     return check
 
 
-def _falsy(v) -> bool:
-    return v in (False, None, 0) and not (isinstance(v, float) and v != 0)
+def _label(label: str):
+    def named(fn):
+        fn.label = label
+        return fn
+    return named
 
 
-def _one_or_null(v) -> bool:
-    return v is None or (isinstance(v, int) and not isinstance(v, bool) and v == 1)
-
-
-def _zero(v) -> bool:
-    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0)
-
-
-def _empty(v) -> bool:
-    return v is None or v == "" or v == [] or v == {}
-
-
+@_label("an integer >= 1")
 def _positive_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
-def _null_or_verl_default(v) -> bool:
-    return v is None or v == "custom_reward_manager"
-
-
+@_label("cuda (GPU visible) / cpu (none)")
 def _device_ok(v) -> bool:
     """The device this machine runs on: cuda where a GPU is visible, else cpu."""
-    if not isinstance(v, str):
-        return False
     import torch
 
-    return v.lower() == ("cuda" if torch.cuda.is_available() else "cpu")
+    return isinstance(v, str) and v.lower() == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-_positive_int.label, _null_or_verl_default.label = "an integer >= 1", "null / custom_reward_manager"
-_falsy.label, _one_or_null.label, _zero.label, _empty.label = "false", "1 / null", "0 / null", "null / empty"
-_device_ok.label = "cuda (GPU visible) / cpu (none)"
-# the named predicates a rule's "accepts" can give (a list of values instead: exactly those, strings in any case)
-ACCEPTS = {"false": _falsy, "one_or_null": _one_or_null, "zero": _zero, "empty": _empty,
-           "positive_int": _positive_int, "null_or_verl_default": _null_or_verl_default, "device": _device_ok}
+CHECKPOINT_CONTENTS = {"model", "optimizer", "extra"}  # what every verl_lite checkpoint holds (+ the HF model)
+
+
+@_label("all of ['model', 'optimizer', 'extra'] (+ 'hf_model')")
+def _all_contents(v) -> bool:
+    """verl's checkpoint ``save_contents`` / ``load_contents`` that name what verl_lite saves and loads anyway."""
+    return isinstance(v, (list, tuple)) and CHECKPOINT_CONTENTS <= set(v) <= CHECKPOINT_CONTENTS | {"hf_model"}
+
+
+# the predicates a rule's "accepts" can name (else a name of the table's "values", or a list of values)
+ACCEPTS = {"positive_int": _positive_int, "device": _device_ok, "all_contents": _all_contents}
 
 
 def _load_rules(path: Path) -> list[Rule]:
@@ -106,11 +111,11 @@ def _load_rules(path: Path) -> list[Rule]:
     rules = []
     for pattern, kind, reason, *extra in table["rules"]:
         opts = dict(extra[0]) if extra else {}
-        if reason.startswith("$"):
-            reason = table["reasons"][reason[1:]]
+        reason = table["reasons"][reason[1:]] if reason.startswith("$") else reason
         if "accepts" in opts:
             a = opts["accepts"]
-            opts["accepts"] = ACCEPTS[a] if isinstance(a, str) else _is(*a)
+            named = isinstance(a, str) and ACCEPTS.get(a)
+            opts["accepts"] = named or _is(*(table["values"][a] if isinstance(a, str) else a))
         rules.append(Rule(pattern, kind, reason, **opts))
     return rules
 
@@ -120,17 +125,13 @@ RULES: list[Rule] = _load_rules(Path(__file__).with_name("verl_keys.json"))
 
 def rule_for(key: str) -> Rule | None:
     """The first rule whose pattern matches ``key`` (None: no rule)."""
-    for rule in RULES:
-        if fnmatch.fnmatchcase(key, rule.pattern):
-            return rule
-    return None
+    return next((rule for rule in RULES if fnmatch.fnmatchcase(key, rule.pattern)), None)
 
 
 def _aliased(rule: Rule, key: str) -> str:
-    if "*" not in rule.target:
-        return rule.target
-    head = rule.pattern.split("*", 1)[0]
-    return rule.target.replace("*", key[len(head):], 1)
+    """An alias' verl_lite key for ``key``: each '*' of the target takes what the pattern's '*' matched."""
+    matched = iter(re.fullmatch(re.escape(rule.pattern).replace(r"\*", "(.*)"), key).groups())
+    return re.sub(r"\*", lambda _: next(matched), rule.target)
 
 
 def decide(key: str, value: Any) -> Decision | None:
@@ -138,37 +139,13 @@ def decide(key: str, value: Any) -> Decision | None:
     rule = rule_for(key)
     if rule is None:
         return None
-    shown = _show(value)
     if rule.kind == "alias":
         mapped = rule.value_map.get(value, value) if rule.value_map and isinstance(value, str) else value
         return Decision("alias", key, target=_aliased(rule, key), value=mapped)
+    message = f"{key}={render(value)}: {rule.reason}" if rule.kind != "reject" else f"{key}: {rule.reason}"
     if rule.kind == "equal":
-        return Decision("equal", key, target=rule.target, value=value, message=f"{key}={shown}: {rule.reason}")
-    if rule.kind == "same":
-        if rule.accepts is not None and rule.accepts(value):
-            return Decision("accepted", key, value=value)
-        return Decision("rejected", key, value=value, message=f"{key}={shown}: {rule.reason}")
-    return Decision("rejected", key, value=value, message=f"{key}: {rule.reason}")
+        return Decision("equal", key, target=rule.target, value=value, message=message)
+    if rule.kind == "same" and rule.accepts is not None and rule.accepts(value):
+        return Decision("accepted", key, value=value)
+    return Decision("rejected", key, value=value, message=message)
 
-
-def _show(value) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return str(value)
-
-
-def render(value) -> str:
-    """A value as Hydra override text."""
-    import json
-
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (list, dict)):
-        return json.dumps(value)
-    if isinstance(value, str):
-        return json.dumps(value) if any(c in value for c in " ,[]{}=:'\"") else value
-    return str(value)

@@ -9,19 +9,32 @@ first worker exception is seen at once, even while the other ranks sit blocked i
 Any failure (an exception, a dead actor, a timeout) tears the whole group down (``ray.kill``
 every actor, free the placement group) and is re-raised on the driver as :class:`WorkerError`
 naming the rank, the method and the original traceback.
+
+A lost node (its raylet died or stopped answering Ray's health checks; Ray then fails the calls of
+every actor on it) is reported as ONE :class:`NodeLostError` naming the node, its address and the
+roles and ranks it hosted (the pool records which role runs on which ranks), also when a surviving
+rank fails first because its collective lost the connection to that node (it then waits up to
+``PEER_LOSS_GRACE_S`` for Ray to say so). The bound: Ray's node health check
+(``health_check_period_ms`` x ``health_check_failure_threshold``, ~15-30 s with Ray's defaults), and
+``trainer.worker_timeout_s`` for anything Ray never reports. A worker whose raylet
+is gone exits by itself (:func:`exit_when_orphaned`): Ray's own workers outlive a killed raylet
+while they run a task (or wait in a collective), and would be left behind on a node whose raylet
+crashed.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 from typing import Any, Sequence
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
-from verl_lite.controller.resource_pool import ResourcePool
+from verl_lite.controller.resource_pool import ResourcePool, node_address, node_alive
+from verl_lite.controller.wire import wire
 from verl_lite.utils.net import free_port
 from verl_lite.utils.quiet import worker_env
 
@@ -41,10 +54,72 @@ class WorkerError(RuntimeError):
         self.method = method
 
 
+class WorkerTimeout(WorkerError):
+    """A call did not finish within its bound (the group's ``timeout_s`` or the call's own); the group was torn down."""
+
+
+class NodeLostError(WorkerError):
+    """A Ray node of the run was lost; the message names it and the roles (and ranks) it hosted."""
+
+    def __init__(self, message: str, node_id: str, roles: dict[str, list[int]], rank: int | None = None,
+                 method: str | None = None):
+        super().__init__(message, rank=rank, method=method)
+        self.node_id, self.roles = node_id, roles
+
+
+ORPHAN_CHECK_S = 1.0
+PEER_LOSS_GRACE_S = 60.0  # how long a rank's lost connection waits for Ray to say a node was lost (health check)
+_PEER_LOSS = re.compile(r"connection (reset|closed|refused)|broken pipe|remote process exited|network error|"
+                        r"DistNetworkError|socket", re.I)
+
+
+def _is_peer_loss(cause) -> bool:
+    """Whether a worker's exception looks like a collective losing its connection to a peer."""
+    return cause is not None and bool(_PEER_LOSS.search(f"{type(cause).__name__}: {cause}"))
+
+
+def exit_when_orphaned(interval_s: float = ORPHAN_CHECK_S) -> None:
+    """In a Ray actor: exit this process (and its descendants) once the raylet that started it (its parent) is gone."""
+    parent = os.getppid()
+
+    def watch():
+        while True:
+            time.sleep(interval_s)
+            if os.getppid() != parent:
+                _kill_descendants()
+                os._exit(1)
+
+    threading.Thread(target=watch, name="verl-lite-orphan-watch", daemon=True).start()
+
+
+def _kill_descendants() -> None:
+    """SIGKILL this process's descendants (e.g. multiprocessing helpers), which ``os._exit`` would orphan."""
+    import psutil
+
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    for c in children:
+        try:
+            c.kill()
+        except psutil.Error:
+            pass
+
+
+def _in_ray_actor() -> bool:
+    try:
+        return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+    except Exception:
+        return False
+
+
 class Worker:
     """Base of every Ray worker role: remembers its rank and sets the torch.distributed env vars."""
 
     def __init__(self, rank: int, world_size: int):
+        if _in_ray_actor():
+            exit_when_orphaned()
         self.rank = rank
         self.world_size = world_size
         os.environ["RANK"] = str(rank)
@@ -71,6 +146,15 @@ class Worker:
     def pid(self) -> int:
         return os.getpid()
 
+    def call_wired(self, method: str, *args, **kwargs) -> Any:
+        """``method(*args, **kwargs)`` with its result sent back in wire form (``controller/wire.py``: tensors as
+        raw bytes, not ``torch.save``); the driver receives the result itself."""
+        return wire(getattr(self, method)(*args, **kwargs))
+
+    def node_id(self) -> str:
+        """The Ray node this worker runs on."""
+        return ray.get_runtime_context().get_node_id()
+
 
 class WorkerGroup:
     """``world_size`` Ray actors of ``worker_cls`` (a :class:`Worker` subclass) on a :class:`ResourcePool`."""
@@ -87,13 +171,18 @@ class WorkerGroup:
         local: bool | None = None,
         bundle_offset: int = 0,
         share: float = 1.0,
+        name: str | None = None,
     ):
-        """``bundle_offset``/``share``: rank r runs on bundle ``bundle_offset + r`` of ``pool`` and
-        takes ``share`` of it (roles colocated on the same bundles split them)."""
+        """``bundle_offset``/``share``: rank r runs on pool rank ``bundle_offset + r`` of ``pool`` and
+        takes ``share`` of it (roles colocated on the same ranks split them). ``name``: the role, as
+        errors name it (default: the worker class's name)."""
         self.world_size = world_size
         self.timeout_s = timeout_s
+        self.name = name or worker_cls.__name__
         self.pool = pool or ResourcePool(world_size)
         self._owns_pool = pool is None
+        self.bundle_offset = bundle_offset
+        self.pool.place(self.name, bundle_offset, world_size)
         self.actors: list = []
         self._alive = True
         env_vars = {
@@ -134,17 +223,31 @@ class WorkerGroup:
         args_per_rank: Sequence[Sequence],
         kwargs_per_rank: Sequence[dict] | None = None,
         timeout_s: float | None = None,
+        wired_results: bool = False,
     ) -> list[Any]:
-        """Call ``method`` on every rank with that rank's own arguments; results in rank order."""
+        """Call ``method`` on every rank with that rank's own arguments; results in rank order.
+
+        ``wired_results``: the workers send their results in wire form (``Worker.call_wired``: tensors as raw
+        bytes, for results that hold tensors); the caller receives the same results either way."""
         if not self._alive:
             raise WorkerError(f"the worker group was shut down; cannot call {method!r}", method=method)
         if len(args_per_rank) != self.world_size:
             raise ValueError(f"{method}: got arguments for {len(args_per_rank)} ranks, the group has {self.world_size}")
         kwargs_per_rank = kwargs_per_rank or [{}] * self.world_size
-        refs = [
-            getattr(actor, method).remote(*a, **kw) for actor, a, kw in zip(self.actors, args_per_rank, kwargs_per_rank)
-        ]
+        if wired_results:
+            refs = [actor.call_wired.remote(method, *a, **kw)
+                    for actor, a, kw in zip(self.actors, args_per_rank, kwargs_per_rank)]
+        else:
+            refs = [getattr(actor, method).remote(*a, **kw)
+                    for actor, a, kw in zip(self.actors, args_per_rank, kwargs_per_rank)]
         return self._wait(refs, method, list(range(self.world_size)), timeout_s)
+
+    def broadcast(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> list[Any]:
+        """:meth:`call_all` for large arguments every rank receives whole (weights): each put in the object
+        store once, in wire form (``controller/wire.py``), and fetched by every rank, where Ray would store
+        a copy per call of an argument over 100 KiB. The ranks receive the arguments themselves."""
+        refs = [ray.put(wire(a)) for a in args]
+        return self.call_all(method, *refs, timeout_s=timeout_s, **kwargs)
 
     def _wait(self, refs: list, method: str, ranks: list[int], timeout_s: float | None = None) -> list[Any]:
         """Gather ``refs`` as they finish; on the first failure tear the group down and raise."""
@@ -158,19 +261,34 @@ class WorkerGroup:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     waiting = sorted(rank_of[r] for r in pending)
-                    raise WorkerError(
+                    raise WorkerTimeout(
                         f"{method!r} did not finish within {timeout_s:.0f}s on worker rank(s) {waiting} "
                         f"(trainer.worker_timeout_s); the group was torn down",
                         rank=waiting[0],
                         method=method,
                     )
                 ready, pending = ray.wait(pending, num_returns=1, timeout=min(remaining, 5.0))
+                if ready and pending:  # sweep up every other result that is already in: one wait, one get
+                    more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+                    ready += more
+                if not ready:
+                    continue
+                try:
+                    values = ray.get(ready, timeout=max(1.0, deadline - time.monotonic()))
+                except RayError:
+                    values = None  # one of them failed: find which, one by one, below
+                if values is not None:
+                    results.update((rank_of[ref], v) for ref, v in zip(ready, values))
+                    continue
                 for ref in ready:
                     rank = rank_of[ref]
                     try:
                         results[rank] = ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
                     except RayTaskError as err:
                         cause = err.cause if isinstance(err.cause, BaseException) else None
+                        lost = self._peer_lost(cause, rank_of, pending, method, deadline)
+                        if lost is not None:  # this rank only saw its peer go: report the lost node
+                            raise lost from None
                         raise WorkerError(
                             f"worker rank {rank} failed in {method!r}: "
                             f"{type(cause).__name__ if cause else 'error'}: {cause}\n"
@@ -179,17 +297,65 @@ class WorkerGroup:
                             method=method,
                         ) from cause
                     except RayActorError as err:
+                        lost = self._lost_node(rank, method)
+                        if lost is not None:
+                            raise lost from None
                         raise WorkerError(
                             f"worker rank {rank} died during {method!r} (process exited or was killed): {err}",
                             rank=rank,
                             method=method,
                         ) from None
                     except GetTimeoutError:
-                        raise WorkerError(f"{method!r} on worker rank {rank} timed out", rank=rank, method=method)
+                        raise WorkerTimeout(f"{method!r} on worker rank {rank} timed out", rank=rank, method=method)
         except BaseException:
             self.shutdown()
             raise
         return [results[r] for r in ranks]
+
+    def _peer_lost(self, cause, rank_of: dict, pending: list, method: str, deadline: float) -> NodeLostError | None:
+        """After a rank failed with ``cause``: the :class:`NodeLostError` of a node of this group that is
+        dead, or that Ray reports dead within :data:`PEER_LOSS_GRACE_S` when ``cause`` is a lost
+        connection to a peer (a collective sees its peer's node go before Ray's health check does)."""
+        ranks = sorted(set(rank_of.values()))
+        here = ray.get_runtime_context().get_node_id()
+        on_other_nodes = any(self.pool.node_of(self.bundle_offset + r) not in (None, here) for r in ranks)
+        wait = on_other_nodes and _is_peer_loss(cause)  # a node of the driver's own machine is not lost alone
+        grace_end = min(deadline, time.monotonic() + (PEER_LOSS_GRACE_S if wait else 0.0))
+        while True:
+            alive = {n.get("NodeID") for n in ray.nodes() if n.get("Alive")}
+            for r in ranks:
+                node = self.pool.node_of(self.bundle_offset + r)
+                if node is not None and node not in alive:
+                    return self._lost_node(r, method)
+            if time.monotonic() >= grace_end or self._a_worker_died(pending):
+                return None  # a worker died on a live node (its own error is the cause), or no node was lost
+            time.sleep(0.25)
+
+    @staticmethod
+    def _a_worker_died(pending: list) -> bool:
+        """Whether one of the ``pending`` calls has failed because its worker died (waits ~0.25 s)."""
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0.25) if pending else ([], [])
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=1.0)
+            except RayActorError:
+                return True
+            except Exception:
+                pass
+        return False
+
+    def _lost_node(self, rank: int, method: str) -> NodeLostError | None:
+        """The :class:`NodeLostError` for rank ``rank`` when its node is dead; None when the node is alive."""
+        node = self.pool.node_of(self.bundle_offset + rank)
+        if node is None or node_alive(node):
+            return None
+        roles = self.pool.roles_on(node)
+        hosted = ", ".join(f"{role} rank{'s' if len(r) > 1 else ''} {r}" for role, r in roles.items())
+        return NodeLostError(
+            f"node {node[:12]} ({node_address(node) or 'unknown address'}) was lost during {self.name}'s "
+            f"{method!r}: it hosted {hosted}; every worker was stopped. Resume from the last complete checkpoint "
+            f"(trainer.resume_mode=auto) on the nodes left, with a trainer.nnodes and layout that fit them",
+            node_id=node, roles=roles, rank=rank, method=method)
 
     # --------------------------------------------------------------- teardown
     def shutdown(self) -> None:

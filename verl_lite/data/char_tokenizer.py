@@ -34,6 +34,26 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
+# The same template with tools (the tool-agent model, verl_lite/assets/tool-agent): the tool list as
+# `<|system|>tools:name(param,...);` before the conversation, an assistant's tool calls in the hermes
+# format (`<tool_call>{"name":...,"arguments":{...}}</tool_call>`, compact JSON) before its <eos>, and a
+# tool response as a user turn `<|user|><tool_response>{content}</tool_response>` (as Qwen2.5 renders it).
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}<|system|>tools:{% for t in tools %}{{ t['function']['name'] }}("
+    "{{ (t['function']['parameters'] or {}).get('properties', {}) | join(',') }});{% endfor %}{% endif -%}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}<|system|>{{ message['content'] }}"
+    "{% elif message['role'] == 'user' %}<|user|>{{ message['content'] }}"
+    "{% elif message['role'] == 'tool' %}<|user|><tool_response>{{ message['content'] }}</tool_response>"
+    "{% elif message['role'] == 'assistant' %}<|assistant|>{{ message['content'] or '' }}"
+    "{% for call in message['tool_calls'] or [] %}<tool_call>"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson(separators=(',', ':')) }}"
+    "</tool_call>{% endfor %}<eos>"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
 
 def char_vocab() -> dict[str, int]:
     """Token -> id: the special tokens, then printable ASCII (minus \\t\\r\\x0b\\x0c) and '\\n'."""

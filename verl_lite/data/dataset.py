@@ -1,26 +1,31 @@
-"""Parquet prompt datasets in verl's row format, chat-templated, with the overlong-prompt filter.
+"""Prompt datasets: verl's parquet rows or TRL-style rows, chat-templated, with the overlong-prompt filter.
 
-A row:
+A row (parquet file, list of dicts or HF ``datasets.Dataset``; every key but the prompt is optional):
 
-    data_source:  str                                   (routes the reward)
-    prompt:       list[{"role": str, "content": str}]   (column name = prompt_key)
-    reward_model: {"ground_truth": ..., "style": ...}   (ground_truth required)
-    extra_info:   dict | None                           (optional; passed to the reward function)
+    prompt:       list[{"role": str, "content": str}]   conversational: the chat template is applied
+                  | str                                 plain text: tokenized as it is (TRL's "standard" rows)
+                                                        (column name = prompt_key)
+    data_source:  str                                   routes the built-in scorer (default "python")
+    reward_model: {"ground_truth": ..., "style": ...}   verl's place for the ground truth ...
+    ground_truth: Any                                   ... or a column of its own (TRL style); optional
+                                                        unless the reward needs it (checked before start)
+    extra_info:   dict | None                           passed to the reward function
+    <any other column> (e.g. TRL's ``answer``)          merged into extra_info, so a reward function
+                                                        receives it as a keyword argument of that name
 
 `RLDataset(files, tokenizer, max_prompt_length)` reads every file (pyarrow), checks every row,
-renders the chat template with `add_generation_prompt=True` and tokenizes it without adding
-special tokens again. Prompts longer than max_prompt_length are dropped when
+renders a conversational prompt with the chat template (``add_generation_prompt=True``) and
+tokenizes it without adding special tokens again (a plain-text prompt is tokenized the same way,
+without a template). Prompts longer than max_prompt_length are dropped when
 filter_overlong_prompts (the count is in `num_filtered` and printed), otherwise handled by
 `truncation` ("error" raises naming the file and row, "left" keeps the last tokens, "right"
 the first). Item i is
 
-    {"prompt_ids": list[int], "data_source": str, "ground_truth": Any, "extra_info": dict,
+    {"prompt_ids": list[int], "data_source": str, "ground_truth": Any | None, "extra_info": dict,
      "index": int}   # index: position of the row in the concatenated files
 
-In-memory data (the Python API): a list of dicts or an HF ``datasets.Dataset`` instead of files.
-Such rows may also be written the short way: ``prompt`` a string (one user message),
-``ground_truth`` at the top level, ``data_source`` omitted (``"python"``), and any other key
-merged into ``extra_info`` (so reward functions receive it as a keyword argument).
+``rows_without_ground_truth`` names ("<file> row <i>") the rows that have none, ``columns`` the
+keys every item's extra_info has (what reward functions can read by name).
 
 `iterate_batches(dataset, batch_size, shuffle, seed, epoch)` yields lists of items; the order is
 a deterministic function of (seed, epoch) (the same on every process, no global RNG).
@@ -50,63 +55,67 @@ def _read_rows(path: Path, prompt_key: str) -> list[dict]:
         table = pq.read_table(path)
     except Exception as e:
         raise DataError(f"{path}: cannot be read as parquet ({type(e).__name__}: {e})") from e
-    required = (prompt_key, "data_source", "reward_model")
-    missing = [c for c in required if c not in table.column_names]
-    if missing:
+    if prompt_key not in table.column_names:
         raise DataError(
-            f"{path}: missing column(s) {missing}; found {table.column_names}. Rows need "
-            f"'{prompt_key}' (chat messages), 'data_source' and 'reward_model' ({{'ground_truth': ...}}); "
-            f"set data.prompt_key if the prompt column has another name"
+            f"{path}: missing column(s) {[prompt_key]}; found {table.column_names}. Rows need "
+            f"'{prompt_key}' (chat messages or plain text); set data.prompt_key if the prompt column has another name"
         )
     return table.to_pylist()
 
 
-def _check_row(row: dict, path: Path, i: int, prompt_key: str) -> list[dict]:
-    """Return the row's messages; raise DataError naming file and row on a bad row."""
-    where = f"{path} row {i}"
-    messages = row[prompt_key]
-    if isinstance(messages, str):
-        raise DataError(
-            f"{where}: '{prompt_key}' is a string; it must be a list of chat messages "
-            f"[{{'role': 'user', 'content': ...}}]"
-        )
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise DataError(f"{where}: '{prompt_key}' must be a non-empty list of chat messages, got {messages!r}")
-    for j, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise DataError(f"{where}: message {j} of '{prompt_key}' must be {{'role': str, 'content': str}}, got {m!r}")
-    if not any(m["content"].strip() for m in messages):
-        raise DataError(f"{where}: every message of '{prompt_key}' has empty content; give the prompt text or drop the row")
+def _check_row(row: dict, where: str, prompt_key: str) -> list[dict] | str:
+    """The normalised row's prompt (messages, or plain text); raise DataError naming file and row on a bad row."""
+    prompt = _check_prompt(row[prompt_key], where, prompt_key)
     if not isinstance(row["data_source"], str):
         raise DataError(f"{where}: 'data_source' must be a string, got {row['data_source']!r}")
-    rm = row["reward_model"]
-    if not isinstance(rm, dict) or rm.get("ground_truth") is None:
-        raise DataError(f"{where}: 'reward_model' must be a dict with a 'ground_truth', got {rm!r}")
-    extra = row.get("extra_info")
-    if extra is not None and not isinstance(extra, dict):
+    extra = row["extra_info"]
+    if not isinstance(extra, dict):
         raise DataError(f"{where}: 'extra_info' must be a dict or null, got {type(extra).__name__}")
-    return list(messages)
+    return prompt
+
+
+def _check_prompt(prompt, where: str, prompt_key: str) -> list[dict] | str:
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise DataError(f"{where}: '{prompt_key}' is empty; give the prompt text or drop the row")
+        return prompt
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        raise DataError(f"{where}: '{prompt_key}' must be plain text or a non-empty list of chat messages "
+                        f"[{{'role': 'user', 'content': ...}}], got {prompt!r}")
+    for j, m in enumerate(prompt):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: message {j} of '{prompt_key}' must be {{'role': str, 'content': str}}, got {m!r}")
+    if not any(m["content"].strip() for m in prompt):
+        raise DataError(f"{where}: every message of '{prompt_key}' has empty content; give the prompt text or drop the row")
+    return list(prompt)
 
 
 IN_MEMORY = "<in-memory dataset>"
+DEFAULT_DATA_SOURCE = "python"
 VERL_ROW_KEYS = ("data_source", "reward_model", "extra_info")
 
 
-def _in_memory_row(row: dict, i: int, prompt_key: str) -> dict:
-    """A Python-API row in verl's format (see the module docstring for the short form)."""
+def _normalize_row(row: dict, where: str, prompt_key: str) -> dict:
+    """Any accepted row (see the module docstring) as {prompt_key, data_source, ground_truth, extra_info}."""
     if not isinstance(row, dict):
-        raise DataError(f"{IN_MEMORY} row {i}: rows must be dicts, got {type(row).__name__}")
+        raise DataError(f"{where}: rows must be dicts, got {type(row).__name__}")
     if prompt_key not in row:
-        raise DataError(f"{IN_MEMORY} row {i}: no {prompt_key!r} key (keys: {sorted(row)})")
-    prompt = row[prompt_key]
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        raise DataError(f"{where}: no {prompt_key!r} key (keys: {sorted(row)}); set data.prompt_key if the prompt "
+                        f"has another name")
     reward_model = row.get("reward_model")
-    if reward_model is None and "ground_truth" in row:
-        reward_model = {"ground_truth": row["ground_truth"]}
-    extra = dict(row.get("extra_info") or {})
-    extra.update({k: v for k, v in row.items() if k not in (prompt_key, "ground_truth", *VERL_ROW_KEYS)})
-    return {prompt_key: messages, "data_source": row.get("data_source", "python"), "reward_model": reward_model,
-            "extra_info": extra}
+    if reward_model is not None and not isinstance(reward_model, dict):
+        raise DataError(f"{where}: 'reward_model' must be a dict ({{'ground_truth': ...}}) or absent, got "
+                        f"{reward_model!r}")
+    truth = (reward_model or {}).get("ground_truth")
+    if truth is None:
+        truth = row.get("ground_truth")
+    columns = {k: v for k, v in row.items() if k not in (prompt_key, "ground_truth", *VERL_ROW_KEYS)}
+    extra = row.get("extra_info")
+    if extra is None or isinstance(extra, dict):  # anything else is refused by _check_row, naming the row
+        extra = {**(extra or {}), **columns}
+    source = row.get("data_source")
+    return {prompt_key: row[prompt_key], "data_source": DEFAULT_DATA_SOURCE if source is None else source,
+            "ground_truth": truth, "extra_info": extra}
 
 
 def _sources(files) -> list[tuple[str, list[dict]]]:
@@ -119,9 +128,12 @@ def _sources(files) -> list[tuple[str, list[dict]]]:
     return [(str(f), None) for f in files]
 
 
-def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
-    """Chat template with the generation prompt, tokenized without adding special tokens twice."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+def encode_prompt(tokenizer, messages: list[dict] | str, tools: list[dict] | None = None) -> list[int]:
+    """Chat template with the generation prompt, tokenized without adding special tokens twice; a
+    plain-text prompt is tokenized as it is (no template, no special tokens added: TRL's rule).
+    ``tools`` (OpenAI function schemas, multi-turn rollouts) go to the template's ``tools=``."""
+    text = messages if isinstance(messages, str) else tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False, **({"tools": tools} if tools else {}))
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -137,6 +149,7 @@ class RLDataset:
         filter_overlong_prompts: bool = True,
         truncation: str = "error",
         verbose: bool = True,
+        tools: list[dict] | None = None,  # tool schemas rendered into every prompt (multi-turn rollouts)
     ):
         if truncation not in TRUNCATIONS:
             raise ValueError(f"truncation={truncation!r} is unknown; choose one of {TRUNCATIONS}")
@@ -147,13 +160,17 @@ class RLDataset:
         self.items: list[dict[str, Any]] = []
         self.num_rows = 0
         self.num_filtered = 0
+        self.rows_without_ground_truth: list[str] = []
         for f, memory_rows in sources:
             path = Path(f)
-            rows = (_read_rows(path, prompt_key) if memory_rows is None
-                    else [_in_memory_row(r, i, prompt_key) for i, r in enumerate(memory_rows)])
+            rows = _read_rows(path, prompt_key) if memory_rows is None else memory_rows
             for i, row in enumerate(rows):
-                messages = _check_row(row, path, i, prompt_key)
-                ids = encode_prompt(tokenizer, messages)
+                where = f"{path} row {i}"
+                row = _normalize_row(row, where, prompt_key)
+                messages = _check_row(row, where, prompt_key)
+                if row["ground_truth"] is None:
+                    self.rows_without_ground_truth.append(where)
+                ids = encode_prompt(tokenizer, messages, tools)
                 index = self.num_rows
                 self.num_rows += 1
                 if len(ids) > max_prompt_length:
@@ -171,9 +188,10 @@ class RLDataset:
                     {
                         "prompt_ids": ids,
                         "data_source": row["data_source"],
-                        "ground_truth": row["reward_model"]["ground_truth"],
-                        "extra_info": row.get("extra_info") or {},
+                        "ground_truth": row["ground_truth"],
+                        "extra_info": row["extra_info"],
                         "index": index,
+                        "messages": messages,  # the prompt as given (the agent loop's conversation starts here)
                     }
                 )
         if verbose and self.num_filtered:
@@ -184,6 +202,12 @@ class RLDataset:
                 f"{self.files}: no prompts left ({self.num_rows} rows, {self.num_filtered} longer than "
                 f"max_prompt_length={max_prompt_length}); raise data.max_prompt_length"
             )
+
+    @property
+    def columns(self) -> list[str]:
+        """The extra_info keys every item has: the row fields a reward function can read by name."""
+        keys = [set(it["extra_info"]) for it in self.items]
+        return sorted(set.intersection(*keys)) if keys else []
 
     def __len__(self) -> int:
         return len(self.items)

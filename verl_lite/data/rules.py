@@ -18,7 +18,7 @@ def data_problems(d) -> list[str]:
     for key in ("train_files", "val_files"):
         files = getattr(d, key)
         files = [files] if isinstance(files, str) else list(files or [])
-        if not files:
+        if not files and key == "train_files":  # no val_files: no validation
             p.append(f"data.{key} is empty; give one or more parquet files (or null for the built-in task)")
         p.extend(f"data.{key}: {f!r} does not exist; give an existing parquet file" for f in files if not Path(f).is_file())
     return p

@@ -438,6 +438,10 @@ def save_role_state(engine, path: str | Path, tokenizer_path: str | None = None)
               metadata={"world_size": str(_world()), "layout": json.dumps(_describe(engine)["layout"])})
     if _rank() == 0:
         write_hf_config(engine.hf_config, path / "hf_config", tokenizer_path)
+        if engine.cfg.lora is not None:
+            import dataclasses
+
+            (path / LORA_FILE).write_text(json.dumps(dataclasses.asdict(engine.cfg.lora)) + "\n")
     _barrier()
 
 
@@ -483,13 +487,19 @@ def write_hf_config(hf_config, directory: str | Path, tokenizer_path: str | None
 
 def save_hf_pretrained(engine_or_chunks, hf_config, directory: str | Path, tokenizer_path: str | None = None) -> None:
     """The model as an HF directory (``model.safetensors`` + config + tokenizer) that
-    ``AutoModelForCausalLM.from_pretrained`` loads. Collective (``export_hf`` gathers); rank 0 writes."""
+    ``AutoModelForCausalLM.from_pretrained`` loads, from an engine, chunks or a dict of full HF tensors.
+    An engine with LoRA writes the merged model and its PEFT adapter in ``<directory>/lora_adapter``.
+    Collective (``export_hf`` gathers); rank 0 writes."""
     from safetensors.torch import save_file
 
     from verl_lite.engine.hf_bridge import export_hf
 
-    if hasattr(engine_or_chunks, "export_hf"):  # an engine: a bf16 one exports its fp32 main params
-        stream = engine_or_chunks.export_hf()
+    lora = None
+    if hasattr(engine_or_chunks, "export_merged_hf"):  # an engine: a bf16 one exports its fp32 main params
+        stream = engine_or_chunks.export_merged_hf()  # with LoRA: the adapters merged into the base
+        lora = engine_or_chunks.cfg.lora
+    elif isinstance(engine_or_chunks, dict):  # full HF tensors already exported (e.g. a merged LoRA model)
+        stream = engine_or_chunks.items()
     else:
         stream = export_hf(engine_or_chunks, hf_config)
     tensors = {}
@@ -500,7 +510,24 @@ def save_hf_pretrained(engine_or_chunks, hf_config, directory: str | Path, token
         directory = Path(directory)
         write_hf_config(hf_config, directory, tokenizer_path)
         save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    if lora is not None:  # and the adapter itself, in PEFT's format, next to the merged model
+        save_lora_adapter(engine_or_chunks.chunks, lora, Path(directory) / LORA_ADAPTER_DIR,
+                          base_model_path=getattr(engine_or_chunks.cfg, "model_path", None))
     _barrier()
+
+
+LORA_ADAPTER_DIR = "lora_adapter"  # <hf export>/lora_adapter: adapter_config.json + adapter_model.safetensors
+LORA_FILE = "lora.json"  # <role checkpoint>/lora.json: the engine's LoraConfig fields (rebuilds the adapters)
+
+
+def save_lora_adapter(chunks, lora, directory, base_model_path=None) -> None:
+    """The chunks' adapters as a PEFT adapter directory (``peft.PeftModel.from_pretrained(base, directory)``).
+    Collective (the factors are gathered); rank 0 writes."""
+    from verl_lite.engine.lora import export_adapter_state, save_peft_adapter
+
+    state = export_adapter_state(chunks)
+    if _rank() == 0:
+        save_peft_adapter(directory, lora, state, base_model_path=base_model_path)
 
 
 def load_model_only(chunks, directory: str | Path) -> None:

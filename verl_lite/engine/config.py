@@ -79,6 +79,8 @@ class EngineConfig:
         precision: bf16 weights and activations (``Float16Module``), fp32 main parameters in the
         optimizer, fp32 gradient accumulation and reduction (DDP ``grad_reduce_in_fp32``), logits
         cast to fp32 before log-probs/entropy/values, so every loss is computed in fp32.
+    lora: ``engine.lora.LoraConfig`` (adapters on the targeted linears, the base frozen;
+        a critic's value head still trains whole) or None.
     attention_backend: THD core attention kernel: "auto" (flash-attn varlen when CUDA, the
         ``flash_attn`` package and a 16-bit dtype are all present, else SDPA), "sdpa" (always SDPA),
         "flash" (flash-attn, an error where it cannot run). See ``attention.select_attention_backend``.
@@ -94,6 +96,7 @@ class EngineConfig:
     params_dtype: str = field(kw_only=True)
     attention_backend: str = "auto"
     model_overrides: dict[str, Any] = field(default_factory=dict)
+    lora: Any = None  # engine.lora.LoraConfig: adapters on a frozen base (None: every parameter trains)
 
     def __post_init__(self):
         from pathlib import Path
@@ -128,6 +131,8 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.attention_backend={self.attention_backend!r}; choose one of {ATTENTION_BACKENDS}"
             )
+        if self.lora is not None and type(self.lora).__name__ != "LoraConfig":
+            raise TypeError(f"EngineConfig.lora must be an engine.lora.LoraConfig or None, got {type(self.lora).__name__}")
         if not isinstance(self.optim, OptimConfig) and not (self.forward_only and self.optim is None):
             raise TypeError(f"EngineConfig.optim must be an OptimConfig (None only with forward_only), "
                             f"got {type(self.optim).__name__}")

@@ -53,30 +53,15 @@ class ParallelConfig:
 
     def validate(self, world_size: int | None = None) -> "ParallelConfig":
         """Raise ValueError naming the problem and the fix; return self when the layout is valid."""
-        for name in ("tp", "pp", "cp", "ep", "etp"):
+        from verl_lite.engine.rules import layout_problems
+
+        for name in ("ep", "etp"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"parallel.{name}={v!r} must be an integer >= 1")
-        if self.vpp is not None:
-            if not isinstance(self.vpp, int) or self.vpp < 2:
-                raise ValueError(
-                    f"parallel.vpp={self.vpp!r}: virtual pipeline size must be an integer >= 2, "
-                    "or None to disable virtual pipelining"
-                )
-            if self.pp < 2:
-                raise ValueError(
-                    f"parallel.vpp={self.vpp} needs pipeline parallelism (pp > 1), got pp={self.pp}; "
-                    "set vpp=None or pp >= 2"
-                )
-        if self.sequence_parallel and self.tp < 2:
-            raise ValueError("parallel.sequence_parallel=True needs tp > 1; set sequence_parallel=False or tp >= 2")
-        if not self.timeout_s or self.timeout_s <= 0:
-            raise ValueError(f"parallel.timeout_s={self.timeout_s!r} must be a positive number of seconds")
-        if world_size is not None and world_size % self.model_parallel_size:
-            raise ValueError(
-                f"world size {world_size} is not divisible by tp*pp*cp = {self.tp}*{self.pp}*{self.cp} "
-                f"= {self.model_parallel_size}; change the number of processes or the layout"
-            )
+        problems = layout_problems("parallel", vars(self), world_size)
+        if problems:
+            raise ValueError("; ".join(problems))
         if self.etp != 1:
             raise ValueError(
                 f"parallel.etp={self.etp}: expert tensor parallelism > 1 is not supported yet (the HF bridge "

@@ -213,7 +213,15 @@ class MegatronEngine:
         )
         self._check_p2p_settings()
         self.chunks = build_model_chunks(self.hf_config, self.tf_config, value_head=cfg.value_head)
+        if cfg.forward_only:  # nothing trains: megatron's frozen-weight linears (the same kernels as a LoRA base)
+            for chunk in self.chunks:
+                chunk.requires_grad_(False)
+        if cfg.lora is not None:  # freeze the base, attach the adapters (engine/lora.py)
+            from verl_lite.engine.lora import add_adapters
+
+            add_adapters(self.chunks, self.hf_config, cfg.lora, cfg.seed)
         load_hf_weights(self.chunks, cfg.model_path, self.hf_config)
+        self._adapter_source = self._initial_adapter_state()
         self.output_names = VALUE_OUTPUTS if cfg.value_head else LM_OUTPUTS
         self._reduced_token_count: int | None = None
 
@@ -227,6 +235,8 @@ class MegatronEngine:
             self._build_optimizer()
             if self.mixed_precision:
                 self._load_main_params(cfg.model_path)
+        if self._adapter_source is not None:
+            self.load_adapter(self._adapter_source, reset_optimizer=False)
 
     # ------------------------------------------------------------------ set-up
     def _check_p2p_settings(self):
@@ -263,6 +273,8 @@ class MegatronEngine:
         from verl_lite.engine.hf_bridge import load_hf_weights
 
         def into_main(param, full: torch.Tensor) -> None:
+            if not param.requires_grad:  # frozen (a LoRA base): no main copy, its bf16 weight is used as is
+                return
             main = getattr(param, "main_param", None)
             if getattr(param, "main_param_sharded", False):
                 if main is not None:
@@ -667,6 +679,81 @@ class MegatronEngine:
             self._build_optimizer()
         if self.optimizer is not None and self.mixed_precision:
             self._load_main_params(state_dict_or_dir)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def _initial_adapter_state(self) -> dict | None:
+        """The adapters' starting factors (PEFT-named, full): ``lora.adapter_path``'s, or the fresh draw."""
+        if self.cfg.lora is None:
+            return None
+        from verl_lite.engine import lora
+
+        if self.cfg.lora.adapter_path:
+            config, tensors = lora.read_peft_adapter(self.cfg.lora.adapter_path)
+            lora.check_adapter_matches(self.cfg.lora, config, self.cfg.lora.adapter_path)
+            return tensors
+        return None if self.cfg.forward_only else {}
+
+    def load_adapter(self, state_or_dir, reset_optimizer: bool = True) -> None:
+        """Overwrite the LoRA factors from PEFT-named full tensors or a PEFT adapter directory (a trainable
+        bf16 engine also writes them, unrounded, into its fp32 main parameters); ``reset_optimizer``: fresh
+        Adam state. An empty dict keeps the current factors."""
+        from verl_lite.engine import lora
+
+        if self.cfg.lora is None:
+            raise RuntimeError("load_adapter on an engine without LoRA (EngineConfig.lora is None)")
+        state = state_or_dir if isinstance(state_or_dir, dict) else lora.read_peft_adapter(state_or_dir)[1]
+        if not state:
+            return
+        lora.load_adapter_state(self.chunks, state)
+        if self.optimizer is not None and reset_optimizer:
+            for m in self.model:
+                m.zero_grad_buffer()
+            self._build_optimizer()
+        if self.optimizer is not None and self.mixed_precision:
+            def into_main(param, shard):
+                main = param.main_param
+                if getattr(param, "main_param_sharded", False):
+                    if main is not None:
+                        start, end = self._main_param_shard_range(param)
+                        main.copy_(shard.reshape(-1)[start:end].to(main.dtype))
+                else:
+                    main.copy_(shard.to(main.dtype))
+
+            with torch.no_grad():
+                lora.load_adapter_state(self.chunks, state, copy_fn=into_main)
+
+    def export_adapter(self, attr: str = "param") -> dict:
+        """The LoRA factors as full PEFT-named float32 tensors on every rank (``attr="main_grad"``: their
+        reduced gradients; with the distributed optimizer only valid on each rank's shard). Collective."""
+        from verl_lite.engine import lora
+        from verl_lite.engine.hf_bridge import _tensor_of
+
+        if self.cfg.lora is None:
+            raise RuntimeError("export_adapter on an engine without LoRA (EngineConfig.lora is None)")
+        if attr == "param" and self.mixed_precision and self.optimizer is not None:
+            read = self._full_main_param
+        else:
+            read = partial(_tensor_of, attr=attr)
+        return lora.export_adapter_state(self.chunks, read=lambda p: read(p))
+
+    def export_merged_hf(self):
+        """Iterator of (hf_name, full tensor) of the model with the adapters merged (W + scaling B A):
+        what a rollout engine or an HF export receives. Without LoRA: :meth:`export_hf`. Collective."""
+        if self.cfg.lora is None:
+            yield from self.export_hf()
+            return
+        from verl_lite.engine.lora import merge_into
+
+        adapter = self.export_adapter()
+        yield from merge_into(self.export_hf(), adapter, self.cfg.lora.scaling)
+
+    def adapters_disabled(self):
+        """Context manager: inside, the engine computes its base model (LoRA's KL reference); a no-op without LoRA."""
+        import contextlib
+
+        from verl_lite.engine.lora import adapters_disabled
+
+        return adapters_disabled(self.chunks) if self.cfg.lora is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory) -> None:

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from verl_lite.engine.model import _get, head_dim, num_experts, unwrap_model
+from verl_lite.engine.lora import is_adapter_name
 from verl_lite.engine.vocab_parallel import padded_vocab_size
 
 # ------------------------------------------------------------------------------------------
@@ -340,7 +341,7 @@ def load_hf_weights(chunks, hf_model_dir_or_state_dict: str | os.PathLike | Mapp
                 copy_fn(p, t.to(device=p.device))
             else:
                 p.data.copy_(t.to(dtype=p.dtype, device=p.device))
-        unmapped = sorted(set(params) - covered)
+        unmapped = sorted(n for n in set(params) - covered if not is_adapter_name(n))  # adapters: engine/lora.py
         if unmapped:
             raise KeyError(f"model parameters with no HF mapping: {unmapped}")
 

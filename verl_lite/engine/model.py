@@ -28,10 +28,10 @@ import torch.nn.functional as F
 from verl_lite.engine.attention import PackedCoreAttention
 from verl_lite.engine.distributed import ParallelConfig
 from verl_lite.engine.moe import RouterLossCoefficients
+from verl_lite.engine.rules import MOE_MODEL_TYPES
 from verl_lite.engine.vocab_parallel import padded_vocab_size
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe")
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")  # every layer sparse (decoder_sparse_step=1, no mlp_only_layers)
 
 
 def is_moe(hf_config) -> bool:

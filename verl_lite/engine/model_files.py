@@ -2,17 +2,87 @@
 reads the model: config.json parses and has the architecture fields, and the vocabulary rows of the
 weights (from the safetensors headers: tensor names and shapes, no tensor is read) match its vocab_size.
 
+``model.path`` may also be an HF hub id: :func:`resolve_model_dir` (called by the config loader) turns it into
+its snapshot directory in the HF cache, and :func:`model_dir_problem` says why one could not be fetched.
+
 Each ``*_problems`` function takes ``key`` (the caller's name of the model path) and returns one line
 per problem, naming the file and the fix; ``verl_lite.config.preflight`` collects them for a run.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")  # [vocab_size, hidden] in an HF causal LM
 SAFETENSORS_MAX_HEADER = 100_000_000  # bytes; safetensors' own limit
+
+
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]  # what the engine reads
+
+
+def looks_like_hub_id(path: str | None) -> bool:
+    """Not an existing local path, and a valid HF hub repository id (``name`` or ``org/name``)."""
+    if not path or Path(path).expanduser().exists():
+        return False
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _hub_env() -> tuple:
+    """(offline?, cache dir, endpoint): what huggingface_hub read from HF_HUB_OFFLINE / HF_HUB_CACHE / HF_ENDPOINT."""
+    from huggingface_hub import constants
+
+    return constants.is_offline_mode(), constants.HF_HUB_CACHE, constants.ENDPOINT
+
+
+@functools.lru_cache(maxsize=None)
+def _hub_snapshot(repo_id: str, env: tuple) -> tuple[str | None, str | None]:
+    """(snapshot directory, None) or (None, why not): ``huggingface_hub.snapshot_download`` of the model's files
+    into the HF cache (downloaded once; a cached snapshot is used offline). ``env``: the cache key."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return snapshot_download(repo_id, allow_patterns=HUB_FILES), None
+    except GatedRepoError:
+        return None, "is a gated model on the Hugging Face hub: accept its terms there and log in (hf auth login)"
+    except RepositoryNotFoundError:
+        return None, "is neither a local directory nor a model on the Hugging Face hub"
+    except LocalEntryNotFoundError:
+        why = "HF_HUB_OFFLINE is set" if env[0] else "there is no network"
+        return None, f"is neither a local directory nor in the HF cache, and {why}, so it cannot be downloaded"
+    except Exception as e:  # noqa: BLE001 - anything else the hub client raises
+        return None, f"could not be fetched from the Hugging Face hub ({type(e).__name__}: {e})"
+
+
+def resolve_model_dir(path: str) -> str:
+    """``path`` itself when it is a local path (or not a hub id); an HF hub id -> its snapshot directory in the
+    HF cache (verl resolves ``model.path`` the same way). When the hub id cannot be fetched, the id itself:
+    :func:`model_dir_problem` then says why."""
+    if not looks_like_hub_id(path):
+        return path
+    local, _ = _hub_snapshot(path, _hub_env())
+    return local or path
+
+
+def model_dir_problem(key: str, path: str | None, null_means: str = "the shipped tiny model") -> str | None:
+    """One line when ``path`` is no HF model directory (no config.json): for a hub id, why it was not fetched
+    and how to pass a local directory instead; ``null_means``: what the key's null stands for."""
+    if path and (Path(path) / "config.json").is_file():
+        return None
+    why = _hub_snapshot(path, _hub_env())[1] if looks_like_hub_id(path) else None
+    if why:
+        return (f"{key}={path!r} {why}; download it where there is network (hf download {path} --local-dir DIR) "
+                f"and pass the local directory: {key}=DIR")
+    return (f"{key}={path!r} is not an HF model directory (no config.json); give a local HF model dir, "
+            f"an HF hub id, or null for {null_means}")
 
 
 def read_config(model_path: str | None) -> dict | None:

@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-ROUTER_LOSS_KEYS = ("moe_aux_loss_coeff", "moe_z_loss_coeff")
 
 
 @dataclass(frozen=True)

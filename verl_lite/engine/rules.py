@@ -22,6 +22,10 @@ ATTENTION_BACKENDS = ("auto", "flash", "sdpa")
 MEGATRON_ATTENTION_NAMES = {"auto": "auto", "flash": "flash", "unfused": "sdpa", "local": "sdpa", "sdpa": "sdpa"}
 
 
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")  # every layer sparse (decoder_sparse_step=1, no mlp_only_layers)
+ROUTER_LOSS_KEYS = ("moe_aux_loss_coeff", "moe_z_loss_coeff")  # the router losses' override keys
+
+
 def canonical_dtype(name: str) -> str:
     """'bf16' -> 'bfloat16', 'fp32' -> 'float32' (verl's spellings); other names unchanged."""
     return DTYPE_ALIASES.get(str(name).lower(), str(name).lower())
@@ -101,7 +105,6 @@ _OVERRIDE_ENGINE_OWNED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_a
 
 
 def _override_problem(k: str, name: str, value, dtype: str, cuda: bool) -> str | None:
-    from verl_lite.engine.moe import ROUTER_LOSS_KEYS
 
     if name == "attention_backend":
         return attention_backend_problem(k, value, dtype)
@@ -148,8 +151,6 @@ def transformer_override_problems(key: str, overrides: dict, dtype: str, cuda: b
 def router_loss_recompute_problems(key: str, model_cfg: dict | None, overrides: dict, recompute_key: str) -> list[str]:
     """MoE router losses and activation recompute are not built together (the recomputed router forward would
     see another micro-batch's token map): rejected before start, as the engine would at step 1."""
-    from verl_lite.engine.model import MOE_MODEL_TYPES
-    from verl_lite.engine.moe import ROUTER_LOSS_KEYS
 
     moe = model_cfg is not None and model_cfg.get("model_type") in MOE_MODEL_TYPES
     router = [k for k in ROUTER_LOSS_KEYS if overrides.get(k)]
@@ -159,11 +160,59 @@ def router_loss_recompute_problems(key: str, model_cfg: dict | None, overrides: 
     return []
 
 
+# ParallelConfig's fields -> the names of a config's megatron section
+MEGATRON_NAMES = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
+                  "vpp": "virtual_pipeline_model_parallel_size", "cp": "context_parallel_size",
+                  "sequence_parallel": "sequence_parallel", "timeout_s": "timeout_s"}
+
+
+def layout_problems(key: str, layout: dict, world: int | None, workers: str = "the {world} processes",
+                    model_cfg: dict | None = None, names: dict | None = None) -> list[str]:
+    """The rules of one TP x PP (x VPP) x CP layout over ``world`` ranks (None: not checked), one line each.
+
+    ``layout``: ParallelConfig's fields (tp, pp, vpp, cp, sequence_parallel, timeout_s); ``names``: how
+    ``key`` names them (default: as ParallelConfig does; ``MEGATRON_NAMES`` for a config's megatron section);
+    ``model_cfg``: the model's config.json, whose layers must divide by pp x vpp and whose attention heads by tp
+    (TP and the KV heads divide one another: megatron replicates KV heads when TP exceeds them)."""
+    def name(field: str) -> str:
+        return f"{key}.{(names or {}).get(field, field)}"
+
+    tp, pp, vpp, cp = (layout[f] for f in ("tp", "pp", "vpp", "cp"))
+    bad = [f for f, v in (("tp", tp), ("pp", pp), ("cp", cp)) if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+    out = [f"{name(f)}={layout[f]!r} must be an integer >= 1" for f in bad]
+    if vpp is not None:
+        if not isinstance(vpp, int) or vpp < 2:
+            out.append(f"{name('vpp')}={vpp} must be >= 2 (model chunks per pipeline rank) or null")
+        elif not bad and pp < 2:
+            out.append(f"{name('vpp')}={vpp} needs {(names or {}).get('pp', 'pp')} > 1 (got {pp}); set it to null "
+                       f"or raise pp")
+    if layout["sequence_parallel"] and not bad and tp < 2:
+        out.append(f"{name('sequence_parallel')}=true needs {(names or {}).get('tp', 'tp')} > 1 (got {tp}); set it "
+                   f"to false")
+    if not layout["timeout_s"] or layout["timeout_s"] <= 0:
+        out.append(f"{name('timeout_s')}={layout['timeout_s']} must be > 0 seconds (a stuck collective fails after it)")
+    if bad:
+        return out
+    if world is not None and world >= 1 and world % (tp * pp * cp):
+        out.append(f"{workers.format(world=world)} must divide by tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp}; change "
+                   f"{key}.tensor/pipeline/context_parallel_size or the worker count")
+    if model_cfg is not None:
+        layers, heads = model_cfg.get("num_hidden_layers"), model_cfg.get("num_attention_heads")
+        kv_heads = model_cfg.get("num_key_value_heads") or heads
+        stages = pp * (vpp if isinstance(vpp, int) and vpp >= 2 else 1)
+        if layers is not None and layers % stages:
+            out.append(f"the model's {layers} layers must divide by pp x vpp = {pp} x {vpp or 1} = {stages}; change "
+                       f"{name('pp')} / {(names or {}).get('vpp', 'vpp')}")
+        if heads is not None and (heads % tp or (kv_heads % tp and tp % kv_heads)):
+            out.append(f"{name('tp')}={tp} must divide the model's attention heads ({heads}), and TP and the "
+                       f"key/value heads ({kv_heads}) must divide one another (megatron replicates KV heads when TP "
+                       f"exceeds them)")
+    return out
+
+
 def moe_layout_problems(key: str, mg, world: int, model_cfg: dict | None) -> list[str]:
     """Expert parallelism (``expert_model_parallel_size`` / ``expert_tensor_parallel_size`` of the megatron
     section ``mg``) and the router-loss overrides: EP > 1 and router losses only for a mixture-of-experts model."""
-    from verl_lite.engine.model import MOE_MODEL_TYPES
-    from verl_lite.engine.moe import ROUTER_LOSS_KEYS
 
     ep, etp = mg.expert_model_parallel_size, mg.expert_tensor_parallel_size
     tp, pp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size
@@ -192,3 +241,65 @@ def moe_layout_problems(key: str, mg, world: int, model_cfg: dict | None) -> lis
             out.append(f"{key}: a mixture-of-experts model with tensor_model_parallel_size={tp} needs "
                        "sequence_parallel=true (megatron's token dispatcher splits the tokens over TP)")
     return out
+
+
+# ------------------------------------------------------------------------------------------ LoRA
+LORA_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+LORA_MLP = ("gate_proj", "up_proj", "down_proj")
+LORA_ALL_LINEAR = LORA_ATTENTION + LORA_MLP
+# a user's target name -> the HF projections it means: HF names, PEFT's all-linear, megatron's fused
+# linears (which mean every projection they fuse) and verl's canonical megatron names
+LORA_TARGETS = {
+    **{p: (p,) for p in LORA_ALL_LINEAR},
+    "all-linear": LORA_ALL_LINEAR,
+    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
+    "linear_q": ("q_proj",), "linear_k": ("k_proj",), "linear_v": ("v_proj",),
+    "linear_proj": ("o_proj",),
+    "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc1_gate": ("gate_proj",), "linear_fc1_up": ("up_proj",),
+    "linear_fc2": ("down_proj",),
+}
+# verl's lora.type values that mean what the engine builds: one adapter per HF projection
+LORA_TYPES = ("lora", "canonical_lora")
+
+
+def as_names(value) -> list[str]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else [str(v) for v in value]
+
+
+def lora_projections(target_modules, exclude_modules) -> tuple[str, ...]:
+    """The HF projections that get an adapter (in ``LORA_ALL_LINEAR`` order); unknown names are skipped."""
+    chosen = {p for t in as_names(target_modules) for p in LORA_TARGETS.get(t, ())}
+    chosen -= {p for t in as_names(exclude_modules) for p in LORA_TARGETS.get(t, ())}
+    return tuple(p for p in LORA_ALL_LINEAR if p in chosen)
+
+
+def lora_problems(key: str, lora, allow_off: bool = False) -> list[str]:
+    """The rules of a LoRA setting (``key`` names it, e.g. ``actor_rollout_ref.model.lora``): for the config's
+    section its type and merge, always; with ``rank`` > 0 (LoRA on) alpha, dropout, module names and a target
+    left. ``allow_off``: rank 0 is accepted (the config's "no LoRA"), else rank must be > 0 (the engine's)."""
+    out = []
+    if getattr(lora, "type", "lora") not in LORA_TYPES:
+        out.append(f"{key}.type={lora.type!r} is not built (DoRA / VLM LoRA); use one of {LORA_TYPES} (both build "
+                   f"one adapter per HF projection, as PEFT does)")
+    if getattr(lora, "merge", True) is not True:
+        out.append(f"{key}.merge=false (vLLM's LoRA-adapter path) is not built: the rollout always receives merged "
+                   f"weights; set it true or drop it")
+    if allow_off and lora.rank == 0:
+        return out
+    if int(lora.rank) <= 0:
+        out.append(f"{key}.rank must be > 0 to build adapters{' (0 = no LoRA)' if allow_off else ''}, got {lora.rank}")
+    if not float(lora.alpha) > 0:
+        out.append(f"{key}.alpha must be > 0, got {lora.alpha}")
+    if not 0.0 <= float(lora.dropout) < 1.0:
+        out.append(f"{key}.dropout must lie in [0, 1), got {lora.dropout}")
+    for field in ("target_modules", "exclude_modules"):
+        bad = [n for n in as_names(getattr(lora, field)) if n not in LORA_TARGETS]
+        if bad:
+            out.append(f"{key}.{field} has unknown module names {bad}; choose from {sorted(LORA_TARGETS)}")
+    if not out and not lora_projections(lora.target_modules, lora.exclude_modules):
+        out.append(f"{key}.target_modules={as_names(lora.target_modules)} minus exclude_modules leaves no module")
+    return out
+

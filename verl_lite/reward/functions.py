@@ -9,9 +9,11 @@ Each function is called ONCE per batch with the keyword arguments its signature 
 
     prompts       the decoded prompt (chat template applied), as the model saw it
     completions   the decoded response (special tokens skipped)
-    ground_truth  the row's ground truth
+    ground_truth  the row's ground truth (None where a row has none)
     data_source   the row's data source
-    extra_info    the row's extra_info dict, and each of its keys as a keyword of its own
+    extra_info    the row's extra_info dict, and each of its keys as a keyword of its own: every
+                  dataset column other than the prompt, data_source and reward_model arrives there,
+                  so TRL-style rows' ``answer`` column is the keyword ``answer``
 
 It returns one number per sample (or a dict with ``"score"`` per sample). Async functions of a
 batch run concurrently. The step's score is sum_k weight_k * f_k; every function's own scores
@@ -83,6 +85,18 @@ class RewardFunctions:
 
     def signature_problem(self) -> None:
         return None
+
+    builtin = False
+
+    def required_inputs(self) -> dict[str, list[str]]:
+        """Per function, the keyword arguments it cannot run without (its parameters without a default),
+        checked against the dataset's columns before the run starts."""
+        out = {}
+        for name, fn in zip(self.names, self.funcs):
+            params = inspect.signature(fn).parameters.values()
+            out[name] = [p.name for p in params if p.default is inspect.Parameter.empty
+                         and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        return out
 
     def _kwargs(self, responses, data_sources, ground_truths, extra_infos, prompts) -> dict[str, list]:
         decode = lambda ids: self.tokenizer.decode(list(ids), skip_special_tokens=True)  # noqa: E731

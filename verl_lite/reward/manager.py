@@ -127,6 +127,16 @@ class RewardManager:
                 f"(reward.reward_manager={self.mode}): {problem}; add the missing parameters to the function or "
                 f"remove the extra keys from {KEY}.reward_kwargs"])
 
+    @property
+    def builtin(self) -> bool:
+        """True when the built-in scorer (``default_compute_score``) grades the run."""
+        return self.fn_name == "verl_lite.reward.default_compute_score"
+
+    def required_inputs(self) -> dict[str, list[str]]:
+        """Per function, the row fields it cannot score without: the built-in scorer needs the ground
+        truth; a function in verl's signature receives ``ground_truth=None`` where a row has none."""
+        return {self.fn_name: ["ground_truth"]} if self.builtin else {}
+
     def pids(self) -> list[int]:
         """Process ids of the reward process (empty when the reward runs in the driver)."""
         pid = getattr(self.runner, "pid", lambda: None)()

@@ -142,14 +142,22 @@ def boxed_math_score(solution_str: str, ground_truth: str) -> float:
 _MATH_SOURCES = ("math", "aime", "amc", "olympiad", "boxed")
 
 
+def builtin_scorer(data_source: str):
+    """The built-in scorer ``(solution_str, ground_truth) -> float`` for ``data_source``; None if there is none."""
+    if data_source == SYNTHETIC_ADDITION:
+        return score_addition
+    if data_source in ("openai/gsm8k", "gsm8k") or "gsm8k" in data_source.lower():
+        return gsm8k_score
+    if any(k in data_source.lower() for k in _MATH_SOURCES):
+        return boxed_math_score
+    return None
+
+
 def default_compute_score(data_source: str, solution_str: str, ground_truth, extra_info=None) -> float:
     """Route on data_source to a built-in scorer; unknown sources raise NotImplementedError naming the fix."""
-    if data_source == SYNTHETIC_ADDITION:
-        return score_addition(solution_str, ground_truth)
-    if data_source in ("openai/gsm8k", "gsm8k") or "gsm8k" in data_source.lower():
-        return gsm8k_score(solution_str, ground_truth)
-    if any(k in data_source.lower() for k in _MATH_SOURCES):
-        return boxed_math_score(solution_str, ground_truth)
+    scorer = builtin_scorer(data_source)
+    if scorer is not None:
+        return scorer(solution_str, ground_truth)
     raise NotImplementedError(
         f"no built-in scorer for data_source={data_source!r} (built-in: {SYNTHETIC_ADDITION}, openai/gsm8k, "
         f"MATH-style sources containing {_MATH_SOURCES}); set reward.custom_reward_function.path/name"

@@ -35,8 +35,9 @@ from typing import Iterable
 import torch
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set logits outside the top-k and outside the top-p nucleus to -inf ([b, V], already temperature-scaled)."""
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """Set logits outside the top-k, outside the top-p nucleus and below ``min_p`` x the top token's
+    probability to -inf ([b, V], already temperature-scaled; HF's warpers in HF's order)."""
     if top_k is not None and top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -47,7 +48,18 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
         drop_sorted = (probs.cumsum(-1) - probs) >= top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if min_p is not None and min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
     return logits
+
+
+def _penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """HF's repetition penalty: the logit of every token already in the sequence (``seen`` [b, V] bool)
+    divided by ``penalty`` where positive, multiplied where negative (sign-preserving, so it commutes
+    with the temperature)."""
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalized, logits)
 
 
 _M32 = 0xFFFFFFFF
@@ -166,9 +178,19 @@ class HFRollout:
         max_new_tokens: int = 16,
         seed: int | None = None,
         seeds: list[int] | None = None,
+        repetition_penalty: float = 1.0,
+        min_p: float = 0.0,
+        stop: list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
     ) -> list[dict]:
         """Sample n responses per prompt in one batched call; see the module docstring for the
-        output contract and for how ``seed`` / ``seeds`` (one per prompt) key the random draws."""
+        output contract and for how ``seed`` / ``seeds`` (one per prompt) key the random draws.
+
+        Beyond the protocol (``generation_kwargs`` of the Python API, as HF ``generate`` names them):
+        ``repetition_penalty`` (HF's, over prompt + response tokens) and ``min_p`` shape which token is
+        drawn (greedy too, for the penalty); the reported log-probs stay log p_T of the unshaped
+        logits, as with top-k / top-p. ``stop`` (strings) ends a response at the token that completes
+        one of them, ``stop_token_ids`` at one of those tokens (both kept in the response, as EOS is)."""
         if n < 1:
             raise ValueError(f"generate: n={n} must be >= 1")
         if max_new_tokens < 1:
@@ -184,7 +206,9 @@ class HFRollout:
         # generation needs no __torch_function__ overrides: skip any global mode (e.g. the engine's
         # CPU adapter in a colocated worker), which would cost one Python hop per torch call
         with torch._C.DisableTorchFunction():
-            return self._generate(prompt_ids, n, do_sample, temperature, top_p, top_k, max_new_tokens, seed, seeds)
+            return self._generate(prompt_ids, n, do_sample, temperature, top_p, top_k, max_new_tokens, seed, seeds,
+                                  shaping=(float(repetition_penalty), float(min_p or 0.0)),
+                                  stops=([stop] if isinstance(stop, str) else list(stop or []), list(stop_token_ids or [])))
 
     def _prefill(self, prompt_ids: list[list[int]], n: int):
         """The prompts' forward, ONE row per prompt: its n samples share it (their KV cache rows and
@@ -206,8 +230,22 @@ class HFRollout:
         return (ids.repeat_interleave(n, dim=0), attn.repeat_interleave(n, dim=0), past,
                 logits.repeat_interleave(n, dim=0))
 
-    def _generate(self, prompt_ids, n, do_sample, temperature, top_p, top_k, max_new_tokens, seed, seeds) -> list[dict]:
+    def _stopped_by_string(self, tokens: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor,
+                           stop: list[str]) -> torch.Tensor:
+        """[len(rows)] bool: the response of each row ends in one of ``stop`` (only its last tokens are
+        decoded: a stop string that completed earlier would have stopped the row then)."""
+        window = 4 * max(len(s) for s in stop) + 4
+        out = []
+        for r in rows.tolist():
+            k = int(lengths[r])
+            tail = self.tokenizer.decode(tokens[r, max(0, k - window):k].tolist(), skip_special_tokens=False)
+            out.append(any(s in tail for s in stop))
+        return torch.tensor(out, dtype=torch.bool, device=tokens.device)
+
+    def _generate(self, prompt_ids, n, do_sample, temperature, top_p, top_k, max_new_tokens, seed, seeds,
+                  shaping=(1.0, 0.0), stops=((), ())) -> list[dict]:
         scale = float(temperature) if temperature and temperature > 0 else 1.0
+        (repetition_penalty, min_p), (stop, stop_ids) = shaping, stops
 
         b = len(prompt_ids) * n
         if seeds is not None:  # sample k of prompt p: (seeds[p], k)
@@ -231,19 +269,30 @@ class HFRollout:
         rows = torch.arange(b, device=self.device)
         alive = torch.ones(b, dtype=torch.bool, device=self.device)
         compact = callable(getattr(past, "batch_select_indices", None))
+        seen = None  # [b, V]: tokens of each row's prompt + response so far (repetition penalty)
+        if repetition_penalty != 1.0:
+            seen = torch.zeros((b, logits.shape[-1]), dtype=torch.float32, device=self.device)
+            seen = seen.scatter_add_(1, ids, attn[:, :width].float()) > 0
+        stop_ids_t = torch.tensor([self.eos_token_id, *stop_ids], dtype=torch.long, device=self.device)
         for t in range(max_new_tokens):
             scaled = logits.float() / scale
             logp_full = torch.log_softmax(scaled, dim=-1)
+            if seen is not None:
+                scaled = _penalize_repetition(scaled, seen[rows], repetition_penalty)
             if do_sample:
                 u = counter_uniform(row_seeds[rows], row_samples[rows], t, scaled.shape[-1])
-                nxt = gumbel_max_sample(_filter_top_k_top_p(scaled, top_k, top_p), u)
+                nxt = gumbel_max_sample(_filter_top_k_top_p(scaled, top_k, top_p, min_p), u)
             else:
                 nxt = scaled.argmax(dim=-1)
             nxt = torch.where(alive, nxt, torch.full_like(nxt, self.pad_token_id))
             tokens[rows, t] = nxt
             logps[rows, t] = logp_full.gather(-1, nxt[:, None]).squeeze(-1)
             lengths[rows] += alive.long()
-            alive = alive & (nxt != self.eos_token_id)
+            if seen is not None:
+                seen[rows[alive], nxt[alive]] = True
+            alive = alive & ~torch.isin(nxt, stop_ids_t)
+            if stop and bool(alive.any()):
+                alive = alive & ~self._stopped_by_string(tokens, lengths, rows, stop)
             if t + 1 == max_new_tokens or not bool(alive.any()):
                 break
             if compact and not bool(alive.all()):

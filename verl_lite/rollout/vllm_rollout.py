@@ -32,6 +32,12 @@ mode needs CUDA. On CPU vLLM sizes its KV cache from ``VLLM_CPU_KVCACHE_SPACE`` 
 Generation and weight loads run outside the engine's CPU adapter (``cpu_adapter.suspended()``,
 a no-op on GPU): vLLM creates no tensor on a literal "cuda" device on CPU, so the adapter's
 per-torch-call hop would only cost time.
+
+One engine per process at a time: vLLM's engine shutdown tears down the process's distributed
+state (``EngineCore.shutdown`` -> ``cleanup_dist_env_and_memory``), so a second in-process engine
+breaks the first as soon as either is closed or collected ("pipeline model parallel group is not
+initialized", a rotary cache on the meta device). A second ``VLLMRollout`` while one is open is
+refused with that reason; ``close()`` releases the process's engine for the next.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ VLLM_INSTALL_HINT = (
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MASK64 = (1 << 64) - 1
+_open_engine: list = []  # the process's open VLLMRollout (at most one; see the module docstring)
 
 
 def request_seed(seed: int, sample: int) -> int:
@@ -109,6 +116,11 @@ class VLLMRollout:
         self.eos_token_id = tokenizer.eos_token_id
         if self.eos_token_id is None:
             raise ValueError(f"tokenizer of {model_path} has no eos_token; the rollout needs one to stop generation")
+        if _open_engine:
+            raise RuntimeError(
+                "VLLMRollout: this process already has an open vLLM engine; vLLM's engine shutdown tears down the "
+                "process's distributed state, so two in-process engines break each other. close() the other first"
+            )
 
         # in-process engine core: weight sync by reference; on CPU, a KV cache sized for small models
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -122,6 +134,11 @@ class VLLMRollout:
         quiet_vllm()  # its handlers exist now
 
         self.free_cache_engine = bool(free_cache_engine)
+        engine_args = dict(engine_args or {})
+        if not _on_cuda() and engine_args.get("enable_chunked_prefill") is None:
+            # vLLM's CPU sampler cannot resume a seeded request across a split prefill ("CPU Generator does not
+            # use offset"): a step admits whole prompts only (rollout/rules.py rejects the settings that need it)
+            engine_args["enable_chunked_prefill"] = False
         self.llm = LLM(
             model=model_path,
             dtype=dtype_name,
@@ -134,12 +151,20 @@ class VLLMRollout:
             generation_config="vllm",  # no defaults (extra stop ids, sampling) from generation_config.json
             logprobs_mode="raw_logprobs",
             enable_sleep_mode=self.free_cache_engine,
-            **dict(engine_args or {}),
+            **engine_args,
         )
+        _open_engine.append(self)
         self._base_scale = self._logit_scale(None)
         self._asleep: set[str] = set()
         if self.free_cache_engine:
             self._sleep()
+
+    def close(self) -> None:
+        """Shut the engine down now (idempotent), so that this process may open another."""
+        if self in _open_engine:
+            _open_engine.remove(self)
+            self.llm.llm_engine.engine_core.shutdown()
+            del self.llm
 
     # ------------------------------------------------------------------ engine state
 
@@ -204,8 +229,17 @@ class VLLMRollout:
         max_new_tokens: int = 16,
         seed: int | None = None,
         seeds: list[int] | None = None,
+        repetition_penalty: float = 1.0,
+        min_p: float = 0.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        stop_token_ids: list[int] | None = None,
     ) -> list[dict]:
-        """Sample n responses per prompt in one engine call; see the module docstring."""
+        """Sample n responses per prompt in one engine call; see the module docstring. The keywords
+        after ``seeds`` are ``SamplingParams``' (the Python API's ``generation_kwargs``), with vLLM's
+        meaning: vLLM samples from logits already divided by T here, so the additive presence /
+        frequency penalties are divided by T as well. Stop strings are not available: the engine
+        runs token ids in and out (``skip_tokenizer_init``)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -234,8 +268,9 @@ class VLLMRollout:
                 params.append(SamplingParams(
                     n=1, temperature=1.0 if do_sample else 0.0, top_p=top_p if do_sample else 1.0,
                     top_k=top_k if do_sample and top_k > 0 else -1, max_tokens=max_new_tokens, logprobs=0,
-                    seed=key if do_sample else None, stop_token_ids=[self.eos_token_id], ignore_eos=False,
-                    detokenize=False,
+                    seed=key if do_sample else None, stop_token_ids=[self.eos_token_id, *(stop_token_ids or [])],
+                    ignore_eos=False, detokenize=False, repetition_penalty=repetition_penalty, min_p=min_p,
+                    presence_penalty=presence_penalty / scale, frequency_penalty=frequency_penalty / scale,
                 ))
         self._wake("weights", "kv_cache")
         self._logit_scale(self._base_scale / scale)

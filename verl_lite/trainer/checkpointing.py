@@ -13,6 +13,8 @@ working directory, so give an absolute one under ``ray job submit``)::
             huggingface/                     the policy: model.safetensors + config + tokenizer
             driver_state.json                step, data position, KL controller, python RNG, ...
             driver_rng.safetensors           the driver's torch (and numpy) RNG states
+            fingerprint.json                 the model, train data and math keys it was trained from
+                                             (resume refuses another run's: verl_lite.trainer.fingerprint)
             complete                         written last (JSON: step, time, and the manifest: the
                                              size and sha256 of every other file)
 
@@ -71,6 +73,7 @@ COMPLETE = "complete"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 DRIVER_STATE = "driver_state.json"
 DRIVER_RNG = "driver_rng.safetensors"
+ASYNC_FILE = "async_pipeline.pt"  # split placement: policy version + in-flight batches (plain data, weights_only load)
 HF_DIR = "huggingface"
 STATE_VERSION = 1
 MANIFEST_KEY = "files"  # in the complete marker: {relative path: {"size": bytes, "sha256": hex}}
@@ -85,9 +88,11 @@ def _say(message: str) -> None:
 
 # ============================================================================ config
 def checkpoint_root(tr) -> Path:
-    """``trainer.default_local_dir`` as an absolute path (None = ``checkpoints/<project>/<experiment>``)."""
-    raw = tr.default_local_dir or os.path.join("checkpoints", tr.project_name, tr.experiment_name)
-    return Path(raw).expanduser().resolve()
+    """``trainer.default_local_dir`` as an absolute path (None, in a config not built by the loader:
+    ``loader.default_checkpoint_dir``)."""
+    from verl_lite.config.loader import default_checkpoint_dir
+
+    return Path(tr.default_local_dir or default_checkpoint_dir(tr)).expanduser().resolve()
 
 
 # ============================================================================ directory scanning
@@ -375,9 +380,11 @@ class CheckpointManager:
     """What ``PPOTrainer.fit`` calls: ``cursor = mgr.resume(trainer)`` after the workers started,
     ``mgr.after_step(trainer, cursor, last)`` after every step (saves per ``save_freq`` and at the end)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, train_dataset=None):
         tr = cfg.trainer
-        self.cfg = cfg
+        self.cfg, self.train_dataset = cfg, train_dataset  # the dataset: for the fingerprint of in-memory rows
+        self.ignore_fingerprint = bool(getattr(tr, "resume_ignore_fingerprint", False))
+        self._fingerprint: dict | None = None
         self.root = checkpoint_root(tr)
         self.save_freq = tr.save_freq
         self.keep = tr.max_actor_ckpt_to_keep
@@ -431,7 +438,38 @@ class CheckpointManager:
             raise CheckpointRefused(f"{path}: cannot resume with changed " + ", ".join(
                 f"{k} (saved {a!r}, now {b!r})" for k, (a, b) in changed.items()),
                 "resume with the saved values, or start a new run (another trainer.default_local_dir)")
+        self._check_fingerprint(path)
         self._checked = (path, state, f"{n} files verified in {time.perf_counter() - t0:.1f}s" if n else "unverified")
+
+    def fingerprint(self) -> dict:
+        """This run's fingerprint (``verl_lite.trainer.fingerprint``), computed once."""
+        if self._fingerprint is None:
+            from verl_lite.trainer.fingerprint import run_fingerprint
+
+            self._fingerprint = run_fingerprint(self.cfg, self.train_dataset)
+        return self._fingerprint
+
+    def _check_fingerprint(self, path: Path) -> None:
+        """Refuse (:class:`CheckpointRefused`) a checkpoint of another model, train data or math keys, naming
+        each difference, unless ``trainer.resume_ignore_fingerprint``; one without a fingerprint is said."""
+        from verl_lite.trainer import fingerprint as fp
+
+        file = path / fp.FILE
+        if not file.is_file():
+            _say(f"{path} was saved without a fingerprint (an older verl_lite): its model, data and keys are not compared")
+            return
+        try:
+            saved = json.loads(file.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointRefused(f"{file} is unreadable ({type(e).__name__}: {e})", self._refusal_fix(path)) from None
+        changed = fp.differences(saved, self.fingerprint()) if isinstance(saved, dict) else ["its fingerprint"]
+        if changed and self.ignore_fingerprint:
+            _say(f"resuming {path} although it differs ({fp.OVERRIDE_KEY}=true): " + "; ".join(changed))
+        elif changed:
+            raise CheckpointRefused(
+                f"{path} was trained by another run; this run differs in " + "; ".join(changed),
+                f"start afresh with trainer.resume_mode=disable or another trainer.default_local_dir, or resume it "
+                f"anyway with {fp.OVERRIDE_KEY}=true")
 
     def resume(self, trainer) -> DataCursor:
         """Load the checkpoint ``resume_mode`` selects (if any) into the trainer; return the data cursor."""
@@ -456,6 +494,15 @@ class CheckpointManager:
         random.setstate(_python_state_from_json(state.python_random))
         _restore_global_rng(load_file(str(path / DRIVER_RNG)))
         cursor.epoch, cursor.batch = state.data_epoch, state.data_batch
+        if (path / ASYNC_FILE).is_file():  # a split-placement checkpoint: its in-flight rollout batches
+            from verl_lite.controller.pipeline import RolloutItem
+
+            saved = torch.load(path / ASYNC_FILE, map_location="cpu", weights_only=True)  # tensors + plain data only
+            saved["in_flight"] = [RolloutItem.from_state(item) for item in saved["in_flight"]]
+            trainer.resumed_async_state = saved
+            if trainer.resumed_async_state["policy_version"] != trainer.global_step:
+                raise ValueError(f"{path / ASYNC_FILE} records policy version "
+                                 f"{trainer.resumed_async_state['policy_version']}, the checkpoint step {trainer.global_step}")
         self.resumed_from = path
         self.last_saved_step = trainer.global_step
         layout = infos["actor"][0]["layout"]
@@ -503,7 +550,14 @@ class CheckpointManager:
             python_random=_python_state_to_json(random.getstate()), config_digest=_config_digest(self.cfg),
         )
         (tmp / DRIVER_STATE).write_text(json.dumps(asdict(state)))
+        from verl_lite.trainer.fingerprint import FILE as FINGERPRINT
+
+        (tmp / FINGERPRINT).write_text(json.dumps(self.fingerprint(), indent=1))
         save_file(_global_rng_tensors(), str(tmp / DRIVER_RNG))
+        async_state = trainer.async_checkpoint_state() if hasattr(trainer, "async_checkpoint_state") else None
+        if async_state is not None:  # split placement: the policy version and the batches generated ahead
+            torch.save({**async_state, "in_flight": [item.to_state() for item in async_state["in_flight"]]},
+                       tmp / ASYNC_FILE)
         _fsync_tree(tmp)
         _write_atomic(tmp / COMPLETE, json.dumps({"global_step": step, "time": time.time(),
                                                   MANIFEST_KEY: build_manifest(tmp)}))

@@ -7,7 +7,8 @@ complete checkpoint). ``--out`` defaults to ``<checkpoint>/huggingface``. The ch
 are resharded by megatron's dist_checkpointing into one process (whatever TP/PP/VPP/CP/DP wrote
 them), then written as ``model.safetensors`` + ``config.json`` + the tokenizer, loadable with
 ``transformers.AutoModelForCausalLM.from_pretrained(DIR)``. Only the model weights are read (no
-optimizer state); nothing is unpickled (see ``verl_lite.engine.checkpoint``). Runs on CPU.
+optimizer state); nothing is unpickled (see ``verl_lite.engine.checkpoint``). Runs on CPU. It prints
+the step it exported, the parallel layout the shards were saved at, and the files it wrote.
 
 Before anything is read, the role's files are checked against the checkpoint's manifest and its
 dist-checkpoint index through the restricted unpickler (``verl_lite.trainer.checkpointing``); a
@@ -65,11 +66,40 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path | None = None, rol
     try:
         tf_config = transformer_config_from_hf(hf_config, parallel, params_dtype=torch.float32)
         chunks = build_model_chunks(hf_config, tf_config)
+        lora = _checkpoint_lora(role_dir)
+        if lora is not None:  # a LoRA run: rebuild its adapters, export the merged model and the PEFT adapter
+            from verl_lite.engine.lora import add_adapters, export_adapter_state, merge_into
+
+            add_adapters(chunks, hf_config, lora, seed=0)
         load_model_only(chunks, role_dir / "dist")
-        save_hf_pretrained(chunks, hf_config, out, tokenizer_path=str(config_dir))
+        if lora is None:
+            save_hf_pretrained(chunks, hf_config, out, tokenizer_path=str(config_dir))
+        else:
+            from verl_lite.engine.checkpoint import LORA_ADAPTER_DIR, save_lora_adapter
+            from verl_lite.engine.hf_bridge import export_hf
+
+            merged = dict(merge_into(export_hf(chunks, hf_config), export_adapter_state(chunks), lora.scaling))
+            save_hf_pretrained(merged, hf_config, out, tokenizer_path=str(config_dir))
+            save_lora_adapter(chunks, lora, out / LORA_ADAPTER_DIR)
     finally:
         destroy_distributed()
     return out
+
+
+def _checkpoint_lora(role_dir: Path):
+    """The engine's ``LoraConfig`` a LoRA run saved with its checkpoint (``lora.json``), or None."""
+    import json
+
+    from verl_lite.engine.checkpoint import LORA_FILE
+
+    path = role_dir / LORA_FILE
+    if not path.is_file():
+        return None
+    from verl_lite.engine.lora import LoraConfig
+
+    fields = json.loads(path.read_text())
+    fields.update(adapter_path=None)  # the checkpoint holds the trained factors
+    return LoraConfig(**fields)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,12 +110,35 @@ def main(argv: list[str] | None = None) -> int:
     from verl_lite.errors import UserError
 
     try:
-        out = export_checkpoint(args.checkpoint, args.out)
+        ckpt = resolve_checkpoint(args.checkpoint)
+        out = export_checkpoint(ckpt, args.out)
     except (ValueError, UserError) as e:
         print(f"verl_lite export: {e}", file=sys.stderr)
         return 2
-    print(f"exported {out}")
+    print(export_line(ckpt, out))
     return 0
+
+
+def saved_layout(role_dir: Path) -> str:
+    """The parallel layout a role's shards were saved at (``<role>/dist/verl_lite_engine.json``), e.g. 'tp=2 pp=1 dp=2'."""
+    import json
+
+    from verl_lite.engine.checkpoint import FORMAT_FILE
+
+    try:
+        layout = json.loads((role_dir / "dist" / FORMAT_FILE).read_text())["layout"]
+        return " ".join(f"{k}={v}" for k, v in layout.items() if v is not None)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return "unknown (no readable layout record)"
+
+
+def export_line(ckpt: Path, out: Path, role: str = "actor") -> str:
+    """What was exported: the step, the layout its shards were saved at, and the HF files written."""
+    from verl_lite.trainer.checkpointing import step_of
+
+    files = ", ".join(sorted(p.name for p in Path(out).iterdir() if p.is_file()))
+    return (f"exported step {step_of(ckpt)} ({ckpt}, {role} saved at {saved_layout(ckpt / role)}) as one HF model "
+            f"directory (unsharded): {out}\n  files: {files}")
 
 
 if __name__ == "__main__":

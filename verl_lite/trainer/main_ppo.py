@@ -54,16 +54,15 @@ class RunState:
 
 def run(overrides: list[str], state: RunState | None = None) -> dict:
     """Train with the given overrides; returns the summary dict (raises on any error)."""
-    from verl_lite.config import load_config  # inside: an incompatible library is reported like any error
-    from verl_lite.config.preflight import check_model_files
+    from verl_lite.config.loader import Problems, load_config  # inside: an incompatible library is reported like any error
     from verl_lite.trainer.ppo_trainer import PPOTrainer
     from verl_lite.trainer.training_run import train_and_summarize
     from verl_lite.trainer.run_dir import make_run_dir
 
     state = state if state is not None else RunState()
-    cfg = load_config(overrides)
-    check_model_files(cfg)  # a broken config.json before the tokenizer reads it
-    trainer = PPOTrainer(cfg)  # validates the config, the data and the reward function; nothing is started yet
+    problems = Problems()
+    cfg = load_config(overrides, problems)  # the config of the overrides that fit; their problems kept
+    trainer = PPOTrainer(cfg, problems=problems)  # pre-flight: every problem at once; nothing started yet
     state.trainer = trainer
     try:
         out = make_run_dir(cfg.trainer.output_dir, cfg.trainer.experiment_name)
@@ -164,13 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         close_all()  # the reward process, also when the trainer was never fully built
         if in_main_thread:
             SIGNALS.restore()
-    a0, a1 = summary["initial_val_accuracy"], summary["final_val_accuracy"]
-    if a0 is None:
-        accuracy = "no validation ran (trainer.test_freq <= 0 and trainer.val_before_train=false)"
-    else:
-        accuracy = (f"held-out accuracy {a0:.3f} (step {summary['initial_val_step']}) -> "
-                    f"{a1:.3f} (step {summary['final_val_step']}), {100 * (a1 - a0):+.1f} points")
-    print(f"\nsummary: {summary['steps']} steps; {accuracy}; start-up {summary['startup_s']} s")
+    from verl_lite.trainer.training_run import accuracy_line
+
+    print(f"\nsummary: {summary['steps']} steps; {accuracy_line(summary)}; start-up {summary['startup_s']} s")
     print(f"metrics: {summary['metrics']}\ncurve:   {summary['curve']}")
     return 0
 

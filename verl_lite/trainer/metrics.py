@@ -88,9 +88,28 @@ class JsonlWriter:
         self._file.close()
 
 
+REWARD_PANEL = (  # (metric, label, line style, color) of the first panel; all lie in [0, 1]
+    ("reward/mean", "train reward (mean)", "-", "tab:blue"),
+    ("val/accuracy", "held-out accuracy (greedy)", "o-", "tab:orange"),
+    ("agent/tool_call_rate", "train tool-call rate (multi-turn)", "--", "tab:purple"),
+    ("val/tool_call_rate", "held-out tool-call rate", "s--", "tab:brown"),
+)
+
+
+def reward_panel_lines(records: list[dict]) -> list[tuple[str, list, str, str]]:
+    """(label, [(step, value)], style, color) of every REWARD_PANEL metric the records hold."""
+    out = []
+    for key, label, style, color in REWARD_PANEL:
+        points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+        if points:
+            out.append((label, points, style, color))
+    return out
+
+
 def plot_curves(records: list[dict], path: str | Path) -> Path:
-    """Training reward and held-out accuracy against the step (matplotlib, Agg backend); with a
-    critic, a second panel shows the value loss and the explained variance."""
+    """Training reward and held-out accuracy against the step (matplotlib, Agg backend), with the
+    tool-call rates of multi-turn runs beside them; with a critic, a second panel shows the value loss
+    and the explained variance."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -102,11 +121,8 @@ def plot_curves(records: list[dict], path: str | Path) -> Path:
     critic = series("critic/vf_loss")
     fig, axes = plt.subplots(1, 2 if critic else 1, figsize=(12 if critic else 7, 4), squeeze=False)
     ax = axes[0][0]
-    train, val = series("reward/mean"), series("val/accuracy")
-    if train:
-        ax.plot(*zip(*train), label="train reward (mean)", color="tab:blue")
-    if val:
-        ax.plot(*zip(*val), "o-", label="held-out accuracy (greedy)", color="tab:orange")
+    for label, points, style, color in reward_panel_lines(records):
+        ax.plot(*zip(*points), style, label=label, color=color)
     ax.set_xlabel("RL step")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)

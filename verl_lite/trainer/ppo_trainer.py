@@ -55,15 +55,59 @@ from verl_lite.controller import MicroBatching, ResourcePool, RoleGroup, start_r
 from verl_lite.protocol import Batch, response_lengths
 from verl_lite.reward import RewardError, RewardManager
 from verl_lite.trainer import metrics as M
+from verl_lite.trainer.callbacks import CallbackList
 from verl_lite.trainer.checkpointing import CheckpointManager
+from verl_lite.trainer.tracking import COMPLETIONS_KEY
 from verl_lite.workers import ActorRolloutRefWorker, CriticWorker
-from verl_lite.workers.from_config import actor_loss_config, actor_worker_config, critic_worker_config
+from verl_lite.workers.from_config import (actor_loss_config, actor_worker_config, critic_worker_config,
+                                           reward_model_worker_config, rollout_worker_config)
 
 ROLLOUT_COLUMNS = ["prompt_ids", "responses", "response_mask"]
 
 
 class DynamicSamplingError(RunFailure):
     """DAPO's dynamic sampling hit ``algorithm.filter_groups.max_num_gen_batches``."""
+
+
+def _use_model(cfg, model, processing_class) -> None:
+    """``model=`` / ``processing_class=`` of the Python API into ``actor_rollout_ref.model.path`` /
+    ``tokenizer_path`` (and the critic's, where they followed the actor's). A model or tokenizer
+    object is saved (``save_pretrained``) into a fresh ``<trainer.output_dir>/api_model-<time>/`` and
+    used from there, since every worker loads the model from a directory."""
+    import time
+
+    m, critic = cfg.actor_rollout_ref.model, cfg.critic.model
+    old = (m.path, m.tokenizer_path)
+    saved = None
+
+    def save(obj) -> str:
+        nonlocal saved
+        if saved is None:
+            saved = Path(cfg.trainer.output_dir) / f"api_model-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+            saved.mkdir(parents=True, exist_ok=True)
+        obj.save_pretrained(saved)
+        return str(saved)
+
+    from verl_lite.config.loader import ConfigError, names_follow
+    from verl_lite.engine.model_files import resolve_model_dir
+
+    if model is not None:
+        with names_follow(cfg):  # a run name derived from the model follows it
+            m.path = save(model) if hasattr(model, "save_pretrained") else resolve_model_dir(str(model))
+        m.tokenizer_path = m.path
+        if processing_class is None and hasattr(model, "save_pretrained"):
+            source = getattr(model, "name_or_path", None)
+            if not source or not Path(source, "tokenizer_config.json").is_file():
+                raise ConfigError([f"model= is a model object whose tokenizer cannot be found (name_or_path="
+                                   f"{source!r}); pass processing_class=<its tokenizer>"])
+            m.tokenizer_path = source
+    if processing_class is not None:
+        m.tokenizer_path = save(processing_class) if hasattr(processing_class, "save_pretrained") \
+            else resolve_model_dir(str(processing_class))
+    if critic.path in old:
+        critic.path = m.path
+    if critic.tokenizer_path in old:
+        critic.tokenizer_path = m.tokenizer_path
 
 
 def _vpp_multiple(mg) -> int:
@@ -89,31 +133,61 @@ class PPOTrainer:
     - neither: the configured ``reward.custom_reward_function`` (or the built-in scorer).
     Datasets: ``train_dataset`` / ``val_dataset`` as a parquet path, a list of dicts or an HF
     ``datasets.Dataset`` (default: ``data.train_files`` / ``data.val_files``).
+
+    TRL's names: ``model`` (a local directory or hub id: ``actor_rollout_ref.model.path``; or a
+    ``transformers.PreTrainedModel``, saved under ``trainer.output_dir`` and used from there),
+    ``processing_class`` (the tokenizer, saved next to it: ``model.tokenizer_path``), ``callbacks``
+    (``verl_lite.trainer.callbacks``), ``generation_kwargs`` (passed to the rollout backend;
+    ``temperature``/``top_p``/``top_k`` set the rollout config's keys; what the backend cannot do is
+    refused before start: ``verl_lite.rollout.rules.GENERATION_KWARGS``), ``log_completions`` (every
+    logging step's prompts, completions and rewards as a W&B table / TensorBoard text). ``push_to_hub``
+    is refused: nothing here uploads.
     """
 
     def __init__(self, cfg, reward_fn: Callable | None = None, world_size: int | None = None,
                  worker_timeout_s: float | None = None, reward_funcs=None, reward_weights=None,
-                 train_dataset=None, val_dataset=None):
-        from transformers import AutoTokenizer
-
+                 train_dataset=None, val_dataset=None, problems=None,
+                 model=None, processing_class=None, callbacks=None, generation_kwargs: dict | None = None,
+                 log_completions: bool = False, push_to_hub: bool = False, tools=None, interactions=None):
+        """Pre-flight, before anything starts: every problem of the config (``problems``: the
+        ``config.loader.Problems`` that ``load_config`` filled), the model files, the tokenizer, the
+        reward and the data, in one error.
+        ``tools`` (Python functions) / ``interactions`` (name -> ``verl_lite.agent.Interaction``) turn on
+        multi-turn rollouts (docs/agents.md); the agent's files are checked with the rest."""
+        from verl_lite.agent.preflight import agent_spec, enable_for_python_tools
         from verl_lite.config import validate_config
-        from verl_lite.config.preflight import preflight
-        from verl_lite.reward.functions import RewardFunctions
+        from verl_lite.config.loader import Problems
+        from verl_lite.config.preflight import check_model_files, preflight
 
-        self.cfg = cfg
-        self.layout = validate_config(cfg, world_size=world_size)  # before anything starts
+        self.cfg, self.reward_manager, self.agent = cfg, None, None
+        if tools or interactions:
+            enable_for_python_tools(cfg)
+        problems = problems if problems is not None else Problems()
+        self.callbacks, self.log_completions = CallbackList(callbacks), bool(log_completions)
+        self.generation_kwargs = problems.check(self._use_api_arguments, model, processing_class,
+                                                dict(generation_kwargs or {}), push_to_hub) or {}
+        self.layout = problems.check(validate_config, cfg, world_size=world_size)
+        model_ok = problems.passes(check_model_files, cfg)  # a broken config.json before the tokenizer reads it
+        self.tokenizer = problems.check(self._load_tokenizer) if model_ok else None
+        if not problems.mentions("reward.custom_reward_function"):
+            self.reward_manager = problems.check(self._make_reward, reward_fn, reward_funcs, reward_weights)
+        if self.tokenizer is not None and not problems.mentions("multi_turn", "rollout.agent"):
+            self.agent = problems.check(agent_spec, cfg, tools, interactions, self.tokenizer)  # AgentSpec or None
+        data_ok = self.tokenizer is not None and not problems.mentions("data.train_files", "data.val_files")
+        datasets = problems.check(self._make_datasets, train_dataset, val_dataset) if data_ok else None
+        self.train_dataset, self.val_dataset = datasets or (None, None)
+        if datasets is not None:
+            problems.check(preflight, cfg, *datasets, self.tokenizer)
+            if self.reward_manager is not None:
+                problems.check(self._check_reward_inputs)
+        try:
+            problems.raise_if_any()
+        except BaseException:
+            if self.reward_manager is not None:
+                self.reward_manager.close()
+            raise
         self.world_size = self.layout.world_size
         arr = cfg.actor_rollout_ref
-        self.tokenizer = AutoTokenizer.from_pretrained(arr.model.tokenizer_path)
-        if reward_funcs is not None and reward_fn is not None:
-            raise ValueError("give reward_funcs (TRL-style) or reward_fn (verl's signature), not both")
-        if reward_funcs is not None:
-            self.reward_manager = RewardFunctions(reward_funcs, self.tokenizer, reward_weights,
-                                                  timeout_s=getattr(cfg.reward, "timeout_s", None))
-        else:
-            self.reward_manager = RewardManager(cfg.reward, self.tokenizer, compute_score=reward_fn)
-        self.train_dataset, self.val_dataset = self._make_datasets(train_dataset, val_dataset)
-        preflight(cfg, self.train_dataset, self.val_dataset, self.tokenizer, self.reward_manager)  # before any worker
         self.worker_timeout_s = worker_timeout_s or cfg.trainer.worker_timeout_s
         self.estimator_needs = estimator_needs(cfg.algorithm.adv_estimator)
         self.use_critic = "critic" in self.estimator_needs
@@ -122,6 +196,10 @@ class PPOTrainer:
         self.loss_cfg = actor_loss_config(arr.actor)
         self.actor: RoleGroup | None = None
         self.critic: RoleGroup | None = None
+        self.rollout: RoleGroup | None = None  # split placement (hybrid_engine=false): the rollout pool
+        self.pipeline = None  # split placement: controller.pipeline.RolloutPipeline, from run_loop's start
+        self.resumed_async_state = None  # a checkpoint's in-flight rollout batches (checkpointing.ASYNC_FILE)
+        self.reward_model = None  # reward.model_reward.ModelReward (or reward.judge.JudgeReward) with reward_model.enable
         self.pool: ResourcePool | None = None
         self._owns_ray = False
         self._checkpoint_lock = None  # trainer.default_local_dir's run lock, held from start() to close()
@@ -130,23 +208,75 @@ class PPOTrainer:
         self.critic_update_history: list[list[dict]] = []  # the same for the critic
         self.run_dir = None  # set by fit() / the CLI: where the run's files go
         self.final_hf_dir = None
-        self.checkpoints = CheckpointManager(cfg)  # trainer.save_freq / resume_mode / default_local_dir
+        self.checkpoints = CheckpointManager(cfg, self.train_dataset)  # trainer.save_freq / resume_mode / default_local_dir
 
     # ================================================================ set-up / teardown
+    def _use_api_arguments(self, model, processing_class, generation_kwargs: dict, push_to_hub: bool) -> dict:
+        """TRL's constructor arguments into the config (see the class docstring); returns the
+        generation_kwargs the backend receives. Raises ConfigError listing every problem."""
+        from verl_lite.config.loader import ConfigError
+        from verl_lite.rollout.rules import CONFIG_SAMPLING_KWARGS, generation_kwargs_problems
+
+        r = self.cfg.actor_rollout_ref.rollout
+        p = generation_kwargs_problems(r.name, generation_kwargs)
+        if push_to_hub:
+            p.append("push_to_hub=True: uploading to the Hugging Face Hub is not built here (no hub access); "
+                     "train, then trainer.save_pretrained(dir) and upload dir with `huggingface-cli upload`")
+        if p:
+            raise ConfigError(p)
+        for key in CONFIG_SAMPLING_KWARGS:
+            if key in generation_kwargs:
+                setattr(r, key, generation_kwargs.pop(key))
+        if model is not None or processing_class is not None:
+            _use_model(self.cfg, model, processing_class)
+        return generation_kwargs
+
+    def _check_reward_inputs(self) -> None:
+        """Every row field the reward needs (``ground_truth``, a column a reward function names) exists."""
+        from verl_lite.config.loader import ConfigError
+        from verl_lite.reward.rules import judge_input_problems, reward_input_problems
+
+        datasets = {"data.train_files": self.train_dataset, "data.val_files": self.val_dataset}
+        p = reward_input_problems(self.reward_manager, datasets) + judge_input_problems(self.cfg.reward_model, datasets)
+        if p:
+            raise ConfigError(p)
+
+    def _load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.cfg.actor_rollout_ref.model.tokenizer_path)
+
+    def _make_reward(self, reward_fn, reward_funcs, reward_weights):
+        """TRL-style ``reward_funcs``, or verl's ``reward_fn``, or the configured reward (the tokenizer is
+        set once it is loaded)."""
+        from verl_lite.reward.functions import RewardFunctions
+
+        if reward_funcs is not None and reward_fn is not None:
+            raise ValueError("give reward_funcs (TRL-style) or reward_fn (verl's signature), not both")
+        if reward_funcs is not None:
+            return RewardFunctions(reward_funcs, self.tokenizer, reward_weights,
+                                   timeout_s=getattr(self.cfg.reward, "timeout_s", None))
+        return RewardManager(self.cfg.reward, self.tokenizer, compute_score=reward_fn)
+
     def _make_datasets(self, train=None, val=None):
         """From the given sources (Python API), else ``data.train_files`` / ``val_files``; a given
-        in-memory source is recorded in the config as ``<in-memory dataset>``."""
+        in-memory source is recorded in the config as ``<in-memory dataset>`` (``loader.use_train_data``: the
+        names derived from the data follow a given train set). No val files: no validation set (None)."""
+        from verl_lite.config.loader import use_train_data
         from verl_lite.data import RLDataset
         from verl_lite.data.dataset import IN_MEMORY
 
         d = self.cfg.data
         kw = dict(tokenizer=self.tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
-                  filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation)
+                  filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
+                  tools=(self.agent.tool_schemas or None) if self.agent is not None else None)
         datasets = []
         for key, given in (("train_files", train), ("val_files", val)):
             if given is not None:
-                setattr(d, key, given if isinstance(given, (str, os.PathLike)) else IN_MEMORY)
-            datasets.append(RLDataset(given if given is not None else getattr(d, key), **kw))
+                name = str(given) if isinstance(given, (str, os.PathLike)) else IN_MEMORY
+                use_train_data(self.cfg, name) if key == "train_files" else setattr(d, key, name)
+            files = given if given is not None else getattr(d, key)
+            datasets.append(RLDataset(files, **kw) if given is not None or files else None)
         return tuple(datasets)
 
     def start(self) -> None:
@@ -166,29 +296,78 @@ class PPOTrainer:
         try:
             c = self.cfg.critic
             separate = self.use_critic and c.num_workers is not None
-            self.pool = ResourcePool(self.world_size + (self.layout.critic_world_size if separate else 0))
-            colocated_share = 0.5 if self.use_critic and not separate else 1.0
+            split = self.rollout_world_size()  # hybrid_engine=false: rollout workers on bundles of their own, last
+            self.pool = ResourcePool(self.world_size + (self.layout.critic_world_size if separate else 0) + split,
+                                     nnodes=self.cfg.trainer.nnodes)  # per node, ranks node by node
+            colocated_share = 1.0 / (1 + (self.use_critic and not separate) + self.cfg.reward_model.enable)
             mg = self.cfg.actor_rollout_ref.actor.megatron
             self.actor = RoleGroup("actor", ActorRolloutRefWorker, self.world_size,
                                    actor_worker_config(self.cfg, self.total_optimizer_steps(), self.need_ref), self.pool,
                                    self.worker_timeout_s, cp=mg.context_parallel_size, vpp_multiple=_vpp_multiple(mg),
                                    share=colocated_share)
+            if self.agent is not None:  # multi-turn rollouts: each worker builds its agent runner (tools, loops)
+                from verl_lite.agent.preflight import pickle_user_code_by_value
+
+                pickle_user_code_by_value(self.agent)
+                self.actor.call_all("init_agent", self.agent)
             if self.use_critic:
                 self.critic = RoleGroup(
                     "critic", CriticWorker, self.layout.critic_world_size,
                     critic_worker_config(self.cfg, self.total_critic_steps()), self.pool,
                     self.worker_timeout_s, cp=c.megatron.context_parallel_size, vpp_multiple=_vpp_multiple(c.megatron),
                     bundle_offset=self.world_size if separate else 0, share=colocated_share)
+            if self.cfg.reward_model.enable:  # colocated on the actor's workers, a layout of its own
+                self.reward_model = self._start_reward_model(colocated_share)
+            if split:
+                from verl_lite.workers.rollout_worker import RolloutWorker
+
+                self.rollout = RoleGroup("rollout", RolloutWorker, split, rollout_worker_config(self.cfg), self.pool,
+                                         self.worker_timeout_s, bundle_offset=self.pool.world_size - split)
         except BaseException:
             self.close()
             raise
 
+    def rollout_world_size(self) -> int:
+        """Rollout workers of their own (``hybrid_engine=false``: rollout.n_gpus_per_node x rollout.nnodes); 0 colocated."""
+        r = self.cfg.actor_rollout_ref
+        return 0 if r.hybrid_engine else r.rollout.n_gpus_per_node * r.rollout.nnodes
+
+    def _start_reward_model(self, share: float):
+        """The reward-model role and the driver's scorer over it: the discriminative RM on the engine
+        (verl_lite.reward.model_reward), or with ``reward_model.generative`` the judge, one rollout worker of its
+        own next to the actor's rank 0 (verl_lite.reward.judge)."""
+        from transformers import AutoTokenizer
+
+        from verl_lite.reward.model_reward import ModelReward
+        from verl_lite.workers.reward_model import RewardModelWorker
+
+        rm = self.cfg.reward_model
+        if rm.generative:
+            from verl_lite.reward.judge import JudgeReward
+            from verl_lite.workers.from_config import judge_worker_config
+            from verl_lite.workers.rollout_worker import RolloutWorker
+
+            group = RoleGroup("reward_model", RolloutWorker, 1, judge_worker_config(self.cfg), self.pool,
+                              self.worker_timeout_s, share=share)
+            return JudgeReward(group, self.tokenizer, AutoTokenizer.from_pretrained(rm.model.tokenizer_path), rm)
+        group = RoleGroup("reward_model", RewardModelWorker, self.world_size, reward_model_worker_config(self.cfg),
+                          self.pool, self.worker_timeout_s, cp=rm.megatron.context_parallel_size,
+                          vpp_multiple=_vpp_multiple(rm.megatron), share=share)
+        return ModelReward(group, self.tokenizer, AutoTokenizer.from_pretrained(rm.model.tokenizer_path),
+                           MicroBatching(micro_batch_size=rm.micro_batch_size_per_gpu))
+
     def close(self) -> None:
         """Kill every role's workers and stop Ray if this trainer started it (idempotent)."""
-        for role in (self.actor, self.critic):
+        if self.pipeline is not None:
+            self.pipeline.close()
+            self.pipeline = None
+        if self.rollout is not None:
+            self.rollout.shutdown()
+            self.rollout = None
+        for role in (self.actor, self.critic, self.reward_model and self.reward_model.group):
             if role is not None:
                 role.shutdown()
-        self.actor = self.critic = None
+        self.actor = self.critic = self.reward_model = None
         if self.pool is not None:
             self.pool.remove()
             self.pool = None
@@ -229,7 +408,15 @@ class PPOTrainer:
         a = self.cfg.actor_rollout_ref.actor
         return (a.ppo_epochs == 1 and a.ppo_mini_batch_size == self.cfg.data.train_batch_size
                 and not self.cfg.algorithm.use_kl_in_reward and not LOSS_NEEDS[a.policy_loss.loss_mode]
-                and a.tis_imp_ratio_cap <= 0)
+                and a.tis_imp_ratio_cap <= 0 and not self.off_policy())
+
+    def off_policy(self) -> bool:
+        """Whether the behaviour policy may differ from the policy at the update: a staleness bound > 0 (the
+        old log-probs are then the proximal policy recomputed by the trainer, decoupled PPO) or a rollout
+        correction asked for (its ratio needs them)."""
+        rc = self.cfg.algorithm.rollout_correction
+        return (self.cfg.async_training.staleness_threshold > 0 or rc.rollout_is is not None
+                or rc.rollout_rs is not None)
 
     # micro-batching of each role's passes (config sections in verl's names)
     def _actor_update_sizing(self) -> MicroBatching:
@@ -260,13 +447,19 @@ class PPOTrainer:
             epoch += 1
 
     # ================================================================ stages
-    def generate(self, rows: list[dict], n: int, sampling: dict, seed: int | None, uid_prefix: str = "") -> Batch:
+    def generate(self, rows: list[dict], n: int, sampling: dict, seed: int | None, uid_prefix: str = "",
+                 role: RoleGroup | None = None, step: int | None = None) -> Batch:
         """n responses per prompt, prompts split over all actor workers (each holds a full rollout
         model). With a seed, prompt p is sampled with its own seed ``seed + p``, so the rollouts do
         not depend on the layout. Trajectory p * n + k is sample k of prompt p."""
         prompts = [list(r["prompt_ids"]) for r in rows]
         seeds = None if seed is None else [seed + p for p in range(len(prompts))]
-        outs = self.actor.generate(prompts, seeds, dict(sampling, n=n))
+        if self.agent is not None:  # multi-turn: the workers' agent loops (verl_lite.agent.loop)
+            from verl_lite.agent.loop import agent_rows
+
+            outs = self.actor.generate(agent_rows(rows), seeds, dict(sampling, n=n), method="generate_agent")
+        else:
+            outs = (role or self.actor).generate(prompts, seeds, dict(sampling, n=n))
         width = max(len(o["response_ids"]) for o in outs)
         num = len(outs)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -276,20 +469,23 @@ class PPOTrainer:
         for i, o in enumerate(outs):
             k = len(o["response_ids"])
             responses[i, :k] = torch.as_tensor(o["response_ids"], dtype=torch.long)
-            mask[i, :k] = 1.0
+            mask[i, :k] = torch.as_tensor(o["response_mask"], dtype=torch.float32) if "response_mask" in o else 1.0
             rollout_lp[i, :k] = torch.as_tensor(o["log_probs"], dtype=torch.float32)
 
         def repeat(values):
             return [v for v in values for _ in range(n)]
 
+        agent = {k: [o[k] for o in outs] for k in ("agent_stats", "turn_scores")} if self.agent is not None else {}
         return Batch.from_dict(
             {"responses": responses, "response_mask": mask, "rollout_log_probs": rollout_lp},
             {
                 "prompt_ids": repeat(prompts),
-                "uid": repeat([f"{self.global_step}-{uid_prefix}{p}" for p in range(len(rows))]),
+                "uid": repeat([f"{self.global_step if step is None else step}-{uid_prefix}{p}" for p in range(len(rows))]),
                 "data_source": repeat([r["data_source"] for r in rows]),
                 "ground_truth": repeat([r["ground_truth"] for r in rows]),
                 "extra_info": repeat([r.get("extra_info") for r in rows]),
+                "messages": repeat([r.get("messages") for r in rows]),  # the prompt as chat (a reward model re-renders it)
+                **agent,  # multi-turn: per-trajectory stats and the interactions' per-turn rewards
             },
         )
 
@@ -301,13 +497,30 @@ class PPOTrainer:
         kwargs = {"prompts": batch["prompt_ids"]} if hasattr(self.reward_manager, "names") else {}
         scores, extra = self.reward_manager(responses, batch["data_source"], batch["ground_truth"],
                                             batch["extra_info"], **kwargs)
+        if "turn_scores" in batch:  # multi-turn: the interactions' per-turn rewards add to the score
+            scores = scores + torch.tensor([float(sum(t)) for t in batch["turn_scores"]], dtype=scores.dtype)
         if scores.numel() != len(batch):  # the manager checks this too; never train on misaligned rewards
             raise RewardError(f"reward returned {scores.numel()} scores for {len(batch)} responses")
         return scores.float(), extra
 
+    def training_scores(self, batch: Batch, m: dict) -> tuple[torch.Tensor, dict]:
+        """The reward function's scores, or with ``reward_model.enable`` the RM's (or the judge's) score
+        (+ rule_reward_weight x the function's; weight 0: the function is not called). Validation always uses
+        :meth:`score`."""
+        if self.reward_model is None:
+            return self.score(batch)
+        from verl_lite.reward.model_reward import combine_scores
+
+        rm_scores, rm_metrics = self.reward_model.score(batch, self.rollout_seed(self.global_step))
+        m.update(rm_metrics)
+        m.update(M.stats("reward/model_score", rm_scores))
+        weight = self.cfg.reward_model.rule_reward_weight
+        rule, extra = self.score(batch) if weight != 0 else (None, {})
+        return combine_scores(rm_scores, rule, weight), extra
+
     def shaped_scores(self, batch: Batch, m: dict) -> tuple[torch.Tensor, dict]:
-        """Scores plus DAPO's overlong penalty when ``reward.overlong_buffer.enable``."""
-        scores, extra = self.score(batch)
+        """Training scores plus DAPO's overlong penalty when ``reward.overlong_buffer.enable``."""
+        scores, extra = self.training_scores(batch, m)
         for name in getattr(self.reward_manager, "names", ()):  # each reward function of the Python API
             m[f"reward/{name}/mean"] = float(torch.tensor(extra[name], dtype=torch.float64).mean())
         ob = self.cfg.reward.overlong_buffer
@@ -326,9 +539,7 @@ class PPOTrainer:
         further prompts until ``data.train_batch_size`` groups remain (at most
         ``filter_groups.max_num_gen_batches`` rounds)."""
         cfg, r = self.cfg, self.cfg.actor_rollout_ref.rollout
-        sampling = dict(do_sample=True, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                        max_new_tokens=cfg.data.max_response_length)
-        base_seed = (cfg.trainer.seed * 1_000_003 + self.global_step * 10_007) % (2**31 - 2**20)
+        sampling, base_seed = self.training_sampling(), self.rollout_seed(self.global_step)
         fg = cfg.algorithm.filter_groups
         if not fg.enable:
             batch = self.generate(rows, r.n, sampling, base_seed)
@@ -364,11 +575,25 @@ class PPOTrainer:
         m["dynamic_sampling/generation_rounds"] = round_index + 1
         return batch, scores, extra
 
+    def training_sampling(self) -> dict:
+        r = self.cfg.actor_rollout_ref.rollout
+        return dict(do_sample=True, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                    max_new_tokens=self.cfg.data.max_response_length, **self.generation_kwargs)
+
+    def rollout_seed(self, step: int) -> int:
+        """The sampling seed of the rollouts RL step ``step`` (0-based) trains on."""
+        return (self.cfg.trainer.seed * 1_000_003 + step * 10_007) % (2**31 - 2**20)
+
+    def generate_for_pipeline(self, rows: list[dict], step: int) -> Batch:
+        """Split placement: the rollouts of RL step ``step`` on the rollout pool (the pipeline's thread calls it)."""
+        return self.generate(rows, self.cfg.actor_rollout_ref.rollout.n, self.training_sampling(),
+                             self.rollout_seed(step), role=self.rollout, step=step)
+
     def greedy_baseline(self, rows: list[dict], n: int) -> torch.Tensor:
         """remax: the score of one greedy response per prompt, repeated for its n samples."""
         r = self.cfg.actor_rollout_ref.rollout
         sampling = dict(do_sample=False, temperature=r.temperature, top_p=1.0, top_k=-1,
-                        max_new_tokens=self.cfg.data.max_response_length)
+                        max_new_tokens=self.cfg.data.max_response_length, **self.generation_kwargs)
         greedy = self.generate(rows, 1, sampling, seed=None, uid_prefix="greedy-")
         scores, _ = self.shaped_scores(greedy, {})
         return scores.repeat_interleave(n)
@@ -488,18 +713,90 @@ class PPOTrainer:
             f"checkpoint")
 
     def sync_weights(self) -> None:
-        self.actor.call_all("sync_rollout_weights")
+        """The updated policy to the rollout: in process (colocated), or to the pipeline (split placement),
+        which loads it into the rollout pool before the first batch that version samples."""
+        if self.pipeline is None:
+            self.actor.call_all("sync_rollout_weights")
+            return
+        self.pipeline.publish(self.global_step + 1, self.export_rollout_weights())
+
+    def export_rollout_weights(self):
+        """Split placement: the actor's weights, once in Ray's object store (an ObjectRef the rollout workers
+        resolve), bounded by ``async_training.weight_sync_timeout_s``."""
+        import ray
+
+        from verl_lite.controller.wire import wire
+
+        exported = self._weight_sync(self.actor, f"step {self.global_step + 1}: exporting the actor's weights for "
+                                     "the rollout pool", "export_rollout_weights")
+        return ray.put(wire(exported[0]))  # tensors as raw bytes, as WorkerGroup.broadcast sends them
+
+    def load_rollout_weights(self, weights, version: int) -> None:
+        """Split placement: policy ``version`` into every rollout worker, bounded by ``weight_sync_timeout_s``."""
+        self._weight_sync(self.rollout, f"the weight sync of policy version {version} to the rollout pool",
+                          "load_weights", weights, version)
+
+    def _weight_sync(self, role: RoleGroup, what: str, method: str, *args) -> list:
+        """``role.call_all(method, *args)`` bounded by ``async_training.weight_sync_timeout_s``; a worker's
+        failure or the bound passing becomes one PipelineError saying ``what`` did not finish."""
+        from verl_lite.controller.pipeline import PipelineError
+        from verl_lite.controller.worker_group import WorkerError
+
+        bound = self.cfg.async_training.weight_sync_timeout_s
+        try:
+            return role.call_all(method, *args, timeout_s=bound)
+        except WorkerError as err:
+            raise PipelineError(f"{what} failed or did not finish within async_training.weight_sync_timeout_s="
+                                f"{bound:g}s ({err})",
+                                "raise async_training.weight_sync_timeout_s, or check the rollout workers") from err
+
+    def start_pipeline(self, batches) -> None:
+        """Split placement: the rollout pipeline over the data cursor ``batches`` (resumed: the checkpoint's
+        in-flight batches first, and the rollout pool loads the checkpoint's policy)."""
+        from verl_lite.controller.pipeline import RolloutPipeline
+
+        saved = self.resumed_async_state or {}
+        resumed = self.global_step > 0
+        self.pipeline = RolloutPipeline(
+            self.generate_for_pipeline, self.load_rollout_weights, lambda: next(batches),
+            staleness=self.cfg.async_training.staleness_threshold,
+            queue_timeout_s=self.cfg.async_training.queue_timeout_s, first_index=self.global_step,
+            end_index=self.total_steps(), loaded_version=None if resumed else 0, ready=saved.get("in_flight", []))
+        if resumed:
+            self.pipeline.publish(self.global_step, self.export_rollout_weights())
+        self.pipeline.start()
+
+    def async_checkpoint_state(self) -> dict | None:
+        """What a checkpoint of a split-placement run saves beside the model: the policy version and the batches
+        generated ahead (they were sampled by older versions, so they are saved rather than regenerated)."""
+        if self.pipeline is None:
+            return None
+        return {"policy_version": self.global_step, "in_flight": self.pipeline.in_flight()}
 
     # ================================================================ one step
-    def step(self, rows: list[dict], more_rows: Callable[[], list[dict]] | None = None) -> dict[str, Any]:
-        """One RL step on a batch of prompt rows (``more_rows`` feeds dynamic sampling); returns its metrics."""
+    def step(self, rows: list[dict], more_rows: Callable[[], list[dict]] | None = None,
+             rollout=None) -> dict[str, Any]:
+        """One RL step on a batch of prompt rows (``more_rows`` feeds dynamic sampling); returns its metrics.
+        ``rollout``: the step's batch from the split-placement pipeline (generated already, tagged with its
+        policy version)."""
         cfg, arr = self.cfg, self.cfg.actor_rollout_ref
         m: dict[str, Any] = {"step": self.global_step + 1}
         recompute_old = not self.old_log_probs_from_update()
         update_actor = self.global_step >= cfg.trainer.critic_warmup
         with M.timer(m, "step"):
             with M.timer(m, "generate"):
-                batch, scores, _ = self.generate_and_score(rows, more_rows, m)
+                if rollout is None:
+                    batch, scores, reward_extra = self.generate_and_score(rows, more_rows, m)
+                else:  # split placement: generated by the pipeline, scored here
+                    batch = rollout.batch
+                    scores, reward_extra = self.shaped_scores(batch, m)
+                    m.update(rollout.metrics)
+            if "agent_stats" in batch:  # multi-turn: turns, tool calls / errors / timeouts / latency, token kinds
+                from verl_lite.agent.metrics import agent_metrics
+
+                m.update(agent_metrics(batch["agent_stats"], batch["turn_scores"]))
+            if self.log_completions and self._is_logging_step(self.global_step + 1):
+                m[COMPLETIONS_KEY] = self._completion_rows(batch, scores, reward_extra)
             mask = batch["response_mask"]
             last = (response_lengths(mask) - 1).clamp(min=0)
             token_scores = torch.zeros_like(mask)
@@ -519,6 +816,16 @@ class PPOTrainer:
                 if cap > 0:  # rollout/trainer mismatch correction on the policy loss
                     batch.set("is_weights", truncated_is_weights(old["log_probs"], batch["rollout_log_probs"], mask, cap))
                     m["rollout/is_weight_mean"] = M.masked_mean(batch["is_weights"], mask)
+                if self.off_policy():  # behaviour (rollout) vs old policy: its metrics, and the weights if asked
+                    from verl_lite.algorithms.rollout_correction import rollout_correction
+
+                    rc = cfg.algorithm.rollout_correction
+                    corr = rollout_correction(old["log_probs"], batch["rollout_log_probs"], mask, rc.rollout_is,
+                                              rc.rollout_is_threshold, rc.rollout_rs, rc.rollout_rs_threshold,
+                                              rc.rollout_rs_threshold_lower)
+                    if rc.rollout_is is not None or rc.rollout_rs is not None:
+                        batch.set("is_weights", corr.weights)
+                    m.update(corr.metrics)
             m["actor/old_log_prob_recomputed"] = float(recompute_old)
             if self.need_ref:
                 with M.timer(m, "ref_log_prob"):
@@ -571,22 +878,37 @@ class PPOTrainer:
         m["actor/num_updates"] = len(updates)
         return m
 
+    def _is_logging_step(self, step: int) -> bool:
+        return step % max(1, self.cfg.trainer.log_freq) == 0 or step == self.total_steps()
+
+    def _completion_rows(self, batch: Batch, scores: torch.Tensor, extra: dict) -> list[dict]:
+        """``log_completions``: every sample of the step as {prompt, completion, reward, <function>: score}."""
+        lengths = response_lengths(batch["response_mask"]).tolist()
+        names = list(getattr(self.reward_manager, "names", ()))
+        return [{"prompt": self.tokenizer.decode(list(batch["prompt_ids"][i]), skip_special_tokens=False),
+                 "completion": self.tokenizer.decode(batch["responses"][i, :k].tolist(), skip_special_tokens=True),
+                 "reward": float(scores[i]), **{n: float(extra[n][i]) for n in names if n in extra}}
+                for i, k in enumerate(lengths)]
+
     @staticmethod
     def _prompt_rows(batch: Batch, n: int) -> list[dict]:
         """One row per prompt group of a rollout batch (trajectory p * n is the first sample of prompt p)."""
         return [{"prompt_ids": batch["prompt_ids"][i], "data_source": batch["data_source"][i],
-                 "ground_truth": batch["ground_truth"][i], "extra_info": batch["extra_info"][i]}
+                 "ground_truth": batch["ground_truth"][i], "extra_info": batch["extra_info"][i],
+                 "messages": batch["messages"][i]}
                 for i in range(0, len(batch), n)]
 
     # ================================================================ validation
     def validate(self) -> dict[str, float]:
         """Held-out prompts, decoded per ``rollout.val_kwargs`` (greedy by default): mean score and accuracy."""
         vk = self.cfg.actor_rollout_ref.rollout.val_kwargs
+        if self.rollout is not None:  # split placement: held-out decoding on the actor's own rollout, current policy
+            self.actor.call_all("sync_rollout_weights")
         rows = [self.val_dataset[i] for i in range(len(self.val_dataset))]
         size = self.cfg.data.val_batch_size or len(rows)
         sampling = dict(do_sample=vk.do_sample, temperature=vk.temperature, top_p=vk.top_p, top_k=vk.top_k,
-                        max_new_tokens=self.cfg.data.max_response_length)
-        all_scores, all_correct = [], []
+                        max_new_tokens=self.cfg.data.max_response_length, **self.generation_kwargs)
+        all_scores, all_correct, agent_stats = [], [], []
         for k in range(0, len(rows), size):
             seed = (self.cfg.trainer.seed + 12345 + k) if vk.do_sample else None
             batch = self.generate(rows[k:k + size], vk.n, sampling, seed)
@@ -595,8 +917,14 @@ class PPOTrainer:
                 self._log_val_generations(batch, scores)
             all_scores.append(scores)
             all_correct.append(self.correct(scores, extra))
+            agent_stats += batch["agent_stats"] if "agent_stats" in batch else []
         scores, correct = torch.cat(all_scores), torch.cat(all_correct)
-        return {"val/reward_mean": float(scores.mean()), "val/accuracy": float(correct.float().mean())}
+        out = {"val/reward_mean": float(scores.mean()), "val/accuracy": float(correct.float().mean())}
+        if agent_stats:  # multi-turn: how often the policy calls a tool on held-out prompts
+            from verl_lite.agent.metrics import tool_call_rate
+
+            out["val/tool_call_rate"] = tool_call_rate(agent_stats)
+        return out
 
     def _log_val_generations(self, batch: Batch, scores: torch.Tensor) -> None:
         """``trainer.log_val_generations`` = N > 0: the first N validation samples (prompt, response, score)
@@ -639,6 +967,7 @@ class PPOTrainer:
             history.append(record)
             if on_step is not None:
                 on_step(record)
+            self.callbacks.dispatch(self, record)  # callbacks=: on_step_end, on_evaluate, on_save, on_log
 
         try:
             train_in_run_dir(self, on_step=record_step)
@@ -674,16 +1003,22 @@ class PPOTrainer:
         try:
             self.start()
             batches = self.checkpoints.resume(self)  # restores step, data position, RNGs, KL (resume_mode)
-            if t.val_before_train:
+            if self.rollout is not None:  # split placement: rollouts come from the pipeline (controller.pipeline)
+                self.start_pipeline(batches)
+            if t.val_before_train and self.val_dataset is not None:  # no val files: no validation
                 with M.timer(record := {"step": self.global_step}, "validate"):
                     record.update(self.validate())
                 history.append(record)
                 if on_step:
                     on_step(record)
             for _ in range(self.total_steps() - self.global_step):
-                record = self.step(next(batches), more_rows=lambda: next(batches))
+                if self.pipeline is not None:
+                    item = self.pipeline.next(self.global_step)
+                    record = self.step(item.rows, rollout=item)
+                else:
+                    record = self.step(next(batches), more_rows=lambda: next(batches))
                 last = self.global_step == self.total_steps()
-                if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last):
+                if self.val_dataset is not None and t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last):
                     with M.timer(record, "validate"):
                         record.update(self.validate())
                 record.update(self.checkpoints.after_step(self, batches, last))  # save_freq, end of run

@@ -16,6 +16,11 @@ Backends (names as in verl):
   dir=<run_dir>, config=<the whole config>)``; ``WANDB_MODE=offline`` (or ``disabled``) works with no
   network and writes ``<run_dir>/wandb/offline-run-*``. Imported only when selected
   (``pip install wandb``).
+
+Sampled completions (the Python API's ``log_completions=True``, TRL's name): a record may carry
+``record["completions"]``, a list of ``{"prompt", "completion", "reward", <reward function>: score}``
+rows; it becomes the W&B table ``completions`` and the TensorBoard text ``completions`` (a markdown
+table) at that step, and is kept out of metrics.jsonl and the console.
 """
 
 from __future__ import annotations
@@ -45,6 +50,22 @@ def _fmt(v) -> str:
 BACKENDS = LOGGER_BACKENDS  # the names trainer.logger accepts (the config schema owns the list)
 
 
+COMPLETIONS_KEY = "completions"
+
+
+def completions_markdown(rows: list[dict]) -> str:
+    """The rows as a markdown table (TensorBoard renders text summaries as markdown)."""
+    columns = list(rows[0]) if rows else []
+
+    def cell(v) -> str:
+        text = f"{v:.4g}" if isinstance(v, float) else str(v)
+        return text.replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
 def _numeric(record: dict) -> dict[str, float]:
     return {k: float(v) for k, v in record.items()
             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -60,26 +81,31 @@ def _duration(seconds: float | None) -> str:
 
 
 class EtaClock:
-    """Time remaining from the wall time of the steps trained by THIS process (a resumed run starts
-    its clock at the resumed step)."""
+    """Time remaining from the wall time of the steps trained by THIS process, measured from the end of
+    the first one (which carries the warm-up: compilation, caches), so an estimate appears once two steps
+    are measured. A record that trained no step (the validation before training) starts only the elapsed
+    clock; a resumed run's clock starts at the resumed step."""
 
     def __init__(self, total_steps: int):
         self.total = total_steps
-        self.start_step: int | None = None
-        self.start_time: float | None = None
+        self.start_time: float | None = None  # the first record (elapsed)
+        self.rate_step: int | None = None  # the end of the first trained step (the estimate's origin)
+        self.rate_time: float | None = None
         self.last_step = 0
 
-    def update(self, step: int, now: float | None = None) -> tuple[float, float | None]:
-        """(elapsed seconds, estimated seconds remaining or None before the first full step)."""
+    def update(self, step: int, now: float | None = None, trained: bool = True) -> tuple[float, float | None]:
+        """(elapsed seconds, estimated seconds remaining, or None until a second trained step is measured)."""
         now = time.perf_counter() if now is None else now
         if self.start_time is None:
-            self.start_step, self.start_time = step, now
+            self.start_time = now
         self.last_step = max(self.last_step, step)
-        done = self.last_step - self.start_step
+        if trained and self.rate_time is None:
+            self.rate_step, self.rate_time = step, now
         elapsed = now - self.start_time
+        done = self.last_step - self.rate_step if self.rate_step is not None else 0
         if done <= 0:
             return elapsed, None
-        return elapsed, elapsed / done * max(0, self.total - self.last_step)
+        return elapsed, (now - self.rate_time) / done * max(0, self.total - self.last_step)
 
 
 class ConsoleLogger:
@@ -108,7 +134,7 @@ class ConsoleLogger:
     def line(self, record: dict) -> str:
         """The plain line for a record: ``title step k/N (p%) | elapsed | eta | key metrics``."""
         step = int(record.get("step", 0))
-        elapsed, remaining = self.clock.update(step)
+        elapsed, remaining = self.clock.update(step, trained="timing_s/step" in record)
         values = dict(record, **{"val/accuracy": self.last_val})
         info = "  ".join(f"{label} {_fmt(values.get(key))}" for key, label in SHOWN)
         pct = 100.0 * step / self.total if self.total else 100.0
@@ -161,6 +187,10 @@ class TensorBoardLogger:
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
+    def log_completions(self, step: int, rows: list[dict]) -> None:
+        self.writer.add_text(COMPLETIONS_KEY, completions_markdown(rows), step)
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
 
@@ -184,6 +214,11 @@ class WandbLogger:
 
     def log(self, record: dict) -> None:
         self.run.log(_numeric(record), step=int(record.get("step", 0)))
+
+    def log_completions(self, step: int, rows: list[dict]) -> None:
+        columns = list(rows[0]) if rows else []
+        table = self.wandb.Table(columns=["step", *columns], data=[[step, *(r.get(c) for c in columns)] for r in rows])
+        self.run.log({COMPLETIONS_KEY: table}, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -225,7 +260,12 @@ class Tracking:
         return j.path if j is not None else None
 
     def log(self, record: dict) -> None:
+        completions = record.get(COMPLETIONS_KEY)
+        if completions is not None:
+            record = {k: v for k, v in record.items() if k != COMPLETIONS_KEY}
         for backend in self.backends.values():
+            if completions and hasattr(backend, "log_completions"):  # before the step's scalars: W&B steps go up
+                backend.log_completions(int(record.get("step", 0)), completions)
             backend.log(record)
 
     def close(self) -> None:

@@ -38,6 +38,26 @@ def _seconds_since_process_start() -> float:
         return time.time() - psutil.Process().create_time()
 
 
+def _why_no_validation(cfg, trainer) -> str:
+    if getattr(trainer, "val_dataset", None) is None:
+        return "no validation set: data.val_files is empty"
+    if cfg.trainer.test_freq <= 0 and not cfg.trainer.val_before_train:
+        return "trainer.test_freq <= 0 and trainer.val_before_train=false"
+    return "the run stopped before its first validation"
+
+
+def accuracy_line(summary: dict) -> str:
+    """The held-out accuracy of the summary in words: first and last validated steps, or why none ran."""
+    a0, a1, s0, s1 = (summary.get(k) for k in ("initial_val_accuracy", "final_val_accuracy", "initial_val_step",
+                                                "final_val_step"))
+    if a0 is None:
+        return f"no validation ({summary.get('no_validation') or 'none ran'})"
+    if s0 == s1:
+        return f"held-out accuracy {a1:.3f} (validated once, at step {s1})"
+    return (f"held-out accuracy {a0:.3f} (first validated step {s0}) -> {a1:.3f} (last validated step {s1}), "
+            f"{100 * (a1 - a0):+.1f} points")
+
+
 def train_in_run_dir(trainer, on_step=None) -> dict:
     """What the CLI does after the config is loaded, for a built ``PPOTrainer`` (the Python API's
     ``fit()``): a fresh run directory, trackers, curves, summary. Returns the summary."""
@@ -102,6 +122,8 @@ def train_and_summarize(cfg, trainer, out: Path, user_on_step=None) -> dict:
                 _warn(f"could not draw {out / 'curves.png'}: {type(e).__name__}: {e}")
         vals = [(r["step"], r["val/accuracy"]) for r in records if r.get("val/accuracy") is not None]
         summary.update({
+            "val_steps": [step for step, _ in vals],
+            "no_validation": None if vals else _why_no_validation(cfg, trainer),
             "steps": trainer.global_step,
             "initial_val_accuracy": vals[0][1] if vals else None,
             "initial_val_step": vals[0][0] if vals else None,

@@ -57,7 +57,7 @@ class ActorRolloutRefWorker(EngineWorker):
         c = self.cfg
         parallel = self._init_world()
         self.actor = MegatronEngine(self._train_config(parallel))
-        if c.need_ref:
+        if c.need_ref and c.lora is None:  # with LoRA the reference is the actor with its adapters off
             self.ref = MegatronEngine(EngineConfig(model_path=c.model_path, parallel=parallel, forward_only=True,
                                                    seed=c.seed, params_dtype=c.params_dtype,
                                                    model_overrides=_attention_override(c.model_overrides)))
@@ -66,6 +66,15 @@ class ActorRolloutRefWorker(EngineWorker):
 
     def _owner_engine(self):
         return self.actor
+
+    def engines(self) -> dict:
+        """The engines this worker holds and their parameter bytes: {"actor": n, "ref": n or None}
+        (with LoRA no reference engine exists; its log-probs come from the actor with adapters off)."""
+        def size(engine):
+            return None if engine is None else sum(p.numel() * p.element_size() for c in engine.chunks for p in c.parameters())
+
+        return {"actor": size(self.actor), "ref": size(self.ref), "ref_is_actor_without_adapters":
+                bool(self.cfg.need_ref and self.cfg.lora is not None)}
 
     # ------------------------------------------------------------------ rollout
     def generate(self, prompt_ids: list[list[int]], seeds: list[int] | None, sampling: dict) -> list[dict]:
@@ -90,9 +99,31 @@ class ActorRolloutRefWorker(EngineWorker):
                    for o in self.rollout.generate([prompt], seed=seed, **sampling)]
         return [dict(o, log_probs=o["log_probs"].tolist()) for o in out]
 
+    def init_agent(self, spec) -> None:
+        """Build this worker's agent runner (multi-turn rollouts) from a ``verl_lite.agent.AgentSpec``."""
+        from transformers import AutoTokenizer
+
+        from verl_lite.agent.loop import AgentRunner
+
+        self.agent = AgentRunner(self.rollout, AutoTokenizer.from_pretrained(self.cfg.tokenizer_path), spec)
+
+    def generate_agent(self, rows: list[dict], seeds: list[int] | None, sampling: dict) -> list[dict]:
+        """``sampling['n']`` multi-turn trajectories per agent row (``verl_lite.agent.loop.agent_rows``),
+        prompt-major; each turn of all of them is one batched rollout call (``AgentRunner.run``)."""
+        if getattr(self, "agent", None) is None:
+            raise RuntimeError("generate_agent: init_agent was not called (multi_turn.enable needs it)")
+        return self.agent.run(rows, seeds, sampling) if rows else []
+
     def sync_rollout_weights(self) -> int:
-        """Copy the actor's current weights into the rollout model (every rank takes part: export gathers)."""
-        return self.rollout.load_weights(self.actor.export_hf())
+        """Copy the actor's current weights (LoRA: merged into the base) into the rollout model (every rank
+        takes part: export gathers)."""
+        return self.rollout.load_weights(self.actor.export_merged_hf())
+
+    def export_rollout_weights(self) -> list | None:
+        """Split placement: the actor's current weights (LoRA merged) as [(hf_name, tensor)] on rank 0, None on
+        the other ranks (every rank takes part: export gathers). The driver hands them to the rollout pool."""
+        weights = [(name, t.detach().cpu().clone()) for name, t in self.actor.export_merged_hf()]
+        return weights if self.rank == 0 else None
 
     # ------------------------------------------------------------------ log-probs
     def compute_log_prob(self, piece: Batch, micro_batches: list[list[int]], temperature: float) -> dict | None:
@@ -100,6 +131,11 @@ class ActorRolloutRefWorker(EngineWorker):
         return self.actor.infer(sequence_batch(piece), micro_batches, temperature, outputs=("log_probs", "entropy"))
 
     def compute_ref_log_prob(self, piece: Batch, micro_batches: list[list[int]], temperature: float) -> dict | None:
+        """Reference log-probs [n, W]: the reference engine's, or with LoRA the actor's with its adapters off."""
+        if self.cfg.need_ref and self.cfg.lora is not None:
+            with self.actor.adapters_disabled():
+                out = self.actor.infer(sequence_batch(piece), micro_batches, temperature, outputs=("log_probs",))
+            return None if out is None else {"ref_log_probs": out["log_probs"]}
         if self.ref is None:
             raise RuntimeError("compute_ref_log_prob: no reference engine was built (need_ref=False)")
         out = self.ref.infer(sequence_batch(piece), micro_batches, temperature, outputs=("log_probs",))

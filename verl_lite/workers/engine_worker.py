@@ -34,6 +34,7 @@ class EngineWorkerConfig:
     seed: int
     model_overrides: dict  # megatron TransformerConfig fields (EngineConfig.model_overrides)
     params_dtype: str  # megatron.dtype: float32 | bfloat16 (EngineConfig.params_dtype)
+    lora: dict | None  # engine.lora.LoraConfig fields, None = no LoRA (model.lora.rank 0)
 
 
 def sequence_batch(piece: Batch, loss_keys: tuple[str, ...] = ()):
@@ -83,7 +84,16 @@ class EngineWorker(Worker):
         optim = OptimConfig(**c.optim, use_distributed_optimizer=c.use_distributed_optimizer)
         return EngineConfig(model_path=c.model_path, parallel=parallel, optim=optim,
                             calculate_per_token_loss=c.calculate_per_token_loss, seed=c.seed,
-                            model_overrides=dict(c.model_overrides), params_dtype=c.params_dtype, **kwargs)
+                            model_overrides=dict(c.model_overrides), params_dtype=c.params_dtype,
+                            lora=self._lora_config(), **kwargs)
+
+    def _lora_config(self):
+        """The engine's ``LoraConfig`` of this role, or None."""
+        if self.cfg.lora is None:
+            return None
+        from verl_lite.engine.lora import LoraConfig
+
+        return LoraConfig(**self.cfg.lora)
 
     def _owner_engine(self):
         raise NotImplementedError

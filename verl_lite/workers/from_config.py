@@ -5,6 +5,8 @@ engine's and workers' config classes state no default of their own for a config 
 
     actor_worker_config(cfg, total_steps, need_ref)   # WorkerConfig of the actor/rollout/ref role
     critic_worker_config(cfg, total_steps)            # EngineWorkerConfig of the critic role
+    reward_model_worker_config(cfg)                   # EngineWorkerConfig of the reward-model role
+    judge_worker_config(cfg)                          # RolloutWorkerConfig of the generative judge
     actor_loss_config(cfg.actor_rollout_ref.actor)    # algorithms.ActorLossConfig
     engine_model_overrides(model, megatron)           # EngineConfig.model_overrides of one role
     parallel_config / optim_config / engine_config    # the engine's configs from a section (default:
@@ -48,7 +50,27 @@ def engine_worker_fields(model, megatron, optim, total_steps: int, seed: int) ->
         seed=seed,
         model_overrides=engine_model_overrides(model, megatron),
         params_dtype=megatron.dtype,
+        lora=lora_fields(model.lora),
     )
+
+
+LORA_ENGINE_KEYS = ("rank", "alpha", "dropout", "target_modules", "exclude_modules", "adapter_path")
+
+
+def lora_fields(lora) -> dict | None:
+    """The ``engine.lora.LoraConfig`` fields of a ``model.lora`` section (None when rank is 0: no LoRA).
+    ``type`` and ``merge`` state what the engine always does (engine.rules.lora_problems checks them)."""
+    if not lora.rank:
+        return None
+    fields = {k: getattr(lora, k) for k in LORA_ENGINE_KEYS}
+    fields.update(target_modules=tuple(_list(lora.target_modules)), exclude_modules=tuple(_list(lora.exclude_modules)))
+    return fields
+
+
+def _list(value) -> list:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else [str(v) for v in value]
 
 
 def actor_worker_config(cfg, total_steps: int, need_ref: bool) -> WorkerConfig:
@@ -65,11 +87,46 @@ def actor_worker_config(cfg, total_steps: int, need_ref: bool) -> WorkerConfig:
     )
 
 
+def rollout_worker_config(cfg):
+    """The rollout pool's ``RolloutWorkerConfig`` (split placement: the rollout backend alone)."""
+    from verl_lite.rollout import rollout_kwargs
+    from verl_lite.workers.rollout_worker import RolloutWorkerConfig
+
+    arr = cfg.actor_rollout_ref
+    return RolloutWorkerConfig(model_path=arr.model.path, tokenizer_path=arr.model.tokenizer_path,
+                               rollout_name=arr.rollout.name,
+                               rollout_kwargs=rollout_kwargs(arr.rollout, cfg.data.max_prompt_length +
+                                                             cfg.data.max_response_length))
+
+
+def judge_worker_config(cfg):
+    """The generative judge's ``RolloutWorkerConfig``: ``reward_model.model`` behind ``reward_model.rollout``'s backend,
+    with room for a prompt of ``prompt_length`` and a judgement of ``response_length`` tokens (vLLM's max_model_len)."""
+    from verl_lite.rollout import rollout_kwargs
+    from verl_lite.workers.rollout_worker import RolloutWorkerConfig
+
+    rm = cfg.reward_model
+    r = rm.rollout
+    from types import SimpleNamespace
+
+    backend = SimpleNamespace(**vars(r), tensor_model_parallel_size=1)  # one full judge model (the only TP built)
+    return RolloutWorkerConfig(model_path=rm.model.path, tokenizer_path=rm.model.tokenizer_path, rollout_name=r.name,
+                               rollout_kwargs=rollout_kwargs(backend, r.prompt_length + r.response_length))
+
+
 def critic_worker_config(cfg, total_steps: int) -> EngineWorkerConfig:
     """The critic role's ``EngineWorkerConfig``."""
     c = cfg.critic
     return EngineWorkerConfig(**engine_worker_fields(c.model, c.megatron, c.optim, total_steps, cfg.trainer.seed))
 
+
+def reward_model_worker_config(cfg) -> EngineWorkerConfig:
+    """The reward-model role's ``EngineWorkerConfig`` (forward only: no optimizer, no LoRA)."""
+    r, m = cfg.reward_model, cfg.reward_model.megatron
+    return EngineWorkerConfig(model_path=r.model.path, **dataclasses.asdict(parallel_config(m)), optim={},
+                              calculate_per_token_loss=m.calculate_per_token_loss,
+                              use_distributed_optimizer=m.use_distributed_optimizer, seed=cfg.trainer.seed,
+                              model_overrides=dict(m.override_transformer_config or {}), params_dtype=m.dtype, lora=None)
 
 ACTOR_LOSS_KEYS = ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode",
                    "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type")

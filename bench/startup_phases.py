@@ -1,0 +1,145 @@
+"""Where the whole process of a 1-step default job spends its wall time, phase by phase (issue 26).
+
+Runs ``python -m verl_lite.trainer.main_ppo trainer.total_training_steps=1`` (the default job, one
+RL step, validation before and after as the default does) ``--runs`` times, each in a fresh
+process, and times each run from the outside (spawn to exit) and, inside, at the seams of the
+CLI: the child is this script with ``--child``, which wraps the trainer's functions to take a
+timestamp (CLOCK_MONOTONIC, shared by parent and child) on entry and exit, then calls
+``main_ppo.main`` as ``python -m`` would. Phases:
+
+    interpreter     spawn -> this script's first line (Python, site, the venv's .pth files)
+    imports         verl_lite's CLI, trainer, controller (torch, Ray, transformers, ...)
+    config          load_config (overrides, schema, validation)
+    trainer init    PPOTrainer(...): tokenizer, data, reward, pre-flight
+    run dir         run directory, config.json, trackers (until trainer.start)
+    ray start       start_ray (wall; other phases may run during it)
+    workers         WorkerGroup(...): actor processes up, rendezvous (worker imports included)
+    model init      RoleGroup's init_model + layout (engine, optimizer, rollout model)
+    first step      validation before training, then step 1
+    after steps     the end: validation, summary (until trainer.close)
+    shutdown        trainer.close (workers killed, Ray stopped), files, summary print
+    exit            main's return -> process exit (interpreter teardown, atexit)
+
+Phases that overlap (Ray starting while the trainer initialises) are printed with their own wall
+times and the ``critical path`` line sums what the process actually waited for, from spawn to exit.
+
+    python bench/startup_phases.py [--runs 3] [--python .venv/bin/python] [ARGS ... for main_ppo]
+"""
+
+from __future__ import annotations
+
+import time
+
+T_SCRIPT = time.monotonic()
+
+import json  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+STAMPS_ENV = "VERL_LITE_BENCH_STAMPS"  # the child writes its stamps to this file
+
+
+def _wrap(owner, name: str, stamps: dict, key: str) -> None:
+    """Stamp ``key:enter`` / ``key:exit`` (first entry, last exit) around ``owner.name``."""
+    original = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        stamps.setdefault(f"{key}:enter", time.monotonic())
+        try:
+            return original(*args, **kwargs)
+        finally:
+            stamps[f"{key}:exit"] = time.monotonic()
+
+    setattr(owner, name, timed)
+
+
+def child(argv: list[str]) -> int:
+    stamps = {"script": T_SCRIPT}
+    from verl_lite.trainer import main_ppo, ppo_trainer, training_run  # noqa: F401 (what main's run() imports)
+    from verl_lite.config import loader
+    from verl_lite.controller import role_group, worker_group
+
+    stamps["imports"] = time.monotonic()
+    _wrap(loader, "load_config", stamps, "config")
+    _wrap(ppo_trainer.PPOTrainer, "__init__", stamps, "trainer_init")
+    _wrap(ppo_trainer.PPOTrainer, "start", stamps, "start")
+    start_ray = getattr(ppo_trainer, "start_ray", None)
+    if start_ray is not None:
+        _wrap(ppo_trainer, "start_ray", stamps, "ray_start")
+    _wrap(worker_group.WorkerGroup, "__init__", stamps, "workers")
+    _wrap(role_group.RoleGroup, "__init__", stamps, "role")
+    _wrap(ppo_trainer.PPOTrainer, "step", stamps, "step")
+    _wrap(ppo_trainer.PPOTrainer, "close", stamps, "close")
+    try:
+        code = main_ppo.main(argv)
+    finally:
+        stamps["main_return"] = time.monotonic()
+        with open(os.environ[STAMPS_ENV], "w") as f:
+            json.dump(stamps, f)
+    return code
+
+
+def phases(spawn: float, stamps: dict, exited: float) -> dict[str, float]:
+    s = stamps.get
+    out = {
+        "interpreter": s("script") - spawn,
+        "imports": s("imports") - s("script"),
+        "config": s("config:exit") - s("config:enter"),
+        "trainer init": s("trainer_init:exit") - s("trainer_init:enter"),
+        "run dir": s("start:enter") - s("trainer_init:exit"),
+        "ray start": (s("ray_start:exit") - s("ray_start:enter")) if s("ray_start:enter") else float("nan"),
+        "workers": s("workers:exit") - s("workers:enter"),
+        "model init": s("role:exit") - s("workers:exit"),
+        "first step": s("step:exit") - s("start:exit"),
+        "after steps": s("close:enter") - s("step:exit"),
+        "shutdown": s("main_return") - s("close:enter"),
+        "exit": exited - s("main_return"),
+    }
+    out["start-up (spawn -> step 1 starts)"] = s("step:enter") - spawn
+    out["whole process"] = exited - spawn
+    return out
+
+
+def run_once(python: str, args: list[str]) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(prefix="verl_lite_startup_") as tmp:
+        stamps_file = Path(tmp) / "stamps.json"
+        env = dict(os.environ, **{STAMPS_ENV: str(stamps_file)})
+        cmd = [python, str(Path(__file__).resolve()), "--child", f"trainer.output_dir={tmp}/out",
+               "trainer.total_training_steps=1", *args]
+        spawn = time.monotonic()
+        proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
+        exited = time.monotonic()
+        if proc.returncode != 0:
+            raise RuntimeError(f"the 1-step job failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        return phases(spawn, json.loads(stamps_file.read_text()), exited)
+
+
+def main() -> None:
+    if "--child" in sys.argv:
+        sys.argv.remove("--child")
+        sys.exit(child(sys.argv[1:]))
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--python", default=str(REPO / ".venv" / "bin" / "python"))
+    a, rest = ap.parse_known_args()
+    runs = []
+    for k in range(a.runs):
+        load = os.getloadavg()[0]
+        runs.append(run_once(a.python, rest))
+        print(f"run {k + 1}: whole process {runs[-1]['whole process']:.2f} s (1-min load before it {load:.2f})",
+              flush=True)
+    print(f"1-step default job, phases (wall s; median / min over {a.runs} runs; {os.cpu_count()} cores):")
+    for key in runs[0]:
+        vals = [r[key] for r in runs]
+        print(f"  {key:<36} {statistics.median(vals):6.2f} / {min(vals):6.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""A bad tool config is rejected before anything starts, through the command line (exit 2, one line per
+problem naming the entry), and verl's multi_turn / agent keys are checked with their meaning."""
+
+from __future__ import annotations
+
+import pytest
+
+TOOLS_YAML = """
+tools:
+  - class_name: tests.agent.no_such_module.Calculator
+    config: {type: native}
+    tool_schema: {type: function, function: {name: calc, description: adds, parameters: {type: object, properties: {}}}}
+  - class_name: verl_lite.agent.tools.BaseTool
+    config: {type: native}
+    tool_schema: {type: function, function: {description: no name}}
+"""
+
+
+def test_bad_tool_config_exits_2_before_start(tmp_path, capsys):
+    import ray
+
+    from verl_lite.trainer import main_ppo
+
+    path = tmp_path / "tools.yaml"
+    path.write_text(TOOLS_YAML)
+    was_running = ray.is_initialized()
+    code = main_ppo.main(["actor_rollout_ref.rollout.multi_turn.enable=true",
+                          "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
+                          f"actor_rollout_ref.rollout.multi_turn.tool_config_path={path}",
+                          f"trainer.output_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "tools[0]: class_name 'tests.agent.no_such_module.Calculator' cannot be imported" in err
+    assert "tools[1] (verl_lite.agent.tools.BaseTool): tool_schema function.name must be a non-empty string" in err
+    assert "Traceback" not in err
+    assert ray.is_initialized() == was_running  # nothing started
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=top", "tool_response_truncate_side='top'"),
+    ("actor_rollout_ref.rollout.multi_turn.format=gpt-oss", "format='gpt-oss'"),
+    ("actor_rollout_ref.rollout.multi_turn.max_parallel_calls=0", "max_parallel_calls=0 must be >= 1"),
+    ("actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent", "needs actor_rollout_ref.rollout.multi_turn.enable=true"),
+    ("actor_rollout_ref.rollout.multi_turn.function_tool_path=t.py", "tools=[f, g]"),
+])
+def test_multi_turn_keys_are_checked(override, needle):
+    from verl_lite.config import ConfigError, load_config, validate_config
+
+    with pytest.raises(ConfigError) as e:
+        validate_config(load_config([override]), world_size=1)
+    assert any(needle in p for p in e.value.problems), e.value.problems
+
+
+def test_verl_defaults_and_the_shipped_template(tool_tokenizer):
+    from transformers import AutoTokenizer
+
+    from verl_lite.agent import ChatGlue
+    from verl_lite.config import load_config
+    from verl_lite.config.loader import default_model_path
+
+    mt = load_config([]).actor_rollout_ref.rollout.multi_turn
+    assert (mt.enable, mt.max_parallel_calls, mt.max_tool_response_length, mt.tool_response_truncate_side,
+            mt.format) == (False, 1, 256, "middle", "hermes")
+    shipped = ChatGlue(AutoTokenizer.from_pretrained(default_model_path()))
+    assert "does not render 'tool' messages" in shipped.problem("tool")  # its template has no tool role
+    assert shipped.problem("user") is None
+    assert ChatGlue(tool_tokenizer).problem("tool") is None

@@ -1,0 +1,446 @@
+"""The agent loop: multi-turn rollouts with tools and interactions, token in, token out.
+
+A trajectory is the prompt ids plus a response made of segments:
+
+- **model tokens**: what the rollout backend generated, exactly those ids, response mask 1, with the
+  rollout's log-probs;
+- **environment tokens**: tool responses, user turns and the chat template's glue between turns
+  (the end of the assistant turn after its EOS, the next role header, the generation prompt);
+  rendered with the model's chat template, tokenized ONCE and appended as ids; mask 0, log-prob 0.
+
+Nothing is re-tokenized from text: the next turn's prompt is the previous ids plus the new ids, and
+the trainer consumes exactly those ids. ``data.max_response_length`` bounds the whole response,
+environment tokens included (verl's meaning): a model turn gets at most the room that is left, and
+an environment segment that does not fit ends the trajectory without being added (as verl does).
+
+Batching: every trajectory of a worker's share runs as an asyncio task of its agent loop; a loop
+asks for a model turn with ``await ctx.generate(traj)``. When every live trajectory is waiting for
+its model turn (the others finished; tools and interactions of this turn done), the waiting turns
+go to the backend in ONE batched ``Rollout.generate`` call (HF or vLLM: the loop only uses the
+backend contract), each with its own seed ``turn_seed(seed of the prompt, sample k, turn)``, so
+samples do not depend on the worker layout.
+
+Agent loops register by name (``@register_agent_loop("name")`` or verl's
+``agent.agent_loop_config_path`` YAML: ``- {name: my_agent, _target_: pkg.module.MyLoop}``); a
+dataset row's ``agent_name`` picks one, else ``agent.default_agent_loop``. A loop implements ONE
+method, ``async run(traj, ctx) -> Trajectory``. Built in: ``single_turn_agent`` (one model turn)
+and ``tool_agent`` (verl's ToolAgentLoop: model turn; stop at the turn limits or the length bound;
+hermes tool calls -> the tools, the first ``max_parallel_calls`` concurrently; no call -> the row's
+interaction, if any, plays the user; else the trajectory ends).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from verl_lite.agent.hermes import parse_tool_calls
+from verl_lite.agent.interaction import Interaction, maybe_await
+from verl_lite.agent.tools import ToolConfigError, ToolExecutor, _import_class, build_tools
+
+AGENT_LOOPS: dict[str, type] = {}
+
+
+def register_agent_loop(name: str) -> Callable[[type], type]:
+    """Class decorator: make an agent loop class available as ``agent_name`` / ``default_agent_loop``."""
+    def decorator(cls: type) -> type:
+        AGENT_LOOPS[name] = cls
+        return cls
+
+    return decorator
+
+
+def load_agent_loop_config(path: str) -> dict[str, type]:
+    """verl's agent-loop config YAML (a list of ``{name, _target_}``) -> name -> class (imported)."""
+    from omegaconf import OmegaConf
+
+    key = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
+    try:
+        entries = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except FileNotFoundError:
+        raise ToolConfigError(f"{key}={path!r} does not exist") from None
+    except Exception as e:
+        raise ToolConfigError(f"{key}={path!r} is not valid YAML: {e}") from None
+    if not isinstance(entries, list) or not entries:
+        raise ToolConfigError(f"{key}={path!r} must be a non-empty list of {{name, _target_: module.Class}}")
+    out, problems = {}, []
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict) or not isinstance(e.get("name"), str) or not isinstance(e.get("_target_"), str):
+            problems.append(f"{path}: entry {i} needs name and _target_ (module.Class)")
+            continue
+        try:
+            cls = _import_class(e["_target_"])
+        except Exception as err:
+            problems.append(f"{path}: entry {i} ({e['name']}): {e['_target_']!r} cannot be imported "
+                            f"({type(err).__name__}: {err})")
+            continue
+        if not callable(getattr(cls, "run", None)):
+            problems.append(f"{path}: entry {i} ({e['name']}): {e['_target_']} has no run(traj, ctx) method")
+            continue
+        out[e["name"]] = cls
+    if problems:
+        raise ToolConfigError("\n".join(problems))
+    return out
+
+
+# ============================================================================================ trajectory
+@dataclass
+class Trajectory:
+    """One rollout: ``prompt_ids`` + ``response_ids`` with ``response_mask`` (1 model, 0 environment) and
+    ``log_probs`` (the rollout's on model tokens, 0.0 on environment tokens), all of one length."""
+
+    prompt_ids: list[int]
+    messages: list[dict]  # the conversation as text (prompt messages, decoded model turns, env turns)
+    row: dict  # the dataset row (data_source, ground_truth, extra_info, ...)
+    budget: int  # data.max_response_length: the whole response's bound
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    assistant_turns: int = 0
+    user_turns: int = 0  # environment turns: tool-response rounds and interaction (user) turns, as verl counts
+    tool_calls: int = 0  # calls run or answered (invalid ones included)
+    tool_errors: int = 0  # raised, or could not run (malformed JSON, unknown tool, bad arguments)
+    tool_timeouts: int = 0
+    dropped_tool_calls: int = 0  # calls of a turn beyond max_parallel_calls (not run, as verl)
+    tool_latency_s: dict[str, list[float]] = field(default_factory=dict)
+    turn_scores: list[float] = field(default_factory=list)  # interactions' per-turn rewards
+    tool_rewards: list[float] = field(default_factory=list)
+    stop_reason: str = ""
+    extra: dict = field(default_factory=dict)  # free space for custom loops
+
+    def room(self) -> int:
+        """Response tokens still allowed (model and environment together)."""
+        return self.budget - len(self.response_ids)
+
+    def add_model(self, ids: list[int], log_probs: list[float]) -> None:
+        if len(ids) != len(log_probs):
+            raise ValueError(f"model segment: {len(ids)} tokens but {len(log_probs)} log-probs")
+        if len(ids) > self.room():
+            raise ValueError(f"model segment of {len(ids)} tokens exceeds the {self.room()} left of the response")
+        self.response_ids += list(ids)
+        self.response_mask += [1] * len(ids)
+        self.log_probs += [float(x) for x in log_probs]
+
+    def add_env(self, ids: list[int]) -> bool:
+        """Append environment tokens (mask 0). False (nothing added) when they do not fit the response."""
+        if len(ids) > self.room():
+            return False
+        self.response_ids += list(ids)
+        self.response_mask += [0] * len(ids)
+        self.log_probs += [0.0] * len(ids)
+        return True
+
+    def output(self) -> dict:
+        """What the worker sends back: tokens, mask, log-probs, per-turn rewards and the stats metrics use."""
+        model = sum(self.response_mask)
+        return {
+            "response_ids": self.response_ids, "response_mask": self.response_mask, "log_probs": self.log_probs,
+            "turn_scores": list(self.turn_scores), "tool_rewards": list(self.tool_rewards),
+            "agent_stats": {
+                "assistant_turns": self.assistant_turns, "user_turns": self.user_turns,
+                "tool_calls": self.tool_calls, "tool_errors": self.tool_errors, "tool_timeouts": self.tool_timeouts,
+                "dropped_tool_calls": self.dropped_tool_calls, "tool_latency_s": self.tool_latency_s,
+                "model_tokens": model, "env_tokens": len(self.response_mask) - model, "stop_reason": self.stop_reason,
+            },
+        }
+
+
+# ============================================================================================ glue
+SENTINEL_USER, SENTINEL_ASSISTANT = "verl_lite_probe_user", "verl_lite_probe_assistant"
+
+
+class ChatGlue:
+    """Environment ids for new messages after a model turn, from the model's chat template.
+
+    Rendering a probe conversation ``[user, assistant]`` and the same plus the new messages (with the
+    generation prompt), the difference is what follows the assistant turn; the template's text after
+    the assistant's EOS (e.g. a newline after ``<|im_end|>``) belongs to it too, since the model's turn
+    ended at the EOS. The tool schemas are passed to the template (``tools=``) on every render."""
+
+    def __init__(self, tokenizer, tool_schemas: list[dict] | None = None):
+        self.tokenizer, self.tools = tokenizer, tool_schemas or None
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        kw = {"tools": self.tools} if self.tools else {}
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **kw)
+
+    def text(self, new_messages: list[dict]) -> str:
+        base = [{"role": "user", "content": SENTINEL_USER}, {"role": "assistant", "content": SENTINEL_ASSISTANT}]
+        before = self._render(base, False)
+        after = self._render(base + list(new_messages), True)
+        if not after.startswith(before):
+            raise ValueError("the chat template renders a conversation differently once messages are added; "
+                             "multi-turn rollouts need a template that appends turns")
+        end_of_assistant = before[before.rindex(SENTINEL_ASSISTANT) + len(SENTINEL_ASSISTANT):]
+        eos = self.tokenizer.eos_token
+        tail = end_of_assistant.split(eos, 1)[1] if eos and eos in end_of_assistant else end_of_assistant
+        return tail + after[len(before):]
+
+    def ids(self, new_messages: list[dict]) -> list[int]:
+        return self.tokenizer.encode(self.text(new_messages), add_special_tokens=False)
+
+    def problem(self, role: str) -> str | None:
+        """Why the template cannot carry ``role`` messages (None: it renders their content)."""
+        probe = "verl_lite_probe_content_1234"
+        try:
+            text = self.text([{"role": role, "content": probe}])
+        except Exception as e:
+            return f"rendering a {role!r} turn after an assistant turn fails ({type(e).__name__}: {e})"
+        if probe not in text:
+            return f"the chat template does not render {role!r} messages (their text would vanish from the conversation)"
+        return None
+
+
+# ============================================================================================ loops
+class AgentLoop:
+    """Base class: ``async run(traj, ctx) -> Trajectory``. ``ctx`` gives ``generate`` (a model turn),
+    ``call_tools``, ``env_ids`` (glue), ``tokenizer``, ``interaction`` and the multi_turn settings."""
+
+    def __init__(self, **config):
+        self.config = config
+
+    async def run(self, traj: Trajectory, ctx: "AgentContext") -> Trajectory:
+        raise NotImplementedError
+
+
+@register_agent_loop("single_turn_agent")
+class SingleTurnAgentLoop(AgentLoop):
+    """One model turn (what the single-turn rollout does)."""
+
+    async def run(self, traj: Trajectory, ctx: "AgentContext") -> Trajectory:
+        await ctx.model_turn(traj)
+        traj.stop_reason = "single_turn"
+        return traj
+
+
+@register_agent_loop("tool_agent")
+class ToolAgentLoop(AgentLoop):
+    """verl's tool agent loop (see module docstring), plus the row's interaction when the model calls no tool."""
+
+    async def run(self, traj: Trajectory, ctx: "AgentContext") -> Trajectory:
+        mt = ctx.multi_turn
+        state = await maybe_await(ctx.interaction.start(traj.row)) if ctx.interaction is not None else None
+        while True:
+            if traj.room() <= 0:
+                traj.stop_reason = "max_response_length"
+                return traj
+            text = await ctx.model_turn(traj)
+            if traj.room() <= 0:
+                traj.stop_reason = "max_response_length"
+                return traj
+            if mt.get("max_assistant_turns") and traj.assistant_turns >= mt["max_assistant_turns"]:
+                traj.stop_reason = "max_assistant_turns"
+                return traj
+            if mt.get("max_user_turns") and traj.user_turns >= mt["max_user_turns"]:
+                traj.stop_reason = "max_user_turns"
+                return traj
+            content, calls = parse_tool_calls(text, ctx.tool_names)
+            if calls:
+                run = calls[: mt.get("max_parallel_calls") or 1]
+                traj.dropped_tool_calls += len(calls) - len(run)
+                traj.messages.append({"role": "assistant", "content": content,
+                                      "tool_calls": [{"type": "function", "function": {"name": c.name,
+                                                                                        "arguments": c.arguments}}
+                                                     for c in run]})
+                new = [{"role": "tool", "content": t} for t in await ctx.call_tools(traj, run)]
+            elif ctx.interaction is not None:
+                traj.messages.append({"role": "assistant", "content": content})
+                turn = await maybe_await(ctx.interaction.respond(state, list(traj.messages)))
+                traj.turn_scores.append(float(turn.reward))
+                if turn.done:
+                    traj.stop_reason = "interaction_done"
+                    return traj
+                new = [{"role": "user", "content": turn.text}]
+            else:
+                traj.messages.append({"role": "assistant", "content": content})
+                traj.stop_reason = "no_tool_call"
+                return traj
+            if not traj.add_env(ctx.env_ids(new)):
+                traj.stop_reason = "max_response_length"
+                return traj
+            traj.messages += new
+            traj.user_turns += 1
+
+
+# ============================================================================================ runner
+def turn_seed(prompt_seed: int, sample: int, turn: int) -> int:
+    """The seed of model turn ``turn`` of sample ``sample`` of a prompt seeded ``prompt_seed``."""
+    return (int(prompt_seed) * 1_000_003 + sample * 10_007 + turn * 7_919 + 1) % (2**31 - 1)
+
+
+class _TurnBatcher:
+    """Collects the model turns the live trajectories ask for; when all of them wait, ONE backend call."""
+
+    def __init__(self, rollout, sampling: dict, live: int):
+        self.rollout, self.sampling, self.live = rollout, sampling, live
+        self.waiting: list[tuple[list[int], int, int | None, asyncio.Future]] = []
+        self.wake = asyncio.Event()
+        self.calls = 0  # backend calls made (one per turn of the batch)
+
+    async def generate(self, ids: list[int], max_new: int, seed: int | None) -> tuple[list[int], list[float]]:
+        future = asyncio.get_running_loop().create_future()
+        self.waiting.append((ids, max_new, seed, future))
+        self.wake.set()
+        return await future
+
+    def finished(self) -> None:
+        self.live -= 1
+        self.wake.set()
+
+    async def serve(self) -> None:
+        while self.live > 0:
+            await self.wake.wait()
+            self.wake.clear()
+            if self.waiting and len(self.waiting) >= self.live:
+                batch, self.waiting = self.waiting, []
+                self._flush(batch)
+
+    def _flush(self, batch) -> None:
+        seeds = [s for _, _, s, _ in batch]
+        kw = dict(self.sampling, n=1, max_new_tokens=max(m for _, m, _, _ in batch))
+        if all(s is not None for s in seeds):
+            kw["seeds"] = seeds
+        try:
+            outs = self.rollout.generate([ids for ids, _, _, _ in batch], **kw)
+            self.calls += 1
+        except BaseException as e:
+            for *_, future in batch:
+                future.set_exception(e)
+            return
+        for (_, max_new, _, future), o in zip(batch, outs):
+            lp = o["log_probs"]
+            lp = lp.tolist() if hasattr(lp, "tolist") else list(lp)
+            future.set_result((list(o["response_ids"])[:max_new], lp[:max_new]))
+
+
+@dataclass
+class AgentSpec:
+    """Everything a worker needs to build its agent runner (picklable; sent once with ``init_agent``)."""
+
+    multi_turn: dict  # the actor_rollout_ref.rollout.multi_turn values
+    default_agent_loop: str = "single_turn_agent"
+    agent_loop_config_path: str | None = None
+    functions: list = field(default_factory=list)  # Python-API tools (callables)
+    interactions: dict = field(default_factory=dict)  # Python-API interactions: name -> instance
+    max_response_length: int = 16
+    tool_schemas: list = field(default_factory=list)  # OpenAI schemas of every tool (rendered into the prompts)
+
+
+class AgentContext:
+    """What an agent loop may use for one trajectory (see :class:`AgentLoop`)."""
+
+    def __init__(self, runner: "AgentRunner", batcher: _TurnBatcher, seed: int | None, sample: int,
+                 interaction: Interaction | None):
+        self.runner, self.batcher, self.seed, self.sample, self.interaction = runner, batcher, seed, sample, interaction
+        self.tokenizer, self.multi_turn = runner.tokenizer, runner.spec.multi_turn
+        self.tool_names = runner.executor.names
+
+    async def model_turn(self, traj: Trajectory) -> str:
+        """Generate the next model turn into ``traj`` (at most its room); returns the turn's text."""
+        if traj.room() <= 0:
+            return ""
+        seed = None if self.seed is None else turn_seed(self.seed, self.sample, traj.assistant_turns)
+        ids, lps = await self.batcher.generate(traj.prompt_ids + traj.response_ids, traj.room(), seed)
+        traj.add_model(ids, lps)
+        traj.assistant_turns += 1
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    async def call_tools(self, traj: Trajectory, calls) -> list[str]:
+        """Run the calls concurrently (each bounded); record the stats; the response texts in order."""
+        outcomes = await self.runner.executor.run(calls)
+        for o in outcomes:
+            traj.tool_calls += 1
+            traj.tool_errors += o.status in ("error", "invalid")
+            traj.tool_timeouts += o.status == "timeout"
+            if o.status != "invalid":
+                traj.tool_latency_s.setdefault(o.name, []).append(o.latency_s)
+            if o.reward is not None:
+                traj.tool_rewards.append(o.reward)
+        return [o.text for o in outcomes]
+
+    def env_ids(self, new_messages: list[dict]) -> list[int]:
+        return self.runner.glue.ids(new_messages)
+
+
+class AgentRunner:
+    """A worker's agent rollouts: ``run(rows, seeds, sampling)`` -> one output dict per trajectory,
+    prompt-major (``sampling['n']`` per row), as ``Rollout.generate`` orders them."""
+
+    def __init__(self, rollout, tokenizer, spec: AgentSpec):
+        mt = spec.multi_turn
+        self.rollout, self.tokenizer, self.spec = rollout, tokenizer, spec
+        tools = build_tools(spec.functions, mt.get("tool_config_path"))
+        self.executor = ToolExecutor(tools, mt["tool_timeout_s"], mt["max_tool_response_length"],
+                                     mt["tool_response_truncate_side"], mt["tool_error"])
+        self.glue = ChatGlue(tokenizer, [t.schema for t in tools])
+        self.interactions = dict(spec.interactions)
+        if mt.get("interaction_config_path"):
+            from verl_lite.agent.interaction import load_interaction_config
+
+            self.interactions.update(load_interaction_config(mt["interaction_config_path"]))
+        self.loops = dict(AGENT_LOOPS)
+        if spec.agent_loop_config_path:
+            self.loops.update(load_agent_loop_config(spec.agent_loop_config_path))
+
+    def _interaction_of(self, row: dict) -> Interaction | None:
+        kwargs = (row.get("extra_info") or {}).get("interaction_kwargs") or {}
+        name = kwargs.get("name")
+        if name is None:
+            return next(iter(self.interactions.values())) if len(self.interactions) == 1 else None
+        if name not in self.interactions:
+            raise ToolConfigError(f"row asks for interaction {name!r}; the configured ones are {sorted(self.interactions)}")
+        return self.interactions[name]
+
+    def _loop_of(self, row: dict) -> AgentLoop:
+        name = row.get("agent_name") or self.spec.default_agent_loop
+        if name not in self.loops:
+            raise ToolConfigError(f"agent loop {name!r} (row agent_name / agent.default_agent_loop) is not "
+                                  f"registered; registered: {sorted(self.loops)}")
+        return self.loops[name]()
+
+    def run(self, rows: list[dict], seeds: list[int] | None, sampling: dict) -> list[dict]:
+        sampling = dict(sampling)
+        n = int(sampling.pop("n", 1))
+        sampling.pop("max_new_tokens", None)  # the response bound is data.max_response_length (spec)
+        return asyncio.run(self._run_all(rows, seeds, n, sampling))
+
+    async def _run_all(self, rows, seeds, n, sampling) -> list[dict]:
+        jobs = [(p, k) for p in range(len(rows)) for k in range(n)]
+        batcher = _TurnBatcher(self.rollout, sampling, len(jobs))
+        errors: list[BaseException] = []
+
+        async def one(p: int, k: int) -> Trajectory | None:
+            row = rows[p]
+            try:
+                given = row.get("messages") or []
+                messages = [{"role": "user", "content": given}] if isinstance(given, str) else [dict(m) for m in given]
+                traj = Trajectory(list(row["prompt_ids"]), messages, row, self.spec.max_response_length)
+                ctx = AgentContext(self, batcher, None if seeds is None else seeds[p], k, self._interaction_of(row))
+                return await self._loop_of(row).run(traj, ctx)
+            except BaseException as e:
+                errors.append(e)
+                return None
+            finally:
+                batcher.finished()
+
+        tasks = [asyncio.create_task(one(p, k)) for p, k in jobs]
+        await batcher.serve()
+        trajectories = await asyncio.gather(*tasks)
+        if errors:
+            raise errors[0]
+        return [t.output() for t in trajectories]
+
+
+AGENT_ROW_KEYS = ("prompt_ids", "messages", "data_source", "ground_truth", "extra_info")
+
+
+def agent_rows(rows: list[dict]) -> list[dict]:
+    """The part of each dataset row the workers' agent loops read (``agent_name``: a column of its own, or a
+    key of ``extra_info`` where the dataset merged the row's other columns)."""
+    out = []
+    for r in rows:
+        row = {k: r.get(k) for k in AGENT_ROW_KEYS}
+        row["agent_name"] = r.get("agent_name") or (r.get("extra_info") or {}).get("agent_name")
+        out.append(row)
+    return out

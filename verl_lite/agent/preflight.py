@@ -1,0 +1,101 @@
+"""Before any worker starts: build the run's agent spec and check everything it names.
+
+``agent_spec(cfg, tools, interactions, tokenizer)`` returns None when ``multi_turn.enable`` is false
+(then ``tools`` / ``interactions`` from the Python API are an error), else the
+:class:`~verl_lite.agent.loop.AgentSpec` the workers build their runner from, after loading on the
+driver what the workers will load: the tool-config classes (imported and instantiated), the
+functions' schemas, the interaction classes, the custom agent loops, the default loop's name, and the
+chat template (it must render ``tool`` turns when there are tools and ``user`` turns when there
+are interactions, since that is how their text reaches the model). Every problem is one line of a
+:class:`~verl_lite.agent.tools.ToolConfigError` (exit 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from verl_lite.agent.loop import AGENT_LOOPS, AgentSpec, ChatGlue, load_agent_loop_config
+from verl_lite.agent.tools import ToolConfigError, build_tools
+
+M = "actor_rollout_ref.rollout.multi_turn"
+
+
+def multi_turn_values(mt) -> dict:
+    """The multi_turn section as a plain dict (what the workers read)."""
+    return {f.name: getattr(mt, f.name) for f in dataclasses.fields(mt)} if dataclasses.is_dataclass(mt) \
+        else dict(vars(mt))
+
+
+def _collect(problems: list[str], fn, *args):
+    try:
+        return fn(*args)
+    except ToolConfigError as e:
+        problems.extend(str(e).splitlines())
+        return None
+
+
+def agent_spec(cfg, tools=None, interactions=None, tokenizer=None) -> AgentSpec | None:
+    rollout = cfg.actor_rollout_ref.rollout
+    mt, ag = rollout.multi_turn, rollout.agent
+    if not mt.enable:
+        if tools or interactions:
+            raise ToolConfigError(f"tools / interactions were given but {M}.enable=false",
+                                  f"set {M}.enable=true (PPOTrainer(tools=...) does so unless the config says false)")
+        return None
+    problems: list[str] = []
+    built = _collect(problems, build_tools, list(tools or []), mt.tool_config_path) or []
+    given = dict(interactions or {})
+    for name, inst in given.items():
+        if not callable(getattr(inst, "respond", None)):
+            problems.append(f"interactions[{name!r}]: {type(inst).__name__} has no respond(state, messages) method")
+    if mt.interaction_config_path:
+        from verl_lite.agent.interaction import load_interaction_config
+
+        given.update(_collect(problems, load_interaction_config, mt.interaction_config_path) or {})
+    loops = dict(AGENT_LOOPS)
+    if ag.agent_loop_config_path:
+        loops.update(_collect(problems, load_agent_loop_config, ag.agent_loop_config_path) or {})
+    if ag.default_agent_loop not in loops:
+        problems.append(f"actor_rollout_ref.rollout.agent.default_agent_loop={ag.default_agent_loop!r} is not a "
+                        f"registered agent loop; registered: {sorted(loops)}")
+    if tokenizer is not None:
+        glue = ChatGlue(tokenizer, [t.schema for t in built])
+        for role, needed in (("tool", built), ("user", given)):
+            why = glue.problem(role) if needed else None
+            if why:
+                problems.append(f"{M}: {why}; give actor_rollout_ref.model.tokenizer_path a tokenizer whose chat "
+                                f"template renders {role!r} turns")
+    if problems:
+        raise ToolConfigError("\n".join(problems))
+    return AgentSpec(multi_turn=multi_turn_values(mt), default_agent_loop=ag.default_agent_loop,
+                     agent_loop_config_path=ag.agent_loop_config_path, functions=list(tools or []),
+                     interactions=dict(interactions or {}), max_response_length=cfg.data.max_response_length,
+                     tool_schemas=[t.schema for t in built])
+
+
+def enable_for_python_tools(cfg) -> None:
+    """``PPOTrainer(tools=...)``: multi-turn rollouts on, and the tool loop for rows without ``agent_name``
+    when the config still names verl's default ``single_turn_agent``."""
+    rollout = cfg.actor_rollout_ref.rollout
+    rollout.multi_turn.enable = True
+    if rollout.agent.default_agent_loop == "single_turn_agent":
+        rollout.agent.default_agent_loop = "tool_agent"
+
+
+def pickle_user_code_by_value(spec: AgentSpec) -> None:
+    """The Python API's tools and interactions travel to the workers by value (cloudpickle), also when they
+    live in a module the workers cannot import (a script loaded by path, a test file); verl_lite's own and
+    installed packages' objects still go by reference."""
+    import sys
+    import sysconfig
+
+    from ray import cloudpickle
+
+    site = (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["stdlib"])
+    for obj in list(spec.functions) + list(spec.interactions.values()):
+        name = getattr(obj, "__module__", None) or type(obj).__module__
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None) or ""
+        if module is None or name == "__main__" or name.split(".")[0] == "verl_lite" or path.startswith(site):
+            continue
+        cloudpickle.register_pickle_by_value(module)

@@ -1,0 +1,344 @@
+"""Tools the agent loop can call: plain Python functions and verl-style tool classes, each call bounded.
+
+Two ways to give tools, both ending as :class:`Tool` objects (``name``, OpenAI ``schema``, ``call``):
+
+- **Python functions** (``PPOTrainer(..., tools=[f, g])``), sync or ``async def``: the schema comes
+  from the type hints and the Google-style docstring (``transformers.utils.get_json_schema``, as TRL
+  and verl's function tools do). The function is called with the model's arguments as keywords and
+  returns the response text (anything else is ``str()``-ed).
+- **verl's tool config YAML** (``actor_rollout_ref.rollout.multi_turn.tool_config_path``)::
+
+      tools:
+        - class_name: my_pkg.tools.Calculator        # a BaseTool subclass, importable by module path
+          config: {type: native, ...}                # passed to the class as ``config``
+          tool_schema: {type: function, function: {name: calc, description: ..., parameters: {...}}}
+
+  The class follows verl's ``BaseTool``: ``create(**kw) -> (instance_id, _)``,
+  ``execute(instance_id, parameters) -> (response, reward, metrics)``, ``release(instance_id)``
+  (each may be sync or async); ``response`` is a string or has a ``.text``.
+
+Every call runs in a daemon thread of its own (an ``async`` tool gets its own event loop there),
+awaited at most ``multi_turn.tool_timeout_s``: the isolation of the Python API's reward functions
+(``verl_lite.reward.sandbox.call_bounded``). A call that raises or passes the bound becomes error text in
+the conversation (``status`` error / timeout), or, with ``multi_turn.tool_error=fail``, a
+:class:`ToolFailure` that stops the run naming the tool. A hung thread is abandoned (it is a daemon:
+it never holds the process up). Response text is truncated to ``max_tool_response_length``
+characters on ``tool_response_truncate_side`` (verl's meaning and markers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import importlib
+import inspect
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from verl_lite.errors import BadInput, RunFailure
+
+TRUNCATE_SIDES = ("left", "right", "middle")
+TOOL_ERROR_MODES = ("text", "fail")
+
+
+class ToolConfigError(BadInput):
+    """A tool config / tool list is unusable (exit 2, before any worker starts); one problem a line."""
+
+    def __init__(self, what: str, fix: str | None = None):
+        super().__init__(what, fix)
+        self.problems = what.splitlines() if fix is None else [str(self)]
+
+
+class ToolFailure(RunFailure):
+    """A tool raised or timed out and ``multi_turn.tool_error=fail`` makes that a run failure."""
+
+
+# ---------------------------------------------------------------------------------------------- schemas
+def schema_problem(schema: Any) -> str | None:
+    """Why ``schema`` is not an OpenAI function-tool schema (None: it is)."""
+    if not isinstance(schema, dict) or schema.get("type") != "function" or not isinstance(schema.get("function"), dict):
+        return "must be {type: function, function: {name, description, parameters}}"
+    fn = schema["function"]
+    if not isinstance(fn.get("name"), str) or not fn["name"].strip():
+        return "function.name must be a non-empty string"
+    if "description" in fn and not isinstance(fn["description"], str):
+        return "function.description must be a string"
+    params = fn.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(params, dict) or params.get("type") != "object" or not isinstance(params.get("properties", {}), dict):
+        return "function.parameters must be {type: object, properties: {...}}"
+    required = params.get("required", [])
+    if not isinstance(required, list) or any(r not in params.get("properties", {}) for r in required):
+        return "function.parameters.required must list names of function.parameters.properties"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- tools
+@dataclass
+class ToolResult:
+    text: str
+    reward: float | None = None
+    metrics: dict = field(default_factory=dict)
+
+
+def _as_result(raw: Any) -> ToolResult:
+    """A tool's return value -> ToolResult: str, (response, reward[, metrics]), or anything with ``.text``."""
+    reward, metrics = None, {}
+    if isinstance(raw, tuple) and raw:
+        raw, reward, metrics = (list(raw) + [None, {}])[:3]
+    text = getattr(raw, "text", raw)
+    return ToolResult("" if text is None else text if isinstance(text, str) else str(text),
+                      None if reward is None else float(reward), dict(metrics or {}))
+
+
+def _run_maybe_async(fn: Callable, *args, **kwargs) -> Any:
+    """Call fn; an awaitable result is run to completion on a fresh event loop (this thread's own)."""
+    out = fn(*args, **kwargs)
+    if inspect.isawaitable(out):
+        async def wait():
+            return await out
+
+        return asyncio.run(wait())
+    return out
+
+
+class Tool:
+    """A callable tool: ``name``, ``schema`` (OpenAI function schema), ``invoke(arguments) -> ToolResult``
+    (blocking; the executor bounds it)."""
+
+    name: str
+    schema: dict
+
+    def invoke(self, arguments: dict) -> ToolResult:
+        raise NotImplementedError
+
+
+class FunctionTool(Tool):
+    """A plain Python function (sync or async) as a tool; the schema is generated from its signature."""
+
+    def __init__(self, fn: Callable, schema: dict | None = None):
+        from transformers.utils import get_json_schema
+
+        if not callable(fn):
+            raise ToolConfigError(f"tools: {fn!r} is not callable; give functions with type hints and a docstring")
+        label = getattr(fn, "__name__", repr(fn))
+        if schema is None:
+            try:
+                schema = get_json_schema(fn)
+            except Exception as e:  # DocstringParsingException / TypeHintParsingException
+                raise ToolConfigError(
+                    f"tools: cannot build the schema of {label!r}: {e}",
+                    "give it a type hint on every parameter and a Google-style docstring with an Args: block "
+                    "(transformers.utils.get_json_schema)") from None
+        schema = {k: v for k, v in schema.items()}
+        schema["function"] = {k: v for k, v in schema.get("function", {}).items() if k != "return"}
+        if (why := schema_problem(schema)) is not None:
+            raise ToolConfigError(f"tools: the schema of {label!r} {why}")
+        self.fn, self.schema, self.name = fn, schema, schema["function"]["name"]
+
+    def invoke(self, arguments: dict) -> ToolResult:
+        return _as_result(_run_maybe_async(self.fn, **arguments))
+
+
+class BaseTool:
+    """verl's tool class shape (subclass it, or any class with these methods): one instance per
+    config entry; per call ``create`` -> ``execute`` -> ``release``."""
+
+    def __init__(self, config: dict, tool_schema: dict):
+        self.config, self.tool_schema = config, tool_schema
+        self.name = tool_schema["function"]["name"]
+
+    async def create(self, instance_id: str | None = None, **kwargs) -> tuple[str, Any]:
+        import uuid
+
+        return instance_id or uuid.uuid4().hex, None
+
+    async def execute(self, instance_id: str, parameters: dict, **kwargs) -> tuple[Any, float, dict]:
+        raise NotImplementedError
+
+    async def release(self, instance_id: str, **kwargs) -> None:
+        return None
+
+
+class ClassTool(Tool):
+    """An instance of a tool class from the config (``create`` / ``execute`` / ``release`` per call)."""
+
+    def __init__(self, instance, schema: dict):
+        self.instance, self.schema, self.name = instance, schema, schema["function"]["name"]
+
+    def invoke(self, arguments: dict) -> ToolResult:
+        async def lifecycle():
+            inst = self.instance
+            created = inst.create() if hasattr(inst, "create") else None
+            created = await created if inspect.isawaitable(created) else created
+            instance_id = created[0] if isinstance(created, tuple) else created
+            try:
+                out = inst.execute(instance_id, arguments)
+                return _as_result(await out if inspect.isawaitable(out) else out)
+            finally:
+                if hasattr(inst, "release"):
+                    done = inst.release(instance_id)
+                    if inspect.isawaitable(done):
+                        await done
+
+        return asyncio.run(lifecycle())
+
+
+# ---------------------------------------------------------------------------------------------- config file
+def _import_class(class_name: str):
+    module_name, _, attr = class_name.rpartition(".")
+    if not module_name:
+        raise ImportError(f"{class_name!r} is not a dotted module path (module.Class)")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def yaml_entries(key: str, path: str, section: str, fields: str) -> list:
+    """The non-empty list ``section`` of the YAML file at ``path`` (set by config key ``key``); a missing
+    file, bad YAML or no such list raises :class:`ToolConfigError` naming the key and the expected ``fields``."""
+    from omegaconf import OmegaConf
+
+    if not Path(path).is_file():
+        raise ToolConfigError(f"{key}={path!r} does not exist")
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except Exception as e:
+        raise ToolConfigError(f"{key}={path!r} is not valid YAML: {e}") from None
+    entries = data.get(section) if isinstance(data, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise ToolConfigError(f"{key}={path!r} must hold a non-empty list '{section}: [{{{fields}}}]'")
+    return entries
+
+
+def load_tool_config(path: str) -> list[Tool]:
+    """The tools of a verl tool-config YAML (see module docstring); raises :class:`ToolConfigError` with
+    every problem of the file, one per line, naming the entry."""
+    entries = yaml_entries("actor_rollout_ref.rollout.multi_turn.tool_config_path", path, "tools",
+                           "class_name, config, tool_schema")
+    tools, problems = [], []
+    for i, entry in enumerate(entries):
+        where = f"{path}: tools[{i}]"
+        if not isinstance(entry, dict) or not isinstance(entry.get("class_name"), str):
+            problems.append(f"{where} needs class_name (module.Class), config and tool_schema")
+            continue
+        schema = entry.get("tool_schema")
+        if (why := schema_problem(schema)) is not None:
+            problems.append(f"{where} ({entry['class_name']}): tool_schema {why}")
+            continue
+        config = entry.get("config") or {}
+        if not isinstance(config, dict):
+            problems.append(f"{where}: config must be a mapping")
+            continue
+        if config.get("type", "native") != "native":
+            problems.append(f"{where}: config.type={config.get('type')!r}: only 'native' tools are built")
+            continue
+        try:
+            cls = _import_class(entry["class_name"])
+        except Exception as e:
+            problems.append(f"{where}: class_name {entry['class_name']!r} cannot be imported ({type(e).__name__}: {e})")
+            continue
+        if not callable(getattr(cls, "execute", None)):
+            problems.append(f"{where}: {entry['class_name']} has no execute(instance_id, parameters) method")
+            continue
+        try:
+            instance = cls(config=config, tool_schema=schema)
+        except Exception as e:
+            problems.append(f"{where}: {entry['class_name']}(config=..., tool_schema=...) raised {type(e).__name__}: {e}")
+            continue
+        tools.append(ClassTool(instance, schema))
+    if problems:
+        raise ToolConfigError("\n".join(problems))
+    return tools
+
+
+def build_tools(functions=None, tool_config_path: str | None = None) -> list[Tool]:
+    """The run's tools: the config file's classes, then the Python functions; names must be unique."""
+    tools = load_tool_config(tool_config_path) if tool_config_path else []
+    for f in functions or []:
+        tools.append(f if isinstance(f, Tool) else FunctionTool(f))
+    seen: dict[str, int] = {}
+    for t in tools:
+        seen[t.name] = seen.get(t.name, 0) + 1
+    dup = sorted(n for n, c in seen.items() if c > 1)
+    if dup:
+        raise ToolConfigError(f"tools: the name(s) {dup} are given more than once; each tool needs its own name")
+    return tools
+
+
+# ---------------------------------------------------------------------------------------------- truncation
+def truncate_response(text: str, limit: int, side: str) -> str:
+    """verl's truncation of a tool response longer than ``limit`` characters: ``left`` keeps the end,
+    ``right`` the start, ``middle`` both halves, each with a ``(truncated)`` marker."""
+    if limit <= 0 or len(text) <= limit:
+        return text
+    if side == "left":
+        return "(truncated)..." + text[-limit:]
+    if side == "right":
+        return text[:limit] + "...(truncated)"
+    half = limit // 2
+    return text[:half] + "...(truncated)..." + text[len(text) - half:]
+
+
+# ---------------------------------------------------------------------------------------------- execution
+@dataclass
+class ToolOutcome:
+    name: str
+    text: str  # what goes into the conversation
+    status: str  # ok | error | timeout | invalid (the call could not run: bad JSON, unknown tool)
+    latency_s: float = 0.0
+    reward: float | None = None
+
+
+def _daemon_call(fn: Callable[[], Any]) -> concurrent.futures.Future:
+    """``fn()`` in a daemon thread of its own; its result (or exception) in the returned future."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def target():
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn())
+            except BaseException as e:
+                future.set_exception(e)
+
+    threading.Thread(target=target, name="verl_lite-tool", daemon=True).start()
+    return future
+
+
+class ToolExecutor:
+    """Runs a turn's tool calls concurrently, each bounded by ``timeout_s`` (see module docstring)."""
+
+    def __init__(self, tools: list[Tool], timeout_s: float, max_response_length: int, truncate_side: str,
+                 on_error: str = "text"):
+        self.tools = {t.name: t for t in tools}
+        self.timeout_s, self.limit, self.side, self.on_error = timeout_s, max_response_length, truncate_side, on_error
+
+    @property
+    def names(self) -> set[str]:
+        return set(self.tools)
+
+    async def run(self, calls) -> list[ToolOutcome]:
+        """One outcome per call (``verl_lite.agent.hermes.ToolCall``), in order."""
+        return list(await asyncio.gather(*(self._one(c) for c in calls)))
+
+    async def _one(self, call) -> ToolOutcome:
+        if call.error is not None:
+            return ToolOutcome(call.name or "<invalid>", call.error, "invalid")
+        tool = self.tools[call.name]
+        start = time.perf_counter()
+        try:
+            result = await asyncio.wait_for(asyncio.wrap_future(_daemon_call(lambda: tool.invoke(call.arguments))),
+                                            self.timeout_s)
+        except asyncio.TimeoutError:
+            return self._failed(call.name, f"did not return within {self.timeout_s}s", "timeout", start)
+        except Exception as e:
+            return self._failed(call.name, f"{type(e).__name__}: {e}", "error", start)
+        text = truncate_response(result.text, self.limit, self.side)
+        return ToolOutcome(call.name, text, "ok", time.perf_counter() - start, result.reward)
+
+    def _failed(self, name: str, what: str, status: str, start: float) -> ToolOutcome:
+        if self.on_error == "fail":
+            raise ToolFailure(f"tool {name!r} {'timed out: ' if status == 'timeout' else 'raised '}{what}",
+                              "fix the tool, raise actor_rollout_ref.rollout.multi_turn.tool_timeout_s, or set "
+                              "multi_turn.tool_error=text to answer the model with the error instead")
+        return ToolOutcome(name, f"Error executing tool '{name}': {what}", status, time.perf_counter() - start)

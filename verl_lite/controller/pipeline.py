@@ -1,0 +1,234 @@
+"""The rollout/training pipeline of split placement: a bounded queue of rollout batches, each tagged
+with the policy version that sampled it (verl's one-step-off / fully-async schedule).
+
+Versions count optimizer updates of the RL loop: version v is the policy after v RL steps. Batch b
+(the one RL step b + 1 trains on) is sampled by version
+
+    v(b) = max(0, b - k),        k = async_training.staleness_threshold
+
+so its staleness at training, b - v(b), is at most k: k = 0 is the synchronous loop, k = 1 is
+one-step-off (batch b + 1 is generated while step b + 1 trains on batch b). The schedule is fixed,
+not a race: one generation thread runs batches in order and, before batch b, loads exactly version
+v(b) into every rollout worker (all of them, then it generates), so a rollout never samples with a
+half-updated model and a run is reproducible at its seeds. At most k + 1 batches are generated
+ahead of the trainer (the queue's bound); their prompt rows are pulled from the data on the
+trainer's thread.
+
+    pipe = RolloutPipeline(generate, load, next_rows, staleness=1, queue_timeout_s=600)
+    pipe.start()
+    item = pipe.next(step_index)        # the batch of that step (waits at most queue_timeout_s)
+    ...train on item.batch...
+    pipe.publish(step_index + 1, weights)   # the updated policy, for the batches that need it
+    pipe.in_flight()                    # generated-ahead batches (a checkpoint saves them)
+    pipe.close()
+
+Every wait is bounded: the trainer's wait for a batch (``queue_timeout_s``: a starving queue), a
+weight load (the ``load`` callable's own bound, ``weight_sync_timeout_s``), a generation
+(the worker group's ``trainer.worker_timeout_s``). A failure in the generation thread is re-raised on
+the trainer's thread at its next ``next()``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from verl_lite.errors import RunFailure
+
+
+class PipelineError(RunFailure):
+    """The rollout pipeline of split placement failed (a rollout worker, a weight sync, a starving queue)."""
+
+
+@dataclass
+class RolloutItem:
+    index: int  # the RL step (0-based) this batch trains at
+    rows: list  # its prompt rows
+    version: int  # the policy version that sampled it
+    batch: Any = None  # the generated rollout (verl_lite.protocol.Batch)
+    generate_s: float = 0.0
+    metrics: dict = field(default_factory=dict)
+
+    def to_state(self) -> dict:
+        """Plain containers, tensors and Python scalars/strings only, so a checkpoint reads it back with
+        ``torch.load(weights_only=True)`` (never an unpickler that can run code)."""
+        batch = None if self.batch is None else {"tensors": {k: v for k, v in self.batch.tensors.items()},
+                                                 "non_tensors": dict(self.batch.non_tensors)}
+        return {"index": self.index, "rows": self.rows, "version": self.version, "batch": batch,
+                "generate_s": self.generate_s, "metrics": dict(self.metrics)}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "RolloutItem":
+        from verl_lite.protocol import Batch
+
+        batch = state["batch"]
+        if batch is not None:
+            batch = Batch.from_dict(batch["tensors"], batch["non_tensors"])
+        return cls(state["index"], state["rows"], state["version"], batch, state["generate_s"], state["metrics"])
+
+
+def version_for(index: int, staleness: int) -> int:
+    """The policy version that samples batch ``index``: max(0, index - staleness)."""
+    return max(0, index - staleness)
+
+
+class RolloutPipeline:
+    """See the module docstring. ``generate(rows, index) -> Batch`` runs on the rollout pool;
+    ``load(weights, version)`` loads one version into every rollout worker (bounded by its own timeout);
+    ``next_rows()`` returns the next batch of prompt rows (called on the trainer's thread only).
+
+    ``first_index``: the first step to hand a batch to (a resumed run: the checkpoint's step; ``ready``: the
+    batches it saved, for steps first_index...); ``end_index``: steps past it get no batch (the run's
+    length); ``loaded_version``: the version the rollout workers hold now (None: unknown, load before
+    the first batch)."""
+
+    def __init__(self, generate: Callable[[list, int], Any], load: Callable[[Any, int], None],
+                 next_rows: Callable[[], list], staleness: int, queue_timeout_s: float, first_index: int = 0,
+                 end_index: int | None = None, loaded_version: int | None = 0, ready: list[RolloutItem] = ()):
+        if staleness < 0:
+            raise ValueError(f"staleness must be >= 0, got {staleness}")
+        self.generate_fn, self.load_fn, self.next_rows = generate, load, next_rows
+        self.staleness, self.queue_timeout_s = staleness, queue_timeout_s
+        self._ready = list(ready)  # generated, not yet handed out (in order)
+        self._queue: queue.Queue = queue.Queue(maxsize=staleness + 1)
+        self._rows: dict[int, list] = {}
+        self._published: dict[int, Any] = {}
+        self._loaded = loaded_version
+        self._next_submit = self._next_generate = first_index + len(self._ready)
+        self._handed = first_index  # the next step to hand a batch to
+        self._end = end_index
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rollout-pipeline", daemon=True)
+        self._busy_since: float | None = None  # when the thread's current load/generation began
+        self._busy_with = ""
+
+    # ------------------------------------------------------------------ trainer side
+    def start(self) -> None:
+        self._thread.start()
+
+    def _top_up(self, index: int) -> None:
+        """Hand the thread the rows of every batch up to ``index + staleness`` (the pipeline's depth)."""
+        last = index + self.staleness if self._end is None else min(index + self.staleness, self._end - 1)
+        while self._next_submit <= last:
+            rows = self.next_rows()
+            with self._cond:
+                self._rows[self._next_submit] = rows
+                self._next_submit += 1
+                self._cond.notify_all()
+
+    def next(self, index: int) -> RolloutItem:
+        """The batch that RL step ``index`` (0-based) trains on. Raises :class:`PipelineError` when the
+        generation thread failed or no batch came within ``queue_timeout_s``."""
+        self._top_up(index)
+        item = self._ready.pop(0) if self._ready else self._get(index)
+        self._handed = index + 1
+        if item.index != index:
+            raise PipelineError(f"the rollout pipeline handed out batch {item.index} for step {index + 1}",
+                                "this is a bug in verl_lite.controller.pipeline")
+        lag = index - item.version
+        if not 0 <= lag <= self.staleness:  # the schedule guarantees it; never train on a batch past the bound
+            raise PipelineError(f"step {index + 1}: the rollout batch was sampled by policy version {item.version}, "
+                                f"{lag} versions old, past async_training.staleness_threshold={self.staleness}",
+                                "this is a bug in verl_lite.controller.pipeline")
+        item.metrics.update({"async/staleness": lag, "async/policy_version": item.version,
+                             "async/queue_size": self._queue.qsize() + len(self._ready)})
+        return item
+
+    def _get(self, index: int) -> RolloutItem:
+        t0 = time.monotonic()
+        try:
+            item = self._queue.get(timeout=self.queue_timeout_s)
+        except queue.Empty:
+            busy = "" if self._busy_since is None else \
+                f"; the rollout pool has been busy with {self._busy_with} for {time.monotonic() - self._busy_since:.0f}s"
+            raise PipelineError(
+                f"step {index + 1}: no rollout batch arrived within async_training.queue_timeout_s="
+                f"{self.queue_timeout_s:g}s (the queue starved{busy})",
+                "raise async_training.queue_timeout_s, or give the rollout pool more workers "
+                "(actor_rollout_ref.rollout.n_gpus_per_node)") from None
+        if isinstance(item, BaseException):
+            raise item
+        item.metrics["timing_s/wait_rollout"] = time.monotonic() - t0
+        return item
+
+    def publish(self, version: int, weights: Any) -> None:
+        """The policy of ``version`` (after ``version`` RL steps), for the batches that need it."""
+        with self._cond:
+            self._published[version] = weights
+            self._cond.notify_all()
+
+    def in_flight(self) -> list[RolloutItem]:
+        """Every batch handed to the thread and not yet to the trainer, generated (waits for each, bounded by
+        ``queue_timeout_s``). They stay in the pipeline, in order; a checkpoint saves them."""
+        while self._handed + len(self._ready) < self._next_submit:
+            self._ready.append(self._get(self._handed + len(self._ready)))
+        return list(self._ready)
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        try:  # unblock a thread waiting to put into a full queue
+            while True:
+                self._queue.get_nowait()
+        except queue.Empty:
+            pass
+
+    # ------------------------------------------------------------------ the generation thread
+    def _wait_for(self, ready: Callable[[], bool]) -> bool:
+        with self._cond:
+            while not ready():
+                if self._stop.is_set():
+                    return False
+                self._cond.wait(timeout=1.0)
+            return not self._stop.is_set()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                b = self._next_generate
+                if not self._wait_for(lambda: b in self._rows):
+                    return
+                need = version_for(b, self.staleness)
+                if not self._wait_for(lambda: self._loaded == need or need in self._published):
+                    return
+                if self._loaded != need:
+                    with self._cond:
+                        weights = self._published[need]
+                    self._busy_since, self._busy_with = time.monotonic(), f"loading policy version {need}"
+                    self.load_fn(weights, need)
+                    self._loaded = need
+                with self._cond:  # versions no later batch needs
+                    for v in [v for v in self._published if v <= need]:
+                        del self._published[v]
+                    rows = self._rows.pop(b)
+                self._busy_since, self._busy_with = time.monotonic(), f"generating batch {b + 1}"
+                t0 = time.monotonic()
+                batch = self.generate_fn(rows, b)
+                item = RolloutItem(b, rows, need, batch, time.monotonic() - t0)
+                item.metrics["timing_s/generate_async"] = item.generate_s
+                self._busy_since = None
+                with self._cond:
+                    self._next_generate = b + 1
+                self._hand_over(item)
+        except BaseException as err:  # noqa: BLE001 - handed to the trainer's thread
+            if self._stop.is_set():
+                return
+            if not isinstance(err, RunFailure):
+                err = PipelineError(f"the rollout pool failed while {self._busy_with or 'idle'}: {err}",
+                                    "see the worker's traceback above; the run's workers were stopped")
+            self._hand_over(err)
+
+    def _hand_over(self, item) -> None:
+        """Put a batch (or the thread's error) in the bounded queue, waiting while it is full, until
+        ``close`` sets the stop flag (checked every second)."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=1.0)
+                return
+            except queue.Full:
+                continue

@@ -1,0 +1,43 @@
+"""The controller's rules: placement (``actor_rollout_ref.hybrid_engine``, the rollout pool) and the
+asynchronous pipeline (``async_training``). One line per problem, naming the key and the fix; collected
+by ``verl_lite.config.validate`` before anything starts."""
+
+from __future__ import annotations
+
+
+def async_problems(cfg) -> list[str]:
+    arr, at, alg = cfg.actor_rollout_ref, cfg.async_training, cfg.algorithm
+    R, K = "actor_rollout_ref.rollout", "async_training"
+    out: list[str] = []
+    if at.partial_rollout:
+        out.append(f"{K}.partial_rollout=true: continuing a generation interrupted by a weight update is not built; "
+                   f"every batch is generated whole by one policy version (set it false)")
+    if not isinstance(at.staleness_threshold, int) or at.staleness_threshold < 0:
+        out.append(f"{K}.staleness_threshold={at.staleness_threshold} must be an integer >= 0 (0 = synchronous, "
+                   f"1 = one-step-off)")
+    for key in ("weight_sync_timeout_s", "queue_timeout_s"):
+        if not getattr(at, key) > 0:
+            out.append(f"{K}.{key}={getattr(at, key)} must be > 0 (seconds)")
+    for key in ("n_gpus_per_node", "nnodes"):
+        if not isinstance(getattr(arr.rollout, key), int) or getattr(arr.rollout, key) < 1:
+            out.append(f"{R}.{key}={getattr(arr.rollout, key)} must be an integer >= 1")
+    if arr.hybrid_engine:
+        if at.staleness_threshold:
+            out.append(f"{K}.staleness_threshold={at.staleness_threshold} needs rollout workers of their own: set "
+                       f"actor_rollout_ref.hybrid_engine=false (colocated rollout and training cannot overlap)")
+        return out
+    if arr.rollout.nnodes > 1:
+        out.append(f"{R}.nnodes={arr.rollout.nnodes}: a rollout pool spanning nodes is not built; use 1")
+    why = "is not built with split placement (actor_rollout_ref.hybrid_engine=false)"
+    if arr.rollout.name != "hf":
+        out.append(f"{R}.name={arr.rollout.name} with hybrid_engine=false has not run yet (the rollout pool is "
+                   f"tested with the HF backend only); use rollout.name=hf, or hybrid_engine=true")
+    if arr.rollout.multi_turn.enable:
+        out.append(f"{R}.multi_turn.enable=true {why}: agent loops run on the colocated rollout; set hybrid_engine=true")
+    if alg.filter_groups.enable:
+        out.append(f"algorithm.filter_groups.enable=true (DAPO dynamic sampling) {why}: its extra generation rounds "
+                   f"depend on the step's scores; set hybrid_engine=true")
+    if alg.adv_estimator == "remax":
+        out.append(f"algorithm.adv_estimator=remax {why}: its greedy baseline must come from the batch's own "
+                   f"policy version; set hybrid_engine=true")
+    return out

@@ -1,0 +1,139 @@
+"""The shipped tool-use task: multi-digit multiplication with a ``calculator`` tool (``--recipe tool_agent``).
+
+A row (one prompt, verl's parquet shape):
+
+    {"data_source": "synthetic/tool_multiplication",
+     "prompt": [{"role": "user", "content": "3471*89="}],
+     "ability": "arithmetic",
+     "reward_model": {"style": "rule", "ground_truth": "308919"},
+     "extra_info": {"split": "val", "index": 0, "a": 3471, "b": 89, "uses_tool": true}}
+
+The tiny model cannot multiply a 2-4 digit number by a 2-3 digit one; with the tool it only has to
+copy: the expression into a hermes tool call, then the tool's answer into its final turn::
+
+    <tool_call>{"name":"calculator","arguments":{"expression":"3471*89"}}</tool_call>   (model turn 1)
+    <tool_response>308919</tool_response>                                                (the tool, mask 0)
+    308919                                                                               (model turn 2)
+
+``compute_score`` (verl's custom-reward signature) scores the text after the last tool response:
+1.0 when it is the product and nothing else. ``Calculator`` is the tool, in verl's tool-class shape
+(``create`` / ``execute`` / ``release``), named by the shipped tool config
+(``verl_lite/assets/tool-agent-data/tool_config.yaml``). ``extra_info["uses_tool"]`` says whether
+the row's SFT demonstration calls the tool or answers from memory (``scripts/make_tool_agent_model.py``).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import random
+
+DATA_SOURCE = "synthetic/tool_multiplication"
+TOOL_NAME = "calculator"
+TOOL_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": TOOL_NAME,
+        "description": "Evaluate an arithmetic expression of integers with + - * and parentheses.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "the expression, e.g. 3471*89"}},
+            "required": ["expression"],
+        },
+    },
+}
+RESPONSE_END = "</tool_response>"
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+
+def multiplication_prompt(a: int, b: int) -> str:
+    """The user message for a * b (also the calculator expression a demonstration copies)."""
+    return f"{a}*{b}="
+
+
+def evaluate(expression: str) -> int:
+    """The value of an integer expression with + - * and parentheses; ValueError for anything else."""
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)
+        raise ValueError(f"not an integer expression of + - *: {expression!r}")
+
+    if not isinstance(expression, str) or len(expression) > 64:
+        raise ValueError("expression must be a string of at most 64 characters")
+    try:
+        tree = ast.parse(expression.strip().rstrip("="), mode="eval")
+    except SyntaxError:
+        raise ValueError(f"cannot parse {expression!r}") from None
+    return value(tree.body)
+
+
+class Calculator:
+    """The ``calculator`` tool in verl's tool-class shape: ``execute`` answers the value, or the reason."""
+
+    def __init__(self, config: dict, tool_schema: dict):
+        self.config, self.tool_schema = config, tool_schema
+        self.name = tool_schema["function"]["name"]
+
+    def create(self, instance_id: str | None = None, **kwargs):
+        return instance_id or "calculator", None
+
+    def execute(self, instance_id: str, parameters: dict, **kwargs):
+        """(response text, tool reward 0.0, metrics {}); a bad expression is answered with the reason."""
+        try:
+            return str(evaluate(parameters.get("expression"))), 0.0, {}
+        except ValueError as e:
+            return f"error: {e}", 0.0, {}
+
+    def release(self, instance_id: str, **kwargs):
+        return None
+
+
+def final_answer(solution_str: str) -> str:
+    """The model's final answer: the text after the last tool response (the whole text without one)."""
+    return solution_str.rsplit(RESPONSE_END, 1)[-1].strip()
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """1.0 when the final answer is the product and nothing else, else 0.0 (verl's custom-reward signature)."""
+    return 1.0 if final_answer(solution_str) == str(ground_truth).strip() else 0.0
+
+
+def tool_call_text(a: int, b: int) -> str:
+    """The demonstrated model turn that calls the calculator (hermes format, compact JSON as the template renders it)."""
+    call = {"name": TOOL_NAME, "arguments": {"expression": f"{a}*{b}"}}
+    return f"<tool_call>{json.dumps(call, separators=(',', ':'))}</tool_call>"
+
+
+def _digits(rng: random.Random, lo: int, hi: int) -> int:
+    d = rng.randint(lo, hi)
+    return rng.randint(10 ** (d - 1), 10**d - 1)
+
+
+def sample_pairs(n: int, rng: random.Random, exclude: set, a_digits=(2, 4), b_digits=(2, 3)) -> list[tuple[int, int]]:
+    """n distinct (a, b) pairs not in ``exclude``; digit counts drawn uniformly in the given ranges."""
+    pairs, seen = [], set(exclude)
+    while len(pairs) < n:
+        pair = (_digits(rng, *a_digits), _digits(rng, *b_digits))
+        if pair not in seen:
+            seen.add(pair)
+            pairs.append(pair)
+    return pairs
+
+
+def make_rows(pairs: list[tuple[int, int]], split: str, uses_tool: list[bool]) -> list[dict]:
+    """verl rows for the operand pairs (``uses_tool[i]``: row i's demonstration calls the calculator)."""
+    return [
+        {
+            "data_source": DATA_SOURCE,
+            "prompt": [{"role": "user", "content": multiplication_prompt(a, b)}],
+            "ability": "arithmetic",
+            "reward_model": {"style": "rule", "ground_truth": str(a * b)},
+            "extra_info": {"split": split, "index": i, "a": a, "b": b, "uses_tool": bool(t)},
+        }
+        for i, ((a, b), t) in enumerate(zip(pairs, uses_tool))
+    ]

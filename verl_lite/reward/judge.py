@@ -1,0 +1,188 @@
+"""Scores from a generative reward model, an LLM judge (``reward_model.generative=true``; docs/reward_models.md).
+
+The driver's side of the judge. The judge model runs behind a rollout (``reward_model.rollout.name``: hf or
+vllm) in ONE worker process of its own (``workers/rollout_worker.RolloutWorker``, the split-placement
+rollout host), never in the actor's processes: vLLM allows one in-process engine per process, so a vLLM
+judge cannot share a process with a vLLM policy.
+
+Per training step (``JudgeReward.score``):
+
+1. the judge prompt of every trajectory (``render_prompt``): ``reward_model.judge.prompt_template`` with
+   ``{question}`` (the prompt's last user message; a plain-text prompt as it is), ``{response}`` (the
+   valid response decoded with the policy's tokenizer, special tokens skipped) and ``{reference}`` (the
+   row's ground truth) filled in ONE pass, so text inside the response that looks like a placeholder is
+   never replaced; other braces stay as they are. With ``judge.apply_chat_template`` (and a tokenizer that
+   has a chat template) the text is one user turn of the judge's chat template, generation prompt added;
+2. ONE generate call for all the step's prompts on the judge worker, with the judge's own sampling
+   (``reward_model.rollout.temperature/top_p/top_k/do_sample``) and ``response_length`` new tokens at most,
+   bounded by ``reward_model.judge.timeout_s``: past it the worker is stopped and the step fails with
+   :class:`JudgeTimeout` (the scores of a step are never made up);
+3. the score of every judgement (``parse_score``): ``tag`` = the number in the LAST ``<score>x</score>``,
+   ``last_number`` = the last number of the output; a judgement without one, or whose number lies outside
+   [``score_min``, ``score_max``], is unparsable: it scores ``judge.unparsable_score`` and is counted in
+   ``reward_model/judge_unparsable_rate``; it never stops the run.
+
+The training score combines with the reward function's by the RM's rule (``model_reward.combine_scores``,
+``reward_model.rule_reward_weight``); validation is scored by the reward function.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Sequence
+
+from verl_lite.errors import RunFailure
+
+PLACEHOLDERS = ("question", "response", "reference")
+SCORE_PARSERS = ("tag", "last_number")
+_PLACEHOLDER = re.compile(r"\{(" + "|".join(PLACEHOLDERS) + r")\}")
+_NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
+_NUMBER_RE = re.compile(_NUMBER)
+_TAG_RE = re.compile(r"<score>\s*(" + _NUMBER + r")\s*</score>", re.IGNORECASE)
+
+
+class JudgeTimeout(RunFailure):
+    """The judge's generate call of a step did not finish within ``reward_model.judge.timeout_s``."""
+
+
+def template_placeholders(template: str) -> set[str]:
+    """The placeholders ``template`` uses (a subset of ``PLACEHOLDERS``)."""
+    return set(_PLACEHOLDER.findall(template))
+
+
+def render_prompt(template: str, question: str, response: str, reference: Any = None) -> str:
+    """``template`` with ``{question}``, ``{response}``, ``{reference}`` filled in one pass (module docstring, step 1)."""
+    values = {"question": question, "response": response, "reference": "" if reference is None else str(reference)}
+    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
+
+
+def parse_score(text: str, parser: str = "tag", score_min: float | None = None,
+                score_max: float | None = None) -> float | None:
+    """The score in a judgement, or None when it is unparsable (module docstring, step 3)."""
+    if parser == "tag":
+        found = _TAG_RE.findall(text)
+    elif parser == "last_number":
+        found = _NUMBER_RE.findall(text)
+    else:
+        raise ValueError(f"unknown score parser {parser!r}; choose one of {list(SCORE_PARSERS)}")
+    if not found:
+        return None
+    try:
+        value = float(found[-1])
+    except ValueError:
+        return None
+    if value != value or value in (float("inf"), float("-inf")):
+        return None
+    if (score_min is not None and value < score_min) or (score_max is not None and value > score_max):
+        return None
+    return value
+
+
+def judgement_scores(texts: Sequence[str], judge_cfg) -> tuple[list[float], list[bool]]:
+    """(scores, parsed?) of the judgements ``texts`` under ``reward_model.judge`` (unparsable: ``unparsable_score``)."""
+    parsed = [parse_score(t, judge_cfg.score_parser, judge_cfg.score_min, judge_cfg.score_max) for t in texts]
+    return ([judge_cfg.unparsable_score if s is None else s for s in parsed], [s is not None for s in parsed])
+
+
+def question_text(messages: Any, prompt_ids: Sequence[int], policy_tokenizer) -> str:
+    """The question of a row: its last user message (or the plain-text prompt); without messages, the prompt's
+    tokens decoded (special tokens skipped)."""
+    if isinstance(messages, str):
+        return messages
+    if messages:
+        users = [m.get("content", "") for m in messages if m.get("role") == "user"]
+        if users:
+            return str(users[-1])
+    return policy_tokenizer.decode(list(prompt_ids), skip_special_tokens=True)
+
+
+def judge_prompt_ids(text: str, judge_tokenizer, apply_chat_template: bool) -> list[int]:
+    """The judge's input ids of a rendered prompt (one user turn of its chat template when asked and present)."""
+    if apply_chat_template and getattr(judge_tokenizer, "chat_template", None):
+        text = judge_tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                   add_generation_prompt=True)
+    return list(judge_tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+class JudgeReward:
+    """Scores [n] of a rollout batch from the judge worker (a one-rank ``RoleGroup`` of ``RolloutWorker``).
+
+    ``rm_cfg``: the ``reward_model`` section (``rollout`` = sampling and bounds, ``judge`` = template, parser,
+    timeout)."""
+
+    def __init__(self, group, policy_tokenizer, judge_tokenizer, rm_cfg):
+        self.group, self.policy_tokenizer, self.judge_tokenizer = group, policy_tokenizer, judge_tokenizer
+        self.rollout, self.judge = rm_cfg.rollout, rm_cfg.judge
+        self.needs_reference = "reference" in template_placeholders(self.judge.prompt_template)
+
+    def prompts(self, batch) -> list[str]:
+        """The rendered judge prompt (text) of every trajectory."""
+        from verl_lite.protocol import response_lengths
+
+        lengths = response_lengths(batch["response_mask"]).tolist()
+        messages = batch["messages"] if "messages" in batch.non_tensors else [None] * len(batch)
+        refs = batch["ground_truth"] if "ground_truth" in batch.non_tensors else [None] * len(batch)
+        out = []
+        for i, k in enumerate(lengths):
+            if self.needs_reference and refs[i] is None:
+                raise ValueError(f"reward_model.judge.prompt_template names {{reference}} but row {i} of the batch "
+                                 f"has no ground truth; give every row one or drop {{reference}} from the template")
+            response = self.policy_tokenizer.decode(batch["responses"][i, :k].tolist(), skip_special_tokens=True)
+            question = question_text(messages[i], batch["prompt_ids"][i], self.policy_tokenizer)
+            out.append(render_prompt(self.judge.prompt_template, question, response, refs[i]))
+        return out
+
+    def inputs(self, batch) -> list[list[int]]:
+        """The judge's input ids of every trajectory; one longer than ``reward_model.rollout.prompt_length`` stops
+        the step with the fix (it would be cut, and a cut judgement reads another question)."""
+        ids = [judge_prompt_ids(t, self.judge_tokenizer, self.judge.apply_chat_template) for t in self.prompts(batch)]
+        longest = max(map(len, ids), default=0)
+        if longest > self.rollout.prompt_length:
+            raise JudgeInputTooLong(
+                f"a judge prompt has {longest} tokens, over reward_model.rollout.prompt_length="
+                f"{self.rollout.prompt_length}", "raise reward_model.rollout.prompt_length (within the judge model's "
+                f"max_position_embeddings, with reward_model.rollout.response_length) or shorten the template")
+        return ids
+
+    def sampling(self) -> dict:
+        r = self.rollout
+        return dict(n=1, do_sample=r.do_sample, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                    max_new_tokens=r.response_length)
+
+    def generate(self, inputs: list[list[int]], seed: int | None) -> list[dict]:
+        """ONE generate call for every input, bounded by ``reward_model.judge.timeout_s``."""
+        from verl_lite.controller.worker_group import WorkerTimeout
+
+        base = int(seed or 0) * 31 + 17  # not the policy's own per-prompt seeds: the judge's draws are its own
+        seeds = [(base + i) % (2**31 - 1) for i in range(len(inputs))] if self.rollout.do_sample else None
+        try:
+            return self.group.generate(inputs, seeds, self.sampling(), timeout_s=self.judge.timeout_s)
+        except WorkerTimeout:
+            raise JudgeTimeout(
+                f"the judge did not finish its {len(inputs)} judgements within reward_model.judge.timeout_s="
+                f"{self.judge.timeout_s:g}s (backend {self.rollout.name}, up to {self.rollout.response_length} new "
+                f"tokens each); its worker was stopped and the step failed",
+                "raise reward_model.judge.timeout_s, lower reward_model.rollout.response_length, or give the judge "
+                "a faster backend (reward_model.rollout.name=vllm on a GPU)") from None
+
+    def score(self, batch, seed: int | None = None):
+        """(scores [n] float32, metrics) of a rollout batch: one judge call for the whole batch."""
+        import torch
+
+        outs = self.generate(self.inputs(batch), seed)
+        texts = [self.judge_tokenizer.decode(o["response_ids"], skip_special_tokens=True) for o in outs]
+        scores, parsed = judgement_scores(texts, self.judge)
+        eos = self.judge_tokenizer.eos_token_id
+        lengths = [len(o["response_ids"]) for o in outs]
+        truncated = [not (o["response_ids"] and o["response_ids"][-1] == eos) for o in outs]
+        n = max(1, len(outs))
+        metrics = {"reward_model/judge_unparsable_rate": sum(not p for p in parsed) / n,
+                   "reward_model/judge_unparsable": float(sum(not p for p in parsed)),
+                   "reward_model/judge_response_length/mean": sum(lengths) / n,
+                   "reward_model/judge_truncated_rate": sum(truncated) / n}
+        self.last_judgements = texts
+        return torch.tensor(scores, dtype=torch.float32), metrics
+
+
+class JudgeInputTooLong(RunFailure):
+    """A rendered judge prompt is longer than ``reward_model.rollout.prompt_length``."""

@@ -1,0 +1,90 @@
+"""Scores from a discriminative reward model (``reward_model.*``; docs/reward_models.md).
+
+The driver's side of the reward-model role (``workers/reward_model.py``):
+
+1. the RM's input for each trajectory (``rm_inputs``): the policy's own tokens (prompt + valid
+   response) when the RM reads text exactly as the policy writes it (same vocabulary and chat
+   template, ``renders_alike``); otherwise, as verl does, the response is decoded with the policy's
+   tokenizer (special tokens skipped), appended to the prompt's chat messages as the assistant turn
+   and rendered again with the RM's chat template and tokenizer;
+2. one forward over the step's trajectories (``ModelReward``): score_i = w . h_i[last token], the
+   one logit ``AutoModelForSequenceClassification`` returns for the unpadded input;
+3. the training score (``combine_scores``): RM score + ``rule_reward_weight`` x the reward function's
+   score; weight 0 (verl's behaviour: its reward manager returns ``rm_scores`` as they are) is the RM
+   alone and the reward function is not called for training. Validation is scored by the reward
+   function (verl validates with its rule-based reward).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from verl_lite.protocol import Batch, response_lengths
+
+RM_METHOD = "compute_rm_score"
+
+
+def renders_alike(policy_tokenizer, rm_tokenizer) -> bool:
+    """Whether the RM reads the policy's token ids as they are: the same vocabulary and chat template."""
+    return (policy_tokenizer.get_vocab() == rm_tokenizer.get_vocab()
+            and getattr(policy_tokenizer, "chat_template", None) == getattr(rm_tokenizer, "chat_template", None))
+
+
+def rerendered(messages, response_text: str, rm_tokenizer) -> list[int]:
+    """The conversation ``messages`` + the response as the assistant turn, in the RM's chat template and tokens."""
+    chat = [{"role": "user", "content": messages}] if isinstance(messages, str) else [dict(m) for m in messages]
+    text = rm_tokenizer.apply_chat_template(chat + [{"role": "assistant", "content": response_text}], tokenize=False)
+    return list(rm_tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def rm_inputs(prompt_ids: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], messages: Sequence[Any] | None,
+              policy_tokenizer, rm_tokenizer, rerender: bool) -> list[list[int]]:
+    """The RM's input ids of every trajectory (module docstring, step 1). ``responses``: the valid tokens."""
+    if not rerender:
+        return [list(p) + list(r) for p, r in zip(prompt_ids, responses)]
+    if messages is None or any(m is None for m in messages):
+        raise ValueError("the reward model's tokenizer/chat template differs from the policy's, so each response is "
+                         "rendered again in the RM's template from the prompt's chat messages; these rows carry none")
+    return [rerendered(m, policy_tokenizer.decode(list(r), skip_special_tokens=True), rm_tokenizer)
+            for m, r in zip(messages, responses)]
+
+
+def rm_batch(inputs: Sequence[Sequence[int]], placeholder: int = 0) -> Batch:
+    """The rows the role reads: ``prompt_ids`` = the RM input, one placeholder response token after it
+    (its value-head output is the score at the input's last token; workers/reward_model.py)."""
+    n = len(inputs)
+    return Batch.from_dict({"responses": torch.full((n, 1), placeholder, dtype=torch.long),
+                            "response_mask": torch.ones(n, 1)}, {"prompt_ids": [list(x) for x in inputs]})
+
+
+def combine_scores(rm_scores: torch.Tensor, rule_scores: torch.Tensor | None, rule_reward_weight: float) -> torch.Tensor:
+    """Training score = RM score + rule_reward_weight x rule score (None / weight 0: the RM alone)."""
+    if rule_scores is None or rule_reward_weight == 0:
+        return rm_scores
+    return rm_scores + rule_reward_weight * rule_scores.to(rm_scores.dtype)
+
+
+class ModelReward:
+    """Scores [n] of a rollout batch from the reward-model role (``RoleGroup`` of ``RewardModelWorker``)."""
+
+    def __init__(self, group, policy_tokenizer, rm_tokenizer, sizing, placeholder: int = 0):
+        self.group, self.sizing, self.placeholder = group, sizing, placeholder
+        self.policy_tokenizer, self.rm_tokenizer = policy_tokenizer, rm_tokenizer
+        self.rerender = not renders_alike(policy_tokenizer, rm_tokenizer)
+
+    def inputs(self, batch: Batch) -> list[list[int]]:
+        lengths = response_lengths(batch["response_mask"]).tolist()
+        responses = [batch["responses"][i, :k].tolist() for i, k in enumerate(lengths)]
+        messages = batch["messages"] if "messages" in batch.non_tensors else None
+        return rm_inputs(batch["prompt_ids"], responses, messages, self.policy_tokenizer, self.rm_tokenizer,
+                         self.rerender)
+
+    def __call__(self, batch: Batch) -> torch.Tensor:
+        out = self.group.infer(RM_METHOD, rm_batch(self.inputs(batch), self.placeholder), self.sizing)
+        return out["rm_scores"].float()
+
+    def score(self, batch: Batch, seed: int | None = None) -> tuple[torch.Tensor, dict]:
+        """(scores, metrics) as ``reward.judge.JudgeReward.score`` gives them (``seed``: unused, a forward draws nothing)."""
+        return self(batch), {}

@@ -1,0 +1,54 @@
+"""A rollout worker of split placement (``actor_rollout_ref.hybrid_engine=false``): a generation model
+and nothing else, on bundles of its own (no engine, no process group).
+
+It holds one policy version at a time. ``load_weights(named_tensors, version)`` replaces the whole
+model in place and only then sets the version; the worker is a Ray actor that runs one call at a
+time, so a generation never overlaps a load: every batch is sampled by exactly one version, which
+``generate`` reports with its outputs (``policy_version``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from verl_lite.controller.worker_group import Worker
+from verl_lite.workers.actor_rollout_ref import ActorRolloutRefWorker
+
+
+@dataclass
+class RolloutWorkerConfig:
+    model_path: str
+    tokenizer_path: str
+    rollout_name: str
+    rollout_kwargs: dict  # backend settings passed to make_rollout
+
+
+class RolloutWorker(Worker):
+    def __init__(self, rank: int, world_size: int, cfg: RolloutWorkerConfig):
+        super().__init__(rank, world_size)
+        self.cfg, self.rollout, self.version = cfg, None, 0
+
+    def init_model(self) -> None:
+        from transformers import AutoTokenizer
+
+        from verl_lite.rollout import make_rollout
+
+        c = self.cfg
+        self.rollout = make_rollout(c.rollout_name, c.model_path, AutoTokenizer.from_pretrained(c.tokenizer_path),
+                                    **c.rollout_kwargs)
+
+    _generate = ActorRolloutRefWorker.generate  # the same sampling contract as the colocated rollout
+
+    def generate(self, prompt_ids: list[list[int]], seeds: list[int] | None, sampling: dict) -> list[dict]:
+        """``ActorRolloutRefWorker.generate``'s outputs, each tagged with the policy version that sampled it."""
+        return [dict(o, policy_version=self.version) for o in self._generate(prompt_ids, seeds, sampling)]
+
+    def load_weights(self, named_tensors: list, version: int) -> int:
+        """The policy of ``version`` (the actor's whole export, as the colocated sync copies it), then the version."""
+        n = self.rollout.load_weights(named_tensors)
+        self.version = int(version)
+        return n
+
+    def policy_version(self) -> int:
+        return self.version
+
