@@ -3,6 +3,7 @@ tags every process of a run with a marker, and the checks that no process of the
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -188,3 +189,25 @@ class CliRun:
             if not left or time.time() > deadline:
                 return [(pid, " ".join(psutil.Process(pid).cmdline())[:80]) for pid in alive(left)]
             time.sleep(0.3)
+
+
+def wait_for_run(predicate, run: "CliRun", timeout: float, what: str):
+    """Poll ``predicate`` until it returns a truthy value (returned), failing if the run exits first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if run.proc.poll() is not None:
+            run.wait(5)
+            raise AssertionError(f"the run exited ({run.code}) before {what}:\n{run.err[-3000:]}")
+        time.sleep(0.1)
+    raise AssertionError(f"{what} did not happen within {timeout}s")
+
+
+def check_clean_exit(run: "CliRun", code: int, pattern: str) -> None:
+    """Exit ``code``, ``pattern`` in stderr, no traceback, no process of the run left."""
+    assert run.code == code, f"exit {run.code}, expected {code}:\n{run.err[-4000:]}"
+    assert "Traceback" not in run.err, run.err[-4000:]
+    assert re.search(pattern, run.err), f"/{pattern}/ not in:\n{run.err[-4000:]}"
+    assert run.leftover() == [], "processes of the run left behind"

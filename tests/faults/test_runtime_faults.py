@@ -17,7 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.faults.conftest import CliRun, alive, bad_files, tiny_assets, tiny_overrides  # noqa: F401
+from tests.faults.conftest import (CliRun, alive, bad_files, check_clean_exit, tiny_assets,  # noqa: F401
+                                  tiny_overrides, wait_for_run)
 
 SLACK_S = 30.0  # teardown (workers, Ray) on a loaded 2-core machine, on top of each fault's own bound
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
@@ -93,19 +94,6 @@ def _reward(tmp_path: Path, kind: str) -> dict:
     return {"reward.custom_reward_function.path": str(path), "reward.reward_manager": manager}
 
 
-def _wait_for(predicate, run: CliRun, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if run.proc.poll() is not None:
-            run.wait(5)
-            raise AssertionError(f"the run exited ({run.code}) before {what}:\n{run.err[-3000:]}")
-        time.sleep(0.1)
-    raise AssertionError(f"{what} did not happen within {timeout}s")
-
-
 def _mark_time(path: Path) -> float:
     assert path.is_file(), "the fault never fired"
     return float(path.read_text())
@@ -114,13 +102,6 @@ def _mark_time(path: Path) -> float:
 def _digest(run_dir: Path) -> dict:
     return {name: hashlib.sha256((run_dir / name).read_bytes()).hexdigest()
             for name in ("metrics.jsonl", "summary.json", "curves.png")}
-
-
-def _check_clean_exit(run: CliRun, code: int, pattern: str) -> None:
-    assert run.code == code, f"exit {run.code}, expected {code}:\n{run.err[-4000:]}"
-    assert "Traceback" not in run.err, run.err[-4000:]
-    assert re.search(pattern, run.err), f"/{pattern}/ not in:\n{run.err[-4000:]}"
-    assert run.leftover() == [], "processes of the run left behind"
 
 
 # ---------------------------------------------------------------- a default job: loopback only; its results survive
@@ -172,7 +153,7 @@ def test_failing_rerun_keeps_the_finished_run(finished_run, tiny_assets, tmp_pat
     mark = tmp_path / "mark"
     run = CliRun(tiny_overrides(tiny_assets, **_reward(tmp_path, "raise"), **{"trainer.output_dir": str(out)}),
                  env={"FAULT_MARK": str(mark)}).wait(timeout=300)
-    _check_clean_exit(run, 1, r"reward function .*reward_raise\.py:compute_score raised ValueError: the grader "
+    check_clean_exit(run, 1, r"reward function .*reward_raise\.py:compute_score raised ValueError: the grader "
                               r"crashed on sample 5")
     assert _digest(first) == before, "the failing rerun changed the finished run's results"
     runs = [p for p in out.iterdir() if p.is_dir() and not p.is_symlink()]
@@ -204,7 +185,7 @@ def test_reward_fault_stops_the_run(kind, extra, bound, pattern, tiny_assets, tm
     overrides = {**_reward(tmp_path, kind), "trainer.val_before_train": "false",
                  "trainer.output_dir": str(tmp_path / "out"), **extra}
     run = CliRun(tiny_overrides(tiny_assets, **overrides), env={"FAULT_MARK": str(mark)}).wait(timeout=300)
-    _check_clean_exit(run, 1, pattern)
+    check_clean_exit(run, 1, pattern)
     took = run.ended - _mark_time(mark)
     assert took <= bound + SLACK_S, f"{took:.1f}s from the fault to the exit"
     if kind == "hang":
@@ -219,7 +200,7 @@ def test_worker_sigkilled_mid_step(tiny_assets, tmp_path):  # noqa: F811
     overrides = {**_reward(tmp_path, "slow_first_call"), "trainer.val_before_train": "false",
                  "trainer.output_dir": str(tmp_path / "out")}
     run = CliRun(tiny_overrides(tiny_assets, **overrides), env={"FAULT_MARK": str(mark)})
-    _wait_for(mark.is_file, run, 300, "the first reward call")  # the step has generated; the reward is running
+    wait_for_run(mark.is_file, run, 300, "the first reward call")  # the step has generated; the reward is running
 
     def worker():
         for p in psutil.Process(run.proc.pid).children(recursive=True):
@@ -228,11 +209,11 @@ def test_worker_sigkilled_mid_step(tiny_assets, tmp_path):  # noqa: F811
                 return p
         return None
 
-    victim = _wait_for(worker, run, 10, "finding the worker process")
+    victim = wait_for_run(worker, run, 10, "finding the worker process")
     killed_at = time.time()
     victim.kill()
     run.wait(timeout=300)
-    _check_clean_exit(run, 1, r"worker rank 0 died during '\w+'")
+    check_clean_exit(run, 1, r"worker rank 0 died during '\w+'")
     assert run.ended - killed_at <= SLACK_S
 
 
@@ -270,7 +251,7 @@ def test_driver_sigkilled_mid_run_takes_its_ray_down(tiny_assets, tmp_path):  # 
                  "trainer.output_dir": str(out)}
     run = CliRun(tiny_overrides(tiny_assets, **overrides))
     metrics = out / "latest" / "metrics.jsonl"
-    _wait_for(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 1, run, 300, "a metrics line")
+    wait_for_run(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 1, run, 300, "a metrics line")
     session_dir = _session_dir(run)
 
     def titled_agents():  # set late in their start-up; they also hide the session's marker then
@@ -282,7 +263,7 @@ def test_driver_sigkilled_mid_run_takes_its_ray_down(tiny_assets, tmp_path):  # 
                 pass
         return {"ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= names
 
-    _wait_for(titled_agents, run, 120, "the dashboard and runtime-env agents running")
+    wait_for_run(titled_agents, run, 120, "the dashboard and runtime-env agents running")
     killed_at = time.time()
     run.proc.kill()
     run.wait(timeout=60)
@@ -319,15 +300,15 @@ def test_signal_stops_the_run_cleanly(signum, moment, tiny_assets, tmp_path):  #
                     pass
             return False
 
-        _wait_for(in_init_model, run, 300, "a worker running init_model")
+        wait_for_run(in_init_model, run, 300, "a worker running init_model")
     else:
-        _wait_for(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 2, run, 300, "two metrics lines")
+        wait_for_run(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 2, run, 300, "two metrics lines")
         time.sleep(moment)
     sent = time.time()
     run.proc.send_signal(signum)
     run.wait(timeout=120)
     name = signal.Signals(signum).name
-    _check_clean_exit(run, 128 + signum, rf"stopped by {name}")
+    check_clean_exit(run, 128 + signum, rf"stopped by {name}")
     assert "internal error" not in run.err, run.err[-3000:]
     assert run.ended - sent <= STOP_GRACE_S + 5.0, f"{run.ended - sent:.1f}s from {name} to the exit"
     summary = json.loads((out / "latest" / "summary.json").read_text())

@@ -30,15 +30,30 @@ CLUSTER_SYSTEM_CONFIG = {"health_check_initial_delay_ms": 500, "health_check_per
                      "enable_worker_prestart": False}  # no idle workers: every worker process is a job's
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_HANDED_OUT: set[int] = set()  # ports given to a node this session (a node may bind its ports late)
 
 
-def _node_ports() -> dict:
-    return dict(dashboard_agent_listen_port=_free_port(), metrics_export_port=_free_port(),
-                runtime_env_agent_port=_free_port(), object_manager_port=_free_port())
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct free loopback ports: all sockets are held open while the ports are picked, so the
+    kernel cannot hand the same port out twice, and none handed to an earlier node is reused."""
+    with contextlib.ExitStack() as stack:
+        ports: list[int] = []
+        while len(ports) < count:
+            s = stack.enter_context(socket.socket())
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            if port not in _HANDED_OUT:
+                ports.append(port)
+    _HANDED_OUT.update(ports)
+    return ports
+
+
+NODE_PORT_KEYS = ("dashboard_agent_listen_port", "metrics_export_port", "runtime_env_agent_port", "object_manager_port")
+
+
+def _node_ports(*extra_keys: str) -> dict:
+    keys = NODE_PORT_KEYS + extra_keys
+    return dict(zip(keys, _free_ports(len(keys))))
 
 
 class LocalCluster:
@@ -58,7 +73,7 @@ class LocalCluster:
         with self._single_machine():
             self.cluster = Cluster(initialize_head=True, shutdown_at_exit=True, head_node_args=dict(
                 num_cpus=num_cpus, node_ip_address="127.0.0.1", include_dashboard=False, temp_dir=self.temp_dir,
-                gcs_server_port=_free_port(), _system_config=dict(CLUSTER_SYSTEM_CONFIG), **_node_ports()))
+                _system_config=dict(CLUSTER_SYSTEM_CONFIG), **_node_ports("gcs_server_port")))
         for _ in range(n_workers):
             self.add_worker()
 

@@ -86,7 +86,14 @@ def test_disabled_rm_checks_nothing(rm_dirs):
     ("reward_model.enable_resource_pool=False", True, None),
     ("reward_model.num_workers=8", False, "one reward process"),
     ("reward_model.micro_batch_size=32", False, "micro_batch_size_per_gpu"),
-    ("reward_model.rollout.n=2", False, "one judgement per response"),  # the judge's keys: tests/reward_model/test_judge.py
+    ("reward_model.rollout.name=vllm", True, None),  # the RM is off: nothing is checked (as verl's yaml sets keys)
+    ("reward_model.rollout.prompt_length=8192", True, None),
+    ("reward_model.rollout.tensor_model_parallel_size=1", True, None),
+    ("reward_model.rollout.tensor_model_parallel_size=2", False, "one full model"),
+    ("reward_model.rollout.n=2", False, "one judgement per response"),
+    ("reward_model.rollout.max_model_len=4096", False, "prompt_length + reward_model.rollout.response_length"),
+    ("reward_model.rollout.cudagraph_capture_sizes=[1]", False, "judge-rollout setting of verl's is not built"),
+    ("reward_model.rollout.engine_kwargs.vllm.swap_space=4", False, "judge-rollout setting of verl's is not built"),
     ("reward_model.n_gpus_per_node=8", False, "colocated"),
     ("reward_model.model.fsdp_config.param_offload=True", False, "megatron"),
     ("reward_model.sandbox_fusion.url=http://x", False, "sandbox"),

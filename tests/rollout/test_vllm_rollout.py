@@ -229,6 +229,7 @@ def test_a_token_budget_below_the_batch_runs_on_cpu(vllm_rollout):
     assert [list(o.outputs[0].token_ids) for o in out] == [list(o.outputs[0].token_ids) for o in alone]
 
 
+@needs_vllm
 def test_a_second_engine_in_the_process_is_refused(vllm_rollout, model_path, tok):
     """vLLM's engine shutdown tears down the process's distributed state, so a second in-process engine
     would break the first when either closes: it is refused with the reason."""

@@ -94,9 +94,18 @@ def _exact(completions, answer, **kwargs):
 ROWS = [{"prompt": f"reverse {w}", "answer": w[::-1]} for w in ("abc", "hello", "xyz", "qwer")] * 4
 
 
-def test_generation_kwarg_the_hf_backend_lacks_is_refused_before_start():
-    import ray
+def _count_ray_starts(monkeypatch) -> list:
+    """Every start_ray call the trainer makes from here on (another test's Ray may already be up)."""
+    from verl_lite.trainer import ppo_trainer
 
+    calls: list = []
+    real = ppo_trainer.start_ray
+    monkeypatch.setattr(ppo_trainer, "start_ray", lambda *a, **kw: (calls.append(a), real(*a, **kw))[1])
+    return calls
+
+
+def test_generation_kwarg_the_hf_backend_lacks_is_refused_before_start(monkeypatch):
+    ray_starts = _count_ray_starts(monkeypatch)
     from verl_lite.config import load_config
     from verl_lite.config.loader import ConfigError
     from verl_lite.trainer.ppo_trainer import PPOTrainer
@@ -112,7 +121,7 @@ def test_generation_kwarg_the_hf_backend_lacks_is_refused_before_start():
     assert "generation_kwargs['min_p']=3.0 must lie in [0, 1]" in lines
     assert any(line.startswith("push_to_hub=True: uploading to the Hugging Face Hub is not built here")
                for line in lines), lines
-    assert not ray.is_initialized()
+    assert ray_starts == []
 
 
 def test_sampling_keys_of_generation_kwargs_set_the_rollout_config():
@@ -243,8 +252,7 @@ def test_log_completions_writes_a_tensorboard_text_and_a_wandb_table(tmp_path, m
 # ---------------------------------------------------------------- model= / processing_class=
 
 
-def test_model_object_and_tokenizer_are_saved_and_used_by_path(tmp_path):
-    import ray
+def test_model_object_and_tokenizer_are_saved_and_used_by_path(tmp_path, monkeypatch):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -252,6 +260,7 @@ def test_model_object_and_tokenizer_are_saved_and_used_by_path(tmp_path):
     from verl_lite.config.loader import default_model_path
     from verl_lite.trainer.ppo_trainer import PPOTrainer
 
+    ray_starts = _count_ray_starts(monkeypatch)
     model = AutoModelForCausalLM.from_pretrained(default_model_path())
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     cfg = load_config(["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
@@ -265,7 +274,7 @@ def test_model_object_and_tokenizer_are_saved_and_used_by_path(tmp_path):
         if name in weights:
             assert torch.equal(weights[name], tensor), name
     assert trainer.tokenizer.encode("12+3=") == tokenizer.encode("12+3=")
-    assert not ray.is_initialized()
+    assert ray_starts == []  # the model is written before anything starts
 
     cfg = load_config(["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4"])
     PPOTrainer(cfg, model=default_model_path(), reward_funcs=_exact, train_dataset=ROWS)  # a path: used as it is

@@ -176,11 +176,11 @@ def judge_problems(rm, cuda: bool = False) -> list[str]:
     from verl_lite.config import schema
     from verl_lite.engine.model_files import model_dir_problem, read_config
     from verl_lite.reward.judge import SCORE_PARSERS, template_placeholders
-    from verl_lite.rollout import ROLLOUT_NAMES, vllm_unavailable_reason
-    from verl_lite.rollout.rules import ROLLOUT_DTYPES
+    from verl_lite.rollout.rules import generation_problems
 
     key, R, J = "reward_model", "reward_model.rollout", "reward_model.judge"
     r, j, p = rm.rollout, rm.judge, []
+    longest = r.prompt_length + r.response_length if _ints(r.prompt_length, r.response_length) else None
     p += [f"{key}.megatron.{name}={value!r} is the discriminative reward model's engine layout; the generative judge "
           f"runs behind {R}.name (one process of its own): drop it"
           for name, value in _differing(rm.megatron, schema.MegatronConfig())]
@@ -196,34 +196,13 @@ def judge_problems(rm, cuda: bool = False) -> list[str]:
                      f"judge is a causal LM (*ForCausalLM) that writes its judgement (a classifier: "
                      f"{key}.generative=false)")
         max_pos = (cfg or {}).get("max_position_embeddings")
-        longest = r.prompt_length + r.response_length if _ints(r.prompt_length, r.response_length) else None
         if isinstance(max_pos, int) and longest is not None and longest > max_pos:
             p.append(f"{R}.prompt_length + {R}.response_length = {longest} exceeds the judge model's "
                      f"max_position_embeddings {max_pos}; lower them (a judge prompt + its judgement must fit)")
     tok = rm.model.tokenizer_path
     if tok and not any((Path(tok) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         p.append(f"{key}.model.tokenizer_path={tok!r} holds no tokenizer.json/tokenizer_config.json")
-    if r.name not in ROLLOUT_NAMES:
-        p.append(f"{R}.name={r.name!r} is unknown; choose one of {list(ROLLOUT_NAMES)}")
-    elif r.name == "vllm":
-        if (why := vllm_unavailable_reason()) is not None:
-            p.append(f"{R}.name=vllm cannot run here: {why}; or use {R}.name=hf")
-        if r.free_cache_engine and not cuda:
-            p.append(f"{R}.free_cache_engine=true needs vLLM's sleep mode, which needs a CUDA GPU; set it false on CPU")
-        if not cuda and r.enable_chunked_prefill:
-            p.append(f"{R}.enable_chunked_prefill=true: vLLM's CPU sampler cannot resume a seeded request across a "
-                     f"split prefill, so the CPU judge runs without it; set it false or drop it")
-    for name in ("enable_chunked_prefill", "max_num_batched_tokens", "max_num_seqs"):
-        value = getattr(r, name)
-        if value is not None and r.name != "vllm":
-            p.append(f"{R}.{name}={value} is a vLLM engine setting and {R}.name={r.name!r} has no such setting; "
-                     f"set {R}.name=vllm or drop it")
-        elif isinstance(value, int) and not isinstance(value, bool) and value < 1:
-            p.append(f"{R}.{name}={value} must be >= 1 (or null for vLLM's default)")
-    if r.dtype not in ROLLOUT_DTYPES:
-        p.append(f"{R}.dtype={r.dtype!r} is unknown; choose one of {list(ROLLOUT_DTYPES)}")
-    if not 0.0 < r.gpu_memory_utilization <= 1.0:
-        p.append(f"{R}.gpu_memory_utilization={r.gpu_memory_utilization} must lie in (0, 1]")
+    p += generation_problems(R, r, longest, cuda, what="judge")
     for name in ("prompt_length", "response_length"):
         if not _ints(getattr(r, name)) or getattr(r, name) < 1:
             p.append(f"{R}.{name}={getattr(r, name)!r} must be an integer >= 1 (tokens)")

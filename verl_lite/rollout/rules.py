@@ -12,43 +12,51 @@ from verl_lite.rollout import ROLLOUT_NAMES, VLLM_ENGINE_KEYS, vllm_unavailable_
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
 
 
+def generation_problems(R: str, gen, longest: int | None, cuda: bool, what: str = "rollout") -> list[str]:
+    """The rules of a generation backend (``schema.GenerationConfig``: the policy's rollout and the judge's):
+    its name, vLLM's settings, dtype and memory share. ``R`` = the section's key; ``longest`` = prompt +
+    generated tokens at most (None: unknown); ``what`` names the generator in messages."""
+    out: list[str] = []
+    if gen.name not in ROLLOUT_NAMES:
+        out.append(f"{R}.name={gen.name!r} is unknown; choose one of {list(ROLLOUT_NAMES)}")
+    elif gen.name == "vllm":
+        if (why := vllm_unavailable_reason()) is not None:
+            out.append(f"{R}.name=vllm cannot run here: {why}; or use {R}.name=hf")
+        if gen.free_cache_engine and not cuda:
+            out.append(f"{R}.free_cache_engine=true needs vLLM's sleep mode, which needs a CUDA GPU; set it false on CPU")
+        if not cuda and gen.enable_chunked_prefill:
+            out.append(f"{R}.enable_chunked_prefill=true: vLLM's CPU sampler cannot resume a seeded request across "
+                       f"a split prefill ('CPU Generator does not use offset'), so the CPU {what} runs without it; "
+                       f"set it false or drop it")
+        budget = gen.max_num_batched_tokens
+        if not cuda and longest is not None and isinstance(budget, int) and 1 <= budget < longest:
+            out.append(f"{R}.max_num_batched_tokens={budget}: without chunked prefill (off on CPU) vLLM needs at least "
+                       f"max_model_len = {longest} tokens (the longest prompt + generation) per step; raise it to "
+                       f"{longest} or drop it")
+    for name in VLLM_ENGINE_KEYS:
+        value = getattr(gen, name)
+        if value is not None and gen.name != "vllm":
+            out.append(f"{R}.{name}={value} is a vLLM engine setting and {R}.name={gen.name!r} has no such setting; "
+                       f"set {R}.name=vllm or drop it")
+        elif isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            out.append(f"{R}.{name}={value} must be >= 1 (or null for vLLM's default)")
+    if gen.dtype not in ROLLOUT_DTYPES:
+        out.append(f"{R}.dtype={gen.dtype!r} is unknown; choose one of {list(ROLLOUT_DTYPES)}")
+    if not 0.0 < gen.gpu_memory_utilization <= 1.0:
+        out.append(f"{R}.gpu_memory_utilization={gen.gpu_memory_utilization} must lie in (0, 1]")
+    return out
+
+
 def rollout_problems(R: str, rollout, longest: int, max_pos: int | None, cuda: bool) -> list[str]:
     """``rollout`` = the config's rollout section named ``R``; ``longest`` = prompt + response tokens at most;
     ``max_pos`` = the model's max_position_embeddings (None: unknown); ``cuda``: a GPU is visible."""
-    out: list[str] = []
-    if rollout.name not in ROLLOUT_NAMES:
-        out.append(f"{R}.name={rollout.name!r} is unknown; choose one of {list(ROLLOUT_NAMES)}")
-    elif rollout.name == "vllm":
-        if (why := vllm_unavailable_reason()) is not None:
-            out.append(f"{R}.name=vllm cannot run here: {why}; or use {R}.name=hf")
-        if rollout.free_cache_engine and not cuda:
-            out.append(f"{R}.free_cache_engine=true needs vLLM's sleep mode, which needs a CUDA GPU; set it false on CPU")
-        if max_pos and longest > max_pos:
-            out.append(f"{R}.name=vllm: data.max_prompt_length + data.max_response_length = {longest} exceeds the "
-                       f"model's max_position_embeddings {max_pos} (vLLM's max_model_len); shorten them")
-        if not cuda and rollout.enable_chunked_prefill:
-            out.append(f"{R}.enable_chunked_prefill=true: vLLM's CPU sampler cannot resume a seeded request across "
-                       f"a split prefill ('CPU Generator does not use offset'), so the CPU rollout runs without it; "
-                       f"set it false or drop it")
-        budget = rollout.max_num_batched_tokens
-        if not cuda and isinstance(budget, int) and 1 <= budget < longest:
-            out.append(f"{R}.max_num_batched_tokens={budget}: without chunked prefill (off on CPU) vLLM needs at least "
-                       f"max_model_len = data.max_prompt_length + data.max_response_length = {longest} tokens per "
-                       f"step; raise it to {longest} or drop it")
-    for name in VLLM_ENGINE_KEYS:
-        value = getattr(rollout, name)
-        if value is not None and rollout.name != "vllm":
-            out.append(f"{R}.{name}={value} is a vLLM engine setting and {R}.name={rollout.name!r} has no such setting; "
-                     f"set {R}.name=vllm or drop it")
-        elif isinstance(value, int) and not isinstance(value, bool) and value < 1:
-            out.append(f"{R}.{name}={value} must be >= 1 (or null for vLLM's default)")
-    if rollout.dtype not in ROLLOUT_DTYPES:
-        out.append(f"{R}.dtype={rollout.dtype!r} is unknown; choose one of {list(ROLLOUT_DTYPES)}")
+    out = generation_problems(R, rollout, longest, cuda)
+    if rollout.name == "vllm" and max_pos and longest > max_pos:
+        out.append(f"{R}.name=vllm: data.max_prompt_length + data.max_response_length = {longest} exceeds the "
+                   f"model's max_position_embeddings {max_pos} (vLLM's max_model_len); shorten them")
     if rollout.tensor_model_parallel_size != 1:
         out.append(f"{R}.tensor_model_parallel_size={rollout.tensor_model_parallel_size}: only 1 is built "
                  "(every worker holds a full rollout model); set it to 1")
-    if not 0.0 < rollout.gpu_memory_utilization <= 1.0:
-        out.append(f"{R}.gpu_memory_utilization={rollout.gpu_memory_utilization} must lie in (0, 1]")
     for key, temp, top_p, top_k, sampling in (
         (R, rollout.temperature, rollout.top_p, rollout.top_k, True),
         (f"{R}.val_kwargs", rollout.val_kwargs.temperature, rollout.val_kwargs.top_p, rollout.val_kwargs.top_k,
