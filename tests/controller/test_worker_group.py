@@ -119,3 +119,22 @@ def test_timeout_becomes_an_error(ray_session):
     with pytest.raises(WorkerError, match=r"did not finish within 2s on worker rank\(s\) \[0, 1\]"):
         group.call_all("sleep", 30, timeout_s=2)
     assert _wait_gone(pids) == []
+
+
+@pytest.mark.parametrize("cores, concurrent, inherited, expected", [
+    (2, 1, None, 2),   # the default colocated job: one worker takes both cores
+    (2, 2, None, 1),   # split placement on 2 cores: the rollout worker beside a 1-rank actor gets 1 thread
+    (2, 2, "2", 1),    # an inherited OMP_NUM_THREADS is an upper bound, never a reason to oversubscribe
+    (16, 2, "4", 4),   # ... and caps a process that could take more
+    (2, 8, None, 1),   # more ranks than cores: at least one thread
+    (2, 1, "junk", 2),  # an unreadable value is ignored
+])
+def test_worker_threads_split_the_cores_between_busy_processes(monkeypatch, cores, concurrent, inherited, expected):
+    from verl_lite.controller.worker_group import worker_threads
+
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    if inherited is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", inherited)
+    assert worker_threads(concurrent) == expected

@@ -72,11 +72,13 @@ class RoleGroup:
     """
 
     def __init__(self, name: str, worker_cls: type, world_size: int, worker_cfg: Any, pool: ResourcePool,
-                 timeout_s: float, cp: int = 1, vpp_multiple: int = 1, bundle_offset: int = 0, share: float = 1.0):
+                 timeout_s: float, cp: int = 1, vpp_multiple: int = 1, bundle_offset: int = 0, share: float = 1.0,
+                 concurrent_ranks: int | None = None):
         self.name = name
         self.cp, self.vpp_multiple = cp, vpp_multiple
         self.group = WorkerGroup(worker_cls, world_size, init_kwargs={"cfg": worker_cfg}, pool=pool,
-                                 timeout_s=timeout_s, bundle_offset=bundle_offset, share=share, name=name)
+                                 timeout_s=timeout_s, bundle_offset=bundle_offset, share=share, name=name,
+                                 concurrent_ranks=concurrent_ranks)
         try:
             self.group.call_all("init_model")
             self.layouts = make_layouts(self.group.call_all("layout"))

@@ -321,8 +321,11 @@ class PPOTrainer:
             if split:
                 from verl_lite.workers.rollout_worker import RolloutWorker
 
+                # the trainer's roles are the critical path (they never wait on a rollout running ahead) and keep
+                # the cores; the rollout pool, idle between policy versions, takes its share of them
                 self.rollout = RoleGroup("rollout", RolloutWorker, split, rollout_worker_config(self.cfg), self.pool,
-                                         self.worker_timeout_s, bundle_offset=self.pool.world_size - split)
+                                         self.worker_timeout_s, bundle_offset=self.pool.world_size - split,
+                                         concurrent_ranks=self.world_size + split)
         except BaseException:
             self.close()
             raise
