@@ -18,7 +18,7 @@ timestamp (CLOCK_MONOTONIC, shared by parent and child) on entry and exit, then 
     first step      validation before training, then step 1
     after steps     the end: validation, summary (until trainer.close)
     shutdown        trainer.close (workers killed, Ray stopped), files, summary print
-    exit            main's return -> process exit (interpreter teardown, atexit)
+    exit            main's return -> process exit (atexit handlers; the CLI skips the interpreter's teardown)
 
 Phases that overlap (Ray starting while the trainer initialises) are printed with their own wall
 times and the ``critical path`` line sums what the process actually waited for, from spawn to exit.
@@ -122,7 +122,9 @@ def run_once(python: str, args: list[str]) -> dict[str, float]:
 def main() -> None:
     if "--child" in sys.argv:
         sys.argv.remove("--child")
-        sys.exit(child(sys.argv[1:]))
+        from verl_lite.compat.fast_exit import exit_now
+
+        exit_now(lambda: child(sys.argv[1:]))  # as `python -m verl_lite.trainer.main_ppo` ends
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -14,6 +14,8 @@ silently misbehaving) somewhere deep in a run. ``pyproject.toml`` pins the same 
   alltoall dispatcher's CUDA streams on a CPU-only torch, the distributed optimizer's Adam
   ``step`` on load.
 - :mod:`.ray_local`: Ray's private node hooks for a loopback-only, minimal local Ray.
+- :mod:`.fast_exit`: CPython's ``atexit._run_exitfuncs``, to end the CLI without the interpreter's
+  teardown (falls back to ``sys.exit`` where it is missing).
 """
 
 from __future__ import annotations

@@ -171,4 +171,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from verl_lite.compat.fast_exit import exit_now
+
+    exit_now(main)  # the run closed what it opened: skip the interpreter's teardown (compat/fast_exit.py)
