@@ -149,6 +149,18 @@ def test_a_hub_id_without_network_is_one_line(tiny_assets, tmp_path):
     assert "tokenizer_path" not in res.stderr and "Traceback" not in res.stderr
 
 
+def test_a_hub_id_with_the_hub_unreachable_is_one_line_at_once(tiny_assets, tmp_path):
+    """Online mode, not cached, the hub unreachable (a closed loopback port as HF_ENDPOINT), through the CLI:
+    one problem line, exit 2, and no request retried (the hub client's back-off, 5 retries per request, took
+    51 s and printed 10 'Retrying' lines before the line; the tokenizer's loader retried after the model's)."""
+    res = _cli(["actor_rollout_ref.model.path=tiny-org/not-cached", "trainer.total_training_steps=1"],
+               env={"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_CACHE": str(tmp_path / "empty_cache")}, timeout=120)
+    assert res.returncode == 2, res.stderr[-3000:]
+    problems = [ln for ln in res.stderr.splitlines() if ln.startswith("  - ")]
+    assert len(problems) == 1 and "and there is no network" in problems[0], res.stderr
+    assert "Retrying" not in res.stdout + res.stderr and "Traceback" not in res.stderr, res.stderr[-3000:]
+
+
 def test_no_network_is_said(offline_hub, monkeypatch):
     """Online mode but the hub unreachable (a closed local port as its endpoint)."""
     from huggingface_hub import constants

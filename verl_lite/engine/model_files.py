@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 
 VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")  # [vocab_size, hidden] in an HF causal LM
@@ -42,6 +43,25 @@ def _hub_env() -> tuple:
     return constants.is_offline_mode(), constants.HF_HUB_CACHE, constants.ENDPOINT
 
 
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+
+
+def _endpoint_reachable(endpoint: str, timeout_s: float = 3.0) -> bool:
+    """Whether a TCP connection to the hub's host opens within ``timeout_s`` (a failed name lookup fails at
+    once). Behind a proxy (``HTTPS_PROXY`` / ``ALL_PROXY``) the hub client's own requests decide: True."""
+    import socket
+    from urllib.parse import urlsplit
+
+    if any(os.environ.get(name) for name in PROXY_VARIABLES):
+        return True
+    url = urlsplit(endpoint)
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout_s):
+            return True
+    except OSError:
+        return False
+
+
 @functools.lru_cache(maxsize=None)
 def _hub_snapshot(repo_id: str, env: tuple) -> tuple[str | None, str | None]:
     """(snapshot directory, None) or (None, why not): ``huggingface_hub.snapshot_download`` of the model's files
@@ -49,6 +69,15 @@ def _hub_snapshot(repo_id: str, env: tuple) -> tuple[str | None, str | None]:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
 
+    try:
+        return snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=True), None  # cached: no request
+    except LocalEntryNotFoundError:
+        if env[0]:
+            return None, "is neither a local directory nor in the HF cache, and HF_HUB_OFFLINE is set, so it cannot be downloaded"
+    except Exception:  # noqa: BLE001 - an unreadable cache entry: let the download below say what is wrong
+        pass
+    if not _endpoint_reachable(env[2]):  # the hub client would retry with back-off for about a minute first
+        return None, "is neither a local directory nor in the HF cache, and there is no network, so it cannot be downloaded"
     try:
         return snapshot_download(repo_id, allow_patterns=HUB_FILES), None
     except GatedRepoError:

@@ -167,7 +167,10 @@ class PPOTrainer:
         self.generation_kwargs = problems.check(self._use_api_arguments, model, processing_class,
                                                 dict(generation_kwargs or {}), push_to_hub) or {}
         self.layout = problems.check(validate_config, cfg, world_size=world_size)
-        model_ok = problems.passes(check_model_files, cfg)  # a broken config.json before the tokenizer reads it
+        # a broken config.json, or a policy path already refused (a hub id that cannot be fetched: the tokenizer's
+        # loader would retry the hub for a minute), before the tokenizer reads it
+        model_ok = (problems.passes(check_model_files, cfg)
+                    and not problems.mentions("actor_rollout_ref.model.path", "actor_rollout_ref.model.tokenizer_path"))
         self.tokenizer = problems.check(self._load_tokenizer) if model_ok else None
         if not problems.mentions("reward.custom_reward_function"):
             self.reward_manager = problems.check(self._make_reward, reward_fn, reward_funcs, reward_weights)
