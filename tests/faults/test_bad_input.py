@@ -75,6 +75,9 @@ CASES = [
     ("token_budget_too_small", {f"{A}.use_dynamic_bsz": "true", f"{A}.ppo_max_token_len_per_gpu": 4},
      r"ppo_max_token_len_per_gpu=4", r"raise it to at least"),
     ("zero_epochs", {f"{A}.ppo_epochs": 0}, rf"{A}\.ppo_epochs=0", r"must be >= 1"),
+    # a local Ray is one node: it was an "internal error" after Ray and the workers had started
+    ("nnodes_without_cluster", {"trainer.nnodes": 2}, r"trainer\.nnodes=2 needs a Ray cluster of 2 nodes",
+     r"set RAY_ADDRESS to the head .* or use trainer\.nnodes=1$"),
     # ---- algorithm
     ("unknown_agg", {f"{A}.loss_agg_mode": "mean"}, r"loss_agg_mode='mean'", r"choose one of"),
     ("unknown_loss", {f"{A}.policy_loss.loss_mode": "ppo2"}, r"loss_mode='ppo2'", r"choose one of"),

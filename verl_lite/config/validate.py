@@ -216,9 +216,10 @@ def _section_problems(cfg: PPOConfig, needs, n: int | None) -> list[str]:
     if tpath and tpath != mpath and not any((Path(tpath) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         p.append(f"actor_rollout_ref.model.tokenizer_path={tpath!r} holds no tokenizer.json/tokenizer_config.json")
     p.extend(reward_problems(cfg.reward))
-    from verl_lite.controller.rules import async_problems
+    from verl_lite.controller.rules import async_problems, placement_problems
 
     p.extend(async_problems(cfg))
+    p.extend(placement_problems(cfg))
     p.extend(algorithm_rules.rollout_correction_problems(alg.rollout_correction, actor.tis_imp_ratio_cap))
     p.extend(_checkpoint_key_problems(tr))
     p.extend(f"trainer.logger entry {lg!r} is unknown; choose from {list(LOGGER_BACKENDS)}"

@@ -22,6 +22,12 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from verl_lite.errors import RunFailure
+
+
+class ClusterTooSmall(RunFailure, RuntimeError):
+    """The Ray cluster has fewer nodes or resources than the job's placement asks for (exit 1, one line)."""
+
 
 def cluster_has_gpus() -> bool:
     return ray.cluster_resources().get("GPU", 0) >= 1
@@ -64,7 +70,7 @@ class ResourcePool:
         self.use_gpu = cluster_has_gpus() if use_gpu is None else use_gpu
         nodes = alive_nodes()
         if nnodes > len(nodes):
-            raise RuntimeError(
+            raise ClusterTooSmall(
                 f"trainer.nnodes={nnodes} but the Ray cluster has {len(nodes)} alive node(s); start Ray on every "
                 f"node (docs/cluster.md) or lower trainer.nnodes")
         if self.use_gpu:
@@ -86,7 +92,7 @@ class ResourcePool:
         except Exception as err:
             remove_placement_group(self.placement_group)
             where = f" on {nnodes} distinct nodes" if nnodes > 1 else ""
-            raise RuntimeError(
+            raise ClusterTooSmall(
                 f"could not reserve {world_size} x {self.rank_resources}{where} in the Ray cluster within "
                 f"{timeout_s}s (cluster has {ray.cluster_resources()} on {len(nodes)} node(s)); use fewer workers "
                 f"or a bigger cluster"

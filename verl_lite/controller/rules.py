@@ -4,6 +4,22 @@ by ``verl_lite.config.validate`` before anything starts."""
 
 from __future__ import annotations
 
+import os
+import sys
+
+
+def placement_problems(cfg) -> list[str]:
+    """``trainer.nnodes`` > 1 needs a cluster to join: without ``RAY_ADDRESS`` (and no Ray already connected
+    in this process) the driver starts a local Ray, which is one node."""
+    nnodes = cfg.trainer.nnodes
+    ray = sys.modules.get("ray")
+    joined = os.environ.get("RAY_ADDRESS") or (ray is not None and ray.is_initialized())
+    if isinstance(nnodes, int) and nnodes > 1 and not joined:
+        return [f"trainer.nnodes={nnodes} needs a Ray cluster of {nnodes} nodes, but RAY_ADDRESS is not set, so the "
+                f"driver would start a local Ray of one node; start Ray on every node and set RAY_ADDRESS to the "
+                f"head (or submit with `ray job submit`, docs/cluster.md), or use trainer.nnodes=1"]
+    return []
+
 
 def async_problems(cfg) -> list[str]:
     arr, at, alg = cfg.actor_rollout_ref, cfg.async_training, cfg.algorithm

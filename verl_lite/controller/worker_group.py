@@ -68,7 +68,8 @@ class NodeLostError(WorkerError):
 
 
 ORPHAN_CHECK_S = 1.0
-PEER_LOSS_GRACE_S = 60.0  # how long a rank's lost connection waits for Ray to say a node was lost (health check)
+PEER_LOSS_GRACE_S = 60.0  # how long a failure that may be a node loss (a rank's lost connection, a worker's death on
+# another node) waits for Ray's health check to say the node was lost
 _PEER_LOSS = re.compile(r"connection (reset|closed|refused)|broken pipe|remote process exited|network error|"
                         r"DistNetworkError|socket", re.I)
 
@@ -310,7 +311,7 @@ class WorkerGroup:
                             method=method,
                         ) from cause
                     except RayActorError as err:
-                        lost = self._lost_node(rank, method)
+                        lost = self._lost_node(rank, method) or self._await_node_loss([rank], method, deadline)
                         if lost is not None:
                             raise lost from None
                         raise WorkerError(
@@ -335,27 +336,51 @@ class WorkerGroup:
         wait = on_other_nodes and _is_peer_loss(cause)  # a node of the driver's own machine is not lost alone
         grace_end = min(deadline, time.monotonic() + (PEER_LOSS_GRACE_S if wait else 0.0))
         while True:
-            alive = {n.get("NodeID") for n in ray.nodes() if n.get("Alive")}
-            for r in ranks:
-                node = self.pool.node_of(self.bundle_offset + r)
-                if node is not None and node not in alive:
-                    return self._lost_node(r, method)
-            if time.monotonic() >= grace_end or self._a_worker_died(pending):
-                return None  # a worker died on a live node (its own error is the cause), or no node was lost
+            lost = self._dead_node_of(ranks, method)
+            if lost is not None:
+                return lost
+            if time.monotonic() >= grace_end:
+                return None  # no node was lost
+            died = self._died_ranks(pending, rank_of)
+            if died:  # a worker died: on a lost node, Ray says so within its health check; else its error is the cause
+                return self._await_node_loss(died, method, deadline)
+            time.sleep(0.25)
+
+    def _dead_node_of(self, ranks: list[int], method: str) -> NodeLostError | None:
+        """The :class:`NodeLostError` of the first of ``ranks`` whose node Ray reports dead now."""
+        alive = {n.get("NodeID") for n in ray.nodes() if n.get("Alive")}
+        for r in ranks:
+            node = self.pool.node_of(self.bundle_offset + r)
+            if node is not None and node not in alive:
+                return self._lost_node(r, method)
+        return None
+
+    def _await_node_loss(self, died: list[int], method: str, deadline: float) -> NodeLostError | None:
+        """After the workers of ranks ``died`` died: a worker's death reaches the driver before Ray's health
+        check declares its node dead, so for a worker on another node wait up to :data:`PEER_LOSS_GRACE_S`
+        for that. None: the node is alive (or the worker was on the driver's node), the death is the error."""
+        here = ray.get_runtime_context().get_node_id()
+        remote = [r for r in died if self.pool.node_of(self.bundle_offset + r) not in (None, here)]
+        end = min(deadline, time.monotonic() + (PEER_LOSS_GRACE_S if remote else 0.0))
+        while True:
+            lost = self._dead_node_of(remote, method)
+            if lost is not None or time.monotonic() >= end:
+                return lost
             time.sleep(0.25)
 
     @staticmethod
-    def _a_worker_died(pending: list) -> bool:
-        """Whether one of the ``pending`` calls has failed because its worker died (waits ~0.25 s)."""
+    def _died_ranks(pending: list, rank_of: dict) -> list[int]:
+        """The ranks of the ``pending`` calls that have failed because their worker died (waits ~0.25 s)."""
         ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0.25) if pending else ([], [])
+        died = []
         for ref in ready:
             try:
                 ray.get(ref, timeout=1.0)
             except RayActorError:
-                return True
+                died.append(rank_of[ref])
             except Exception:
                 pass
-        return False
+        return died
 
     def _lost_node(self, rank: int, method: str) -> NodeLostError | None:
         """The :class:`NodeLostError` for rank ``rank`` when its node is dead; None when the node is alive."""
