@@ -363,7 +363,7 @@ class TrainerConfig:
     total_epochs: int = 1  # passes over the train split (sets the step count when total_training_steps is null)
     total_training_steps: Optional[int] = None  # None = total_epochs x steps per epoch (built-in task: 60)
     n_gpus_per_node: int = 1  # workers per node (on CPU: worker processes)
-    nnodes: int = 1  # nodes; workers = n_gpus_per_node x nnodes
+    nnodes: int = 1  # nodes; workers = n_gpus_per_node x nnodes; > 1 joins the cluster at RAY_ADDRESS (a local Ray is one node)
     test_freq: int = 10  # validate every this many steps (<= 0: never during training)
     critic_warmup: int = 0  # RL steps that update only the critic before the actor starts
     save_freq: int = -1  # > 0: checkpoint every save_freq steps and at the end; <= 0: never
