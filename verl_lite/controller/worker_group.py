@@ -311,7 +311,7 @@ class WorkerGroup:
                             method=method,
                         ) from cause
                     except RayActorError as err:
-                        lost = self._lost_node(rank, method) or self._await_node_loss([rank], method, deadline)
+                        lost = self._await_node_loss([rank], method, deadline)
                         if lost is not None:
                             raise lost from None
                         raise WorkerError(
@@ -361,7 +361,9 @@ class WorkerGroup:
         for that. None: the node is alive (or the worker was on the driver's node), the death is the error."""
         here = ray.get_runtime_context().get_node_id()
         remote = [r for r in died if self.pool.node_of(self.bundle_offset + r) not in (None, here)]
-        end = min(deadline, time.monotonic() + (PEER_LOSS_GRACE_S if remote else 0.0))
+        if not remote:  # the driver's own node (or one Ray does not name) is alive: the death is the error
+            return None
+        end = min(deadline, time.monotonic() + PEER_LOSS_GRACE_S)
         while True:
             lost = self._dead_node_of(remote, method)
             if lost is not None or time.monotonic() >= end:

@@ -62,6 +62,12 @@ def _endpoint_reachable(endpoint: str, timeout_s: float = 3.0) -> bool:
         return False
 
 
+def _not_fetchable(offline: bool) -> str:
+    """Why a hub id that is not in the HF cache cannot be fetched."""
+    why = "HF_HUB_OFFLINE is set" if offline else "there is no network"
+    return f"is neither a local directory nor in the HF cache, and {why}, so it cannot be downloaded"
+
+
 @functools.lru_cache(maxsize=None)
 def _hub_snapshot(repo_id: str, env: tuple) -> tuple[str | None, str | None]:
     """(snapshot directory, None) or (None, why not): ``huggingface_hub.snapshot_download`` of the model's files
@@ -73,11 +79,11 @@ def _hub_snapshot(repo_id: str, env: tuple) -> tuple[str | None, str | None]:
         return snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=True), None  # cached: no request
     except LocalEntryNotFoundError:
         if env[0]:
-            return None, "is neither a local directory nor in the HF cache, and HF_HUB_OFFLINE is set, so it cannot be downloaded"
+            return None, _not_fetchable(offline=True)
     except Exception:  # noqa: BLE001 - an unreadable cache entry: let the download below say what is wrong
         pass
     if not _endpoint_reachable(env[2]):  # the hub client would retry with back-off for about a minute first
-        return None, "is neither a local directory nor in the HF cache, and there is no network, so it cannot be downloaded"
+        return None, _not_fetchable(offline=False)
     try:
         return snapshot_download(repo_id, allow_patterns=HUB_FILES), None
     except GatedRepoError:
@@ -85,8 +91,7 @@ def _hub_snapshot(repo_id: str, env: tuple) -> tuple[str | None, str | None]:
     except RepositoryNotFoundError:
         return None, "is neither a local directory nor a model on the Hugging Face hub"
     except LocalEntryNotFoundError:
-        why = "HF_HUB_OFFLINE is set" if env[0] else "there is no network"
-        return None, f"is neither a local directory nor in the HF cache, and {why}, so it cannot be downloaded"
+        return None, _not_fetchable(offline=env[0])
     except Exception as e:  # noqa: BLE001 - anything else the hub client raises
         return None, f"could not be fetched from the Hugging Face hub ({type(e).__name__}: {e})"
 
