@@ -719,12 +719,12 @@ class PPOTrainer:
             f"checkpoint")
 
     def sync_weights(self) -> None:
-        """The updated policy to the rollout: in process (colocated), or to the pipeline (split placement),
-        which loads it into the rollout pool before the first batch that version samples."""
-        if self.pipeline is None:
-            self.actor.call_all("sync_rollout_weights")
-            return
-        self.pipeline.publish(self.global_step + 1, self.export_rollout_weights())
+        """The updated policy to the rollout. Colocated: nothing to send; each actor worker loads its own
+        rollout from its actor before it next samples (``ActorRolloutRefWorker._catch_up_rollout``), so the
+        step has no fan-out for it. Split placement: to the pipeline, which loads it into the rollout pool
+        before the first batch that version samples."""
+        if self.pipeline is not None:
+            self.pipeline.publish(self.global_step + 1, self.export_rollout_weights())
 
     def export_rollout_weights(self):
         """Split placement: the actor's weights, once in Ray's object store (an ObjectRef the rollout workers
@@ -908,8 +908,6 @@ class PPOTrainer:
     def validate(self) -> dict[str, float]:
         """Held-out prompts, decoded per ``rollout.val_kwargs`` (greedy by default): mean score and accuracy."""
         vk = self.cfg.actor_rollout_ref.rollout.val_kwargs
-        if self.rollout is not None:  # split placement: held-out decoding on the actor's own rollout, current policy
-            self.actor.call_all("sync_rollout_weights")
         rows = [self.val_dataset[i] for i in range(len(self.val_dataset))]
         size = self.cfg.data.val_batch_size or len(rows)
         sampling = dict(do_sample=vk.do_sample, temperature=vk.temperature, top_p=vk.top_p, top_k=vk.top_k,

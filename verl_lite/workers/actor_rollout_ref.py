@@ -4,7 +4,8 @@
 - ref:      a frozen forward-only ``MegatronEngine`` on the same process groups (only when the
             KL loss or the in-reward KL needs it);
 - rollout:  a full generation model per process (a ``verl_lite.rollout`` backend), weights
-            copied in-process from the actor's ``export_hf()`` after every update.
+            copied in-process from the actor's ``export_hf()`` after an update, before the rollout
+            next samples (the worker tracks that itself: no call from the controller).
 
 Every method is a thin shell: unpack what the controller sent, call the engine or the rollout,
 hand the result back. Which rows, which micro-batches, the normalization plan and the token
@@ -45,6 +46,7 @@ class ActorRolloutRefWorker(EngineWorker):
     def __init__(self, rank: int, world_size: int, cfg: WorkerConfig):
         super().__init__(rank, world_size, cfg)
         self.actor = self.ref = self.rollout = None
+        self.rollout_behind = False  # the actor was updated since the rollout last loaded its weights
 
     # ------------------------------------------------------------------ set-up
     def init_model(self) -> None:
@@ -78,7 +80,12 @@ class ActorRolloutRefWorker(EngineWorker):
 
     # ------------------------------------------------------------------ rollout
     def generate(self, prompt_ids: list[list[int]], seeds: list[int] | None, sampling: dict) -> list[dict]:
-        """``sampling['n']`` responses per prompt, prompt-major.
+        """:meth:`sample` from the actor's current weights (the rollout catches up first)."""
+        self._catch_up_rollout()
+        return self.sample(prompt_ids, seeds, sampling)
+
+    def sample(self, prompt_ids: list[list[int]], seeds: list[int] | None, sampling: dict) -> list[dict]:
+        """``sampling['n']`` responses per prompt from the rollout as loaded, prompt-major.
 
         With ``seeds`` (one per prompt) sample k of prompt p is a function of (its seed, k,
         position) only, so the samples do not depend on how prompts were split over workers: one
@@ -112,12 +119,22 @@ class ActorRolloutRefWorker(EngineWorker):
         prompt-major; each turn of all of them is one batched rollout call (``AgentRunner.run``)."""
         if getattr(self, "agent", None) is None:
             raise RuntimeError("generate_agent: init_agent was not called (multi_turn.enable needs it)")
+        self._catch_up_rollout()
         return self.agent.run(rows, seeds, sampling) if rows else []
 
     def sync_rollout_weights(self) -> int:
         """Copy the actor's current weights (LoRA: merged into the base) into the rollout model (every rank
         takes part: export gathers)."""
+        self.rollout_behind = False
         return self.rollout.load_weights(self.actor.export_merged_hf())
+
+    def _catch_up_rollout(self) -> None:
+        """Before the rollout samples: load the actor's weights into it if an update came since its last load.
+        A rollout never samples an older policy than the actor's, and the controller sends no call of its
+        own for it. Collective like :meth:`sync_rollout_weights`: every rank receives each generation call
+        (``RoleGroup.generate``), empty pieces included, and every rank took part in the update."""
+        if self.rollout_behind:
+            self.sync_rollout_weights()
 
     def export_rollout_weights(self) -> list | None:
         """Split placement: the actor's current weights (LoRA merged) as [(hf_name, tensor)] on rank 0, None on
@@ -154,6 +171,8 @@ class ActorRolloutRefWorker(EngineWorker):
                 sequence_batch(job["piece"], ACTOR_LOSS_KEYS), job["micro_batches"], loss_fn,
                 temperature=temperature, global_token_count=job["global_token_count"],
             ))
+        if jobs:
+            self.rollout_behind = True  # loaded before the rollout next samples (_catch_up_rollout)
         return results
 
     # ------------------------------------------------------------------ checkpoints

@@ -37,10 +37,10 @@ class RolloutWorker(Worker):
         self.rollout = make_rollout(c.rollout_name, c.model_path, AutoTokenizer.from_pretrained(c.tokenizer_path),
                                     **c.rollout_kwargs)
 
-    _generate = ActorRolloutRefWorker.generate  # the same sampling contract as the colocated rollout
+    _generate = ActorRolloutRefWorker.sample  # the same sampling contract as the colocated rollout
 
     def generate(self, prompt_ids: list[list[int]], seeds: list[int] | None, sampling: dict) -> list[dict]:
-        """``ActorRolloutRefWorker.generate``'s outputs, each tagged with the policy version that sampled it."""
+        """``ActorRolloutRefWorker.sample``'s outputs, each tagged with the policy version that sampled it."""
         return [dict(o, policy_version=self.version) for o in self._generate(prompt_ids, seeds, sampling)]
 
     def load_weights(self, named_tensors: list, version: int) -> int:
