@@ -33,3 +33,57 @@ def test_masks_with_holes_keep_every_response_token():
     piece = Batch.from_dict({"responses": responses, "response_mask": mask}, {"prompt_ids": [[1], [2, 2]]})
     sb = sequence_batch(piece)
     assert [x.tolist() for x in sb.input_ids] == [[1, 7, 8, 9, 3], [2, 2, 4, 5]]
+
+
+class _CountingActor:
+    """An engine stand-in: each optimizer step bumps a version the exported weight carries."""
+
+    def __init__(self):
+        self.version = 0
+
+    def train_step(self, *args, **kwargs):
+        self.version += 1
+        return {"loss": 0.0}
+
+    def export_merged_hf(self):
+        return [("w", torch.full((1,), float(self.version)))]
+
+
+class _RecordingRollout:
+    def __init__(self):
+        self.loaded = []
+
+    def load_weights(self, named_tensors):
+        self.loaded.append(float(named_tensors[0][1]))
+        return 1
+
+    def generate(self, prompt_ids, **sampling):
+        return [{"response_ids": [1], "log_probs": torch.zeros(1)} for _ in prompt_ids]
+
+
+def test_the_rollout_catches_up_with_the_actor_before_it_next_samples():
+    """Colocated weight sync has no controller call: after an update the next generation call loads the
+    actor's weights first, on every rank (an empty piece included: the export is collective), once."""
+    from verl_lite.workers.actor_rollout_ref import ActorRolloutRefWorker
+
+    worker = ActorRolloutRefWorker.__new__(ActorRolloutRefWorker)
+    worker.actor, worker.rollout, worker.rollout_behind = _CountingActor(), _RecordingRollout(), False
+    piece = Batch.from_dict({"responses": torch.tensor([[7, 2]]), "response_mask": torch.ones(1, 2)},
+                            {"prompt_ids": [[5]]})
+    job = {"plan": None, "piece": piece, "micro_batches": [[0]], "global_token_count": 2}
+
+    worker.generate([[5]], None, {"n": 1})
+    assert worker.rollout.loaded == []  # nothing updated yet: the initial weights are the actor's
+    worker.update_actor([job, job], None, 1.0)
+    assert worker.rollout.loaded == []  # the update itself sends nothing
+    assert worker.generate([], None, {"n": 1}) == []  # an empty piece still takes part
+    assert worker.rollout.loaded == [2.0]  # the weights after both optimizer steps
+    worker.generate([[5]], None, {"n": 1})
+    worker.update_actor([], None, 1.0)  # no optimizer step: nothing to catch up
+    worker.generate([[5]], None, {"n": 1})
+    assert worker.rollout.loaded == [2.0]
+    worker.update_actor([job], None, 1.0)
+    worker.sample([[5]], None, {"n": 1})  # the split-placement body samples as loaded
+    assert worker.rollout.loaded == [2.0]
+    worker.generate([[5]], None, {"n": 1})
+    assert worker.rollout.loaded == [2.0, 3.0]
