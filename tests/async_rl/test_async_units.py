@@ -123,7 +123,6 @@ def test_in_flight_batches_round_trip_through_a_weights_only_load(tmp_path):
 @pytest.mark.parametrize("overrides, words", [
     (["async_training.staleness_threshold=1"], "hybrid_engine=false"),
     (["actor_rollout_ref.hybrid_engine=false", "async_training.partial_rollout=true"], "partial_rollout=true"),
-    (["actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.name=vllm"], "has not run yet"),
     (["actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.nnodes=2"], "use 1"),
     (["actor_rollout_ref.hybrid_engine=false", "algorithm.adv_estimator=remax"], "set hybrid_engine=true"),
     (["actor_rollout_ref.hybrid_engine=false", "async_training.weight_sync_timeout_s=0"], "must be > 0"),

@@ -45,9 +45,6 @@ def async_problems(cfg) -> list[str]:
     if arr.rollout.nnodes > 1:
         out.append(f"{R}.nnodes={arr.rollout.nnodes}: a rollout pool spanning nodes is not built; use 1")
     why = "is not built with split placement (actor_rollout_ref.hybrid_engine=false)"
-    if arr.rollout.name != "hf":
-        out.append(f"{R}.name={arr.rollout.name} with hybrid_engine=false has not run yet (the rollout pool is "
-                   f"tested with the HF backend only); use rollout.name=hf, or hybrid_engine=true")
     if arr.rollout.multi_turn.enable:
         out.append(f"{R}.multi_turn.enable=true {why}: agent loops run on the colocated rollout; set hybrid_engine=true")
     if alg.filter_groups.enable:
