@@ -138,3 +138,34 @@ def test_synthetic_demonstrations_and_strict_scorer(tmp_path):
                for r in pq.read_table(train0).to_pylist())
     with pytest.raises(ValueError, match="distinct pairs"):
         make_synthetic_task(tmp_path / "y", n_train=20000, n_val=8, max_digits=2)
+
+
+def test_a_role_the_template_drops_is_refused_and_a_known_one_is_kept(tok, tmp_path):
+    """The char tokenizer's template (like many) renders system/user/assistant only: a message with a
+    mistyped role would vanish, leaving the prompt without its question."""
+    bad = _row("90+45=")
+    bad["prompt"] = [{"role": "usr", "content": "90+45="}]
+    with pytest.raises(DataError, match=r"row 0: message 0 of 'prompt' has role 'usr', which the tokenizer's chat "
+                                        r"template drops"):
+        RLDataset(_write(tmp_path / "r.parquet", [bad]), tok, max_prompt_length=64)
+    good = RLDataset(_write(tmp_path / "g.parquet", [_row("90+45=")]), tok, max_prompt_length=64)
+    assert tok.decode(good[0]["prompt_ids"]) == "<|user|>90+45=<|assistant|>"
+
+
+def test_a_file_without_rows_says_so(tok, tmp_path):
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.Table.from_pylist([_row("1+1=")]).slice(0, 0), empty)
+    with pytest.raises(DataError, match=r"no rows; give files with at least one prompt"):
+        RLDataset(str(empty), tok, max_prompt_length=64)
+
+
+def test_reward_fn_key_names_the_data_source_column(tok, tmp_path):
+    """``data.reward_fn_key`` (verl's name): the column whose value each row's reward receives as its data
+    source; a key that names no column is refused, naming the key."""
+    rows = [dict(_row("1+1=", source="default_col"), task="gsm8k"), dict(_row("2+2=", source="default_col"), task="math")]
+    f = _write(tmp_path / "k.parquet", rows)
+    assert [it["data_source"] for it in RLDataset(f, tok, max_prompt_length=64)] == ["default_col"] * 2
+    assert [it["data_source"] for it in RLDataset(f, tok, max_prompt_length=64, data_source_key="task")] == \
+        ["gsm8k", "math"]
+    with pytest.raises(DataError, match=r"no 'nonexistent_col' column \(data\.reward_fn_key\)"):
+        RLDataset(f, tok, max_prompt_length=64, data_source_key="nonexistent_col")

@@ -29,6 +29,9 @@ def actor_loss_problems(A: str, actor) -> list[str]:
     out += choice_problem(f"{A}.policy_loss.loss_mode", actor.policy_loss.loss_mode, sorted(POLICY_LOSSES))
     if actor.use_kl_loss:
         out += choice_problem(f"{A}.kl_loss_type", actor.kl_loss_type, KL_TYPES)
+        if not actor.kl_loss_coef >= 0:
+            out.append(f"{A}.kl_loss_coef={actor.kl_loss_coef} must be >= 0 (a negative coefficient rewards drifting "
+                       f"from the reference)")
     out += [f"{A}.{name}={getattr(actor, name)} must be > 0" for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high")
             if getattr(actor, name) is not None and not getattr(actor, name) > 0]
     if not actor.clip_ratio_c > 1:
@@ -56,6 +59,14 @@ def algorithm_problems(alg, n: int | None, n_key: str) -> list[str]:
     if alg.use_kl_in_reward:
         out += choice_problem("algorithm.kl_penalty", alg.kl_penalty, KL_TYPES)
     out += choice_problem("algorithm.kl_ctrl.type", alg.kl_ctrl.type, KL_CTRL_TYPES)
+    if alg.use_kl_in_reward:
+        kc = alg.kl_ctrl
+        if not kc.kl_coef >= 0:
+            out.append(f"algorithm.kl_ctrl.kl_coef={kc.kl_coef} must be >= 0 (a negative coefficient rewards drifting "
+                       f"from the reference)")
+        if kc.type == "adaptive":
+            out += [f"algorithm.kl_ctrl.{name}={getattr(kc, name)} must be > 0 (the adaptive controller divides by it)"
+                    for name in ("target_kl", "horizon") if not getattr(kc, name) > 0]
     if not 0.0 <= alg.gamma <= 1.0 or not 0.0 <= alg.lam <= 1.0:
         out.append(f"algorithm.gamma={alg.gamma} and algorithm.lam={alg.lam} must lie in [0, 1]")
     fg = alg.filter_groups

@@ -32,7 +32,7 @@ class DataConfig:
     train_files: Any = None  # str or list of parquet paths; None = built-in synthetic task (train split)
     val_files: Any = None  # str or list of parquet paths; [] = no validation; None = the built-in val split with the built-in train files, else []
     prompt_key: str = "prompt"  # column holding the chat messages
-    reward_fn_key: str = "data_source"  # column the reward router dispatches on
+    reward_fn_key: str = "data_source"  # column holding each row's data source, the reward's first argument
     max_prompt_length: int = 16  # tokens, after the chat template
     max_response_length: int = 12  # tokens generated at most (EOS included)
     train_batch_size: int = 16  # prompts per RL step

@@ -95,8 +95,9 @@ DEFAULT_DATA_SOURCE = "python"
 VERL_ROW_KEYS = ("data_source", "reward_model", "extra_info")
 
 
-def _normalize_row(row: dict, where: str, prompt_key: str) -> dict:
-    """Any accepted row (see the module docstring) as {prompt_key, data_source, ground_truth, extra_info}."""
+def _normalize_row(row: dict, where: str, prompt_key: str, data_source_key: str = "data_source") -> dict:
+    """Any accepted row (see the module docstring) as {prompt_key, data_source, ground_truth, extra_info}; the
+    data source (what the reward dispatches on) is read from column ``data_source_key`` (``data.reward_fn_key``)."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: rows must be dicts, got {type(row).__name__}")
     if prompt_key not in row:
@@ -113,7 +114,10 @@ def _normalize_row(row: dict, where: str, prompt_key: str) -> dict:
     extra = row.get("extra_info")
     if extra is None or isinstance(extra, dict):  # anything else is refused by _check_row, naming the row
         extra = {**(extra or {}), **columns}
-    source = row.get("data_source")
+    if data_source_key != "data_source" and data_source_key not in row:
+        raise DataError(f"{where}: no {data_source_key!r} column (data.reward_fn_key) for the reward to dispatch on "
+                        f"(keys: {sorted(row)}); set data.reward_fn_key to a column of the data")
+    source = row.get(data_source_key)
     return {prompt_key: row[prompt_key], "data_source": DEFAULT_DATA_SOURCE if source is None else source,
             "ground_truth": truth, "extra_info": extra}
 
@@ -132,9 +136,29 @@ def encode_prompt(tokenizer, messages: list[dict] | str, tools: list[dict] | Non
     """Chat template with the generation prompt, tokenized without adding special tokens twice; a
     plain-text prompt is tokenized as it is (no template, no special tokens added: TRL's rule).
     ``tools`` (OpenAI function schemas, multi-turn rollouts) go to the template's ``tools=``."""
-    text = messages if isinstance(messages, str) else tokenizer.apply_chat_template(
+    return tokenizer.encode(render_prompt(tokenizer, messages, tools), add_special_tokens=False)
+
+
+def render_prompt(tokenizer, messages: list[dict] | str, tools: list[dict] | None = None) -> str:
+    """The prompt's text as the model reads it (:func:`encode_prompt` before tokenizing)."""
+    return messages if isinstance(messages, str) else tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False, **({"tools": tools} if tools else {}))
-    return tokenizer.encode(text, add_special_tokens=False)
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def _check_rendered(messages: list[dict] | str, text: str, where: str, prompt_key: str) -> None:
+    """A message of a role the chat template does not know (``'usr'``) is dropped by many templates without a
+    word, leaving a prompt without its question: refused here, naming the role."""
+    if isinstance(messages, str):
+        return
+    for j, m in enumerate(messages):
+        content = m["content"].strip()
+        if m["role"] not in CHAT_ROLES and content and content not in text:
+            raise DataError(f"{where}: message {j} of '{prompt_key}' has role {m['role']!r}, which the tokenizer's "
+                            f"chat template drops (its content is not in the rendered prompt); use one of "
+                            f"{list(CHAT_ROLES)}")
 
 
 class RLDataset:
@@ -146,6 +170,7 @@ class RLDataset:
         tokenizer,
         max_prompt_length: int,
         prompt_key: str = "prompt",
+        data_source_key: str = "data_source",  # data.reward_fn_key: the column the reward dispatches on
         filter_overlong_prompts: bool = True,
         truncation: str = "error",
         verbose: bool = True,
@@ -166,11 +191,13 @@ class RLDataset:
             rows = _read_rows(path, prompt_key) if memory_rows is None else memory_rows
             for i, row in enumerate(rows):
                 where = f"{path} row {i}"
-                row = _normalize_row(row, where, prompt_key)
+                row = _normalize_row(row, where, prompt_key, data_source_key)
                 messages = _check_row(row, where, prompt_key)
                 if row["ground_truth"] is None:
                     self.rows_without_ground_truth.append(where)
-                ids = encode_prompt(tokenizer, messages, tools)
+                text = render_prompt(tokenizer, messages, tools)
+                _check_rendered(messages, text, where, prompt_key)
+                ids = tokenizer.encode(text, add_special_tokens=False)
                 index = self.num_rows
                 self.num_rows += 1
                 if len(ids) > max_prompt_length:
@@ -197,6 +224,8 @@ class RLDataset:
         if verbose and self.num_filtered:
             print(f"[verl_lite.data] dropped {self.num_filtered}/{self.num_rows} prompts longer than "
                   f"max_prompt_length={max_prompt_length} from {self.files}")
+        if not self.num_rows:
+            raise DataError(f"{self.files}: no rows; give files with at least one prompt")
         if not self.items:
             raise DataError(
                 f"{self.files}: no prompts left ({self.num_rows} rows, {self.num_filtered} longer than "

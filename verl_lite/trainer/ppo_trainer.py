@@ -270,7 +270,8 @@ class PPOTrainer:
         from verl_lite.data.dataset import IN_MEMORY
 
         d = self.cfg.data
-        kw = dict(tokenizer=self.tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
+        kw = dict(tokenizer=self.tokenizer, prompt_key=d.prompt_key, data_source_key=d.reward_fn_key,
+                  max_prompt_length=d.max_prompt_length,
                   filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
                   tools=(self.agent.tool_schemas or None) if self.agent is not None else None)
         datasets = []
