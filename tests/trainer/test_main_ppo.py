@@ -28,3 +28,19 @@ def test_shipped_recipes_load():
 def test_missing_recipe_is_a_config_error():
     with pytest.raises(ConfigError, match="no such file"):
         expand_recipes(["--recipe", "nope.yaml"])
+
+
+def test_verls_config_head_is_passed_over_and_a_config_of_ones_own_is_refused():
+    """verl's launch scripts start with ``--config-path=config --config-name='ppo_megatron_trainer.yaml'``: that names
+    the one config verl_lite has, so the command line runs unchanged; another config name is refused with the fix."""
+    verl_head = ["--config-path=config", "--config-name='ppo_megatron_trainer.yaml'", "--config-path", "./config",
+                 "--config-name", "ppo_trainer", "data.train_batch_size=8"]
+    assert expand_recipes(verl_head) == ["data.train_batch_size=8"]
+    with pytest.raises(ConfigError, match=r"--config-name=my_grpo: verl_lite has one config.*--recipe FILE\.yaml"):
+        expand_recipes(["--config-name=my_grpo"])
+
+
+def test_an_override_without_a_value_says_what_an_override_is():
+    with pytest.raises(ConfigError, match=r"could not parse the override 'data\.train_batch_size'.*an override is "
+                                          r"key=value \(e\.g\. data\.train_batch_size=16\)"):
+        load_config(["data.train_batch_size"])

@@ -120,7 +120,8 @@ def translate_overrides(overrides: list[str], problems: list[str], aliases: dict
         try:
             ov = parser.parse_overrides(overrides=[raw])[0]
         except Exception as e:  # noqa: BLE001 - hydra's grammar errors
-            problems.append(f"could not parse the override {raw!r}: {str(e).splitlines()[0]}")
+            hint = "" if "=" in raw else "; an override is key=value (e.g. data.train_batch_size=16)"
+            problems.append(f"could not parse the override {raw!r}: {str(e).splitlines()[0]}{hint}")
             continue
         key, text = ov.key_or_group, raw.split("=", 1)[1] if "=" in raw else ""
         if key.startswith("hydra.") or key == "hydra":

@@ -16,7 +16,8 @@ it is created and checked writable before Ray starts. It also holds ``config.jso
 
 ``--recipe FILE.yaml`` (repeatable) applies a YAML file of overrides (nested keys, as in
 docs/config.md) before the command-line ones, e.g. ``--recipe recipes/gspo.yaml``; a shipped
-recipe can be named from any directory: ``--recipe gspo``.
+recipe can be named from any directory: ``--recipe gspo``. verl's ``--config-path`` / ``--config-name
+ppo_megatron_trainer`` head is passed over (it names the one config there is).
 
 Failures end as one readable block on stderr (what failed, the key or file/row, the fix) with
 exit code 2 for bad input (config, data, output dir) and 1 for runtime failures; ``--debug`` or
@@ -95,12 +96,41 @@ def resolve_recipe(name_or_path: str) -> Path:
                        f"path or one of {shipped}"])
 
 
+VERL_TRAINER_CONFIGS = ("ppo_megatron_trainer", "ppo_trainer")  # verl's --config-name values the schema stands for
+
+
+def _verl_config_flag(flag: str, value: str) -> None:
+    """verl's Hydra head, ``--config-path=config --config-name=ppo_megatron_trainer``, names the one config verl_lite
+    has (verl's trainer config, in its vocabulary): passed over. A config of the user's own is refused with the fix:
+    it is a Hydra composition (``defaults:``), which is not read; its settings go in as overrides or a recipe."""
+    from verl_lite.config import ConfigError
+
+    name = Path(value.strip("'\"")).name
+    if flag == "--config-name" and Path(name).stem not in VERL_TRAINER_CONFIGS:
+        raise ConfigError([f"--config-name={value}: verl_lite has one config, verl's trainer config "
+                           f"({' / '.join(VERL_TRAINER_CONFIGS)}); give your settings as key=value overrides or as a "
+                           f"YAML of nested keys with --recipe FILE.yaml (docs/config.md)"])
+
+
 def expand_recipes(argv: list[str]) -> list[str]:
     """``--recipe FILE`` / ``--recipe=FILE`` arguments -> ``--recipe=<resolved path>`` items, which ``load_config``
-    merges (OmegaConf.merge) where it stands: later items override it."""
+    merges (OmegaConf.merge) where it stands: later items override it. verl's ``--config-path`` / ``--config-name``
+    (``_verl_config_flag``) are passed over."""
     out, i = [], 0
     while i < len(argv):
         a = argv[i]
+        flag = next((f for f in ("--config-path", "--config-name") if a == f or a.startswith(f"{f}=")), None)
+        if flag is not None:
+            if a == flag:
+                if i + 1 >= len(argv):
+                    from verl_lite.config import ConfigError
+
+                    raise ConfigError([f"{flag} needs a value"])
+                value, i = argv[i + 1], i + 2
+            else:
+                value, i = a.split("=", 1)[1], i + 1
+            _verl_config_flag(flag, value)
+            continue
         if a == "--recipe":
             if i + 1 >= len(argv):
                 from verl_lite.config import ConfigError
