@@ -76,12 +76,17 @@ def bad_files(tiny_assets, tmp_path_factory):  # noqa: F811
         "other_name": "def my_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n",
         "no_kwargs": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n",
         "positional": "def compute_score(solution, truth):\n    return 0.0\n",
+        "not_callable": "compute_score = 3\n",
     }
     for name, src in rewards.items():
         (root / f"reward_{name}.py").write_text(src)
         f[f"reward_{name}"] = str(root / f"reward_{name}.py")
     (root / "recipe_bad.yaml").write_text("data:\n  train_batch_size: -3\n")
     f["recipe_bad"] = str(root / "recipe_bad.yaml")
+    (root / "rows.jsonl").write_text('{"prompt": [{"role": "user", "content": "1+1="}]}\n')
+    f["jsonl"] = str(root / "rows.jsonl")
+    (root / "shards").mkdir()
+    f["a_dir"] = str(root / "shards")
     (root / "a_file").write_text("not a directory")
     f["a_file"] = str(root / "a_file")
     ro = root / "read_only"

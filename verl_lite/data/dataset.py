@@ -54,7 +54,10 @@ def _read_rows(path: Path, prompt_key: str) -> list[dict]:
     try:
         table = pq.read_table(path)
     except Exception as e:
-        raise DataError(f"{path}: cannot be read as parquet ({type(e).__name__}: {e})") from e
+        hint = {".jsonl": "pandas.read_json(f, lines=True)", ".json": "pandas.read_json(f)",
+                ".csv": "pandas.read_csv(f)"}.get(Path(path).suffix.lower())
+        convert = f"; convert it: {hint}.to_parquet('out.parquet')" if hint else ""
+        raise DataError(f"{path}: cannot be read as parquet ({type(e).__name__}: {e}){convert}") from e
     if prompt_key not in table.column_names:
         raise DataError(
             f"{path}: missing column(s) {[prompt_key]}; found {table.column_names}. Rows need "

@@ -20,5 +20,7 @@ def data_problems(d) -> list[str]:
         files = [files] if isinstance(files, str) else list(files or [])
         if not files and key == "train_files":  # no val_files: no validation
             p.append(f"data.{key} is empty; give one or more parquet files (or null for the built-in task)")
-        p.extend(f"data.{key}: {f!r} does not exist; give an existing parquet file" for f in files if not Path(f).is_file())
+        p.extend(f"data.{key}: {f!r} is a directory; list its parquet files (data.{key}='[{f}/a.parquet,...]')"
+                 if Path(f).is_dir() else f"data.{key}: {f!r} does not exist; give an existing parquet file"
+                 for f in files if not Path(f).is_file())
     return p

@@ -109,6 +109,10 @@ class RewardManager:
                 self.runner = RewardProcess(custom.path, custom.name, self.mode, list(self.reward_kwargs),
                                             max_memory_gb=getattr(reward_cfg, "max_memory_gb", None))
             except RewardCallFailed as e:
+                if e.kind == "load" and str(e).startswith("not callable: "):
+                    raise RewardConfigError([f"{KEY}.name={custom.name!r}: {custom.path} binds {custom.name!r} to a value of type "
+                                             f"{str(e).split(': ', 1)[1]}, not a function; set {KEY}.name to a function "
+                                             f"of that file"]) from None
                 if e.kind == "load" and str(e) == "missing":
                     raise RewardConfigError([f"{KEY}.name={custom.name!r}: {custom.path} defines no function "
                                              f"{custom.name!r}; set {KEY}.name to a function of that file"]) from None

@@ -32,6 +32,8 @@ def reward_function_problems(path: str, name: str, key: str) -> list[str]:
     manager imports it exactly once, in the reward process, and reports import errors and a
     signature that does not fit reward_kwargs there (still before anything starts)."""
     file = Path(path)
+    if file.is_dir():
+        return [f"{key}.path={path!r} is a directory; give the path of a python file in it defining '{name}'"]
     if not file.is_file():
         return [f"{key}.path={path!r} does not exist; give the path of a python file defining '{name}'"]
     try:

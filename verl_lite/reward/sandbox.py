@@ -149,7 +149,8 @@ class RewardProcess:
         reply = self._recv(time.monotonic() + START_TIMEOUT_S, during="importing the reward file")
         if reply[0] == "load_error":
             self.close()
-            raise RewardCallFailed("load", reply[2] if reply[1] == "import" else "missing")
+            raise RewardCallFailed("load", reply[2] if reply[1] == "import" else
+                                   f"not callable: {reply[2]}" if reply[2] else "missing")
         self.signature = reply[1]
 
     def pid(self) -> int | None:

@@ -116,7 +116,7 @@ def main() -> None:
                 _send(out, ("load_error", "import", f"{type(e).__name__}: {e}"))
                 continue
             if not callable(fn):
-                _send(out, ("load_error", "missing", name))
+                _send(out, ("load_error", "missing", "" if fn is None else type(fn).__name__))
                 continue
             _send(out, ("ready", _signature_problem(fn, mode, kwarg_names)))
             continue
