@@ -218,3 +218,20 @@ def test_hydra_main_entry(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0
     assert "unknown config key 'data.train_batchsize'; did you mean 'data.train_batch_size'" in bad.stdout + bad.stderr
+
+
+def test_one_bad_value_is_one_line_at_the_key_the_user_set():
+    """Keys that hold another key's value (null = that key's, ``loader.INHERITED``) fail with it; only the key
+    that was set is reported. A copy set to a bad value of its own is still reported."""
+    from verl_lite.config import ConfigError, load_config, validate_config
+
+    A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+    for overrides, only in ((["data.max_response_length=0"], "data.max_response_length=0 must be >= 1"),
+                            ([f"{A}.ppo_micro_batch_size_per_gpu=0"], f"{A}.ppo_micro_batch_size_per_gpu=0 must be >= 1")):
+        with pytest.raises(ConfigError) as err:
+            validate_config(load_config(overrides))
+        assert err.value.problems == [only], err.value.problems
+    with pytest.raises(ConfigError) as err:
+        validate_config(load_config([f"{A}.ppo_micro_batch_size_per_gpu=0", f"{R}.log_prob_micro_batch_size_per_gpu=-1"]))
+    assert [line.split("=")[0] for line in err.value.problems] == [f"{A}.ppo_micro_batch_size_per_gpu",
+                                                                  f"{R}.log_prob_micro_batch_size_per_gpu"]

@@ -104,7 +104,7 @@ def validate_config(cfg: PPOConfig, world_size: int | None = None) -> Layout:
     p.extend(_micro_batch_problems(cfg, "critic" in needs))
     p.extend(_section_problems(cfg, needs, rollout.n if ok_sizes else None))
     if p:
-        raise ConfigError(p)
+        raise ConfigError(_without_echoes(cfg, p))
     return Layout(
         world_size=world,
         dp=dp,
@@ -115,6 +115,19 @@ def validate_config(cfg: PPOConfig, world_size: int | None = None) -> Layout:
         trajectories_per_dp_rank=traj_mini // dp,
         optimizer_steps_per_rl_step=(d.train_batch_size // actor.ppo_mini_batch_size) * actor.ppo_epochs,
     )
+
+
+def _without_echoes(cfg: PPOConfig, problems: list[str]) -> list[str]:
+    """A key that holds another key's value (``loader.INHERITED``: null = that key's) fails with it: its line
+    is dropped when the key it copies is reported, so one bad value is one line, at the key the user set."""
+    from operator import attrgetter
+
+    from verl_lite.config.loader import INHERITED
+
+    reported = {line.split("=", 1)[0] for line in problems}
+    echoes = {f"{section}.{key}" for section, key, source in INHERITED
+              if source in reported and attrgetter(f"{section}.{key}")(cfg) == attrgetter(source)(cfg)}
+    return [line for line in problems if line.split("=", 1)[0] not in echoes]
 
 
 def _check_layout(key: str, mg, world: int, workers: str, model_cfg: dict | None, p: list[str]) -> int:
@@ -176,7 +189,7 @@ def _micro_batch_problems(cfg: PPOConfig, critic: bool) -> list[str]:
                 p.append(f"{key}.{budget_key}={budget} (x cp={cp}) is below the longest sequence data.max_prompt_length"
                          f" + data.max_response_length = {longest}; raise it to at least {-(-longest // cp)}")
         elif micro is not None and micro < 1:
-            p.append(f"{key}.{micro_key}={micro} must be >= 1 (or null to use the actor's)")
+            p.append(f"{key}.{micro_key}={micro} must be >= 1" + ("" if key == A else " (or null to use the actor's)"))
         elif micro is None and key == A:  # the others' null is the actor's (inherited when the config loads)
             p.append(f"{A}: set ppo_micro_batch_size_per_gpu (trajectories per micro-batch) or use_dynamic_bsz=true")
     return p
