@@ -24,6 +24,9 @@ def reward_problems(rw) -> list[str]:
     crf = rw.custom_reward_function
     if crf.path:
         p.extend(reward_function_problems(crf.path, crf.name, "reward.custom_reward_function"))
+    elif crf.name != type(crf)().name:  # a name of the user's own, and no file to find it in
+        p.append(f"reward.custom_reward_function.name={crf.name!r} names a function, but reward.custom_reward_function"
+                 f".path is null, so the built-in scorer would run; give .path (the python file defining it)")
     return p
 
 
