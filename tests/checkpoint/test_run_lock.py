@@ -97,3 +97,9 @@ def test_a_second_run_on_the_same_checkpoint_dir_is_refused_until_the_first_is_g
     assert lock_file.read_text() == "", "the run released the lock on exit"
     with RunLock(ckpt):
         pass
+    # the same command again: the checkpoint is the finished run's; it says so and trains nothing
+    again = [o for o in third if not o.startswith("trainer.resume_mode=")] + ["trainer.resume_mode=auto",
+                                                                               f"trainer.output_dir={tmp_path / 'out4'}"]
+    text = run_to_end(again, tmp_path / "again.log")
+    assert "the checkpoint is at step 1 of 1: the run had finished, nothing is trained" in text, text[-3000:]
+    assert sorted(p.name for p in ckpt.glob("global_step_*")) == ["global_step_1"]

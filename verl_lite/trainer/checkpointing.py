@@ -510,6 +510,10 @@ class CheckpointManager:
         _say(f"resumed from {path} (step {trainer.global_step}, saved at layout {layout}; worker RNG "
              f"{'restored' if rng else 'not restored: the layout differs'}; {verified}) in {time.perf_counter() - t0:.1f}s")
         self._say_lr_schedules(trainer.global_step, infos)
+        if trainer.global_step >= trainer.total_steps():
+            _say(f"the checkpoint is at step {trainer.global_step} of {trainer.total_steps()}: the run had finished, "
+                 f"nothing is trained (raise trainer.total_training_steps or trainer.total_epochs to train on); "
+                 f"its policy is validated and exported as configured")
         return cursor
 
     @staticmethod
