@@ -23,15 +23,17 @@ def choice_problem(key: str, value, choices) -> list[str]:
     return [] if value in choices else [f"{key}={value!r} is unknown; choose one of {list(choices)}"]
 
 
+def kl_coefficient_problem(key: str, value) -> list[str]:
+    return [] if value >= 0 else [f"{key}={value} must be >= 0 (a negative coefficient rewards drifting from the reference)"]
+
+
 def actor_loss_problems(A: str, actor) -> list[str]:
     """The actor's loss: aggregation mode, policy loss and its parameters, clipping, the KL loss type."""
     out = choice_problem(f"{A}.loss_agg_mode", actor.loss_agg_mode, AGG_MODES)
     out += choice_problem(f"{A}.policy_loss.loss_mode", actor.policy_loss.loss_mode, sorted(POLICY_LOSSES))
     if actor.use_kl_loss:
         out += choice_problem(f"{A}.kl_loss_type", actor.kl_loss_type, KL_TYPES)
-        if not actor.kl_loss_coef >= 0:
-            out.append(f"{A}.kl_loss_coef={actor.kl_loss_coef} must be >= 0 (a negative coefficient rewards drifting "
-                       f"from the reference)")
+        out += kl_coefficient_problem(f"{A}.kl_loss_coef", actor.kl_loss_coef)
     out += [f"{A}.{name}={getattr(actor, name)} must be > 0" for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high")
             if getattr(actor, name) is not None and not getattr(actor, name) > 0]
     if not actor.clip_ratio_c > 1:
@@ -61,9 +63,7 @@ def algorithm_problems(alg, n: int | None, n_key: str) -> list[str]:
     out += choice_problem("algorithm.kl_ctrl.type", alg.kl_ctrl.type, KL_CTRL_TYPES)
     if alg.use_kl_in_reward:
         kc = alg.kl_ctrl
-        if not kc.kl_coef >= 0:
-            out.append(f"algorithm.kl_ctrl.kl_coef={kc.kl_coef} must be >= 0 (a negative coefficient rewards drifting "
-                       f"from the reference)")
+        out += kl_coefficient_problem("algorithm.kl_ctrl.kl_coef", kc.kl_coef)
         if kc.type == "adaptive":
             out += [f"algorithm.kl_ctrl.{name}={getattr(kc, name)} must be > 0 (the adaptive controller divides by it)"
                     for name in ("target_kl", "horizon") if not getattr(kc, name) > 0]

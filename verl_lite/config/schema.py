@@ -123,7 +123,7 @@ class ActorConfig:
     entropy_coeff: float = 0.0  # entropy bonus coefficient (0 = off)
     use_kl_loss: bool = False  # KL(pi || ref) as a loss term (GRPO style); needs the reference model
     kl_loss_coef: float = 0.001  # coefficient of the KL loss
-    kl_loss_type: str = "low_var_kl"  # KL estimator: kl (k1) | abs | mse (k2) | low_var_kl (k3), each also with verl's "+" suffix (k3+); verl's full is not built
+    kl_loss_type: str = "low_var_kl"  # kl (k1) | abs | mse (k2) | low_var_kl (k3), each also as k+ (verl's); no "full"
     tis_imp_ratio_cap: float = -1.0  # > 0: truncated IS weights min(pi_old / pi_rollout, cap) on the policy loss; -1 = off
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)

@@ -10,7 +10,8 @@ imported.
 
 Requests and replies:
     ("init", path, name, mode, kwarg_names, memory_limit_bytes | None) -> ("ready", signature_problem | None)
-                                             | ("load_error", "missing" | "import", message)
+                                             | ("load_error", "import", message)
+                                             | ("load_error", "missing", "" | type name of a non-callable)
     ("call", mode, texts, data_sources, ground_truths, extra_infos, kwargs)
         -> ("progress", i) per sample (naive mode), then
            ("ok", results) | ("raised", sample | None, type name, message, pickled exception | None, traceback)
