@@ -720,12 +720,11 @@ class PPOTrainer:
             f"checkpoint")
 
     def sync_weights(self) -> None:
-        """The updated policy to the rollout. Colocated: nothing to send; each actor worker loads its own
-        rollout from its actor before it next samples (``ActorRolloutRefWorker._catch_up_rollout``), so the
-        step has no fan-out for it. Split placement: to the pipeline, which loads it into the rollout pool
-        before the first batch that version samples."""
-        if self.pipeline is not None:
-            self.pipeline.publish(self.global_step + 1, self.export_rollout_weights())
+        """Split placement: the updated policy to the pipeline, which loads it into the rollout pool before the
+        first batch that version samples. (Colocated there is nothing to send: each actor worker loads its own
+        rollout from its actor before it next samples, ``ActorRolloutRefWorker._catch_up_rollout``, inside the
+        step's ``generate``; the step has no fan-out and no ``timing_s/sync_weights`` for it.)"""
+        self.pipeline.publish(self.global_step + 1, self.export_rollout_weights())
 
     def export_rollout_weights(self):
         """Split placement: the actor's weights, once in Ray's object store (an ObjectRef the rollout workers
@@ -868,8 +867,9 @@ class PPOTrainer:
             if update_actor:
                 with M.timer(m, "update_actor"):
                     updates = self.update_actor(batch)
-                with M.timer(m, "sync_weights"):
-                    self.sync_weights()
+                if self.pipeline is not None:  # colocated: the rollout reloads as it next samples (timing_s/generate)
+                    with M.timer(m, "sync_weights"):
+                        self.sync_weights()
         self.global_step += 1
         self.update_history.append(updates)
         self.critic_update_history.append(critic_updates)
