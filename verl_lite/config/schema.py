@@ -372,7 +372,7 @@ class TrainerConfig:
     project_name: str = "verl_lite"  # logger project (wandb/tensorboard) and checkpoint path part
     experiment_name: Optional[str] = None  # run name (run directory, loggers, checkpoints); None = <estimator>_<train file>_<model>
     seed: int = 0  # seed of sampling, engine initialization and the driver's RNG
-    logger: List[str] = field(default_factory=lambda: ["console", "jsonl"])  # console | jsonl | tensorboard | wandb
+    logger: List[str] = field(default_factory=lambda: ["console", "jsonl"])  # console | jsonl | tensorboard | wandb; the run dir's metrics.jsonl is written either way
     log_freq: int = 1  # without a TTY the console prints one line every log_freq steps
     log_val_generations: int = 0  # > 0: the first N validation samples (prompt, response, score) -> <run dir>/val_generations.jsonl
     default_local_dir: Optional[str] = None  # checkpoint root; None = <cwd>/checkpoints/<project_name>/<experiment_name> (absolute, set when the config loads)
