@@ -235,3 +235,15 @@ def test_one_bad_value_is_one_line_at_the_key_the_user_set():
         validate_config(load_config([f"{A}.ppo_micro_batch_size_per_gpu=0", f"{R}.log_prob_micro_batch_size_per_gpu=-1"]))
     assert [line.split("=")[0] for line in err.value.problems] == [f"{A}.ppo_micro_batch_size_per_gpu",
                                                                   f"{R}.log_prob_micro_batch_size_per_gpu"]
+
+
+def test_one_name_for_a_list_of_names_is_a_list_of_one():
+    """verl's trackers take ``trainer.logger=console`` as ``[console]``; so does the loader, for every list-of-names
+    key. A value of the wrong kind is still refused (a word for Adam's betas)."""
+    from verl_lite.config import ConfigError, load_config
+
+    assert load_config(["trainer.logger=console"]).trainer.logger == ["console"]
+    lora = load_config(["actor_rollout_ref.model.lora.exclude_modules=lm_head"]).actor_rollout_ref.model.lora
+    assert lora.exclude_modules == ["lm_head"]
+    with pytest.raises(ConfigError, match=r"optim\.betas=high: expects a list"):
+        load_config(["actor_rollout_ref.actor.optim.betas=high"])

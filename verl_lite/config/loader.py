@@ -327,18 +327,24 @@ def merge_recipe(node, path: str):
         raise ConfigError([f"--recipe {path}: {_type_problem(key, str(OmegaConf.select(recipe, key)))}"]) from e
 
 
+def _schema_type(key: str) -> tuple[Any, bool, Any]:
+    """(the type of a dotted schema key without Optional (its origin for generics: list, dict), whether it is
+    nullable, its default)."""
+    tp, default = PPOConfig, PPOConfig()
+    for part in key.split("."):
+        tp = _field_types(tp)[part] if dataclasses.is_dataclass(tp) and part in _field_types(tp) else Any
+        default = getattr(default, part, None)
+    nullable = type(None) in typing.get_args(tp)
+    base = next(t for t in typing.get_args(tp) if t is not type(None)) if nullable else tp
+    return typing.get_origin(base) or base, nullable, default
+
+
 def _type_problem(key: str, text: str) -> str:
     """One line for an override whose value does not fit the schema's type: the key, the type expected,
     an example (the default)."""
     from verl_lite.config.verl_keys import render
 
-    tp, default = PPOConfig, PPOConfig()
-    for part in key.split("."):
-        tp = _field_types(tp)[part] if dataclasses.is_dataclass(tp) else Any
-        default = getattr(default, part, None)
-    nullable = type(None) in typing.get_args(tp)
-    base = next(t for t in typing.get_args(tp) if t is not type(None)) if nullable else tp
-    base = typing.get_origin(base) or base
+    base, nullable, default = _schema_type(key)
     words, example = {int: ("an integer", 16), float: ("a number", 0.5), bool: ("true or false", True),
                       str: ("a string", "..."), list: ("a list", ["a", "b"]), tuple: ("a list", ["a", "b"]),
                       dict: ("a mapping", {"k": "v"})}.get(base, (getattr(base, "__name__", str(base)), "..."))
@@ -354,6 +360,8 @@ def _apply(node, assignments: list[tuple[str, Any, str, bool]], problems: list[s
     from omegaconf import OmegaConf
 
     for key, value, text, free in assignments:
+        if isinstance(value, str) and not free and _schema_type(key)[0] is list:
+            value = [value]  # one name for a list of names (trainer.logger=console), as verl's readers take it
         try:
             OmegaConf.update(node, key, value, merge=True, force_add=free)
         except Exception:  # noqa: BLE001 - OmegaConf's validation errors: the type does not fit
