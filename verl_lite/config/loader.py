@@ -332,7 +332,7 @@ def _schema_type(key: str) -> tuple[Any, bool, Any]:
     nullable, its default)."""
     tp, default = PPOConfig, PPOConfig()
     for part in key.split("."):
-        tp = _field_types(tp)[part] if dataclasses.is_dataclass(tp) and part in _field_types(tp) else Any
+        tp = (_field_types(tp) if dataclasses.is_dataclass(tp) else {}).get(part, Any)
         default = getattr(default, part, None)
     nullable = type(None) in typing.get_args(tp)
     base = next(t for t in typing.get_args(tp) if t is not type(None)) if nullable else tp

@@ -99,51 +99,52 @@ def resolve_recipe(name_or_path: str) -> Path:
 VERL_TRAINER_CONFIGS = ("ppo_megatron_trainer", "ppo_trainer")  # verl's --config-name values the schema stands for
 
 
-def _verl_config_flag(flag: str, value: str) -> None:
+def _check_verl_config_name(value: str) -> None:
     """verl's Hydra head, ``--config-path=config --config-name=ppo_megatron_trainer``, names the one config verl_lite
     has (verl's trainer config, in its vocabulary): passed over. A config of the user's own is refused with the fix:
     it is a Hydra composition (``defaults:``), which is not read; its settings go in as overrides or a recipe."""
     from verl_lite.config import ConfigError
 
-    name = Path(value.strip("'\"")).name
-    if flag == "--config-name" and Path(name).stem not in VERL_TRAINER_CONFIGS:
+    if Path(value.strip("'\"")).stem not in VERL_TRAINER_CONFIGS:
         raise ConfigError([f"--config-name={value}: verl_lite has one config, verl's trainer config "
                            f"({' / '.join(VERL_TRAINER_CONFIGS)}); give your settings as key=value overrides or as a "
                            f"YAML of nested keys with --recipe FILE.yaml (docs/config.md)"])
 
 
-def expand_recipes(argv: list[str]) -> list[str]:
-    """``--recipe FILE`` / ``--recipe=FILE`` arguments -> ``--recipe=<resolved path>`` items, which ``load_config``
-    merges (OmegaConf.merge) where it stands: later items override it. verl's ``--config-path`` / ``--config-name``
-    (``_verl_config_flag``) are passed over."""
-    out, i = [], 0
-    while i < len(argv):
-        a = argv[i]
-        flag = next((f for f in ("--config-path", "--config-name") if a == f or a.startswith(f"{f}=")), None)
-        if flag is not None:
-            if a == flag:
-                if i + 1 >= len(argv):
-                    from verl_lite.config import ConfigError
+FLAG_VALUES = {"--recipe": "a file path", "--config-path": "a value", "--config-name": "a value"}  # flags with a value
 
-                    raise ConfigError([f"{flag} needs a value"])
-                value, i = argv[i + 1], i + 2
-            else:
-                value, i = a.split("=", 1)[1], i + 1
-            _verl_config_flag(flag, value)
-            continue
-        if a == "--recipe":
+
+def _flag_at(argv: list[str], i: int) -> tuple[str, str, int] | None:
+    """``(flag, value, index after it)`` when ``argv[i]`` is ``FLAG VALUE`` or ``FLAG=VALUE`` of ``FLAG_VALUES``."""
+    a = argv[i]
+    for flag, what in FLAG_VALUES.items():
+        if a.startswith(f"{flag}="):
+            return flag, a.split("=", 1)[1], i + 1
+        if a == flag:
             if i + 1 >= len(argv):
                 from verl_lite.config import ConfigError
 
-                raise ConfigError(["--recipe needs a file path"])
-            out.append(f"--recipe={resolve_recipe(argv[i + 1])}")
-            i += 2
+                raise ConfigError([f"{flag} needs {what}"])
+            return flag, argv[i + 1], i + 2
+    return None
+
+
+def expand_recipes(argv: list[str]) -> list[str]:
+    """``--recipe FILE`` / ``--recipe=FILE`` arguments -> ``--recipe=<resolved path>`` items, which ``load_config``
+    merges (OmegaConf.merge) where it stands: later items override it. verl's ``--config-path`` / ``--config-name``
+    (``_check_verl_config_name``) are passed over."""
+    out, i = [], 0
+    while i < len(argv):
+        found = _flag_at(argv, i)
+        if found is None:
+            out.append(argv[i])
+            i += 1
             continue
-        if a.startswith("--recipe="):
-            out.append(f"--recipe={resolve_recipe(a.split('=', 1)[1])}")
-        else:
-            out.append(a)
-        i += 1
+        flag, value, i = found
+        if flag == "--recipe":
+            out.append(f"--recipe={resolve_recipe(value)}")
+        elif flag == "--config-name":
+            _check_verl_config_name(value)
     return out
 
 
