@@ -1,0 +1,163 @@
+"""transformers' lazy-import table read from a cache file instead of rebuilt from its source tree.
+
+transformers 5 builds the table behind its lazy modules (which module defines which public name,
+and the backends it needs) while ``import transformers`` runs: ``define_import_structure`` reads
+every file under ``transformers/models`` (about 3,300 files, searched for ``__all__`` and
+``@requires``). That costs every process that imports transformers (the driver, each worker, test
+processes) about 0.5-1 s of CPU on the 2-core machine, to rebuild a table that depends only on the
+installed files.
+
+:func:`install` (called when ``verl_lite`` is imported, before transformers is) wraps
+``define_import_structure`` as its module is loaded: a result is computed by transformers once,
+checked to survive the round trip through JSON unchanged, and stored in
+``$XDG_CACHE_HOME/verl_lite/transformers-import-structure-<version>.json`` (``~/.cache`` by default),
+which later processes read. The file holds names only (module paths relative to transformers, object
+names, backend names); nothing in it is executed, and transformers still imports each module itself, by
+its own rules, when a name is first used. It is used only while it matches the installed transformers:
+the same version, the same installation directory, and the same modification times of the scanned
+directories; otherwise the table is rebuilt and the file rewritten (atomically). A file that cannot be
+read or written, a result that JSON cannot carry, any other transformers version
+(``TESTED_TRANSFORMERS``) or transformers already imported: the wrapper stands aside and transformers
+builds its table as it always does.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import sys
+from importlib import metadata
+from pathlib import Path
+
+TESTED_TRANSFORMERS = "5.24.0"  # the version whose define_import_structure this was written for
+TARGET = "transformers.utils.import_utils"
+
+
+def cache_path(version: str) -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "verl_lite" / f"transformers-import-structure-{version}.json"
+
+
+def _stamp(module_path: str) -> list:
+    """What the scan of ``module_path`` depends on that can change without the version changing: the directory's
+    real path and the modification times of it and its sub-directories (an added, removed or renamed file)."""
+    directory = os.path.realpath(module_path if os.path.isdir(module_path) else os.path.dirname(module_path))
+    with os.scandir(directory) as entries:
+        subdirs = sorted([e.name, e.stat().st_mtime_ns] for e in entries if e.is_dir() and e.name != "__pycache__")
+    return [directory, os.stat(directory).st_mtime_ns, subdirs]
+
+
+def _to_json(structure: dict) -> list:
+    return [[sorted(backends), {module: sorted(names) for module, names in modules.items()}]
+            for backends, modules in structure.items()]
+
+
+def _from_json(entries: list) -> dict:
+    return {frozenset(backends): {module: set(names) for module, names in modules.items()}
+            for backends, modules in entries}
+
+
+class _Cache:
+    """The cache file's entries, keyed by ``define_import_structure``'s arguments."""
+
+    def __init__(self, path: Path, version: str):
+        self.path, self.version = path, version
+        self._entries: dict | None = None  # read on first use
+
+    @property
+    def entries(self) -> dict:
+        if self._entries is None:
+            try:
+                data = json.loads(self.path.read_text())
+                entries = data["entries"] if data.get("version") == self.version else {}
+                self._entries = entries if isinstance(entries, dict) else {}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                self._entries = {}
+        return self._entries
+
+    def get(self, key: str, stamp: list) -> dict | None:
+        entry = self.entries.get(key)
+        if not isinstance(entry, dict) or entry.get("stamp") != stamp:
+            return None
+        try:
+            return _from_json(entry["structure"])
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def put(self, key: str, stamp: list, structure: dict) -> None:
+        try:
+            encoded = _to_json(structure)
+        except (TypeError, AttributeError):
+            return
+        if _from_json(encoded) != structure:  # JSON cannot carry it exactly: never cached
+            return
+        self.entries[key] = {"stamp": stamp, "structure": encoded}
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({"version": self.version, "entries": self.entries}))
+            os.replace(tmp, self.path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+
+
+def cached(define_import_structure, cache: _Cache):
+    """``define_import_structure`` answered from ``cache`` where the cache matches the installed files."""
+
+    def define_import_structure_cached(module_path, prefix=None):
+        try:
+            key, stamp = f"{os.fspath(module_path)}|{prefix}", _stamp(os.fspath(module_path))
+        except OSError:
+            return define_import_structure(module_path, prefix)
+        structure = cache.get(key, stamp)
+        if structure is None:
+            structure = define_import_structure(module_path, prefix)
+            cache.put(key, stamp, structure)
+        return structure
+
+    define_import_structure_cached.__wrapped__ = define_import_structure
+    return define_import_structure_cached
+
+
+class _PatchOnLoad(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Loads ``transformers.utils.import_utils`` as usual, then wraps its ``define_import_structure``
+    before ``transformers/__init__`` (which imports it from there) calls it; removes itself after."""
+
+    def __init__(self, cache: _Cache):
+        self.cache, self.loader = cache, None
+
+    def find_spec(self, name, path, target=None):
+        if name != TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is None or spec.loader is None:
+            return spec
+        self.loader, spec.loader = spec.loader, self
+        return spec
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        real = getattr(module, "define_import_structure", None)
+        if callable(real):
+            module.define_import_structure = cached(real, self.cache)
+
+
+def install() -> bool:
+    """Serve transformers' import table from the cache in this process (see the module docstring); True
+    when the hook is in place (transformers not imported yet, the tested version installed)."""
+    if "transformers" in sys.modules or any(isinstance(f, _PatchOnLoad) for f in sys.meta_path):
+        return False
+    try:
+        version = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return False
+    if version != TESTED_TRANSFORMERS:
+        return False
+    sys.meta_path.insert(0, _PatchOnLoad(_Cache(cache_path(version), version)))
+    return True
