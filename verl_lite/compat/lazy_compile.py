@@ -16,9 +16,10 @@ Inside :func:`compile_decorators_deferred`:
   (``fn._dynamo_marked_constant = True``) without importing dynamo;
 - ``torch.compiler.allow_in_graph(fn)`` returns ``fn`` and queues the registration; the queue is
   applied (the real ``allow_in_graph``) the first time a deferred compile runs;
-- ``import wandb`` raises ImportError, so megatron takes W&B as absent (its own W&B writers are
-  never used: verl_lite's tracker logs from the driver); no failed import is cached, so
-  ``import wandb`` after the block works as usual.
+- ``import wandb`` and ``import torch.utils.tensorboard`` raise ImportError, so megatron takes W&B
+  and TensorBoard as absent (its timers' optional writers are never used: verl_lite's tracker logs
+  from the driver; TensorBoard's import is ~0.3 s); no failed import is cached, so either import
+  after the block works as usual.
 
 Everything is restored when the block ends; only what was decorated inside it keeps the deferred
 form. Numerics are untouched: nothing here runs a different kernel.
@@ -36,7 +37,7 @@ from verl_lite.compat import require
 
 require("megatron-core", "verl_lite.compat.lazy_compile")
 
-HIDDEN_MODULES = frozenset({"wandb"})
+HIDDEN_MODULES = frozenset({"wandb", "torch.utils.tensorboard"})
 _pending_allow_in_graph: list = []
 
 
@@ -57,7 +58,7 @@ def _apply_pending_allow_in_graph(real_allow_in_graph) -> None:
 
 @contextmanager
 def compile_decorators_deferred():
-    """Within the block, import-time ``torch.compile`` preparations are deferred and wandb is hidden (module doc)."""
+    """Within the block, import-time ``torch.compile`` preparations are deferred, wandb and TensorBoard hidden (module doc)."""
     import torch
     import torch.compiler
 
