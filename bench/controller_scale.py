@@ -126,11 +126,12 @@ def ray_floor(world: int, steps: int, fan_outs: int = 2) -> float:
 def bench(world: int, steps: int, batch, state: dict, mini_batches: int, response_len: int, loss_cfg,
           profile: bool) -> dict:
     from verl_lite.algorithms.aggregation import NormalizationPlan
-    from verl_lite.controller import MicroBatching, ResourcePool, RoleGroup
+    from verl_lite.controller import MicroBatching, ResourcePool, RoleGroup, start_roles
     from verl_lite.controller.role_group import split_contiguous
 
     pool = ResourcePool(world)
     role = RoleGroup("actor", stub_worker_cls(), world, response_len, pool, timeout_s=600)
+    start_roles(role)
     sizing = MicroBatching(micro_batch_size=64)
     minis = [(mini, NormalizationPlan.from_mask(mini["response_mask"], "token-mean"))
              for mini in (batch.select(list(rg)) for rg in split_contiguous(len(batch), mini_batches))]

@@ -13,8 +13,9 @@ timestamp (CLOCK_MONOTONIC, shared by parent and child) on entry and exit, then 
     trainer init    PPOTrainer(...): tokenizer, data, reward, pre-flight
     run dir         run directory, config.json, trackers (until trainer.start)
     ray start       start_ray (wall; other phases may run during it)
-    workers         WorkerGroup(...): actor processes up, rendezvous (worker imports included)
-    model init      RoleGroup's init_model + layout (engine, optimizer, rollout model)
+    workers         the first role's processes created -> up and given the rendezvous (Ray's worker start and
+                    imports; every role's processes start together)
+    model init      start_roles: every role's init_model (engine, optimizer, rollout model), side by side, + layout
     first step      validation before training, then step 1
     after steps     the end: validation, summary (until trainer.close)
     shutdown        trainer.close (workers killed, Ray stopped), files, summary print
@@ -44,8 +45,8 @@ REPO = Path(__file__).resolve().parents[1]
 STAMPS_ENV = "VERL_LITE_BENCH_STAMPS"  # the child writes its stamps to this file
 
 
-def _wrap(owner, name: str, stamps: dict, key: str) -> None:
-    """Stamp ``key:enter`` / ``key:exit`` (first entry, last exit) around ``owner.name``."""
+def _wrap(owner, name: str, stamps: dict, key: str, first_exit: bool = False) -> None:
+    """Stamp ``key:enter`` / ``key:exit`` (first entry, last exit, or the first exit) around ``owner.name``."""
     original = getattr(owner, name)
 
     def timed(*args, **kwargs):
@@ -53,7 +54,8 @@ def _wrap(owner, name: str, stamps: dict, key: str) -> None:
         try:
             return original(*args, **kwargs)
         finally:
-            stamps[f"{key}:exit"] = time.monotonic()
+            if not (first_exit and f"{key}:exit" in stamps):
+                stamps[f"{key}:exit"] = time.monotonic()
 
     setattr(owner, name, timed)
 
@@ -62,7 +64,7 @@ def child(argv: list[str]) -> int:
     stamps = {"script": T_SCRIPT}
     from verl_lite.trainer import main_ppo, ppo_trainer, training_run  # noqa: F401 (what main's run() imports)
     from verl_lite.config import loader
-    from verl_lite.controller import role_group, worker_group
+    from verl_lite.controller import worker_group
 
     stamps["imports"] = time.monotonic()
     _wrap(loader, "load_config", stamps, "config")
@@ -72,7 +74,8 @@ def child(argv: list[str]) -> int:
     if start_ray is not None:
         _wrap(ppo_trainer, "start_ray", stamps, "ray_start")
     _wrap(worker_group.WorkerGroup, "__init__", stamps, "workers")
-    _wrap(role_group.RoleGroup, "__init__", stamps, "role")
+    _wrap(worker_group.WorkerGroup, "connect", stamps, "connect", first_exit=True)  # every call connects
+    _wrap(ppo_trainer, "start_roles", stamps, "roles")
     _wrap(ppo_trainer.PPOTrainer, "step", stamps, "step")
     _wrap(ppo_trainer.PPOTrainer, "close", stamps, "close")
     try:
@@ -93,8 +96,8 @@ def phases(spawn: float, stamps: dict, exited: float) -> dict[str, float]:
         "trainer init": s("trainer_init:exit") - s("trainer_init:enter"),
         "run dir": s("start:enter") - s("trainer_init:exit"),
         "ray start": (s("ray_start:exit") - s("ray_start:enter")) if s("ray_start:enter") else float("nan"),
-        "workers": s("workers:exit") - s("workers:enter"),
-        "model init": s("role:exit") - s("workers:exit"),
+        "workers": s("connect:exit") - s("workers:enter"),
+        "model init": s("roles:exit") - s("connect:exit"),
         "first step": s("step:exit") - s("start:exit"),
         "after steps": s("close:enter") - s("step:exit"),
         "shutdown": s("main_return") - s("close:enter"),

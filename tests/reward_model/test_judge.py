@@ -214,12 +214,13 @@ def test_a_hanging_judge_fails_the_step_in_bounded_time(shared_ray):  # noqa: F8
     from transformers import AutoTokenizer
 
     from verl_lite.controller.resource_pool import ResourcePool
-    from verl_lite.controller.role_group import RoleGroup
+    from verl_lite.controller.role_group import RoleGroup, start_roles
     from verl_lite.workers.rollout_worker import RolloutWorkerConfig
 
     tok = AutoTokenizer.from_pretrained(JUDGE)
     pool = ResourcePool(1)
     group = RoleGroup("reward_model", HangingJudge, 1, RolloutWorkerConfig(JUDGE, JUDGE, "hf", {}), pool, 120.0)
+    start_roles(group)
     try:
         rm = RewardModelConfig(judge=JudgeConfig(prompt_template="{question}{response}", timeout_s=2.0))
         judge = JudgeReward(group, tok, tok, rm)

@@ -16,7 +16,7 @@ import torch
 
 from verl_lite.controller import start_ray, stop_ray
 from verl_lite.controller.resource_pool import ResourcePool
-from verl_lite.controller.role_group import MicroBatching, RoleGroup
+from verl_lite.controller.role_group import MicroBatching, RoleGroup, start_roles
 from verl_lite.data.char_tokenizer import build_char_tokenizer, save_char_tokenizer
 from verl_lite.protocol import Batch
 from verl_lite.reward.model_reward import ModelReward, renders_alike, rm_inputs
@@ -116,6 +116,7 @@ def scored(tmp_path_factory):
     try:
         for name, (world, tp, pp) in LAYOUTS.items():
             group = RoleGroup("reward_model", RewardModelWorker, world, _worker_config(rm, tp, pp), pool, 300.0)
+            start_roles(group)
             try:
                 results[name] = {}
                 for which, rm_tok in tokenizers.items():

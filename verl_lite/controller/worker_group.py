@@ -201,6 +201,7 @@ class WorkerGroup:
         self.pool.place(self.name, bundle_offset, world_size)
         self.actors: list = []
         self._alive = True
+        self._rendezvous = None  # rank 0's rendezvous_address call, until connect() has awaited it
         env_vars = {
             "OMP_NUM_THREADS": str(worker_threads(concurrent_ranks or world_size)),
             # quiet workers: library warnings and progress bars once per process add nothing
@@ -211,20 +212,30 @@ class WorkerGroup:
             **(env or {}),
         }
         remote_cls = ray.remote(worker_cls)
+        self._loopback = local if local is not None else not os.environ.get("RAY_ADDRESS")
         try:
             for rank in range(world_size):
                 opts = self.pool.actor_options(bundle_offset + rank, share)
                 opts["runtime_env"] = {"env_vars": env_vars}
                 opts["max_concurrency"] = 1
                 self.actors.append(remote_cls.options(**opts).remote(rank, world_size, **(init_kwargs or {})))
-            address, port = self._wait([self.actors[0].rendezvous_address.remote()], "rendezvous_address", [0])[0]
-            if local if local is not None else not os.environ.get("RAY_ADDRESS"):
-                address = "127.0.0.1"  # a local Ray: rendezvous over loopback only
-            self.master_addr, self.master_port = address, port
-            self.call_all("set_rendezvous", address, port)
+            self._rendezvous = self.actors[0].rendezvous_address.remote()  # awaited by connect()
         except BaseException:
             self.shutdown()
             raise
+
+    def connect(self) -> None:
+        """Wait for rank 0's rendezvous address (its process is up) and give it to every rank; idempotent,
+        done by the first call. Until then the actors start in the background, so several groups created
+        one after the other start their processes at the same time."""
+        if self._rendezvous is None:
+            return
+        ref, self._rendezvous = self._rendezvous, None
+        address, port = self._wait([ref], "rendezvous_address", [0])[0]
+        if self._loopback:
+            address = "127.0.0.1"  # a local Ray: rendezvous over loopback only
+        self.master_addr, self.master_port = address, port
+        self.call_all("set_rendezvous", address, port)
 
     # ------------------------------------------------------------------ calls
     def call_all(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> list[Any]:
@@ -245,6 +256,7 @@ class WorkerGroup:
         bytes, for results that hold tensors); the caller receives the same results either way."""
         if not self._alive:
             raise WorkerError(f"the worker group was shut down; cannot call {method!r}", method=method)
+        self.connect()
         if len(args_per_rank) != self.world_size:
             raise ValueError(f"{method}: got arguments for {len(args_per_rank)} ranks, the group has {self.world_size}")
         kwargs_per_rank = kwargs_per_rank or [{}] * self.world_size
@@ -255,6 +267,17 @@ class WorkerGroup:
             refs = [getattr(actor, method).remote(*a, **kw)
                     for actor, a, kw in zip(self.actors, args_per_rank, kwargs_per_rank)]
         return self._wait(refs, method, list(range(self.world_size)), timeout_s)
+
+    def submit_all(self, method: str, *args, **kwargs) -> list:
+        """:meth:`call_all`'s calls, not awaited: :meth:`gather` awaits them (and bounds the wait)."""
+        if not self._alive:
+            raise WorkerError(f"the worker group was shut down; cannot call {method!r}", method=method)
+        self.connect()
+        return [getattr(actor, method).remote(*args, **kwargs) for actor in self.actors]
+
+    def gather(self, refs: list, method: str) -> list[Any]:
+        """The results of :meth:`submit_all`'s calls, in rank order, as :meth:`call_all` awaits them."""
+        return self._wait(refs, method, list(range(self.world_size)))
 
     def broadcast(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> list[Any]:
         """:meth:`call_all` for large arguments every rank receives whole (weights): each put in the object

@@ -51,7 +51,7 @@ from verl_lite.algorithms import (
     truncated_is_weights,
 )
 from verl_lite.errors import NonFiniteTraining, RunFailure
-from verl_lite.controller import MicroBatching, ResourcePool, RoleGroup, start_ray, stop_ray
+from verl_lite.controller import MicroBatching, ResourcePool, RoleGroup, start_ray, start_roles, stop_ray
 from verl_lite.protocol import Batch, response_lengths
 from verl_lite.reward import RewardError, RewardManager
 from verl_lite.trainer import metrics as M
@@ -309,11 +309,6 @@ class PPOTrainer:
                                    actor_worker_config(self.cfg, self.total_optimizer_steps(), self.need_ref), self.pool,
                                    self.worker_timeout_s, cp=mg.context_parallel_size, vpp_multiple=_vpp_multiple(mg),
                                    share=colocated_share)
-            if self.agent is not None:  # multi-turn rollouts: each worker builds its agent runner (tools, loops)
-                from verl_lite.agent.preflight import pickle_user_code_by_value
-
-                pickle_user_code_by_value(self.agent)
-                self.actor.call_all("init_agent", self.agent)
             if self.use_critic:
                 self.critic = RoleGroup(
                     "critic", CriticWorker, self.layout.critic_world_size,
@@ -330,6 +325,12 @@ class PPOTrainer:
                 self.rollout = RoleGroup("rollout", RolloutWorker, split, rollout_worker_config(self.cfg), self.pool,
                                          self.worker_timeout_s, bundle_offset=self.pool.world_size - split,
                                          concurrent_ranks=self.world_size + split)
+            start_roles(self.actor, self.critic, self.reward_model and self.reward_model.group, self.rollout)
+            if self.agent is not None:  # multi-turn rollouts: each worker builds its agent runner (tools, loops)
+                from verl_lite.agent.preflight import pickle_user_code_by_value
+
+                pickle_user_code_by_value(self.agent)
+                self.actor.call_all("init_agent", self.agent)
         except BaseException:
             self.close()
             raise
