@@ -167,6 +167,9 @@ def cluster(monkeypatch_module):
     """A head and one worker node (1 CPU each); jobs join it through RAY_ADDRESS."""
     from ray._private import ray_constants
 
+    from verl_lite.controller import stop_ray
+
+    stop_ray()  # a local Ray an earlier module left up (a shared_ray) would take the jobs instead of the cluster
     c = LocalCluster(n_workers=1)
     monkeypatch_module.setenv("RAY_ADDRESS", c.address)
     # the driver (this process) keeps 127.0.0.1 as a job on the cluster does (it inherits the nodes' switch)
