@@ -174,3 +174,19 @@ def test_no_network_is_said(offline_hub, monkeypatch):
     assert "nor in the HF cache, and there is no network" in line and "hf download tiny-org/unreachable" in line
     missing = model_dir_problem("actor_rollout_ref.model.path", "/no/such/dir")
     assert "is not an HF model directory" in missing  # an absolute path is never taken for a hub id
+
+
+def test_curves_are_drawn_beside_the_shutdown_and_a_failed_plot_is_a_warning(tmp_path, capsys):
+    """The run's end draws curves.png in a thread while the workers stop; the file is whole when the summary is
+    written, and a plot that cannot be written is one warning, never the run's error."""
+    from verl_lite.trainer.training_run import PLOT_TIMEOUT_S, _draw_in_background
+
+    records = [{"step": s, "reward/mean": 0.1 * s, "val/accuracy": 0.2 * s} for s in (1, 2, 3)]
+    thread = _draw_in_background(records, tmp_path / "curves.png")
+    thread.join(PLOT_TIMEOUT_S)
+    assert not thread.is_alive() and (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert capsys.readouterr().err == ""
+    thread = _draw_in_background(records, tmp_path / "no_such_dir" / "curves.png")
+    thread.join(PLOT_TIMEOUT_S)
+    err = capsys.readouterr().err
+    assert "verl_lite: warning: could not draw" in err and "no_such_dir" in err, err

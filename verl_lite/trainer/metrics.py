@@ -107,19 +107,18 @@ def reward_panel_lines(records: list[dict]) -> list[tuple[str, list, str, str]]:
 
 
 def plot_curves(records: list[dict], path: str | Path) -> Path:
-    """Training reward and held-out accuracy against the step (matplotlib, Agg backend), with the
-    tool-call rates of multi-turn runs beside them; with a critic, a second panel shows the value loss
-    and the explained variance."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Training reward and held-out accuracy against the step, with the tool-call rates of multi-turn runs
+    beside them; with a critic, a second panel shows the value loss and the explained variance.
+    matplotlib's object API (no pyplot state, no backend switch): safe in any thread, and the caller's
+    own matplotlib settings are left alone."""
+    from matplotlib.figure import Figure
 
     def series(key):
         return [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
 
     critic = series("critic/vf_loss")
-    fig, axes = plt.subplots(1, 2 if critic else 1, figsize=(12 if critic else 7, 4), squeeze=False)
+    fig = Figure(figsize=(12 if critic else 7, 4))
+    axes = fig.subplots(1, 2 if critic else 1, squeeze=False)
     ax = axes[0][0]
     for label, points, style, color in reward_panel_lines(records):
         ax.plot(*zip(*points), style, label=label, color=color)
@@ -139,5 +138,4 @@ def plot_curves(records: list[dict], path: str | Path) -> Path:
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return path

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -58,6 +59,25 @@ def accuracy_line(summary: dict) -> str:
             f"{100 * (a1 - a0):+.1f} points")
 
 
+PLOT_TIMEOUT_S = 60.0  # the longest the run's end waits for curves.png
+
+
+def _draw_in_background(records: list[dict], path: Path) -> threading.Thread:
+    """``plot_curves`` in a daemon thread (matplotlib's import and the drawing, ~0.5 s, overlap the workers'
+    shutdown); a failure is a warning: a plot never hides the run's own result or error."""
+    from verl_lite.trainer.metrics import plot_curves
+
+    def draw():
+        try:
+            plot_curves(records, path)
+        except Exception as e:
+            _warn(f"could not draw {path}: {type(e).__name__}: {e}")
+
+    thread = threading.Thread(target=draw, name="verl-lite-curves", daemon=True)
+    thread.start()
+    return thread
+
+
 def train_in_run_dir(trainer, on_step=None) -> dict:
     """What the CLI does after the config is loaded, for a built ``PPOTrainer`` (the Python API's
     ``fit()``): a fresh run directory, trackers, curves, summary. Returns the summary."""
@@ -70,7 +90,6 @@ def train_in_run_dir(trainer, on_step=None) -> dict:
 
 def train_and_summarize(cfg, trainer, out: Path, user_on_step=None) -> dict:
     """Train ``trainer`` (``start`` + ``run_loop``) writing the run's files into ``out``; returns the summary."""
-    from verl_lite.trainer.metrics import plot_curves
     from verl_lite.trainer.signal_watch import ZeroSignalWatch
 
     (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=1, default=str))
@@ -110,16 +129,14 @@ def train_and_summarize(cfg, trainer, out: Path, user_on_step=None) -> dict:
             raise
         raise stop from err
     finally:
+        plot = _draw_in_background(records, out / "curves.png") if records else None  # while the workers stop
         trainer.close()
         try:
             tracking.close()
         except OSError:
             pass
-        if records:
-            try:
-                plot_curves(records, out / "curves.png")
-            except Exception as e:  # a plot never hides the run's own result or error
-                _warn(f"could not draw {out / 'curves.png'}: {type(e).__name__}: {e}")
+        if plot is not None:
+            plot.join(PLOT_TIMEOUT_S)
         vals = [(r["step"], r["val/accuracy"]) for r in records if r.get("val/accuracy") is not None]
         summary.update({
             "val_steps": [step for step, _ in vals],
