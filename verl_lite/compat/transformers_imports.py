@@ -28,8 +28,9 @@ import importlib.machinery
 import json
 import os
 import sys
-from importlib import metadata
 from pathlib import Path
+
+from verl_lite.compat import installed_version
 
 TESTED_TRANSFORMERS = "5.24.0"  # the version whose define_import_structure this was written for
 TARGET = "transformers.utils.import_utils"
@@ -153,10 +154,7 @@ def install() -> bool:
     when the hook is in place (transformers not imported yet, the tested version installed)."""
     if "transformers" in sys.modules or any(isinstance(f, _PatchOnLoad) for f in sys.meta_path):
         return False
-    try:
-        version = metadata.version("transformers")
-    except metadata.PackageNotFoundError:
-        return False
+    version = installed_version("transformers")
     if version != TESTED_TRANSFORMERS:
         return False
     sys.meta_path.insert(0, _PatchOnLoad(_Cache(cache_path(version), version)))

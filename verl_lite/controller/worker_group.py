@@ -254,6 +254,20 @@ class WorkerGroup:
 
         ``wired_results``: the workers send their results in wire form (``Worker.call_wired``: tensors as raw
         bytes, for results that hold tensors); the caller receives the same results either way."""
+        refs = self._submit(method, args_per_rank, kwargs_per_rank, wired_results)
+        return self._wait(refs, method, list(range(self.world_size)), timeout_s)
+
+    def submit_all(self, method: str, *args, **kwargs) -> list:
+        """:meth:`call_all`'s calls, not awaited: :meth:`gather` awaits them (and bounds the wait)."""
+        return self._submit(method, [args] * self.world_size, [kwargs] * self.world_size)
+
+    def gather(self, refs: list, method: str) -> list[Any]:
+        """The results of :meth:`submit_all`'s calls, in rank order, as :meth:`call_all` awaits them."""
+        return self._wait(refs, method, list(range(self.world_size)))
+
+    def _submit(self, method: str, args_per_rank: Sequence[Sequence], kwargs_per_rank: Sequence[dict] | None = None,
+                wired_results: bool = False) -> list:
+        """Start ``method`` on every rank with that rank's arguments (connecting first); the calls' refs, rank order."""
         if not self._alive:
             raise WorkerError(f"the worker group was shut down; cannot call {method!r}", method=method)
         self.connect()
@@ -261,23 +275,9 @@ class WorkerGroup:
             raise ValueError(f"{method}: got arguments for {len(args_per_rank)} ranks, the group has {self.world_size}")
         kwargs_per_rank = kwargs_per_rank or [{}] * self.world_size
         if wired_results:
-            refs = [actor.call_wired.remote(method, *a, **kw)
+            return [actor.call_wired.remote(method, *a, **kw)
                     for actor, a, kw in zip(self.actors, args_per_rank, kwargs_per_rank)]
-        else:
-            refs = [getattr(actor, method).remote(*a, **kw)
-                    for actor, a, kw in zip(self.actors, args_per_rank, kwargs_per_rank)]
-        return self._wait(refs, method, list(range(self.world_size)), timeout_s)
-
-    def submit_all(self, method: str, *args, **kwargs) -> list:
-        """:meth:`call_all`'s calls, not awaited: :meth:`gather` awaits them (and bounds the wait)."""
-        if not self._alive:
-            raise WorkerError(f"the worker group was shut down; cannot call {method!r}", method=method)
-        self.connect()
-        return [getattr(actor, method).remote(*args, **kwargs) for actor in self.actors]
-
-    def gather(self, refs: list, method: str) -> list[Any]:
-        """The results of :meth:`submit_all`'s calls, in rank order, as :meth:`call_all` awaits them."""
-        return self._wait(refs, method, list(range(self.world_size)))
+        return [getattr(actor, method).remote(*a, **kw) for actor, a, kw in zip(self.actors, args_per_rank, kwargs_per_rank)]
 
     def broadcast(self, method: str, *args, timeout_s: float | None = None, **kwargs) -> list[Any]:
         """:meth:`call_all` for large arguments every rank receives whole (weights): each put in the object
