@@ -8,7 +8,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,7 @@ from pathlib import Path
 import psutil
 
 from tests.faults.conftest import MARK_ENV, REPO, alive, marked_pids
+from verl_lite.utils.net import free_port
 
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
 PORT_FLAGS = ("--port", "--dashboard-port")
@@ -31,12 +31,6 @@ def _readme_head_command() -> list[str]:
     match = re.search(r"^(\S+=\S+ )*ray start --head --node-ip-address=127\.0\.0\.1(?:.*\\\n)*.*$", text, re.M)
     assert match, "the README has no loopback `ray start --head --node-ip-address=127.0.0.1` command"
     return shlex.split(match.group(0).replace("\\\n", " "))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _processes(marker: str, temp_dir: str) -> list[psutil.Process]:
@@ -72,9 +66,9 @@ def test_readme_loopback_head_listens_on_loopback_only():
     assert argv[0] == "ray"
     argv[0] = str(Path(sys.executable).parent / "ray")
     for flag in PORT_FLAGS:
-        argv = [f"{flag}={_free_port()}" if a.startswith(f"{flag}=") else a for a in argv]
+        argv = [f"{flag}={free_port()}" if a.startswith(f"{flag}=") else a for a in argv]
     temp_dir = tempfile.mkdtemp(prefix="rl", dir="/tmp")  # short: Ray's socket paths have a length limit
-    argv += [f"{flag}={_free_port()}" for flag in EXTRA_FREE_PORTS] + [f"--temp-dir={temp_dir}"]
+    argv += [f"{flag}={free_port()}" for flag in EXTRA_FREE_PORTS] + [f"--temp-dir={temp_dir}"]
     marker = uuid.uuid4().hex
     env[MARK_ENV] = marker
     env.pop("RAY_ADDRESS", None)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import tempfile
 import time
 
@@ -22,6 +21,7 @@ import psutil
 import pytest
 
 from tests.e2e.conftest import tiny_assets, tiny_overrides  # noqa: F401  (fixture re-exported)
+from verl_lite.utils.net import free_port
 
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
 # node death is noticed within ~2 s (Ray's default: ~15-30 s; a real cluster keeps it)
@@ -34,16 +34,11 @@ _HANDED_OUT: set[int] = set()  # ports given to a node this session (a node may 
 
 
 def _free_ports(count: int) -> list[int]:
-    """``count`` distinct free loopback ports: all sockets are held open while the ports are picked, so the
-    kernel cannot hand the same port out twice, and none handed to an earlier node is reused."""
-    with contextlib.ExitStack() as stack:
-        ports: list[int] = []
-        while len(ports) < count:
-            s = stack.enter_context(socket.socket())
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-            if port not in _HANDED_OUT:
-                ports.append(port)
+    """``count`` distinct free loopback ports, none handed to an earlier node this session (a node may bind
+    its ports late)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        ports.append(free_port(exclude=_HANDED_OUT | set(ports)))
     _HANDED_OUT.update(ports)
     return ports
 

@@ -2,15 +2,56 @@
 
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
+
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LISTEN_PORTS_FLOOR = 20000  # above Ray's default worker ports (10002-19999)
+_PICK_ATTEMPTS = 64
+MIN_DRAW_RANGE = 1024  # a narrower room between the floor and the ephemeral range: the kernel picks
+_RANDOM = random.SystemRandom()  # not the global generator: a seeded run would pick the same ports as its twin
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on `host` right now (for a torch.distributed rendezvous).
+def _ephemeral_low() -> int | None:
+    """The lowest port the kernel hands to outgoing connections, or None where it cannot be read."""
+    try:
+        return int(EPHEMERAL_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
-    The port is released before it is returned, so another process could take it first; callers
-    that lose that race fail fast at rendezvous (process groups have timeouts), they do not hang.
-    """
+
+def _binds(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1", exclude: set[int] | frozenset[int] = frozenset()) -> int:
+    """A TCP port that is free on ``host`` right now, for a server that binds it soon after
+    (a torch.distributed rendezvous, a Ray head).
+
+    The port is released before it is returned, so it must not be one the kernel may give away in
+    between: ports from ``bind(0)`` come from the ephemeral range, which every outgoing connection on
+    the machine draws from too (Ray alone opens hundreds). So the port is drawn at random from
+    ``[LISTEN_PORTS_FLOOR, ephemeral low)`` (20000-32767 on Linux's default), which no outgoing
+    connection takes, and checked by binding it. Two processes picking at once collide with
+    probability about 1/12768; a caller that still loses the race fails fast at rendezvous (process
+    groups have timeouts), it does not hang. Where the ephemeral range is unknown or leaves no room,
+    the kernel's ``bind(0)`` choice is returned.
+    """
+    low = _ephemeral_low()
+    if low is not None and low - LISTEN_PORTS_FLOOR >= MIN_DRAW_RANGE:
+        for _ in range(_PICK_ATTEMPTS):
+            port = _RANDOM.randrange(LISTEN_PORTS_FLOOR, low)
+            if port not in exclude and _binds(host, port):
+                return port
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in exclude:
+            return port
