@@ -8,13 +8,23 @@ Install (once): TRL is an optional bench dependency, in a venv of its OWN so the
 
 Run (the project's interpreter; TRL runs in a subprocess with --trl-python):
 
-    .venv/bin/python bench/rl_step_vs_trl.py [--pairs 3] [--steps 3] [--warmup 1]
+    .venv/bin/python bench/rl_step_vs_trl.py [--workload tiny|compute] [--pairs 3] [--steps 3] [--warmup 1]
         [--configs 8x12 16x12 4x12 8x48] [--trl-python /tmp/trl-venv/bin/python] [--threads 2]
         [--max-load 1.0] [--settle-s 60]
 
-The same work on both sides: the shipped tiny model (verl_lite/assets/tiny-addition) and its
-chat template, the built-in synthetic-addition prompts, the same exact-match reward
-(``verl_lite.data.synthetic.score_addition``), 16 prompts x n samples per step, up to L new
+Two workloads (``--workload``):
+
+- ``tiny`` (default): the shipped tiny model (verl_lite/assets/tiny-addition, 0.6M parameters) and
+  the same exact-match reward (``verl_lite.data.synthetic.score_addition``); latency-bound.
+- ``compute``: a compute-bound point. A Qwen2 model of hidden 512, 8 layers (8 heads, 2 KV heads,
+  intermediate 1408: 22.5M parameters), random weights (seed 0), written once per bench run to a
+  temporary directory with the shipped tokenizer and chat template (its 128-token vocabulary: no
+  real tokenizer is available offline, so the LM head is small and the decoder layers are the
+  work). Reward: ``bench/length_format_reward.py`` (length and digits), so responses run to the
+  limit. Default ``--configs 8x64``.
+
+The same work on both sides: the model and its chat template, the built-in synthetic-addition
+prompts, the workload's reward, 16 prompts x n samples per step, up to L new
 tokens (``--configs NxL``), temperature 1, lr 1e-4 constant, AdamW betas (0.9, 0.99), weight
 decay 0, grad clip 1.0, GRPO advantages (group mean/std), token-mean loss (TRL: ``dapo``),
 no KL, one optimizer step per RL step over all 16 x n trajectories in one micro-batch, fp32.
@@ -32,7 +42,8 @@ init, ray.init, roles, fit until the first step), the per-config min and median 
 verl_lite / TRL median-step-time ratio, the 1-min load average during each pair (a pair waits up
 to ``--settle-s`` for it to fall to ``--max-load`` and says when it did not), and the
 fraction of this machine's measured fp32 GEMM peak each side reaches (model FLOPs: 2 x matmul
-params per generated/prefilled token + 6 x per trained token, attention scores ignored).
+params per generated/prefilled token + 6 x per trained token, attention scores ignored), for the
+whole step and for each stage with matmul work (generation and log-prob passes 2x, the update 6x).
 """
 
 from __future__ import annotations
@@ -66,6 +77,13 @@ from pathlib import Path  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "verl_lite" / "assets" / "tiny-addition"
+LENGTH_FORMAT_REWARD = Path(__file__).resolve().with_name("length_format_reward.py")
+WORKLOAD_CONFIGS = {"tiny": ["8x12", "16x12", "4x12", "8x48"], "compute": ["8x64"]}
+COMPUTE_MODEL = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                     intermediate_size=1408, max_position_embeddings=512)
+# model FLOPs per token, in matmul parameters, of each stage that runs the model (the rest runs none)
+STAGE_FLOP_FACTORS = {"generate": 2, "old_log_prob": 2, "ref_log_prob": 2, "values": 2, "update_actor": 6,
+                      "update(step - generate_and_score)": 6}
 DATA_DIR = REPO / "verl_lite" / "assets" / "synthetic-addition"
 PROMPTS_PER_STEP = 16
 LR = 1e-4
@@ -77,18 +95,45 @@ def _parse_config(text: str) -> tuple[int, int]:
     return int(n), int(length)
 
 
-def _score_addition():
-    """verl_lite's own exact-match scorer, loaded by file path (the TRL venv has no verl_lite install)."""
+def _load_file(path: Path):
+    """A module loaded by file path (the TRL venv has no verl_lite install)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("_synthetic", REPO / "verl_lite" / "data" / "synthetic.py")
+    spec = importlib.util.spec_from_file_location(f"_bench_{path.stem}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.score_addition
+    return mod
+
+
+def _reward_function(workload: str):
+    """``score(completion_text, ground_truth)`` of the workload."""
+    if workload == "compute":
+        score = _load_file(LENGTH_FORMAT_REWARD).compute_score
+        return lambda text, ground_truth: score("synthetic_addition", text, ground_truth)
+    return _load_file(REPO / "verl_lite" / "data" / "synthetic.py").score_addition
+
+
+def build_compute_model(out_dir: Path) -> Path:
+    """The ``compute`` workload's model (see the module docstring), written to ``out_dir``."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(MODEL_DIR)
+    for key, value in COMPUTE_MODEL.items():
+        setattr(cfg, key, value)
+    cfg.layer_types = ["full_attention"] * cfg.num_hidden_layers
+    cfg.max_window_layers = cfg.num_hidden_layers
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(MODEL_DIR / name, out_dir / name)
+    return out_dir
 
 
 # ====================================================================== verl_lite side
-def run_verl(configs, steps: int, warmup: int) -> list[dict]:
+def run_verl(configs, steps: int, warmup: int, model_dir: Path, workload: str) -> list[dict]:
     from verl_lite.config import load_config
     from verl_lite.trainer import ppo_trainer
     from verl_lite.trainer.ppo_trainer import PPOTrainer
@@ -126,6 +171,8 @@ def run_verl(configs, steps: int, warmup: int) -> list[dict]:
             f"trainer.total_training_steps={warmup + steps}",
             "trainer.test_freq=0",
             "trainer.val_before_train=false",
+            f"actor_rollout_ref.model.path={model_dir}",
+            *([f"reward.custom_reward_function.path={LENGTH_FORMAT_REWARD}"] if workload == "compute" else []),
         ])
         phases["load_config"] = time.perf_counter() - t_phase
         t_phase = time.perf_counter()
@@ -157,13 +204,13 @@ def run_verl(configs, steps: int, warmup: int) -> list[dict]:
 
 
 # ====================================================================== TRL side
-def run_trl(configs, steps: int, warmup: int) -> list[dict]:
+def run_trl(configs, steps: int, warmup: int, model_dir: Path, workload: str) -> list[dict]:
     import datasets
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    score = _score_addition()
+    score = _reward_function(workload)
     data = datasets.Dataset.from_parquet(str(DATA_DIR / "train.parquet"))
     data = data.map(lambda row: {"prompt": row["prompt"], "ground_truth": row["reward_model"]["ground_truth"]},
                     remove_columns=[c for c in data.column_names if c not in ("prompt",)])
@@ -175,8 +222,8 @@ def run_trl(configs, steps: int, warmup: int) -> list[dict]:
     for n, length in configs:
         t_begin = T_PROCESS_START if not results else time.perf_counter()
         trajectories = PROMPTS_PER_STEP * n
-        tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
-        model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         out_dir = tempfile.mkdtemp(prefix="trl-bench-")
         args = GRPOConfig(
             output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, seed=0, report_to="none",
@@ -261,9 +308,9 @@ def gemm_peak_flops(threads: int) -> float:
     return 2 * 2048**3 / best
 
 
-def matmul_params() -> int:
+def matmul_params(model_dir: Path) -> int:
     """Parameters that take part in a matmul per token (all linear layers + LM head)."""
-    cfg = json.loads((MODEL_DIR / "config.json").read_text())
+    cfg = json.loads((model_dir / "config.json").read_text())
     h, inter, layers, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q = cfg["num_attention_heads"] * head_dim
@@ -272,12 +319,12 @@ def matmul_params() -> int:
     return layers * per_layer + h * vocab
 
 
-def mean_prompt_length() -> float:
+def mean_prompt_length(model_dir: Path) -> float:
     from transformers import AutoTokenizer
 
     import pandas as pd
 
-    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
+    tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = pd.read_parquet(DATA_DIR / "train.parquet")["prompt"][:512]
     lens = [len(tok.apply_chat_template([dict(m) for m in p], add_generation_prompt=True, tokenize=True, return_dict=False))
             for p in prompts]
@@ -302,11 +349,12 @@ def wait_for_load(max_load: float, settle_s: float, poll_s: float = 5.0) -> floa
     return load
 
 
-def _run_side(side: str, python: str, configs, steps: int, warmup: int, threads: int) -> list[dict]:
+def _run_side(side: str, python: str, configs, steps: int, warmup: int, threads: int, model_dir: Path,
+              workload: str) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=str(REPO) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
     cmd = [python, str(Path(__file__).resolve()), "--side", side, "--steps", str(steps), "--warmup", str(warmup),
-           "--configs", *[f"{n}x{length}" for n, length in configs]]
+           "--workload", workload, "--model-dir", str(model_dir), "--configs", *[f"{n}x{length}" for n, length in configs]]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(REPO))
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_TAG):
@@ -321,27 +369,31 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--steps", type=int, default=3, help="measured steps per config and run")
     p.add_argument("--warmup", type=int, default=1, help="steps before the measured ones")
-    p.add_argument("--configs", nargs="+", default=["8x12", "16x12", "4x12", "8x48"],
-                   help="NxL: N samples per prompt, L max new tokens")
+    p.add_argument("--workload", choices=sorted(WORKLOAD_CONFIGS), default="tiny",
+                   help="tiny: the shipped tiny model; compute: a 22.5M-parameter model (module docstring)")
+    p.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--configs", nargs="+", help="NxL: N samples per prompt, L max new tokens "
+                   f"(default: {WORKLOAD_CONFIGS})")
     p.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON", "/tmp/trl-venv/bin/python"))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-load", type=float, default=1.0,
                    help="1-min load average above which a pair waits (up to --settle-s) for the machine to settle")
     p.add_argument("--settle-s", type=float, default=60.0, help="longest wait for the load to settle before a pair")
     a = p.parse_args()
-    configs = [_parse_config(c) for c in a.configs]
+    configs = [_parse_config(c) for c in a.configs or WORKLOAD_CONFIGS[a.workload]]
 
     if a.side:
         fn = run_verl if a.side == "verl" else run_trl
-        print(RESULT_TAG + json.dumps(fn(configs, a.steps, a.warmup)), flush=True)
+        print(RESULT_TAG + json.dumps(fn(configs, a.steps, a.warmup, a.model_dir, a.workload)), flush=True)
         return
 
     if not Path(a.trl_python).exists():
         sys.exit(f"no TRL interpreter at {a.trl_python}: install it as the module docstring says, or pass --trl-python")
+    model_dir = MODEL_DIR if a.workload == "tiny" else build_compute_model(Path(tempfile.mkdtemp(prefix="bench-compute-")))
     peak = gemm_peak_flops(a.threads)
-    params = matmul_params()
-    prompt_len = mean_prompt_length()
-    print(f"machine: {os.cpu_count()} CPUs, {a.threads} threads per side; fp32 GEMM peak {peak / 1e9:.1f} GFLOP/s; "
+    params = matmul_params(model_dir)
+    prompt_len = mean_prompt_length(model_dir)
+    print(f"workload {a.workload} ({model_dir}); machine: {os.cpu_count()} CPUs, {a.threads} threads per side; fp32 GEMM peak {peak / 1e9:.1f} GFLOP/s; "
           f"model: {params / 1e6:.2f}M matmul params; mean prompt {prompt_len:.1f} tokens")
     sides = {"verl": sys.executable, "trl": a.trl_python}
     runs: dict[str, list[list[dict]]] = {"verl": [], "trl": []}
@@ -350,7 +402,7 @@ def main() -> None:
         order = ["verl", "trl"] if pair % 2 == 0 else ["trl", "verl"]
         before = wait_for_load(a.max_load, a.settle_s)
         for side in order:
-            runs[side].append(_run_side(side, sides[side], configs, a.steps, a.warmup, a.threads))
+            runs[side].append(_run_side(side, sides[side], configs, a.steps, a.warmup, a.threads, model_dir, a.workload))
         loads.append((before, os.getloadavg()[0]))
         print(f"pair {pair + 1}/{a.pairs} ({' then '.join(order)}): load average (1 min) {before:.2f} -> {loads[-1][1]:.2f}",
               flush=True)
@@ -380,6 +432,11 @@ def main() -> None:
             print(f"{'':>9}  {kind} {min(start):.1f}-{max(start):.1f} s, first step {statistics.median(r['first_step_s'] for r in rs):.2f} s, "
                   f"response {resp:.1f} tokens, reward {statistics.mean(r['reward'] for r in rs):.3f}, "
                   f"{100 * frac:.1f}% of fp32 GEMM peak")
+            tokens = PROMPTS_PER_STEP * n * (prompt_len + resp)
+            per_stage = [f"{s} {100 * STAGE_FLOP_FACTORS[s] * params * tokens / statistics.median(r['stages'][s] for r in rs) / peak:.0f}%"
+                         for s in stage_names if s in STAGE_FLOP_FACTORS and all(r["stages"][s] > 0 for r in rs)]
+            print(f"{'':>9}  of the fp32 GEMM peak, by stage: {', '.join(per_stage)}; "
+                  f"the rest of the step: {', '.join(s for s in stage_names if s not in STAGE_FLOP_FACTORS and s != 'step')}")
         print(f"  ratio verl_lite/TRL (median step): min {min(ratios):.2f}, median {statistics.median(ratios):.2f} "
               f"(per pair: {', '.join(f'{r:.2f}' for r in ratios)})")
         if c == 0:

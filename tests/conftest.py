@@ -40,8 +40,23 @@ def scheduling_group(relative_path: str) -> str:
     return COMPUTE_GROUP if relative_path.startswith(COMPUTE_BOUND) else relative_path
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = Path(str(item.fspath)).resolve()
         if HERE in path.parents:
             item.add_marker(pytest.mark.xdist_group(scheduling_group(path.relative_to(HERE).as_posix())))
+
+
+@pytest.hookimpl(trylast=True)  # after xdist's hook: the groups must be in the test ids the scheduler reads
+def pytest_collection_finish(session):
+    """A worker of ``--dist loadgroup`` whose test ids carry no group stops the run: the scheduler
+    would then spread every module over both processes (pytest-xdist 3.8 writes the group into
+    ``item._nodeid``, which pytest 9 no longer reads; ``pyproject.toml`` pins pytest below 9)."""
+    if not getattr(session.config.option, "loadgroup", False) or not session.items:
+        return
+    ungrouped = [item.nodeid for item in session.items if "@" not in item.nodeid]
+    if ungrouped:
+        raise pytest.UsageError(
+            f"--dist loadgroup: {len(ungrouped)} test ids carry no xdist group (first: {ungrouped[0]}); "
+            f"pytest {pytest.__version__} with this pytest-xdist does not apply groups")

@@ -154,8 +154,8 @@ class CliRun:
                 procs = []
             for p in procs:
                 self.pids.add(p.pid)
-                if p.pid not in self.cmdlines:
-                    try:
+                if not self.cmdlines.get(p.pid):  # a zombie reads as "": a short-lived helper (ldconfig, uname) seen
+                    try:                              # only after it exited; read again until it names itself
                         self.cmdlines[p.pid] = " ".join(p.cmdline())
                     except psutil.Error:
                         pass
@@ -172,13 +172,15 @@ class CliRun:
         try:
             self.out, self.err = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            holders = [(pid, self.cmdlines.get(pid, "")[:100]) for pid in sorted(set(alive(self.pids)) | set(marked_pids(self.marker)))]
             for pid in alive(self.pids):
                 try:
                     psutil.Process(pid).kill()
                 except psutil.Error:
                     pass
             self.out, self.err = self.proc.communicate()
-            raise AssertionError(f"the run did not end within {timeout}s; stderr tail:\n{self.err[-3000:]}")
+            raise AssertionError(f"the run did not end within {timeout}s (exit {self.proc.returncode}; its processes "
+                                 f"still alive: {holders}); stderr tail:\n{self.err[-3000:]}")
         finally:
             self.ended = time.time()
             self._done.set()
