@@ -154,11 +154,14 @@ class CliRun:
                 procs = []
             for p in procs:
                 self.pids.add(p.pid)
-                if not self.cmdlines.get(p.pid):  # a zombie reads as "": a short-lived helper (ldconfig, uname) seen
-                    try:                              # only after it exited; read again until it names itself
-                        self.cmdlines[p.pid] = " ".join(p.cmdline())
-                    except psutil.Error:
-                        pass
+                try:  # read at every poll, the last non-empty one kept: a child seen between fork and exec
+                    cmdline = " ".join(p.cmdline())  # still shows its parent's, a zombie shows ""
+                    if cmdline:
+                        self.cmdlines[p.pid] = cmdline
+                    else:
+                        self.cmdlines.setdefault(p.pid, "")
+                except psutil.Error:
+                    pass
                 if self.watch_sockets:
                     try:
                         for c in p.net_connections(kind="tcp"):

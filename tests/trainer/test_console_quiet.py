@@ -39,25 +39,31 @@ def test_worker_env_follows_the_drivers_choice(monkeypatch):
     assert quiet.worker_env()["PYTHONWARNINGS"] == "error"
 
 
-def test_driver_filters_megatron_warning_and_ray_notice_unless_debugging(caplog, monkeypatch):
+def test_driver_filters_megatron_warning_and_ray_notice_unless_debugging(monkeypatch):
     import warnings
 
     monkeypatch.setitem(quiet._state, "debug", None)
     logger = logging.getLogger(quiet.RAY_TOKEN_LOGGER)
+    # a handler on the logger itself: what passes the logger's filter reaches it whatever an earlier test
+    # in this process (ray.init) did to propagation or to the levels of the loggers above
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    monkeypatch.setattr(logger, "level", logging.WARNING)
+    logger.addHandler(handler)
 
     def seen(debug: bool) -> tuple[list, list]:
         quiet.quiet_process(debug=debug)
-        caplog.clear()
+        records.clear()
         with warnings.catch_warnings(record=True) as caught:
             warnings.filters[:] = [f for f in warnings.filters if f[0] != "error"]
             warnings.warn_explicit("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.",
                                    UserWarning, "optimizer.py", 24, module="megatron.core.optimizer")
             warnings.warn_explicit("Transformer Engine and Apex are not installed.", UserWarning, "mine.py", 1,
                                    module="my_package")  # not megatron's: never hidden
-        with caplog.at_level(logging.WARNING, logger=quiet.RAY_TOKEN_LOGGER):
-            logger.warning("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled ...")
-            logger.warning("Token authentication is disabled for this Ray cluster. Anyone with network access ...")
-        return [str(w.message) for w in caught], [r.getMessage()[:40] for r in caplog.records]
+        logger.warning("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled ...")
+        logger.warning("Token authentication is disabled for this Ray cluster. Anyone with network access ...")
+        return [str(w.message) for w in caught], [r.getMessage()[:40] for r in records]
 
     try:
         caught, logged = seen(debug=False)
@@ -66,4 +72,5 @@ def test_driver_filters_megatron_warning_and_ray_notice_unless_debugging(caplog,
         caught, logged = seen(debug=True)
         assert len(caught) == 2 and len(logged) == 2
     finally:
+        logger.removeHandler(handler)
         quiet.quiet_process(debug=False)
