@@ -1,5 +1,6 @@
-"""How the suite shares two cores between two pytest processes (``make test``: pytest-xdist,
-``-n 2 --dist loadgroup``).
+"""How the suite shares two cores between two pytest processes when run with pytest-xdist
+(``pytest -n 2 --dist loadgroup tests --ignore=tests/multinode``; ``make test`` runs one process:
+README, "Tests", has the measured times of both).
 
 Most tests launch the CLI or a Ray job and spend about half their wall time waiting (Ray's start-up
 and shutdown, a reward's timeout, a signal's delay), so two of them side by side roughly halve it.
@@ -9,8 +10,8 @@ nothing and stretch their collective timeouts. So:
 - every module is one scheduling unit (its module- and session-scoped fixtures are built once);
 - the compute-bound modules (``COMPUTE_BOUND``) form a single unit, so at most one of them runs at a
   time, beside a waiting-bound one; the parity modules share their rank pools in it too;
-- ``tests/multinode`` is not run here: its local clusters run after, in a pytest of their own
-  (``make test``), since their node-loss bounds are measured against a quiet machine.
+- ``tests/multinode`` is left out of such a run: its local clusters run after, in a pytest of their
+  own (``make test``), since their node-loss bounds are measured against a quiet machine.
 
 Without xdist (plain ``pytest tests``) the markers are inert and everything runs in one process.
 """

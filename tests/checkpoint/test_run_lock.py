@@ -28,10 +28,10 @@ HOLDER = textwrap.dedent("""
     exec_child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     fork_child = os.fork()
     if fork_child == 0:
-        print("forked", flush=True)  # os.fork() has returned here: the at-fork handlers have run
+        os.write(1, b"forked\\n")  # os.fork() has returned here: the at-fork handlers have run
         time.sleep(120)
         os._exit(0)
-    print("children", exec_child.pid, fork_child, flush=True)
+    os.write(1, f"children {exec_child.pid} {fork_child}\\n".encode())  # one write each: print's two interleave
     time.sleep(120)
 """)
 
