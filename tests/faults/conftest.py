@@ -158,8 +158,6 @@ class CliRun:
                     cmdline = " ".join(p.cmdline())  # still shows its parent's, a zombie shows ""
                     if cmdline:
                         self.cmdlines[p.pid] = cmdline
-                    else:
-                        self.cmdlines.setdefault(p.pid, "")
                 except psutil.Error:
                     pass
                 if self.watch_sockets:
@@ -175,15 +173,16 @@ class CliRun:
         try:
             self.out, self.err = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            holders = [(pid, self.cmdlines.get(pid, "")[:100]) for pid in sorted(set(alive(self.pids)) | set(marked_pids(self.marker)))]
-            for pid in alive(self.pids):
+            holders = sorted(set(alive(self.pids)) | set(marked_pids(self.marker)))
+            named = [(pid, self.cmdlines.get(pid, "")[:100]) for pid in holders]
+            for pid in holders:
                 try:
                     psutil.Process(pid).kill()
                 except psutil.Error:
                     pass
             self.out, self.err = self.proc.communicate()
             raise AssertionError(f"the run did not end within {timeout}s (exit {self.proc.returncode}; its processes "
-                                 f"still alive: {holders}); stderr tail:\n{self.err[-3000:]}")
+                                 f"still alive: {named}); stderr tail:\n{self.err[-3000:]}")
         finally:
             self.ended = time.time()
             self._done.set()

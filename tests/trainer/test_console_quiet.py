@@ -49,7 +49,8 @@ def test_driver_filters_megatron_warning_and_ray_notice_unless_debugging(monkeyp
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = records.append
-    monkeypatch.setattr(logger, "level", logging.WARNING)
+    level = logger.level
+    logger.setLevel(logging.WARNING)  # setLevel, not the attribute: it also clears the loggers' level cache
     logger.addHandler(handler)
 
     def seen(debug: bool) -> tuple[list, list]:
@@ -73,4 +74,5 @@ def test_driver_filters_megatron_warning_and_ray_notice_unless_debugging(monkeyp
         assert len(caught) == 2 and len(logged) == 2
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
         quiet.quiet_process(debug=False)
