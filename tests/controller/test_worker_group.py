@@ -9,7 +9,7 @@ import pytest
 import ray
 import torch
 
-from verl_lite.controller import Worker, WorkerError, WorkerGroup, start_ray, stop_ray
+from verl_lite.controller import ResourcePool, Worker, WorkerError, WorkerGroup, start_ray, stop_ray
 from verl_lite.controller.dispatch import collect_from_owners, make_layouts, per_rank_args, shard_evenly
 from verl_lite.protocol import Batch
 
@@ -119,6 +119,27 @@ def test_timeout_becomes_an_error(ray_session):
     with pytest.raises(WorkerError, match=r"did not finish within 2s on worker rank\(s\) \[0, 1\]"):
         group.call_all("sleep", 30, timeout_s=2)
     assert _wait_gone(pids) == []
+
+
+def test_a_pool_the_local_ray_can_never_hold_fails_at_once(ray_session):
+    """A one-GPU machine asked for a second GPU (the one-step-off recipe's rollout pool beside the actor's)
+    waited out the placement bound (120 s) before the error; a local Ray cannot grow, so the pool now
+    fails at once, naming what was asked and what the cluster has. Here: GPU bundles on a CPU-only Ray,
+    and more CPU than the machine has."""
+    from verl_lite.controller.resource_pool import ClusterTooSmall, shortfall
+
+    started = time.monotonic()
+    with pytest.raises(ClusterTooSmall, match=r"2 GPU asked for, the cluster has 0.*n_gpus_per_node"):
+        ResourcePool(2, use_gpu=True, timeout_s=120)
+    assert time.monotonic() - started < 10
+    assert ray.util.placement_group_table() == {} or all(
+        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())  # nothing reserved
+    pool = ResourcePool(2)  # what fits is still placed
+    pool.remove()
+    nodes = [{"Resources": {"CPU": 2.0, "GPU": 1.0}}, {"Resources": {"CPU": 2.0}}]
+    assert shortfall([{"CPU": 1.0, "GPU": 1.0}], nodes) is None
+    assert shortfall([{"GPU": 1.0}, {"GPU": 1.0}], nodes) == "2 GPU asked for, the cluster has 1"
+    assert shortfall([{"CPU": 3.0}], nodes) == "one bundle asks for 3 CPU, the largest node has 2"
 
 
 @pytest.mark.parametrize("cores, concurrent, inherited, expected", [

@@ -175,6 +175,12 @@ def start_ray(num_cpus: int | None = None, num_gpus: int | None = None, attempts
     return True
 
 
+def started_locally() -> bool:
+    """Whether the Ray this process is connected to is a local one it started (which cannot grow: no node
+    joins it, no autoscaler adds one)."""
+    return _session_dir is not None and ray.is_initialized()
+
+
 def _ray_process_tree() -> list[psutil.Process]:
     """The processes the local Ray node of this process started, and their descendants (by pid)."""
     procs: dict[int, psutil.Process] = {}

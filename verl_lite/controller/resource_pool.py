@@ -22,6 +22,7 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from verl_lite.controller.local_ray import started_locally
 from verl_lite.errors import RunFailure
 
 
@@ -49,6 +50,24 @@ def node_address(node_id: str) -> str | None:
 def node_alive(node_id: str) -> bool:
     """Whether Ray reports node ``node_id`` alive (an unknown node counts as dead)."""
     return any(n.get("NodeID") == node_id and n.get("Alive") for n in ray.nodes())
+
+
+def shortfall(bundles: list[dict], nodes: list[dict]) -> str | None:
+    """Why ``bundles`` can never be reserved on ``nodes`` as they are now (None if they might): a resource
+    asked for in all beyond the nodes' total, or one bundle beyond the largest node's."""
+    totals: dict[str, float] = {}
+    for n in nodes:
+        for k, v in n.get("Resources", {}).items():
+            totals[k] = totals.get(k, 0.0) + v
+    for k in sorted({k for b in bundles for k in b}):
+        asked = sum(b.get(k, 0.0) for b in bundles)
+        if asked > totals.get(k, 0.0) + 1e-9:
+            return f"{asked:g} {k} asked for, the cluster has {totals.get(k, 0.0):g}"
+        largest = max((n.get("Resources", {}).get(k, 0.0) for n in nodes), default=0.0)
+        biggest = max(b.get(k, 0.0) for b in bundles)
+        if biggest > largest + 1e-9:
+            return f"one bundle asks for {biggest:g} {k}, the largest node has {largest:g}"
+    return None
 
 
 def _cpu_share(cpus: float, ranks: int) -> float:
@@ -86,6 +105,12 @@ class ResourcePool:
         else:
             per_node = {k: v * self.ranks_per_node for k, v in self.rank_resources.items()}
             bundles, strategy = [dict(per_node) for _ in range(nnodes)], "STRICT_SPREAD"
+        short = shortfall(bundles, nodes)
+        if short and started_locally():  # a Ray this process started cannot grow: waiting cannot help
+            raise ClusterTooSmall(
+                f"cannot reserve {world_size} x {self.rank_resources} in the local Ray: {short}; use fewer workers "
+                f"(trainer.n_gpus_per_node, and actor_rollout_ref.rollout.n_gpus_per_node where "
+                f"actor_rollout_ref.hybrid_engine=false) or a bigger machine")
         self.placement_group = placement_group(bundles, strategy=strategy)
         try:
             ray.get(self.placement_group.ready(), timeout=timeout_s)
