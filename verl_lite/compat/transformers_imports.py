@@ -32,7 +32,9 @@ from pathlib import Path
 
 from verl_lite.compat import installed_version
 
-TESTED_TRANSFORMERS = "5.24.0"  # the version whose define_import_structure this was written for
+# the versions whose define_import_structure (and the helpers it calls: create_import_structure_from_path,
+# fetch__all__, spread_import_structure) this was written for and checked against; 5.25.0's are 5.24.0's unchanged
+TESTED_TRANSFORMERS = ("5.24.0", "5.25.0")
 TARGET = "transformers.utils.import_utils"
 
 
@@ -155,7 +157,7 @@ def install() -> bool:
     if "transformers" in sys.modules or any(isinstance(f, _PatchOnLoad) for f in sys.meta_path):
         return False
     version = installed_version("transformers")
-    if version != TESTED_TRANSFORMERS:
+    if version not in TESTED_TRANSFORMERS:
         return False
     sys.meta_path.insert(0, _PatchOnLoad(_Cache(cache_path(version), version)))
     return True
