@@ -140,7 +140,9 @@ def main() -> None:
         runs.append(run_once(a.python, rest))
         print(f"run {k + 1}: whole process {runs[-1]['whole process']:.2f} s (1-min load before it {load:.2f})",
               flush=True)
-    print(f"1-step default job, phases (wall s; median / min over {a.runs} runs; {os.cpu_count()} cores):")
+    table = subprocess.run([a.python, "-c", "import verl_lite.compat.transformers_imports as t; print(t.describe())"],
+                           capture_output=True, text=True).stdout.strip()
+    print(f"1-step default job, phases (wall s; median / min over {a.runs} runs; {os.cpu_count()} cores; {table}):")
     for key in runs[0]:
         vals = [r[key] for r in runs]
         print(f"  {key:<36} {statistics.median(vals):6.2f} / {min(vals):6.2f}")

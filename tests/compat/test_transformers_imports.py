@@ -102,7 +102,8 @@ for key in data["entries"]:
     if wrapped(path, prefix) != wrapped.__wrapped__(path, prefix):
         mismatch.append(key)
 tokenizer = AutoTokenizer.from_pretrained(sys.argv[2])
-print(json.dumps({"entries": len(data["entries"]), "mismatch": mismatch, "vocab": len(tokenizer)}))
+from verl_lite.compat.transformers_imports import describe
+print(json.dumps({"entries": len(data["entries"]), "mismatch": mismatch, "vocab": len(tokenizer), "said": describe()}))
 """
 
 
@@ -125,3 +126,19 @@ def test_the_real_table_from_the_cache_equals_transformers_own(tmp_path, monkeyp
         assert proc.returncode == 0, proc.stderr[-2000:]
         out = json.loads(proc.stdout.strip().splitlines()[-1])
         assert out["entries"] >= 2 and out["mismatch"] == [] and out["vocab"] > 0, out
+        assert out["said"].endswith("import table from the cache"), out
+
+
+def test_another_transformers_version_is_left_to_build_its_own_table(tmp_path):
+    """A transformers version the hook was not checked against (a shadowing dist-info): no hook, and
+    describe() says the table is rebuilt, naming the versions the cache serves."""
+    site = tmp_path / "site" / "transformers-9.9.9.dist-info"
+    site.mkdir(parents=True)
+    (site / "METADATA").write_text("Metadata-Version: 2.1\nName: transformers\nVersion: 9.9.9\n")
+    code = ("import sys, verl_lite\nfrom verl_lite.compat import transformers_imports as t\n"
+            "assert not any(isinstance(f, t._PatchOnLoad) for f in sys.meta_path)\nprint(t.describe())")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site.parent), str(ROOT)]))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = proc.stdout.strip()
+    assert said.startswith("transformers 9.9.9: import table rebuilt") and ti.TESTED_TRANSFORMERS[-1] in said, said

@@ -161,3 +161,14 @@ def install() -> bool:
         return False
     sys.meta_path.insert(0, _PatchOnLoad(_Cache(cache_path(version), version)))
     return True
+
+
+def describe() -> str:
+    """One line on whether this process reads the table from the cache (for benchmarks' output)."""
+    version = installed_version("transformers")
+    if any(isinstance(f, _PatchOnLoad) for f in sys.meta_path) or (
+            "transformers" in sys.modules and hasattr(getattr(sys.modules.get(TARGET), "define_import_structure", None),
+                                                      "__wrapped__")):
+        return f"transformers {version}: import table from the cache"
+    return (f"transformers {version}: import table rebuilt by every process (the cache serves "
+            f"{' / '.join(TESTED_TRANSFORMERS)})")
