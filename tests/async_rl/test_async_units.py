@@ -139,3 +139,63 @@ def test_what_split_placement_cannot_do_is_refused_before_start(overrides, words
     lines = [line for line in str(err.value).splitlines() if words in line]
     assert len(lines) == 1, str(err.value)
     assert overrides[-1].split("=")[0].split(".")[-1] in lines[0]
+
+
+CORRECTIONS = [dict(rollout_is="token", rollout_is_threshold=1.5), dict(rollout_is="sequence", rollout_is_threshold=2.0),
+               dict(rollout_rs="token", rollout_rs_threshold=1.4), dict(rollout_rs="geometric", rollout_rs_threshold=1.3),
+               dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="sequence", rollout_rs_threshold=3.0), {}]
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("settings", CORRECTIONS, ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()) or "metrics")
+def test_correction_from_the_update_forward_equals_the_recomputed_one(settings, mode):
+    """At one epoch and one mini-batch the old log-probs are the update's own forward: the loss computes the
+    rollout correction from it, per shard of whole rows. Its contribution, gradient and metrics (token means,
+    maxima, minima, the rejected-row share) combined over shards equal the trainer's path, where the weights
+    come from the recomputed old log-probs of the whole step (here: the same values) into ``is_weights``."""
+    from verl_lite.algorithms import NormalizationPlan, actor_loss, rollout_correction
+    from verl_lite.utils.metric_reduce import combine_all
+    from verl_lite.workers.from_config import actor_loss_config
+
+    g = torch.Generator().manual_seed(1)
+    n, width = 6, 7
+    logits = torch.randn(n, width, generator=g, dtype=torch.float64)
+    rollout = -torch.rand(n, width, generator=g, dtype=torch.float64) * 2
+    mask = (torch.rand(n, width, generator=g) > 0.3).to(torch.float64)
+    mask[2] = 0  # a fully masked row
+    advantages = torch.randn(n, width, generator=g, dtype=torch.float64)
+    full = {**dict(rollout_is=None, rollout_is_threshold=2.0, rollout_rs=None, rollout_rs_threshold=2.0,
+                   rollout_rs_threshold_lower=None), **settings}
+    plan = NormalizationPlan.from_mask(mask, mode)
+    cfg = dict(loss_agg_mode=mode, entropy_coeff=0.0, use_kl_loss=False)
+
+    # the trainer's path: old log-probs recomputed (the same values), the weights from the whole step
+    leaf = logits.clone().requires_grad_(True)
+    log_probs = torch.nn.functional.logsigmoid(leaf)
+    corr = rollout_correction(log_probs.detach(), rollout, mask, **full)
+    data = {"response_mask": mask, "advantages": advantages, "old_log_probs": log_probs.detach()}
+    if settings.get("rollout_is") or settings.get("rollout_rs"):
+        data["is_weights"] = corr.weights
+        assert not torch.equal(corr.weights, mask), "the case needs weights that change the loss"
+    ref_total, ref_metrics = actor_loss({"log_probs": log_probs}, data, plan, actor_loss_config(**cfg))
+    ref_total.backward()
+    want = {k: float(v) for k, v in corr.metrics.items()}
+
+    # the update's forward: two shards of whole rows, one plan for the whole mini-batch
+    leaf2 = logits.clone().requires_grad_(True)
+    shards, total = [], 0.0
+    for rows in (slice(0, 4), slice(4, n)):
+        lp = torch.nn.functional.logsigmoid(leaf2[rows])
+        contribution, metrics = actor_loss(
+            {"log_probs": lp}, {"response_mask": mask[rows], "advantages": advantages[rows],
+                                "rollout_log_probs": rollout[rows]}, plan, actor_loss_config(**cfg, rollout_correction=full))
+        total = total + contribution
+        shards.append({k: float(v) for k, v in metrics.items()})
+    total.backward()
+    got = combine_all(shards)
+    assert abs(float(total.detach()) - float(ref_total.detach())) < 1e-12
+    assert torch.allclose(leaf2.grad, leaf.grad, rtol=0, atol=1e-12)
+    assert set(want) <= set(got), sorted(set(want) - set(got))
+    for k, v in want.items():
+        assert abs(got[k] - v) < 1e-12, (k, got[k], v)
+    assert abs(got["pg_loss"] - float(ref_metrics["pg_loss"])) < 1e-12

@@ -22,6 +22,7 @@ from .kl import (
 from .objective import COV_MASK_KEY, IS_WEIGHTS_KEY, ActorLossConfig, actor_loss, critic_loss
 from .dapo import groups_with_signal, overlong_penalty
 from .importance import truncated_is_weights
+from .rollout_correction import rollout_correction
 from .policy_loss import (
     COV_SELECTION_LOSSES,
     LOSS_NEEDS,
@@ -65,6 +66,7 @@ __all__ = [
     "masked_whiten",
     "register_advantage_estimator",
     "register_policy_loss",
+    "rollout_correction",
     "select_cov_tokens",
     "truncated_is_weights",
 ]

@@ -20,10 +20,12 @@ import torch
 from .aggregation import NormalizationPlan, check_agg_mode
 from .kl import kl_penalty
 from .policy_loss import COV_SELECTION_LOSSES, PolicyLossConfig, get_policy_loss
+from .rollout_correction import rollout_correction
 from .value_loss import clipped_value_loss
 
 COV_MASK_KEY = "cov_mask"  # data key of select_cov_tokens' mask (clip_cov / kl_cov)
 IS_WEIGHTS_KEY = "is_weights"  # data key of optional importance-sampling weights
+ROLLOUT_LOG_PROBS_KEY = "rollout_log_probs"  # data key of the behaviour policy's log-probs (rollout_correction)
 
 
 @dataclass
@@ -36,6 +38,9 @@ class ActorLossConfig(PolicyLossConfig):
     use_kl_loss: bool
     kl_loss_coef: float
     kl_loss_type: str
+    # algorithm.rollout_correction's {rollout_is, ..., rollout_rs_threshold_lower} when the old log-probs are this
+    # forward's (no recompute): the IS weights / rejection and their metrics are computed here, per micro-batch
+    rollout_correction: dict | None = None
 
     def __post_init__(self):
         check_agg_mode(self.loss_agg_mode)
@@ -55,9 +60,10 @@ def actor_loss(
     """One micro-batch's share of the actor objective.
 
     outputs: "log_probs" [b, W] (autograd), optionally "entropy" [b, W].
-    data:    "response_mask", "advantages"; "old_log_probs" (absent: on-policy, old = sg(log_probs));
+    data:    "response_mask", "advantages"; "old_log_probs" (absent: old = sg(log_probs), this forward);
              "ref_log_probs" if use_kl_loss;
-             optional "is_weights"; "cov_mask" for clip_cov / kl_cov.
+             optional "is_weights"; "cov_mask" for clip_cov / kl_cov; "rollout_log_probs" with
+             cfg.rollout_correction (absent old log-probs only: the weights and metrics come from this forward).
     Returns (contribution scalar, metrics of detached scalars that sum across shards).
     """
     if plan.mode != cfg.loss_agg_mode:
@@ -74,15 +80,23 @@ def actor_loss(
             f"policy_loss={cfg.policy_loss!r} needs data[{COV_MASK_KEY!r}] computed once per mini-batch with "
             "select_cov_tokens (the controller does this before dispatch)."
         )
-    # On-policy (one epoch, one mini-batch per RL step): the old policy IS the current one, so
+    # One epoch, one mini-batch per RL step: the old (proximal) policy IS the current one, so
     # old = sg(log_probs): every ratio is 1 in value and the gradient is the policy gradient.
-    old_log_probs = data["old_log_probs"] if "old_log_probs" in data else log_probs.detach()
-    pg, pg_metrics = pg_fn(
-        old_log_probs, log_probs, data["advantages"], mask, cfg, data.get(IS_WEIGHTS_KEY), cov_mask
-    )
+    in_forward = "old_log_probs" not in data
+    old_log_probs = log_probs.detach() if in_forward else data["old_log_probs"]
+    is_weights, metrics = data.get(IS_WEIGHTS_KEY), {}
+    if in_forward and cfg.rollout_correction is not None:  # behaviour -> old correction from this forward
+        if ROLLOUT_LOG_PROBS_KEY not in data:
+            raise ValueError(f"rollout_correction needs data[{ROLLOUT_LOG_PROBS_KEY!r}] (the rollout's log-probs).")
+        corr = rollout_correction(old_log_probs, data[ROLLOUT_LOG_PROBS_KEY], mask, **cfg.rollout_correction,
+                                  token_mean=lambda x: plan.token_mean(x, mask), num_seqs=plan.num_seqs)
+        if cfg.rollout_correction.get("rollout_is") is not None or cfg.rollout_correction.get("rollout_rs") is not None:
+            is_weights = corr.weights
+        metrics.update({k: _scalar(v) for k, v in corr.metrics.items()})
+    pg, pg_metrics = pg_fn(old_log_probs, log_probs, data["advantages"], mask, cfg, is_weights, cov_mask)
     pg_contribution = plan.aggregate(pg, mask)
     total = pg_contribution
-    metrics = {"pg_loss": _scalar(pg_contribution)}
+    metrics["pg_loss"] = _scalar(pg_contribution)
     for name, per_token in pg_metrics.items():
         metrics[name] = _scalar(plan.token_mean(per_token, mask))
 

@@ -14,11 +14,21 @@ proximal policy recomputed at the update, docs/async.md):
 
 The IS weights carry no gradient and multiply the per-token policy loss (``is_weights`` of every
 policy loss); rejected tokens get weight 0. Padding positions hold weight 0.
+
+Metrics (every one a mean over the step's valid tokens unless named otherwise):
+``rollout_corr/{is_weight_mean, is_raw_weight_mean, is_truncated_fraction}`` and ``is_weight_max`` /
+``is_weight_min`` (over valid tokens) with IS on; ``rs_masked_fraction`` and ``rs_rejected_seq_fraction``
+(rows with valid tokens that rejection removes whole, over all B rows) with RS on; always ``kl``, ``k3_kl``,
+and ``rollout/logprob_diff_mean`` / ``_max`` (|o - b|). Where the old log-probs are the update's own forward
+(docs/async.md), the engine computes them per micro-batch: ``token_mean`` is then the normalization plan's
+shard-additive token mean and ``num_seqs`` the mini-batch's B, and ``*_max`` / ``*_min`` metrics reduce by max /
+min (``verl_lite.utils.metric_reduce``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -31,27 +41,41 @@ LOG_RATIO_CLAMP = 20.0
 class Correction:
     weights: torch.Tensor  # [n, W]: IS weight x keep mask (1 on kept tokens when rollout_is is off), 0 on padding
     keep: torch.Tensor  # [n, W] float: 1 where rejection keeps the token (and it is valid)
-    metrics: dict
+    metrics: dict  # name -> 0-dim tensor (see the module docstring)
 
 
-def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> float:
-    return float((x * m).sum() / m.sum().clamp(min=1))
+def _batch_token_mean(m: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: (x * m).sum() / m.sum().clamp(min=1)
 
 
 @torch.no_grad()
 def rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
                        rollout_is: str | None = None, rollout_is_threshold: float = 2.0, rollout_rs: str | None = None,
-                       rollout_rs_threshold: float = 2.0, rollout_rs_threshold_lower: float | None = None) -> Correction:
-    """The weights, the rejection mask and the metrics of the module docstring."""
+                       rollout_rs_threshold: float = 2.0, rollout_rs_threshold_lower: float | None = None, *,
+                       token_mean: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                       num_seqs: int | None = None) -> Correction:
+    """The weights, the rejection mask and the metrics of the module docstring, for rows that are whole
+    trajectories. ``token_mean`` / ``num_seqs``: the denominators when these rows are a shard of the step
+    (default: these rows are the whole step)."""
     if rollout_is is not None and rollout_is not in IS_LEVELS:
         raise ValueError(f"rollout_is={rollout_is!r}; choose one of {list(IS_LEVELS)} or None")
     if rollout_rs is not None and rollout_rs not in RS_LEVELS:
         raise ValueError(f"rollout_rs={rollout_rs!r}; choose one of {list(RS_LEVELS)} or None")
     m = (response_mask != 0).to(old_log_probs.dtype)
+    valid = m.bool()
+    token_mean = token_mean or _batch_token_mean(m)
+    num_seqs = m.shape[0] if num_seqs is None else num_seqs
+
+    def extreme(x: torch.Tensor, largest: bool) -> torch.Tensor:
+        if not valid.any():
+            return torch.tensor(float("-inf") if largest else float("inf"), dtype=x.dtype)
+        return x[valid].max() if largest else x[valid].min()
+
     log_ratio = (old_log_probs - rollout_log_probs) * m
     seq_log_ratio = log_ratio.sum(-1, keepdim=True)  # [n, 1]
     lengths = m.sum(-1, keepdim=True)
-    metrics: dict = {}
+    abs_diff = log_ratio.abs()
+    metrics: dict = {"rollout/logprob_diff_mean": token_mean(abs_diff), "rollout/logprob_diff_max": extreme(abs_diff, True)}
     if rollout_is == "token":
         w = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     elif rollout_is == "sequence":
@@ -59,14 +83,12 @@ def rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
     else:
         w = torch.ones_like(m)
     if rollout_is is not None:
-        raw = w * m
-        metrics["rollout_corr/is_truncated_fraction"] = _masked_mean((w > rollout_is_threshold).to(m.dtype), m)
+        metrics["rollout_corr/is_truncated_fraction"] = token_mean((w > rollout_is_threshold).to(m.dtype))
+        metrics["rollout_corr/is_raw_weight_mean"] = token_mean(w)
         w = w.clamp(max=rollout_is_threshold)
-        valid = m.bool()
-        metrics["rollout_corr/is_weight_mean"] = _masked_mean(w, m)
-        metrics["rollout_corr/is_weight_max"] = float(w[valid].max()) if valid.any() else 0.0
-        metrics["rollout_corr/is_weight_min"] = float(w[valid].min()) if valid.any() else 0.0
-        metrics["rollout_corr/is_raw_weight_mean"] = _masked_mean(raw, m)
+        metrics["rollout_corr/is_weight_mean"] = token_mean(w)
+        metrics["rollout_corr/is_weight_max"] = extreme(w, True)
+        metrics["rollout_corr/is_weight_min"] = extreme(w, False)
     keep = m.clone()
     if rollout_rs is not None:
         upper = rollout_rs_threshold
@@ -78,9 +100,9 @@ def rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
         else:  # geometric mean of the token ratios
             ratio = torch.exp((seq_log_ratio / lengths.clamp(min=1)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).expand_as(m)
         keep = m * ((ratio >= lower) & (ratio <= upper)).to(m.dtype)
-        metrics["rollout_corr/rs_masked_fraction"] = 1.0 - float(keep.sum() / m.sum().clamp(min=1))
-        rows = m.sum(-1) > 0
-        metrics["rollout_corr/rs_rejected_seq_fraction"] = float(((keep.sum(-1) == 0) & rows).sum() / rows.sum().clamp(min=1))
-    metrics["rollout_corr/kl"] = _masked_mean(-log_ratio, m)  # k1 of KL(behaviour || old)
-    metrics["rollout_corr/k3_kl"] = _masked_mean(torch.exp(log_ratio.clamp(max=LOG_RATIO_CLAMP)) - log_ratio - 1, m)
+        metrics["rollout_corr/rs_masked_fraction"] = token_mean(m - keep)
+        rejected_rows = (keep.sum(-1) == 0) & (m.sum(-1) > 0)
+        metrics["rollout_corr/rs_rejected_seq_fraction"] = rejected_rows.sum().to(m.dtype) / max(num_seqs, 1)
+    metrics["rollout_corr/kl"] = token_mean(-log_ratio)  # k1 of KL(behaviour || old)
+    metrics["rollout_corr/k3_kl"] = token_mean(torch.exp(log_ratio.clamp(max=LOG_RATIO_CLAMP)) - log_ratio - 1)
     return Correction(weights=w * keep, keep=keep, metrics=metrics)

@@ -49,6 +49,7 @@ import torch
 from verl_lite.engine import moe
 from verl_lite.engine.config import EngineConfig
 from verl_lite.engine.packing import PackedMicroBatch, pack_micro_batch, pad_multiple, unpack_response
+from verl_lite.utils.metric_reduce import combine_all
 
 logger = logging.getLogger(__name__)
 
@@ -639,9 +640,7 @@ class MegatronEngine:
         result = {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": float(lr)}
         result.update(moe.router_metrics(self, router_step))  # every rank: each MoE stage adds its layers
         if owner and self._is_last_stage:
-            for d in store:
-                for k, v in d.items():
-                    result[k] = result.get(k, 0.0) + v
+            result.update(combine_all(store))  # the micro-batches' loss metrics (utils/metric_reduce.py)
         return result
 
     def _check_finite_step(self, success: bool, grad_norm, reports: list[dict] | None) -> None:

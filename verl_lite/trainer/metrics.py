@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from verl_lite.utils.metric_reduce import combine_all, reduction
+
 
 @contextmanager
 def timer(metrics: dict, name: str):
@@ -30,31 +32,15 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     return float(x[m].double().mean()) if m.any() else float("nan")
 
 
-def masked_abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
-    """(mean, max) of |a - b| over valid tokens."""
-    m = mask != 0
-    if not m.any():
-        return float("nan"), float("nan")
-    d = (a.double() - b.double()).abs()[m]
-    return float(d.mean()), float(d.max())
-
-
 def stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
     v = values.double()
     return {f"{prefix}/mean": float(v.mean()), f"{prefix}/max": float(v.max()), f"{prefix}/min": float(v.min())}
 
 
-def sum_dicts(dicts: list[dict]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for d in dicts:
-        for k, v in d.items():
-            out[k] = out.get(k, 0.0) + float(v)
-    return out
-
-
 def mean_dicts(dicts: list[dict]) -> dict[str, float]:
-    total = sum_dicts(dicts)
-    return {k: v / len(dicts) for k, v in total.items()} if dicts else {}
+    """The mean over optimizer steps of each summed metric; ``*_max`` / ``*_min`` over all of them."""
+    total = combine_all(dicts)
+    return {k: v if reduction(k) != "sum" else v / len(dicts) for k, v in total.items()} if dicts else {}
 
 
 def merge_owner_steps(owners: list[list[dict]]) -> list[dict]:
@@ -66,7 +52,7 @@ def merge_owner_steps(owners: list[list[dict]]) -> list[dict]:
     for step in range(len(owners[0])):
         per_dp = [owners[d][step] for d in range(len(owners))]
         same = [k for k in per_dp[0] if k in ("grad_norm", "lr") or k.startswith("router_")]
-        loss_metrics = sum_dicts([{k: v for k, v in r.items() if k not in same} for r in per_dp])
+        loss_metrics = combine_all([{k: v for k, v in r.items() if k not in same} for r in per_dp])
         merged.append({**loss_metrics, **{k: per_dp[0][k] for k in same}})
     return merged
 

@@ -10,7 +10,8 @@ One RL step:
                      response's last valid token; remax also scores one greedy response per prompt
     3. old log-probs the actor recomputes them, unless they provably equal the current policy's
                      (one epoch, one mini-batch, nothing else reads them): then the update takes
-                     them from its own forward (``actor/old_log_prob_recomputed`` = 0)
+                     them from its own forward (``actor/old_log_prob_recomputed`` = 0), and so does
+                     an off-policy step's rollout correction (its weights and metrics)
     4. ref log-probs when the KL loss or the in-reward KL needs them
     5. values        the critic's values, when the estimator needs a critic (gae)
     6. KL in reward  (optional) token_level_rewards = scores - beta * KL
@@ -47,6 +48,7 @@ from verl_lite.algorithms import (
     get_kl_controller,
     groups_with_signal,
     overlong_penalty,
+    rollout_correction,
     select_cov_tokens,
     truncated_is_weights,
 )
@@ -196,7 +198,7 @@ class PPOTrainer:
         self.use_critic = "critic" in self.estimator_needs
         self.need_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         self.kl_ctrl = get_kl_controller(**vars(cfg.algorithm.kl_ctrl)) if cfg.algorithm.use_kl_in_reward else None
-        self.loss_cfg = actor_loss_config(arr.actor)
+        self.loss_cfg = actor_loss_config(arr.actor, rollout_correction=self._correction_in_update())
         self.actor: RoleGroup | None = None
         self.critic: RoleGroup | None = None
         self.rollout: RoleGroup | None = None  # split placement (hybrid_engine=false): the rollout pool
@@ -412,11 +414,21 @@ class PPOTrainer:
     def old_log_probs_from_update(self) -> bool:
         """True when the old log-probs provably equal the current policy's at the update: one
         epoch, one mini-batch per step, and nothing before the update reads them (no in-reward
-        KL, no clip_cov/kl_cov selection)."""
+        KL, no clip_cov/kl_cov selection, no tis_imp_ratio_cap). An off-policy step's proximal
+        policy is then the update's own forward too, and its rollout correction is computed there."""
         a = self.cfg.actor_rollout_ref.actor
         return (a.ppo_epochs == 1 and a.ppo_mini_batch_size == self.cfg.data.train_batch_size
                 and not self.cfg.algorithm.use_kl_in_reward and not LOSS_NEEDS[a.policy_loss.loss_mode]
-                and a.tis_imp_ratio_cap <= 0 and not self.off_policy())
+                and a.tis_imp_ratio_cap <= 0)
+
+    def _correction_in_update(self) -> dict | None:
+        """``algorithm.rollout_correction``'s settings for the actor's loss, where an off-policy step takes its
+        old log-probs from the update's forward (``ActorLossConfig.rollout_correction``); else None."""
+        if not (self.off_policy() and self.old_log_probs_from_update()):
+            return None
+        rc = self.cfg.algorithm.rollout_correction
+        return {k: getattr(rc, k) for k in ("rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_threshold",
+                                            "rollout_rs_threshold_lower")}
 
     def off_policy(self) -> bool:
         """Whether the behaviour policy may differ from the policy at the update: a staleness bound > 0 (the
@@ -651,8 +663,9 @@ class PPOTrainer:
     def update_actor(self, batch: Batch) -> list[dict]:
         """ppo_epochs x mini-batches optimizer steps; returns per-step results merged over DP."""
         a = self.cfg.actor_rollout_ref.actor
-        keys = ROLLOUT_COLUMNS + ["advantages"] + [k for k in ("old_log_probs", "ref_log_probs", "is_weights")
-                                                   if k in batch]
+        wanted = ("old_log_probs", "ref_log_probs", "is_weights") + (
+            ("rollout_log_probs",) if self.loss_cfg.rollout_correction is not None else ())
+        keys = ROLLOUT_COLUMNS + ["advantages"] + [k for k in wanted if k in batch]
         plans = self._plans(batch, keys, lambda epoch: self.mini_batches(len(batch), epoch), a.ppo_epochs,
                             a.loss_agg_mode, a.loss_scale_factor, "actor")
         if LOSS_NEEDS[a.policy_loss.loss_mode] & {"cov_mask"}:
@@ -817,22 +830,22 @@ class PPOTrainer:
                 with M.timer(m, "old_log_prob"):
                     old = self.compute_old_log_probs(batch)
                     batch.set("old_log_probs", old["log_probs"]).set("entropy", old["entropy"])
-                    m["rollout/logprob_diff_mean"], m["rollout/logprob_diff_max"] = M.masked_abs_diff(
-                        batch["rollout_log_probs"], old["log_probs"], mask)
+                # behaviour (rollout) vs old policy: the log-prob gap always; the correction's metrics, and its
+                # weights if asked, off-policy (else the update's forward computes them: _correction_in_update)
+                rc = cfg.algorithm.rollout_correction
+                corr = rollout_correction(old["log_probs"], batch["rollout_log_probs"], mask,
+                                          **(dict(rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
+                                                  rollout_rs=rc.rollout_rs, rollout_rs_threshold=rc.rollout_rs_threshold,
+                                                  rollout_rs_threshold_lower=rc.rollout_rs_threshold_lower)
+                                             if self.off_policy() else {}))
+                m.update({k: float(v) for k, v in corr.metrics.items()
+                          if self.off_policy() or k.startswith("rollout/logprob_diff")})
                 cap = arr.actor.tis_imp_ratio_cap
                 if cap > 0:  # rollout/trainer mismatch correction on the policy loss
                     batch.set("is_weights", truncated_is_weights(old["log_probs"], batch["rollout_log_probs"], mask, cap))
                     m["rollout/is_weight_mean"] = M.masked_mean(batch["is_weights"], mask)
-                if self.off_policy():  # behaviour (rollout) vs old policy: its metrics, and the weights if asked
-                    from verl_lite.algorithms.rollout_correction import rollout_correction
-
-                    rc = cfg.algorithm.rollout_correction
-                    corr = rollout_correction(old["log_probs"], batch["rollout_log_probs"], mask, rc.rollout_is,
-                                              rc.rollout_is_threshold, rc.rollout_rs, rc.rollout_rs_threshold,
-                                              rc.rollout_rs_threshold_lower)
-                    if rc.rollout_is is not None or rc.rollout_rs is not None:
-                        batch.set("is_weights", corr.weights)
-                    m.update(corr.metrics)
+                if rc.rollout_is is not None or rc.rollout_rs is not None:
+                    batch.set("is_weights", corr.weights)
             m["actor/old_log_prob_recomputed"] = float(recompute_old)
             if self.need_ref:
                 with M.timer(m, "ref_log_prob"):
@@ -880,6 +893,7 @@ class PPOTrainer:
         # loss terms: mean over this step's optimizer steps of each mini-batch's summed contribution
         merged = M.mean_dicts(updates)
         entropy_mean = merged.pop("entropy_token_mean", None)
+        m.update({k: merged.pop(k) for k in list(merged) if k.startswith(("rollout_corr/", "rollout/"))})  # in-forward
         m.update({f"actor/{'entropy_term' if k == 'entropy' else k}": v for k, v in merged.items()})
         # token mean over the rollouts (from the old-log-prob pass, or the on-policy update's forward)
         m["actor/entropy"] = M.masked_mean(batch["entropy"], mask) if "entropy" in batch else entropy_mean

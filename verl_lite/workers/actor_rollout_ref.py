@@ -24,7 +24,8 @@ from functools import partial
 from verl_lite.protocol import Batch
 from verl_lite.workers.engine_worker import EngineWorker, EngineWorkerConfig, sequence_batch
 
-ACTOR_LOSS_KEYS = ("response_mask", "old_log_probs", "advantages", "ref_log_probs", "is_weights", "cov_mask")
+ACTOR_LOSS_KEYS = ("response_mask", "old_log_probs", "advantages", "ref_log_probs", "is_weights", "cov_mask",
+                   "rollout_log_probs")
 
 
 @dataclass
