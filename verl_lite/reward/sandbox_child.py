@@ -5,7 +5,8 @@ is imported unless the user's file does). Protocol over stdin/stdout: length-pre
 (see ``verl_lite.reward.sandbox``). The user's prints go to stderr (fd 1 is re-pointed there).
 The driver starts it as the leader of a process group of its own; when the driver dies, the
 kernel sends it SIGTERM (``PR_SET_PDEATHSIG``), on which it SIGKILLs its whole group (itself and
-whatever the reward file started). The memory limit (``RLIMIT_DATA``) is set before the file is
+whatever the reward file started); so does the end of its input (the driver's close, or its death,
+whose closed pipe can arrive before the signal). The memory limit (``RLIMIT_DATA``) is set before the file is
 imported.
 
 Requests and replies:
@@ -106,8 +107,8 @@ def main() -> None:
     fn = None
     while True:
         msg = _recv(inp)
-        if msg is None:
-            return
+        if msg is None:  # the driver closed the pipe, or died: the kernel closes its end before it sends the
+            _kill_own_group()  # death signal, so this process could exit first and leave the file's helpers behind
         if msg[0] == "init":
             _, path, name, mode, kwarg_names, limit_bytes = msg
             try:
