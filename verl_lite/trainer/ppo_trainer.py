@@ -424,8 +424,10 @@ class PPOTrainer:
     def _correction_in_update(self) -> dict | None:
         """``algorithm.rollout_correction``'s settings for the actor's loss, where an off-policy step takes its
         old log-probs from the update's forward (``ActorLossConfig.rollout_correction``); else None."""
-        if not (self.off_policy() and self.old_log_probs_from_update()):
-            return None
+        return self._correction_settings() if self.off_policy() and self.old_log_probs_from_update() else None
+
+    def _correction_settings(self) -> dict:
+        """``algorithm.rollout_correction`` as ``algorithms.rollout_correction``'s keyword arguments."""
         rc = self.cfg.algorithm.rollout_correction
         return {k: getattr(rc, k) for k in ("rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_threshold",
                                             "rollout_rs_threshold_lower")}
@@ -834,10 +836,7 @@ class PPOTrainer:
                 # weights if asked, off-policy (else the update's forward computes them: _correction_in_update)
                 rc = cfg.algorithm.rollout_correction
                 corr = rollout_correction(old["log_probs"], batch["rollout_log_probs"], mask,
-                                          **(dict(rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
-                                                  rollout_rs=rc.rollout_rs, rollout_rs_threshold=rc.rollout_rs_threshold,
-                                                  rollout_rs_threshold_lower=rc.rollout_rs_threshold_lower)
-                                             if self.off_policy() else {}))
+                                          **(self._correction_settings() if self.off_policy() else {}))
                 m.update({k: float(v) for k, v in corr.metrics.items()
                           if self.off_policy() or k.startswith("rollout/logprob_diff")})
                 cap = arr.actor.tis_imp_ratio_cap
