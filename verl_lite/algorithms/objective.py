@@ -90,7 +90,7 @@ def actor_loss(
             raise ValueError(f"rollout_correction needs data[{ROLLOUT_LOG_PROBS_KEY!r}] (the rollout's log-probs).")
         corr = rollout_correction(old_log_probs, data[ROLLOUT_LOG_PROBS_KEY], mask, **cfg.rollout_correction,
                                   token_mean=lambda x: plan.token_mean(x, mask), num_seqs=plan.num_seqs)
-        if cfg.rollout_correction.get("rollout_is") is not None or cfg.rollout_correction.get("rollout_rs") is not None:
+        if corr.weights is not None:
             is_weights = corr.weights
         metrics.update({k: _scalar(v) for k, v in corr.metrics.items()})
     pg, pg_metrics = pg_fn(old_log_probs, log_probs, data["advantages"], mask, cfg, is_weights, cov_mask)

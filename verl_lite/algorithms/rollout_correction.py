@@ -39,7 +39,8 @@ LOG_RATIO_CLAMP = 20.0
 
 @dataclass
 class Correction:
-    weights: torch.Tensor  # [n, W]: IS weight x keep mask (1 on kept tokens when rollout_is is off), 0 on padding
+    weights: torch.Tensor | None  # [n, W]: IS weight x keep mask (1 on kept tokens when rollout_is is off), 0 on
+    # padding; None when neither rollout_is nor rollout_rs is on (metrics only: the loss is not reweighted)
     keep: torch.Tensor  # [n, W] float: 1 where rejection keeps the token (and it is valid)
     metrics: dict  # name -> 0-dim tensor (see the module docstring)
 
@@ -105,4 +106,5 @@ def rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
         metrics["rollout_corr/rs_rejected_seq_fraction"] = rejected_rows.sum().to(m.dtype) / max(num_seqs, 1)
     metrics["rollout_corr/kl"] = token_mean(-log_ratio)  # k1 of KL(behaviour || old)
     metrics["rollout_corr/k3_kl"] = token_mean(torch.exp(log_ratio.clamp(max=LOG_RATIO_CLAMP)) - log_ratio - 1)
-    return Correction(weights=w * keep, keep=keep, metrics=metrics)
+    weights = w * keep if rollout_is is not None or rollout_rs is not None else None
+    return Correction(weights=weights, keep=keep, metrics=metrics)

@@ -834,7 +834,6 @@ class PPOTrainer:
                     batch.set("old_log_probs", old["log_probs"]).set("entropy", old["entropy"])
                 # behaviour (rollout) vs old policy: the log-prob gap always; the correction's metrics, and its
                 # weights if asked, off-policy (else the update's forward computes them: _correction_in_update)
-                rc = cfg.algorithm.rollout_correction
                 corr = rollout_correction(old["log_probs"], batch["rollout_log_probs"], mask,
                                           **(self._correction_settings() if self.off_policy() else {}))
                 m.update({k: float(v) for k, v in corr.metrics.items()
@@ -843,7 +842,7 @@ class PPOTrainer:
                 if cap > 0:  # rollout/trainer mismatch correction on the policy loss
                     batch.set("is_weights", truncated_is_weights(old["log_probs"], batch["rollout_log_probs"], mask, cap))
                     m["rollout/is_weight_mean"] = M.masked_mean(batch["is_weights"], mask)
-                if rc.rollout_is is not None or rc.rollout_rs is not None:
+                if corr.weights is not None:
                     batch.set("is_weights", corr.weights)
             m["actor/old_log_prob_recomputed"] = float(recompute_old)
             if self.need_ref:
