@@ -65,14 +65,17 @@ def _rel(a, b):
 
 
 def _worker(rank, world, model, other_model, directory):
+    import psutil
+
     from verl_lite.engine.checkpoint import CheckpointLayoutError
 
-    out = {"cases": []}
+    out = {"cases": [], "children_after_save": []}
     for lora in (False, True):
         where = f"{directory}/{'lora' if lora else 'full'}"
         e = _build(rank, world, SAVE, model, lora=lora)
         _step(e)
         e.save_checkpoint(where)
+        out["children_after_save"] += [p.cmdline() for p in psutil.Process().children(recursive=True)]
         saved = _weights(e)
         lr_saved = e.scheduler.get_lr({})
         _step(e)
@@ -126,6 +129,12 @@ def test_reshard_loads_exactly_and_continues(results, index):
     assert case["exact"], f"weights read back at {case['layout']} differ from the saved ones"
     assert case["same_lr"], "the LR schedule did not come from the checkpoint"
     assert case["rel"] <= REL_TOL, case
+
+
+def test_a_save_leaves_no_process_behind(results):
+    """The save's file writers are forked per save and joined; no helper process (megatron's spawned result-queue
+    manager, before compat.megatron_internals.in_process_save_results) outlives it."""
+    assert results["children_after_save"] == []
 
 
 def test_by_default_the_loaded_step_count_continues_this_engines_schedule(results):

@@ -6,6 +6,8 @@
   dispatcher's device-to-host copy stream and its synchronise step, on a CPU-only torch.
 - :func:`torch_adam_step_fix` / :func:`unshare_adam_steps`: loading the distributed optimizer's
   ``fully_reshardable`` state into torch's Adam (no Apex/TE).
+- :func:`in_process_save_results`: the torch_dist save writer's result queue without a spawned
+  ``multiprocessing`` manager process, for synchronous saves.
 """
 
 from __future__ import annotations
@@ -55,6 +57,22 @@ def make_dispatchers_host_safe(model) -> None:
         dispatcher = getattr(module, "token_dispatcher", None)
         if isinstance(dispatcher, MoEAlltoAllTokenDispatcher):
             dispatcher._maybe_dtoh_and_synchronize = _HostDtoH(dispatcher)
+
+
+def in_process_save_results() -> None:
+    """Before a synchronous ``dist_checkpointing.save``: give megatron's torch_dist writer a thread queue for its
+    write results. megatron 0.16.1 creates that queue on a process's first save as
+    ``multiprocessing.get_context("spawn").Manager().Queue()`` (``strategies/filesystem_async.py:51``), which spawns a
+    manager server process that re-imports the caller's main module: 1.5 s of the first checkpoint of every worker on
+    a 2-core CPU, and a process that outlives the save. In a synchronous save (``AsyncRequest.execute_sync``) the
+    results are put and read in this process (the forked file writers report on a queue of their own), so a thread
+    queue carries them. verl_lite saves synchronously only (``checkpoint.async_save`` is refused)."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 _NO_STREAM = object()  # placeholder for megatron's class-level DtoH stream on a CPU-only torch

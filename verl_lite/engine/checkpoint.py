@@ -283,6 +283,7 @@ def save_engine_state(engine, directory: str | Path) -> None:
     _barrier()
     state = _engine_sharded_state_dict(engine, is_loading=False, with_optimizer=engine.optimizer is not None)
     _reject_sharded_objects(state)
+    megatron_internals.in_process_save_results()
     dist_checkpointing.save(state, str(directory), sharded_strategy=("torch_dist", 1),
                             validate_access_integrity=True, content_metadata=SHARDING_METADATA)
     if rank == 0:
