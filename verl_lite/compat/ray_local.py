@@ -3,7 +3,9 @@
 - :func:`local_head_hooks`: while a local head starts, Ray's "single machine" flag
   (``ray_constants.ENABLE_RAY_CLUSTER``, read once at import) is off, so the node address stays
   127.0.0.1, and ``Node.start_api_server`` / ``Node.start_monitor`` (the API server and the
-  autoscaler monitor, unused by a fixed one-node local run) start nothing;
+  autoscaler monitor, unused by a fixed one-node local run) start nothing, and the head's wait for
+  its raylet to register polls every 20 ms (Ray's ``GlobalStateAccessor::GetNode`` sleeps a whole
+  second between its checks: the raylet registers ~0.6 s after the first one);
 - :func:`session_dir` / :func:`node_process_pids`: the session directory and the processes of the
   node this process started (``ray._private.worker._global_node``).
 """
@@ -11,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 
 import ray
 
@@ -19,6 +22,8 @@ from verl_lite.compat import require
 require("ray", "verl_lite.compat.ray_local")
 
 SKIPPED_HEAD_PROCESSES = ("start_api_server", "start_monitor")
+REGISTER_POLL_S = 0.02  # how often the local head checks that its raylet has registered
+REGISTER_WAIT_S = 30.0  # Ray's own bound for it (node.py's raylet_start_wait_time_s)
 
 
 def _skip_head_process(self, *args, **kwargs) -> None:
@@ -26,20 +31,42 @@ def _skip_head_process(self, *args, **kwargs) -> None:
     return None
 
 
+def _polling_get_node(original):
+    """``ray._private.services.get_node`` that first waits for the node in the GCS node table, polling every
+    ``REGISTER_POLL_S``, then asks Ray's own (which then answers at once; after ``REGISTER_WAIT_S`` it is left
+    to Ray's own wait and error)."""
+    from ray._private import services, state
+
+    def get_node(gcs_address, node_id):
+        table = state.GlobalState()
+        table._initialize_global_state(services._get_gcs_client_options(gcs_address))
+        deadline = time.monotonic() + REGISTER_WAIT_S
+        while time.monotonic() < deadline:
+            if any(node.get("NodeID") == node_id and node.get("Alive") for node in table.node_table()):
+                break
+            time.sleep(REGISTER_POLL_S)
+        return original(gcs_address, node_id)
+
+    return get_node
+
+
 @contextlib.contextmanager
 def local_head_hooks():
     """Within the block a local ``ray.init`` keeps 127.0.0.1 and skips the unused head processes."""
     from ray._private import node as ray_node
-    from ray._private import ray_constants
+    from ray._private import ray_constants, services
 
     saved_flag = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False
     skipped = {name: getattr(ray_node.Node, name) for name in SKIPPED_HEAD_PROCESSES}
     for name in skipped:
         setattr(ray_node.Node, name, _skip_head_process)
+    get_node = services.get_node
+    services.get_node = _polling_get_node(get_node)
     try:
         yield
     finally:
+        services.get_node = get_node
         for name, method in skipped.items():
             setattr(ray_node.Node, name, method)
         ray_constants.ENABLE_RAY_CLUSTER = saved_flag
