@@ -55,6 +55,12 @@ class DummyWorker(Worker):
     def sleep(self, s):
         time.sleep(s)
 
+    def role_environment(self):
+        import torch
+
+        names = ("OMP_NUM_THREADS", "PYTHONWARNINGS", "TRANSFORMERS_VERBOSITY", "TQDM_DISABLE", "VERL_LITE_DEBUG")
+        return {name: os.environ.get(name) for name in names}, ray.get_runtime_context().runtime_env.get("env_vars")
+
 
 @pytest.fixture(scope="module")
 def ray_session():
@@ -88,6 +94,29 @@ def test_rendezvous_collectives_and_dispatch(ray_session):
         results = group.call_per_rank("double", [(p,) for p in per_rank_args(shards.pieces, layouts)])
         out = shards.gather(collect_from_owners(results, layouts))["y"]
         assert torch.equal(out, batch["x"] * 2)
+
+
+def test_workers_get_their_role_environment_inherited_or_as_their_own(ray_session, monkeypatch):
+    """The local Ray's workers inherit a one-process role's environment from its raylet (no runtime_env: ~0.3 s
+    less per actor start); a role with another environment (two processes on 2 cores: 1 thread each, or a variable
+    changed since Ray started) gets it as its actors' runtime_env. Every worker sees its role's values."""
+    from verl_lite.controller.local_ray import inherited_worker_env
+    from verl_lite.controller.worker_env import role_env
+
+    inherited = inherited_worker_env()
+    assert inherited == role_env(1)
+    with WorkerGroup(DummyWorker, 1, timeout_s=60) as group:
+        [(env, given)] = group.call_all("role_environment")
+        assert given is None and env == {k: inherited[k] for k in env}
+    two = role_env(2)  # on 2 cores: 1 thread each
+    with WorkerGroup(DummyWorker, 2, timeout_s=60) as group:
+        for env, given in group.call_all("role_environment"):
+            assert given == (None if two == inherited else two)
+            assert env["OMP_NUM_THREADS"] == two["OMP_NUM_THREADS"] and env["PYTHONWARNINGS"] == two["PYTHONWARNINGS"]
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "info")
+    with WorkerGroup(DummyWorker, 1, timeout_s=60) as group:
+        [(env, given)] = group.call_all("role_environment")
+        assert given["TRANSFORMERS_VERBOSITY"] == env["TRANSFORMERS_VERBOSITY"] == "info"
 
 
 def test_worker_exception_names_rank_and_tears_down(ray_session):
@@ -151,7 +180,7 @@ def test_a_pool_the_local_ray_can_never_hold_fails_at_once(ray_session):
     (2, 1, "junk", 2),  # an unreadable value is ignored
 ])
 def test_worker_threads_split_the_cores_between_busy_processes(monkeypatch, cores, concurrent, inherited, expected):
-    from verl_lite.controller.worker_group import worker_threads
+    from verl_lite.controller.worker_env import worker_threads
 
     monkeypatch.setattr(os, "cpu_count", lambda: cores)
     if inherited is None:

@@ -36,7 +36,8 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskErro
 from verl_lite.controller.resource_pool import ResourcePool, node_address, node_alive
 from verl_lite.controller.wire import wire
 from verl_lite.utils.net import free_port
-from verl_lite.utils.quiet import worker_env
+from verl_lite.controller.local_ray import inherited_worker_env
+from verl_lite.controller.worker_env import role_env
 
 
 def _strip_ansi(text: str) -> str:
@@ -157,17 +158,6 @@ class Worker:
         return ray.get_runtime_context().get_node_id()
 
 
-def worker_threads(concurrent_ranks: int) -> int:
-    """Threads of one worker process: the machine's cores split between the processes that compute at the
-    same time (roles colocated on one rank take turns, so each may use the cores its peers leave), at most
-    an inherited ``OMP_NUM_THREADS`` (an upper bound, never a reason to oversubscribe: with split placement on
-    2 cores, an inherited 2 gave the actor and the rollout worker 2 threads each, and the one-step-off job
-    took 76-87 s against 42-53 s with the rollout worker at 1 thread)."""
-    threads = max(1, (os.cpu_count() or 1) // max(1, concurrent_ranks))
-    inherited = os.environ.get("OMP_NUM_THREADS", "")
-    return min(threads, int(inherited)) if inherited.isdigit() and int(inherited) > 0 else threads
-
-
 class WorkerGroup:
     """``world_size`` Ray actors of ``worker_cls`` (a :class:`Worker` subclass) on a :class:`ResourcePool`."""
 
@@ -202,21 +192,15 @@ class WorkerGroup:
         self.actors: list = []
         self._alive = True
         self._rendezvous = None  # rank 0's rendezvous_address call, until connect() has awaited it
-        env_vars = {
-            "OMP_NUM_THREADS": str(worker_threads(concurrent_ranks or world_size)),
-            # quiet workers: library warnings and progress bars once per process add nothing
-            **worker_env(),  # PYTHONWARNINGS, VLLM_LOGGING_LEVEL; all shown with --debug
-            "TRANSFORMERS_VERBOSITY": os.environ.get("TRANSFORMERS_VERBOSITY", "error"),
-            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-            "TQDM_DISABLE": "1",
-            **(env or {}),
-        }
+        env_vars = role_env(concurrent_ranks or world_size, env)
+        inherit = env_vars == inherited_worker_env()  # the local Ray's workers have it already: no runtime_env
         remote_cls = ray.remote(worker_cls)
         self._loopback = local if local is not None else not os.environ.get("RAY_ADDRESS")
         try:
             for rank in range(world_size):
                 opts = self.pool.actor_options(bundle_offset + rank, share)
-                opts["runtime_env"] = {"env_vars": env_vars}
+                if not inherit:
+                    opts["runtime_env"] = {"env_vars": env_vars}
                 opts["max_concurrency"] = 1
                 self.actors.append(remote_cls.options(**opts).remote(rank, world_size, **(init_kwargs or {})))
             self._rendezvous = self.actors[0].rendezvous_address.remote()  # awaited by connect()

@@ -12,8 +12,8 @@ Two places apply it:
 
 - :func:`quiet_process` in the driver (``main_ppo``): ``warnings`` filters for the known megatron
   messages (by message and module) and a filter on Ray's token-setup logger;
-- :func:`worker_env` for every Ray worker (``controller/worker_group.py`` passes it as the actor's
-  ``runtime_env`` env vars): ``PYTHONWARNINGS=ignore``, ``VLLM_LOGGING_LEVEL=ERROR`` and the debug
+- :func:`worker_env` for every Ray worker (``controller/worker_env.py``: the environment the local Ray's
+  workers inherit, or the actor's ``runtime_env`` env vars): ``PYTHONWARNINGS=ignore``, ``VLLM_LOGGING_LEVEL=ERROR`` and the debug
   flag itself, so a worker and whatever it spawns are quiet too. A value the user set in the
   environment wins.
 
