@@ -62,6 +62,27 @@ def accuracy_line(summary: dict) -> str:
 PLOT_TIMEOUT_S = 60.0  # the longest the run's end waits for curves.png
 
 
+def _import_plotting_in_background(wait_s: float = 60.0) -> threading.Thread:
+    """matplotlib's import (~0.35 s of CPU) in a daemon thread while the driver waits for its workers to start (from
+    the moment Ray is up: not beside ``ray.init``'s own work), so drawing curves.png at the end takes only the
+    drawing."""
+    import ray
+
+    def load():
+        deadline = time.monotonic() + wait_s
+        while not ray.is_initialized() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        try:
+            import matplotlib.figure  # noqa: F401
+            import matplotlib.backends.backend_agg  # noqa: F401
+        except Exception:  # the drawing reports it, where it matters
+            pass
+
+    thread = threading.Thread(target=load, name="verl-lite-plot-import", daemon=True)
+    thread.start()
+    return thread
+
+
 def _draw_in_background(records: list[dict], path: Path) -> threading.Thread:
     """``plot_curves`` in a daemon thread (matplotlib's import and the drawing, ~0.5 s, overlap the workers'
     shutdown); a failure is a warning: a plot never hides the run's own result or error."""
@@ -115,6 +136,7 @@ def train_and_summarize(cfg, trainer, out: Path, user_on_step=None) -> dict:
             _warn(warning)
 
     summary = {"status": "failed", "steps": 0, "startup_s": None}
+    _import_plotting_in_background()
     try:
         trainer.start()  # Ray + workers + engines (fit() finds them started)
         summary["startup_s"] = round(_seconds_since_process_start(), 2)
