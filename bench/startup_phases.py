@@ -25,6 +25,15 @@ Phases that overlap (Ray starting while the trainer initialises) are printed wit
 times and the ``critical path`` line sums what the process actually waited for, from spawn to exit.
 
     python bench/startup_phases.py [--runs 3] [--python .venv/bin/python] [ARGS ... for main_ppo]
+
+``--trl`` runs TRL's GRPOTrainer on the same work beside it, alternating (``--runs`` pairs, the order
+swapping each pair; TRL in a venv of its own, as ``bench/async_vs_sync.py`` says): one RL step of the
+default job's work (``bench/async_vs_sync.py``'s TRL script with 1 step: 16 prompts x 8 samples, 12 new
+tokens, the final model saved), timed from spawn to exit. The verl_lite side then runs the same step
+without validation (TRL's has none) and saves its final model (``trainer.save_freq=1``: the checkpoint
+and its HF export). Printed: each side's whole process per pair, the medians, and the ratio.
+
+    python bench/startup_phases.py --trl [--runs 4] [--trl-python /tmp/trl-venv/bin/python]
 """
 
 from __future__ import annotations
@@ -108,12 +117,31 @@ def phases(spawn: float, stamps: dict, exited: float) -> dict[str, float]:
     return out
 
 
+# TRL's side: bench/async_vs_sync.py's GRPOTrainer script, for one step (the argument: its output directory)
+TRL_SIDE = ("import sys; from pathlib import Path; sys.path.insert(0, sys.argv[2]); import async_vs_sync as job; "
+            "job.STEPS = 1; job.train_trl(Path(sys.argv[1]))")
+SAME_WORK_AS_TRL = ["trainer.val_before_train=false", "trainer.test_freq=0", "trainer.save_freq=1"]
+
+
+def trl_once(trl_python: str) -> float:
+    """Wall seconds of TRL's one-step job, spawn to exit."""
+    with tempfile.TemporaryDirectory(prefix="trl_startup_") as tmp:
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+        spawn = time.monotonic()
+        proc = subprocess.run([trl_python, "-c", TRL_SIDE, tmp, str(REPO / "bench")], cwd=tmp, env=env,
+                              capture_output=True, text=True)
+        exited = time.monotonic()
+        if proc.returncode != 0:
+            raise RuntimeError(f"TRL's 1-step job failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        return exited - spawn
+
+
 def run_once(python: str, args: list[str]) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="verl_lite_startup_") as tmp:
         stamps_file = Path(tmp) / "stamps.json"
         env = dict(os.environ, **{STAMPS_ENV: str(stamps_file)})
         cmd = [python, str(Path(__file__).resolve()), "--child", f"trainer.output_dir={tmp}/out",
-               "trainer.total_training_steps=1", *args]
+               f"trainer.default_local_dir={tmp}/ckpt", "trainer.total_training_steps=1", *args]
         spawn = time.monotonic()
         proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
         exited = time.monotonic()
@@ -133,19 +161,34 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--python", default=str(REPO / ".venv" / "bin" / "python"))
+    ap.add_argument("--trl", action="store_true", help="TRL's GRPOTrainer on the same one step, alternating")
+    ap.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON", "/tmp/trl-venv/bin/python"))
     a, rest = ap.parse_known_args()
-    runs = []
+    runs, trl = [], []
+    if a.trl:
+        rest = SAME_WORK_AS_TRL + rest
     for k in range(a.runs):
         load = os.getloadavg()[0]
+        trl_first = a.trl and k % 2 == 1
+        if trl_first:
+            trl.append(trl_once(a.trl_python))
         runs.append(run_once(a.python, rest))
-        print(f"run {k + 1}: whole process {runs[-1]['whole process']:.2f} s (1-min load before it {load:.2f})",
-              flush=True)
+        if a.trl and not trl_first:
+            trl.append(trl_once(a.trl_python))
+        beside = (f"; TRL {trl[-1]:.2f} s ({'before' if trl_first else 'after'} it), ratio "
+                  f"{runs[-1]['whole process'] / trl[-1]:.2f}") if a.trl else ""
+        print(f"run {k + 1}: whole process {runs[-1]['whole process']:.2f} s{beside} (1-min load before it "
+              f"{load:.2f})", flush=True)
     table = subprocess.run([a.python, "-c", "import verl_lite.compat.transformers_imports as t; print(t.describe())"],
                            capture_output=True, text=True).stdout.strip()
     print(f"1-step default job, phases (wall s; median / min over {a.runs} runs; {os.cpu_count()} cores; {table}):")
     for key in runs[0]:
         vals = [r[key] for r in runs]
         print(f"  {key:<36} {statistics.median(vals):6.2f} / {min(vals):6.2f}")
+    if a.trl:
+        ratios = [r["whole process"] / t for r, t in zip(runs, trl)]
+        print(f"TRL GRPOTrainer, the same step (whole process): {statistics.median(trl):.2f} / {min(trl):.2f} s; "
+              f"verl_lite / TRL per pair {', '.join(f'{x:.2f}' for x in ratios)}, median {statistics.median(ratios):.2f}")
 
 
 if __name__ == "__main__":
