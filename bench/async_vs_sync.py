@@ -12,7 +12,8 @@ Run with the project's interpreter:
 The same work on every side: the shipped tiny model, the synthetic-addition train split, 60 RL steps of
 16 prompts x 8 samples, up to 12 new tokens, temperature 1, lr 1e-4 constant, AdamW (0.9, 0.99), no
 weight decay, grad clip 1, GRPO advantages, token-mean loss, no KL, one optimizer step per RL step,
-fp32. In-run validation is off on both trainers (equal work); each side writes its final model.
+fp32, the same reward (exact match of the stripped response). In-run validation is off on both trainers (equal
+work); each side writes its final model.
 
 Each side is one whole process (``python -m verl_lite.trainer.main_ppo ...`` / a TRL script), timed
 from the moment it is started until it has exited: interpreter start-up, imports, Ray, the workers,
@@ -70,7 +71,10 @@ def train_trl(out: Path) -> None:
                     remove_columns=[c for c in data.column_names if c != "prompt"])
 
     def exact_match(completions, ground_truth, **_):
-        return [float(first_integer(c[0]["content"]) == int(gt)) for c, gt in zip(completions, ground_truth)]
+        """The default job's reward for this task, written out here: 1 when the completion (special tokens removed)
+        stripped of whitespace equals the sum, else 0 (until 2026-12-05 this side scored the first integer, as the
+        evaluator does: a more lenient reward than verl_lite's side was given)."""
+        return [float(c[0]["content"].strip() == str(gt).strip()) for c, gt in zip(completions, ground_truth)]
 
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
     model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32)
