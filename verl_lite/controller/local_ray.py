@@ -42,6 +42,7 @@ keeps it for debugging).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -51,8 +52,6 @@ import sys
 import time
 import uuid
 from pathlib import Path
-
-import contextlib
 
 import psutil
 import ray

@@ -33,11 +33,11 @@ from typing import Any, Sequence
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
+from verl_lite.controller.local_ray import inherited_worker_env
 from verl_lite.controller.resource_pool import ResourcePool, node_address, node_alive
 from verl_lite.controller.wire import wire
-from verl_lite.utils.net import free_port
-from verl_lite.controller.local_ray import inherited_worker_env
 from verl_lite.controller.worker_env import role_env
+from verl_lite.utils.net import free_port
 
 
 def _strip_ansi(text: str) -> str:
