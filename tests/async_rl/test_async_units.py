@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from verl_lite.algorithms.rollout_correction import rollout_correction
+from verl_lite.config.schema import RolloutCorrectionConfig
 from verl_lite.controller.pipeline import PipelineError, RolloutPipeline
+
+
+# algorithm.rollout_correction's defaults (from the schema), the starting point of each case's settings
+OFF = {k: v for k, v in vars(RolloutCorrectionConfig()).items() if k != "bypass_mode"}
 
 
 def _case():
@@ -22,12 +27,12 @@ def _case():
 def test_token_and_sequence_is_match_verl_formulas():
     old, roll, mask = _case()
     C = 2.0
-    out = rollout_correction(old, roll, mask, rollout_is="token", rollout_is_threshold=C)
+    out = rollout_correction(old, roll, mask, **{**OFF, "rollout_is": "token", "rollout_is_threshold": C})
     for i in range(3):
         for t in range(5):
             want = min(math.exp(max(-20.0, min(20.0, float(old[i, t] - roll[i, t])))), C) if mask[i, t] else 0.0
             assert abs(float(out.weights[i, t]) - want) < 1e-12
-    out = rollout_correction(old, roll, mask, rollout_is="sequence", rollout_is_threshold=C)
+    out = rollout_correction(old, roll, mask, **{**OFF, "rollout_is": "sequence", "rollout_is_threshold": C})
     for i in range(3):
         s = sum(float(old[i, t] - roll[i, t]) for t in range(5) if mask[i, t])
         want = min(math.exp(max(-20.0, min(20.0, s))), C)
@@ -41,7 +46,8 @@ def test_token_and_sequence_is_match_verl_formulas():
 def test_rejection_matches_verl_formulas(level):
     old, roll, mask = _case()
     up, lo = 1.5, 0.7
-    out = rollout_correction(old, roll, mask, rollout_rs=level, rollout_rs_threshold=up, rollout_rs_threshold_lower=lo)
+    out = rollout_correction(old, roll, mask, **{**OFF, "rollout_rs": level, "rollout_rs_threshold": up,
+                                                   "rollout_rs_threshold_lower": lo})
     for i in range(3):
         lr = [float(old[i, t] - roll[i, t]) for t in range(5) if mask[i, t]]
         for t in range(5):
@@ -164,8 +170,7 @@ def test_correction_from_the_update_forward_equals_the_recomputed_one(settings, 
     mask = (torch.rand(n, width, generator=g) > 0.3).to(torch.float64)
     mask[2] = 0  # a fully masked row
     advantages = torch.randn(n, width, generator=g, dtype=torch.float64)
-    full = {**dict(rollout_is=None, rollout_is_threshold=2.0, rollout_rs=None, rollout_rs_threshold=2.0,
-                   rollout_rs_threshold_lower=None), **settings}
+    full = {**OFF, **settings}
     plan = NormalizationPlan.from_mask(mask, mode)
     cfg = dict(loss_agg_mode=mode, entropy_coeff=0.0, use_kl_loss=False)
 

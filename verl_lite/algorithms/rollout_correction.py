@@ -50,14 +50,15 @@ def _batch_token_mean(m: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]
 
 
 @torch.no_grad()
-def rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
-                       rollout_is: str | None = None, rollout_is_threshold: float = 2.0, rollout_rs: str | None = None,
-                       rollout_rs_threshold: float = 2.0, rollout_rs_threshold_lower: float | None = None, *,
+def rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor, *,
+                       rollout_is: str | None, rollout_is_threshold: float, rollout_rs: str | None,
+                       rollout_rs_threshold: float, rollout_rs_threshold_lower: float | None,
                        token_mean: Callable[[torch.Tensor], torch.Tensor] | None = None,
                        num_seqs: int | None = None) -> Correction:
     """The weights, the rejection mask and the metrics of the module docstring, for rows that are whole
-    trajectories. ``token_mean`` / ``num_seqs``: the denominators when these rows are a shard of the step
-    (default: these rows are the whole step)."""
+    trajectories. The settings are ``algorithm.rollout_correction``'s (their defaults live in the config schema
+    only); ``rollout_is`` / ``rollout_rs`` None turn that part off. ``token_mean`` / ``num_seqs``: the
+    denominators when these rows are a shard of the step (default: these rows are the whole step)."""
     if rollout_is is not None and rollout_is not in IS_LEVELS:
         raise ValueError(f"rollout_is={rollout_is!r}; choose one of {list(IS_LEVELS)} or None")
     if rollout_rs is not None and rollout_rs not in RS_LEVELS:

@@ -833,9 +833,10 @@ class PPOTrainer:
                     old = self.compute_old_log_probs(batch)
                     batch.set("old_log_probs", old["log_probs"]).set("entropy", old["entropy"])
                 # behaviour (rollout) vs old policy: the log-prob gap always; the correction's metrics, and its
-                # weights if asked, off-policy (else the update's forward computes them: _correction_in_update)
+                # weights if asked, off-policy (else the update's forward computes them: _correction_in_update);
+                # on-policy the settings ask for neither weights nor rejection (off_policy)
                 corr = rollout_correction(old["log_probs"], batch["rollout_log_probs"], mask,
-                                          **(self._correction_settings() if self.off_policy() else {}))
+                                          **self._correction_settings())
                 m.update({k: float(v) for k, v in corr.metrics.items()
                           if self.off_policy() or k.startswith("rollout/logprob_diff")})
                 cap = arr.actor.tis_imp_ratio_cap
