@@ -5,15 +5,22 @@
   127.0.0.1, and ``Node.start_api_server`` / ``Node.start_monitor`` (the API server and the
   autoscaler monitor, unused by a fixed one-node local run) start nothing, and the head's wait for
   its raylet to register polls every 20 ms (Ray's ``GlobalStateAccessor::GetNode`` sleeps a whole
-  second between its checks: the raylet registers ~0.6 s after the first one);
+  second between its checks: the raylet registers ~0.6 s after the first one), and whether the dashboard
+  agent's optional dependencies are installed is decided by finding their modules, not importing them
+  (Ray imports aiohttp, opentelemetry, pydantic, ... in the driver, ~0.35 s before it spawns the raylet);
 - :func:`session_dir` / :func:`node_process_pids`: the session directory and the processes of the
   node this process started (``ray._private.worker._global_node``).
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
+import importlib.machinery
+import importlib.util
 import time
+from pathlib import Path
 
 import ray
 
@@ -50,23 +57,73 @@ def _polling_get_node(original):
     return get_node
 
 
+@functools.lru_cache(maxsize=1)
+def _dashboard_dependency_modules() -> tuple[str, ...]:
+    """The modules ``ray.dashboard.optional_deps`` imports (Ray's list of the dashboard's optional dependencies),
+    read from its source."""
+    source = importlib.util.find_spec("ray.dashboard.optional_deps").origin
+    names: list[str] = []
+    for node in ast.parse(Path(source).read_text()).body:
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.append(node.module)
+    return tuple(dict.fromkeys(names))
+
+
+def _findable(name: str) -> bool:
+    """Whether module ``name`` can be found without running any package's code: a regular package's submodules are
+    looked up in its directories without importing it; below a namespace package (no code to run) Python's own
+    lookup takes over."""
+    parts = name.split(".")
+    spec = importlib.util.find_spec(parts[0])
+    for depth in range(2, len(parts) + 1):
+        if spec is None or spec.submodule_search_locations is None:
+            return False
+        if spec.origin is None:  # a namespace package: importing it runs nothing
+            return importlib.util.find_spec(name) is not None
+        spec = importlib.machinery.PathFinder.find_spec(".".join(parts[:depth]), list(spec.submodule_search_locations))
+    return spec is not None
+
+
+def _dependency_check_by_lookup(original):
+    """``ray._private.utils.get_dashboard_dependency_error`` answering None (installed) when every module of Ray's
+    list can be found; otherwise (or when the lookup itself fails) Ray's own check, which imports them and returns the
+    error."""
+
+    def get_dashboard_dependency_error():
+        try:
+            if all(_findable(name) for name in _dashboard_dependency_modules()):
+                return None
+        except Exception:  # noqa: BLE001 - Ray's own check decides
+            pass
+        return original()
+
+    return get_dashboard_dependency_error
+
+
 @contextlib.contextmanager
-def local_head_hooks():
-    """Within the block a local ``ray.init`` keeps 127.0.0.1 and skips the unused head processes."""
+def local_head_hooks(look_up_dependencies: bool = True):
+    """Within the block a local ``ray.init`` keeps 127.0.0.1 and skips the unused head processes.
+    ``look_up_dependencies=False`` leaves Ray's own dependency check (it imports them: a dependency that is present
+    but broken then counts as missing, and the dashboard agent starts in its minimal form)."""
     from ray._private import node as ray_node
     from ray._private import ray_constants, services
+    from ray._private import utils as ray_utils
 
     saved_flag = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False
     skipped = {name: getattr(ray_node.Node, name) for name in SKIPPED_HEAD_PROCESSES}
     for name in skipped:
         setattr(ray_node.Node, name, _skip_head_process)
-    get_node = services.get_node
+    get_node, dependency_error = services.get_node, ray_utils.get_dashboard_dependency_error
     services.get_node = _polling_get_node(get_node)
+    if look_up_dependencies:
+        ray_utils.get_dashboard_dependency_error = _dependency_check_by_lookup(dependency_error)
     try:
         yield
     finally:
-        services.get_node = get_node
+        services.get_node, ray_utils.get_dashboard_dependency_error = get_node, dependency_error
         for name, method in skipped.items():
             setattr(ray_node.Node, name, method)
         ray_constants.ENABLE_RAY_CLUSTER = saved_flag

@@ -136,12 +136,13 @@ def inherited_worker_env() -> dict[str, str] | None:
     return _worker_env if started_locally() else None
 
 
-def _init_local(num_cpus: int | None, num_gpus: int | None, marker: str) -> None:
+def _init_local(num_cpus: int | None, num_gpus: int | None, marker: str, first_attempt: bool) -> None:
     global _worker_env
     workers = role_env(concurrent_ranks=1)
     # the loopback switch and the session marker (the reaper finds this session's processes by it) likewise
     with _spawn_environment({**workers, _LOOPBACK_ENV: "0", SESSION_MARKER_ENV: marker}):
-        with ray_local.local_head_hooks():  # this process read the loopback switch at import time
+        # this process read the loopback switch at import time; a retry checks the dashboard's dependencies Ray's way
+        with ray_local.local_head_hooks(look_up_dependencies=first_attempt):
             ray.init(
                 address="local",
                 include_dashboard=False,
@@ -171,7 +172,7 @@ def start_ray(num_cpus: int | None = None, num_gpus: int | None = None, attempts
             if address:
                 ray.init(address=address, **_quiet())
             else:
-                _init_local(num_cpus, num_gpus, _start_reaper())
+                _init_local(num_cpus, num_gpus, _start_reaper(), first_attempt=attempt == 1)
                 _session_dir = ray_local.session_dir()
                 _tell_reaper(f"session {_session_dir}")
             last = None
