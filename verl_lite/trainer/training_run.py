@@ -66,7 +66,7 @@ def _import_plotting_in_background(trainer, wait_s: float = 60.0) -> threading.T
     """matplotlib's import (~0.35 s of CPU) in a daemon thread while the driver waits for its workers to import and
     build, so drawing curves.png at the end takes only the drawing. It waits until the workers are being created
     (``trainer.actor`` is set): beside ``ray.init`` or the actors' creation it took the driver's CPU and Python's
-    lock from them (the first step started 0.24 s later, median of 6 alternating runs)."""
+    lock from them (the first step started 0.17-0.24 s later: medians of two series of 6 alternating CLI runs)."""
 
     def load():
         deadline = time.monotonic() + wait_s
