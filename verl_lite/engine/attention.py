@@ -15,7 +15,7 @@ Contract (megatron-core 0.16.1, ``transformer/attention.py``; RoPE is already ap
 
 The math per sequence is ``softmax(q k^T * scale + mask) v`` with ``scale = softmax_scale`` or
 ``1/sqrt(hn)``; each query head h uses KV group ``h // (np/ng)`` (GQA: this module never
-repeats K/V, except on the CP=1 THD path below). No mask is ever built over the whole pack. At CP=1
+repeats K/V; SDPA's ``enable_gqa`` reads each group for its heads). No mask is ever built over the whole pack. At CP=1
 all sequences of a pack go through ONE causal SDPA call on ``[b, max_len]`` (each sequence
 zero-padded at its end, which causality hides from its real tokens); under CP the loop runs per
 sequence and a sequence's mask is ``[L/cp, L]``.
@@ -316,10 +316,8 @@ class PackedCoreAttention(torch.nn.Module):
             return gather_rows(x, index, inverse).view(b, max_len, *x.shape[1:]).permute(0, 2, 1, 3)
 
         qb, kb, vb = gather(q), gather(k), gather(v)
-        if kb.shape[1] != np_:  # GQA: SDPA's CPU fast kernels take equal head counts
-            rep = np_ // kb.shape[1]
-            kb, vb = kb.repeat_interleave(rep, dim=1), vb.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=self.scale)
+        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=self.scale,
+                                             enable_gqa=kb.shape[1] != np_)
         out = out.permute(0, 2, 1, 3).reshape(b * max_len, np_ * hn)
         out = gather_rows(out, inverse[:used], slot_to_token)
         if used < t_local:

@@ -389,6 +389,7 @@ def load_engine_state(engine, directory: str | Path) -> dict:
         with megatron_internals.torch_adam_step_fix(engine.optimizer):
             engine.optimizer.load_state_dict(loaded["optimizer"])
         megatron_internals.unshare_adam_steps(engine.optimizer)
+        megatron_internals.use_fused_adam(engine.optimizer)
         saved = {**saved, "lr_schedule": engine.load_scheduler_state(loaded["scheduler"])}  # step count always
     _barrier()
     return saved

@@ -325,6 +325,8 @@ class MegatronEngine:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+        from verl_lite.compat import megatron_internals
+
         o = self.cfg.optim
         dtype = self.cfg.torch_dtype
         opt_config = OptimizerConfig(
@@ -342,6 +344,7 @@ class MegatronEngine:
             fp16=dtype == torch.float16,
         )
         self.optimizer = get_megatron_optimizer(opt_config, self.model)
+        megatron_internals.use_fused_adam(self.optimizer)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0 if o.lr_warmup_steps > 0 else o.lr,

@@ -2,8 +2,9 @@
 
 - ``transformer_config_from_hf``: HF config + ``ParallelConfig`` -> megatron ``TransformerConfig``.
 - ``layer_spec``: megatron's local layer (``ColumnParallelLinear``/``RowParallelLinear``, ``SelfAttention``,
-  ``MLP``) with our ``PackedCoreAttention`` and our ``RMSNorm`` (same math as HF's, and it marks its
-  weight for megatron's sequence-parallel gradient all-reduce).
+  ``MLP``) with our ``PackedCoreAttention``, our ``RMSNorm`` (same math as HF's, and it marks its
+  weight for megatron's sequence-parallel gradient all-reduce) and ``SwiGLUMLP`` (``engine/mlp.py``);
+  the norm and the activation have hand-written backwards (``engine/elementwise.py``).
 - ``build_model_chunks``: one ``GPTModel`` per virtual pipeline stage of this rank, with the right
   ``pre_process``/``post_process``; ``value_head=True`` swaps the LM head for a replicated
   ``[1, hidden]`` projection (a critic).
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 
 from verl_lite.engine.attention import PackedCoreAttention
 from verl_lite.engine.distributed import ParallelConfig
+from verl_lite.engine.elementwise import rms_norm
 from verl_lite.engine.moe import RouterLossCoefficients
 from verl_lite.engine.rules import MOE_MODEL_TYPES
 from verl_lite.engine.vocab_parallel import padded_vocab_size
@@ -64,9 +66,7 @@ class RMSNorm(torch.nn.Module):
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * y.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 VALUE_HEAD_SEED = 0
@@ -122,16 +122,19 @@ def moe_mlp_spec():
 
 
 def layer_spec(qk_layernorm: bool, moe: bool = False):
-    """megatron's local GPT layer, with ``PackedCoreAttention`` and ``RMSNorm`` (and q/k-norm when asked);
-    ``moe=True``: the MLP is ``moe_mlp_spec()``."""
+    """megatron's local GPT layer, with ``PackedCoreAttention``, ``RMSNorm`` (and q/k-norm when asked) and
+    ``SwiGLUMLP`` (megatron's MLP, its activation one autograd function); ``moe=True``: the MLP is
+    ``moe_mlp_spec()``."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.identity_op import IdentityOp
-    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    from verl_lite.engine.mlp import SwiGLUMLP
 
     return ModuleSpec(
         module=TransformerLayer,
@@ -151,7 +154,7 @@ def layer_spec(qk_layernorm: bool, moe: bool = False):
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=RMSNorm,
             mlp=moe_mlp_spec() if moe else ModuleSpec(
-                module=MLP,
+                module=SwiGLUMLP,
                 submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
             ),
             mlp_bda=get_bias_dropout_add,
@@ -409,6 +412,7 @@ def build_model_chunks(hf_config, tf_config, value_head: bool = False) -> list:
     cpu_adapter.install()  # no-op on GPU or when init_distributed already did it (RoPE needs it on CPU)
     GPTModel = _gpt_model_class()
     megatron_internals.prepare_host_dispatch()
+    megatron_internals.use_rotary_kernel()
     vpp = tf_config.virtual_pipeline_model_parallel_size
     tied = bool(_get(hf_config, "tie_word_embeddings", False)) and not value_head
     chunks = []

@@ -1,0 +1,102 @@
+"""The decoder layer's elementwise blocks with hand-written backwards: fewer passes over the activations.
+
+Eager autograd records every primitive of a block, saves its inputs and runs one backward kernel per
+primitive, each a full pass over ``[tokens, width]`` (on CPU, memory-bound). Written as one
+``autograd.Function``, the same math allocates and saves less and skips autograd's bookkeeping
+passes (a concatenation, an expanded mean). The results equal autograd's to rounding
+(``tests/engine/test_elementwise.py`` checks both against float64).
+
+- :func:`rms_norm`: ``y = w * (x * r).to(dtype)``, ``r = 1 / sqrt(mean(x^2) + eps)`` per row, ``x``
+  taken in float32 (as HF's Qwen2/Llama RMSNorm). With ``x^ = x r`` and ``gy = g w`` (float32):
+  ``dx = r (gy - x^ mean(gy x^))``, ``dw = sum over rows of g * x^.to(dtype)``.
+  Forward and backward of fp32 ``[2030, 512]`` on 2 cores: 4.2 ms with autograd, 3.1 ms here.
+- :func:`swiglu`: ``y = silu(a) * b`` for ``x = [a | b]`` split in halves along the last dim (megatron's
+  ``linear_fc1`` layout, per TP rank). ``da = silu'(a) g b``, ``db = g silu(a)``, written straight into
+  the two halves of one ``dx`` (autograd concatenates them). Bit-identical to autograd's
+  ``silu(a) * b``: the same kernels on the same operands. ``[2030, 3072]``: 11.5 -> 7.9 ms against
+  megatron's unfused GLU (which also adds its ``glu_linear_offset`` of 0 to ``b``).
+- :func:`rotary`: RoPE's ``x cos + [-x2 | x1] sin`` as one multiply and two in-place multiply-adds on
+  the halves, backward ``g cos + [g2 | -g1] sin`` the same way; megatron's unfused RoPE negates,
+  concatenates and concatenates again (``[2070, 16, 32]`` forward and backward: ~4.6 ms there).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.float()
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(eps))
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (x32 * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        x_hat = x.float() * rstd
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad * x_hat.to(x.dtype)).reshape(-1, grad.shape[-1]).sum(0)
+        grad_y = (grad * weight).float()
+        mean_term = (grad_y * x_hat).mean(-1, keepdim=True)
+        grad_x = grad_y.sub_(x_hat.mul_(mean_term)).mul_(rstd)
+        return grad_x.to(x.dtype), grad_weight, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x / sqrt(mean(x^2, -1) + eps))``, normalised in float32 and cast back before the weight."""
+    return _RMSNorm.apply(x, weight, eps)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        activated = F.silu(gate)
+        ctx.save_for_backward(x, activated)
+        return activated * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, activated = ctx.saved_tensors
+        gate, up = x.chunk(2, dim=-1)
+        grad_x = torch.empty_like(x)
+        grad_gate, grad_up = grad_x.chunk(2, dim=-1)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+        torch.mul(grad, activated, out=grad_up)
+        return grad_x
+
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """``silu(a) * b`` for ``x = [a | b]`` (halves of the last dim)."""
+    return _SwiGLU.apply(x)
+
+
+class _Rotary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        out = x * cos
+        out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
+        out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+        ctx.save_for_backward(cos, sin)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        half = grad.shape[-1] // 2
+        grad_x = grad * cos
+        grad_x[..., half:].addcmul_(grad[..., :half], sin[..., :half], value=-1)
+        grad_x[..., :half].addcmul_(grad[..., half:], sin[..., half:])
+        return grad_x, None, None
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in the rotate-half layout: ``x cos + [-x2 | x1] sin`` for ``x = [x1 | x2]`` (halves of the last
+    dim); ``cos``/``sin`` broadcast against ``x`` and are constants (no gradient)."""
+    return _Rotary.apply(x, cos, sin)
