@@ -58,8 +58,27 @@ class DummyWorker(Worker):
     def role_environment(self):
         import torch
 
-        names = ("OMP_NUM_THREADS", "PYTHONWARNINGS", "TRANSFORMERS_VERBOSITY", "TQDM_DISABLE", "VERL_LITE_DEBUG")
+        names = ("OMP_NUM_THREADS", "GLIBC_TUNABLES", "PYTHONWARNINGS", "TRANSFORMERS_VERBOSITY", "TQDM_DISABLE",
+                 "VERL_LITE_DEBUG")
         return {name: os.environ.get(name) for name in names}, ray.get_runtime_context().runtime_env.get("env_vars")
+
+    def mmapped_bytes_of_a_100mb_tensor(self):
+        """Bytes glibc's malloc serves by mmap (``mallinfo2().hblkhd``) for a live 100 MB tensor."""
+        import ctypes
+
+        import torch
+
+        class MallInfo2(ctypes.Structure):
+            _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                             "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = MallInfo2
+        before = libc.mallinfo2().hblkhd
+        tensor = torch.empty(25 * 2**20)
+        grown = libc.mallinfo2().hblkhd - before
+        del tensor
+        return grown
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +127,10 @@ def test_workers_get_their_role_environment_inherited_or_as_their_own(ray_sessio
     with WorkerGroup(DummyWorker, 1, timeout_s=60) as group:
         [(env, given)] = group.call_all("role_environment")
         assert given is None and env == {k: inherited[k] for k in env}
+        # glibc's heap settings took effect: a 100 MB tensor comes from the heap (reused after a free), not
+        # from a fresh mmap that is unmapped at free and page-faulted in again at the next allocation
+        if "GLIBC_TUNABLES" not in os.environ:
+            assert group.call_all("mmapped_bytes_of_a_100mb_tensor") == [0]
     two = role_env(2)  # on 2 cores: 1 thread each
     with WorkerGroup(DummyWorker, 2, timeout_s=60) as group:
         for env, given in group.call_all("role_environment"):
