@@ -1,19 +1,26 @@
 """Where ``MegatronEngine.train_step`` spends its time: torch.profiler per-op tables, one process.
 
-    python bench/profile_train_step.py [--hidden 128 512] [--seqs 128] [--steps 5] [--rows 25]
+    python bench/profile_train_step.py [--hidden 128 512] [--compute] [--seqs 128] [--steps 5] [--rows 25]
 
 The RL update's shape: ``--seqs`` sequences of prompt ~9 + response 2..12 tokens (the shipped
 task at n=8), one micro-batch, the real actor loss (GRPO advantages, token-mean, clip 0.2).
 hidden 128 = the shipped tiny model's shape (vocab 128, 4 layers); hidden 512 = the same at 4x
-width. For each size: the min step time over ``--steps`` steps, then the profiler's per-op table
-of one step (self CPU time), and the time by phase: forward+backward (the schedule),
-optimizer step, the rest (packing, zeroing grads, scheduler).
+width. ``--compute`` adds the compute point of ``bench/rl_step_vs_trl.py --workload compute``: its
+model's shape (``COMPUTE_MODEL``: hidden 512, 8 layers, 8 heads, 2 KV heads, intermediate 1408) and
+its update's sequences (prompt 6..10 + response 56..64 tokens). For each: the min step time over
+``--steps`` steps and its model FLOP/s (6 x matmul parameters per token) as a fraction of this
+machine's fp32 GEMM peak measured in the same run, then the profiler's per-op table of one step
+(self CPU time), and the time by phase: forward+backward (the schedule), optimizer step, the rest
+(packing, zeroing grads, scheduler). The process runs with glibc's heap settings the engine's
+workers get (``controller.worker_env.HEAP_TUNABLES``): the script re-executes itself with them.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import sys
 import tempfile
 import time
 from functools import partial
@@ -21,28 +28,46 @@ from pathlib import Path
 
 import torch
 
+from rl_step_vs_trl import COMPUTE_MODEL, gemm_peak_flops, matmul_params
 
-def _setup(hidden: int, root: Path):
+
+def _shapes(hidden_sizes: list[int], compute: bool) -> list[dict]:
+    """(name, model shape, prompt and response length ranges) of each case to run."""
+    shapes = []
+    for hidden in hidden_sizes:
+        heads = max(4, hidden // 32)
+        shapes.append(dict(name=f"hidden {hidden}", hidden_size=hidden, num_layers=4, num_attention_heads=heads,
+                           num_key_value_heads=heads // 2, intermediate_size=hidden * 3, prompt=(8, 10), response=(2, 12)))
+    if compute:
+        shapes.append(dict(name="compute point", hidden_size=COMPUTE_MODEL["hidden_size"],
+                           num_layers=COMPUTE_MODEL["num_hidden_layers"],
+                           num_attention_heads=COMPUTE_MODEL["num_attention_heads"],
+                           num_key_value_heads=COMPUTE_MODEL["num_key_value_heads"],
+                           intermediate_size=COMPUTE_MODEL["intermediate_size"], prompt=(6, 10), response=(56, 64)))
+    return shapes
+
+
+def _setup(shape: dict, root: Path):
     from verl_lite.engine import MegatronEngine
     from verl_lite.workers.from_config import engine_config, optim_config, parallel_config
     from verl_lite.utils.tiny_model import make_tiny_hf_model
 
-    heads = max(4, hidden // 32)
-    model_dir = make_tiny_hf_model(root / f"h{hidden}", "qwen2", vocab_size=128, hidden_size=hidden, num_layers=4,
-                                   num_attention_heads=heads, num_key_value_heads=heads // 2,
-                                   intermediate_size=hidden * 3, seed=0, init_std=0.02)
-    return MegatronEngine(engine_config(str(model_dir), parallel_config(), optim_config(lr=1e-4, clip_grad=1.0,
-                                                                                      betas=(0.9, 0.99))))
+    model_dir = make_tiny_hf_model(root / shape["name"].replace(" ", "_"), "qwen2", vocab_size=128, seed=0, init_std=0.02,
+                                   **{k: shape[k] for k in ("hidden_size", "num_layers", "num_attention_heads",
+                                                            "num_key_value_heads", "intermediate_size")})
+    engine = MegatronEngine(engine_config(str(model_dir), parallel_config(), optim_config(lr=1e-4, clip_grad=1.0,
+                                                                                        betas=(0.9, 0.99))))
+    return engine, Path(model_dir)
 
 
-def _batch(num_seqs: int, vocab: int = 128):
+def _batch(num_seqs: int, prompt: tuple[int, int], response: tuple[int, int], vocab: int = 128):
     from verl_lite.engine import SequenceBatch
 
     rnd = random.Random(0)
     g = torch.Generator().manual_seed(0)
     ids, resp = [], []
     for _ in range(num_seqs):
-        p, r = rnd.randint(8, 10), rnd.randint(2, 12)
+        p, r = rnd.randint(*prompt), rnd.randint(*response)
         ids.append(torch.randint(3, vocab, (p + r,), generator=g))
         resp.append(r)
     width = max(resp)
@@ -92,9 +117,9 @@ def _phases(engine, batch, loss_fn, mbs):
     return total, spent
 
 
-def run(hidden: int, num_seqs: int, steps: int, rows: int, root: Path) -> None:
-    engine = _setup(hidden, root)
-    batch = _batch(num_seqs)
+def run(shape: dict, num_seqs: int, steps: int, rows: int, root: Path, peak: float) -> None:
+    engine, model_dir = _setup(shape, root)
+    batch = _batch(num_seqs, shape["prompt"], shape["response"])
     loss_fn = _loss_fn(batch)
     mbs = [list(range(len(batch)))]
     engine.train_step(batch, mbs, loss_fn)  # warm-up
@@ -105,8 +130,9 @@ def run(hidden: int, num_seqs: int, steps: int, rows: int, root: Path) -> None:
         best = min(best, time.perf_counter() - t)
     total, spent = min((_phases(engine, batch, loss_fn, mbs) for _ in range(3)), key=lambda x: x[0])
     tokens = sum(batch.lengths)
-    print(f"\n##### hidden {hidden}: {num_seqs} sequences, {tokens} tokens; train_step min {best * 1e3:.1f} ms "
-          f"({tokens / best:.0f} tok/s)")
+    flops = 6 * matmul_params(model_dir) * tokens / best
+    print(f"\n##### {shape['name']}: {num_seqs} sequences, {tokens} tokens; train_step min {best * 1e3:.1f} ms "
+          f"({tokens / best:.0f} tok/s, {flops / 1e9:.1f} GFLOP/s = {100 * flops / peak:.1f}% of the fp32 GEMM peak)")
     print(f"phases of one step ({total * 1e3:.1f} ms): forward+backward {spent['schedule'] * 1e3:.1f} ms, "
           f"optimizer.step {spent['optimizer'] * 1e3:.1f} ms, rest {(total - sum(spent.values())) * 1e3:.1f} ms")
     from torch.profiler import ProfilerActivity, profile
@@ -118,13 +144,20 @@ def run(hidden: int, num_seqs: int, steps: int, rows: int, root: Path) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hidden", type=int, nargs="+", default=[128, 512])
+    ap.add_argument("--hidden", type=int, nargs="*", default=[128, 512])
+    ap.add_argument("--compute", action="store_true", help="also the compute point's shape (see above)")
     ap.add_argument("--seqs", type=int, default=128)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    from verl_lite.controller.worker_env import HEAP_TUNABLES
+
+    if "GLIBC_TUNABLES" not in os.environ:  # glibc reads it at process start: run again with it
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "GLIBC_TUNABLES": HEAP_TUNABLES})
     torch.set_num_threads(args.threads)
+    peak = gemm_peak_flops(args.threads)
+    print(f"fp32 GEMM peak at {args.threads} threads: {peak / 1e9:.1f} GFLOP/s")
 
     from verl_lite.engine import init_distributed
     from verl_lite.workers.from_config import parallel_config
@@ -132,8 +165,8 @@ def main():
 
     init_distributed(0, 1, "127.0.0.1", free_port(), parallel_config())
     with tempfile.TemporaryDirectory() as tmp:
-        for h in args.hidden:
-            run(h, args.seqs, args.steps, args.rows, Path(tmp))
+        for shape in _shapes(args.hidden, args.compute):
+            run(shape, args.seqs, args.steps, args.rows, Path(tmp), peak)
 
 
 if __name__ == "__main__":

@@ -158,3 +158,41 @@ def test_megatron_rope_other_cases_stay_megatrons():
         routed = attention_module.apply_rotary_pos_emb(rows, freqs, cfg, cu_seqlens=cu_here, cp_group=group)
         direct = rope_utils.apply_rotary_pos_emb(rows, freqs, cfg, cu_seqlens=cu_here, cp_group=group)
         assert torch.equal(routed, direct)
+
+
+def _built_mlps(rank, world, model_dir):
+    import transformers
+    from megatron.core.transformer.mlp import MLP
+
+    from verl_lite.engine.mlp import SwiGLUMLP
+    from verl_lite.engine.model import build_model_chunks, transformer_config_from_hf
+    from verl_lite.workers.from_config import parallel_config
+
+    from .conftest import use_layout
+
+    parallel = parallel_config()
+    use_layout(rank, world, parallel)
+    cfg = transformers.AutoConfig.from_pretrained(model_dir)
+    [chunk] = build_model_chunks(cfg, transformer_config_from_hf(cfg, parallel))
+    mlps = [m for m in chunk.modules() if isinstance(m, MLP)]
+    x = torch.randn(7, 1, cfg.hidden_size, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    same = []
+    for mlp in mlps:
+        ours, _ = mlp(x)
+        (dx_ours,) = torch.autograd.grad(ours.sum(), x)
+        theirs, _ = MLP.forward(mlp, x)  # megatron's own forward on the same module
+        (dx_theirs,) = torch.autograd.grad(theirs.sum(), x)
+        same.append(torch.equal(ours, theirs) and torch.equal(dx_ours, dx_theirs))
+    return [type(m) is SwiGLUMLP for m in mlps], same
+
+
+def test_built_models_run_the_swiglu_mlp_with_megatrons_results(tmp_path):
+    """``build_model_chunks`` makes every dense MLP a ``SwiGLUMLP`` (megatron's spec builds ``MLP``, with its
+    TP group); its output and input gradient equal megatron's own MLP forward bit for bit."""
+    from verl_lite.utils.tiny_model import make_tiny_hf_model
+
+    from .conftest import spawn_ranks
+
+    model_dir = make_tiny_hf_model(tmp_path / "m", "qwen2", hidden_size=32, num_layers=2, intermediate_size=48)
+    [(swiglu_classes, same)] = spawn_ranks(_built_mlps, 1, str(model_dir))
+    assert swiglu_classes == [True, True] and same == [True, True]

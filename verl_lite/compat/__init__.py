@@ -12,8 +12,8 @@ silently misbehaving) somewhere deep in a run. ``pyproject.toml`` pins the same 
   ``torch.compile`` preparation and wandb.
 - :mod:`.megatron_internals`: megatron-core's expert-DP gloo groups without a timeout, the MoE
   alltoall dispatcher's CUDA streams on a CPU-only torch, the distributed optimizer's Adam
-  ``step`` on load, torch's fused Adam kernel for megatron's torch AdamW, megatron's unfused RoPE
-  routed through the engine's.
+  ``step`` on load, torch's fused Adam kernel for megatron's torch AdamW, megatron's dense MLPs re-classed as
+  the engine's ``SwiGLUMLP``, megatron's unfused RoPE routed through the engine's.
 - :mod:`.ray_local`: Ray's private node hooks for a loopback-only, minimal local Ray.
 - :mod:`.fast_exit`: CPython's ``atexit._run_exitfuncs``, to end the CLI without the interpreter's
   teardown (falls back to ``sys.exit`` where it is missing).

@@ -8,6 +8,7 @@
   ``fully_reshardable`` state into torch's Adam (no Apex/TE).
 - :func:`use_fused_adam`: megatron builds torch's Adam (no Apex/TE) with torch's default per-parameter
   loop; the engine switches its groups to torch's fused kernel.
+- :func:`use_swiglu_mlp`: megatron's built dense MLPs re-classed as the engine's ``SwiGLUMLP``.
 - :func:`use_rotary_kernel`: megatron's unfused RoPE, called by its attention module, routed through
   the engine's one-function RoPE where the case is the plain one.
 - :func:`in_process_save_results`: the torch_dist save writer's result queue without a spawned
@@ -214,3 +215,20 @@ def use_rotary_kernel() -> None:
 
     apply_rotary_pos_emb.verl_lite_rotary = True
     attention_module.apply_rotary_pos_emb = apply_rotary_pos_emb
+
+
+def use_swiglu_mlp(model) -> None:
+    """Make every module of ``model`` whose class is exactly megatron's ``MLP`` a
+    :class:`verl_lite.engine.mlp.SwiGLUMLP` (a subclass that adds no state: only ``forward`` differs).
+
+    Not in the layer spec: megatron's ``TransformerLayer`` passes an MLP its TP group only when the spec's
+    module IS ``MLP`` (``transformer_layer.py``), and logs "Unknown MLP type" for a subclass. MoE experts
+    (``SequentialMLP``'s local ``MLP``s) are re-classed too; their calls with per-token scales keep
+    megatron's forward."""
+    from megatron.core.transformer.mlp import MLP
+
+    from verl_lite.engine.mlp import SwiGLUMLP
+
+    for module in model.modules():
+        if type(module) is MLP:
+            module.__class__ = SwiGLUMLP

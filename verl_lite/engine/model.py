@@ -3,8 +3,9 @@
 - ``transformer_config_from_hf``: HF config + ``ParallelConfig`` -> megatron ``TransformerConfig``.
 - ``layer_spec``: megatron's local layer (``ColumnParallelLinear``/``RowParallelLinear``, ``SelfAttention``,
   ``MLP``) with our ``PackedCoreAttention``, our ``RMSNorm`` (same math as HF's, and it marks its
-  weight for megatron's sequence-parallel gradient all-reduce) and ``SwiGLUMLP`` (``engine/mlp.py``);
-  the norm and the activation have hand-written backwards (``engine/elementwise.py``).
+  weight for megatron's sequence-parallel gradient all-reduce); ``build_model_chunks`` makes its MLPs
+  ``SwiGLUMLP`` (``engine/mlp.py``). The norm and the activation have hand-written backwards
+  (``engine/elementwise.py``).
 - ``build_model_chunks``: one ``GPTModel`` per virtual pipeline stage of this rank, with the right
   ``pre_process``/``post_process``; ``value_head=True`` swaps the LM head for a replicated
   ``[1, hidden]`` projection (a critic).
@@ -122,19 +123,16 @@ def moe_mlp_spec():
 
 
 def layer_spec(qk_layernorm: bool, moe: bool = False):
-    """megatron's local GPT layer, with ``PackedCoreAttention``, ``RMSNorm`` (and q/k-norm when asked) and
-    ``SwiGLUMLP`` (megatron's MLP, its activation one autograd function); ``moe=True``: the MLP is
-    ``moe_mlp_spec()``."""
+    """megatron's local GPT layer, with ``PackedCoreAttention`` and ``RMSNorm`` (and q/k-norm when asked);
+    ``moe=True``: the MLP is ``moe_mlp_spec()``. ``build_model_chunks`` makes the built MLPs ``SwiGLUMLP``."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.identity_op import IdentityOp
-    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
-
-    from verl_lite.engine.mlp import SwiGLUMLP
 
     return ModuleSpec(
         module=TransformerLayer,
@@ -154,7 +152,7 @@ def layer_spec(qk_layernorm: bool, moe: bool = False):
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=RMSNorm,
             mlp=moe_mlp_spec() if moe else ModuleSpec(
-                module=SwiGLUMLP,
+                module=MLP,
                 submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
             ),
             mlp_bda=get_bias_dropout_add,
@@ -435,6 +433,7 @@ def build_model_chunks(hf_config, tf_config, value_head: bool = False) -> list:
         )
         model.is_value_model = value_head  # read by hf_bridge on every stage
         megatron_internals.make_dispatchers_host_safe(model)
+        megatron_internals.use_swiglu_mlp(model)
         if post and value_head:
             model.output_layer = ValueHead(tf_config, tf_config.hidden_size)
             model.output_layer.weight.is_embedding_or_output_parameter = True
