@@ -150,8 +150,8 @@ def use_fused_adam(optimizer) -> None:
     which on CPU takes torch's per-parameter loop: ~10 elementwise passes per parameter, each a separate op
     (46 ms per step for 12.7M fp32 parameters on 2 cores, against 9 ms fused). The fused kernel computes
     the same update (decoupled weight decay, bias correction) in one pass per parameter; its results
-    agree with the loop's to rounding (~1 ulp), and an engine uses the same kernel in every layout and
-    after a resume, so runs stay comparable bit for bit. ``fused`` is torch's documented per-group
+    agree with the loop's to rounding (~1 ulp), and an engine uses the same kernel before and after a
+    resume, so a resumed run continues as the uninterrupted one. ``fused`` is torch's documented per-group
     option, read at each ``step``; a loaded checkpoint's groups may carry the flag they were saved with,
     so the engine calls this again after a load. The step counters move to the parameters' device, which
     the fused kernel requires."""
