@@ -4,6 +4,7 @@
   the timeout it was given (``parallel_state.py:1278``); every group gets it here.
 - :func:`prepare_host_dispatch` / :func:`make_dispatchers_host_safe`: the MoE alltoall token
   dispatcher's device-to-host copy stream and its synchronise step, on a CPU-only torch.
+- :func:`each_optimizer`: the optimizers inside megatron's (possibly chained) optimizer.
 - :func:`torch_adam_step_fix` / :func:`unshare_adam_steps`: loading the distributed optimizer's
   ``fully_reshardable`` state into torch's Adam (no Apex/TE).
 - :func:`use_fused_adam`: megatron builds torch's Adam (no Apex/TE) with torch's default per-parameter
@@ -101,6 +102,12 @@ class _HostDtoH:
         return tokens_per_expert
 
 
+def each_optimizer(optimizer) -> list:
+    """megatron's optimizers behind ``optimizer``: a ``ChainedOptimizer``'s ``chained_optimizers`` (dense and
+    expert parameters), else ``optimizer`` itself. Each wraps a torch optimizer as ``.optimizer``."""
+    return getattr(optimizer, "chained_optimizers", [optimizer])
+
+
 @contextlib.contextmanager
 def torch_adam_step_fix(optimizer):
     """megatron-core 0.16.1, distributed optimizer on torch's Adam (no Apex/TE): loading the
@@ -111,7 +118,7 @@ def torch_adam_step_fix(optimizer):
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     patched = []
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in each_optimizer(optimizer):
         if not isinstance(opt, DistributedOptimizer):
             continue
         original = opt._set_main_param_and_optimizer_states
@@ -132,16 +139,6 @@ def torch_adam_step_fix(optimizer):
             del opt._set_main_param_and_optimizer_states
 
 
-def _fused_adam_groups(optimizer):
-    """(torch optimizer, param group) for every group of ``optimizer``'s torch Adam/AdamW optimizers
-    (a ``ChainedOptimizer``'s too); TE's and Apex's fused Adams are not torch's and are left out."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):  # AdamW subclasses Adam in torch >= 2.6
-            for group in inner.param_groups:
-                yield inner, group
-
-
 def use_fused_adam(optimizer) -> None:
     """Run megatron's torch Adam/AdamW with torch's fused kernel (``fused=True``) wherever torch has one
     for the group's device and dtypes.
@@ -158,24 +155,28 @@ def use_fused_adam(optimizer) -> None:
     from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
     devices = set(_get_fused_kernels_supported_devices())
-    for inner, group in _fused_adam_groups(optimizer):
-        params = group["params"]
-        if group.get("differentiable") or not params:
+    for opt in each_optimizer(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):  # TE's / Apex's fused Adams are not torch's
             continue
-        if any(p.device.type not in devices or not torch.is_floating_point(p) for p in params):
-            continue
-        group.update(fused=True, foreach=False)
-        for p in params:
-            step = inner.state.get(p, {}).get("step")
-            if torch.is_tensor(step) and step.device != p.device:
-                inner.state[p]["step"] = step.to(p.device)
+        for group in inner.param_groups:
+            params = group["params"]
+            if group.get("differentiable") or not params:
+                continue
+            if any(p.device.type not in devices or not torch.is_floating_point(p) for p in params):
+                continue
+            group.update(fused=True, foreach=False)
+            for p in params:
+                step = inner.state.get(p, {}).get("step")
+                if torch.is_tensor(step) and step.device != p.device:
+                    inner.state[p]["step"] = step.to(p.device)
 
 
 def unshare_adam_steps(optimizer) -> None:
     """megatron's load_state_dict gives every parameter the SAME ``step`` tensor; torch's Adam increments
     each parameter's step in place, so a shared one would advance once per parameter per optimizer step
     (wrong bias correction from the second step after a resume on). Give each parameter its own copy."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in each_optimizer(optimizer):
         for state in opt.optimizer.state.values():
             if torch.is_tensor(state.get("step")):
                 state["step"] = state["step"].detach().clone()

@@ -225,7 +225,7 @@ def _model_sharded_state_dict(engine) -> dict:
 def _init_optimizer_state(optimizer) -> None:
     """Give every parameter Adam state (zeros, step 0) so megatron can describe the state to load into
     (a fresh distributed optimizer has none and its ``state_dict()`` needs a step). The load overwrites it."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in megatron_internals.each_optimizer(optimizer):
         inner = opt.optimizer
         for group in inner.param_groups:
             for p in group["params"]:

@@ -262,7 +262,9 @@ class MegatronEngine:
     def _main_param_shard_range(self, param) -> tuple[int, int]:
         """[start, end) of ``param``'s flattened elements whose fp32 main copy this DP rank holds
         (distributed optimizer)."""
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+        from verl_lite.compat.megatron_internals import each_optimizer
+
+        for opt in each_optimizer(self.optimizer):
             if param in getattr(opt, "model_param_gbuf_map", {}):
                 r = opt._get_model_param_range_map(param)["param"]
                 return r.start, r.end
