@@ -143,18 +143,30 @@ def test_samples_do_not_depend_on_layout_or_batch_composition(model_dir, tok):
     assert [o["response_ids"] for o in moved] != [o["response_ids"] for o in one[0]]
 
 
-def test_shared_prefill_and_dropping_stopped_rows_change_no_sample(model_dir, tok, monkeypatch):
-    """One prefill per prompt (its n samples copy the KV cache) and stopped rows leaving the batch give
-    the same tokens and log-probs as the plain loop: prompts repeated n times, stopped rows kept and masked."""
+def test_shared_prefill_in_place_cache_and_dropping_stopped_rows_change_no_sample(model_dir, tok, monkeypatch):
+    """One prefill per prompt (its n samples copy the KV cache), a KV cache written in place
+    (``compat.kv_cache``) and stopped rows leaving the batch give the same tokens and log-probs as the
+    plain loop: transformers' own cache, prompts repeated n times, stopped rows kept and masked."""
     from transformers import DynamicCache
+
+    from verl_lite.compat import kv_cache
+    from verl_lite.rollout import hf_rollout
 
     r = HFRollout(model_dir, tok)
     prompts = _varied_prompts(tok)
     seeds = [7 + 3 * p for p in range(len(prompts))]
     kw = dict(do_sample=True, temperature=1.0, top_k=-1, top_p=1.0, max_new_tokens=10)
+    selected = []
+    layer = kv_cache.reserved_layer_class()
+    select = layer.batch_select_indices
+    monkeypatch.setattr(layer, "batch_select_indices", lambda self, idx: (selected.append(len(idx)), select(self, idx)))
+    assert kv_cache.supported(r.model.config), "the installed transformers must be one the in-place cache serves"
+    monkeypatch.setattr(hf_rollout, "COMPACT_AT", 0.99)  # rows leave at every stop (here: fewer than 1/8 stop)
     fast = r.generate(prompts, n=4, seeds=seeds, **kw)
     lengths = {len(o["response_ids"]) for o in fast}
     assert min(lengths) < max(lengths) == 10, "some rows must stop before others for the test to cover dropping them"
+    assert selected and min(selected) < len(prompts) * 4, "stopped rows must have left the batch"
+    monkeypatch.setattr(hf_rollout, "reserved_cache", lambda *a: None)
     monkeypatch.setattr(DynamicCache, "batch_repeat_interleave", None)
     monkeypatch.setattr(DynamicCache, "batch_select_indices", None)
     plain = r.generate(prompts, n=4, seeds=seeds, **kw)

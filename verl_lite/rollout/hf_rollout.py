@@ -23,8 +23,9 @@ With ``seeds`` (one per prompt) sample k of prompt p is keyed (seeds[p], k); wit
 softmax(filtered logits / T). (The logits themselves come from a batched forward; batched and
 single-row float kernels agree to ~1e-6, so a different batch can flip a draw only where two
 perturbed logits tie to that precision.) A call leaves the global RNG alone. Generation stops
-per sequence at EOS (a stopped sequence leaves the batch and its KV cache) and for the batch when
-every sequence has stopped or max_new_tokens is reached.
+per sequence at EOS (stopped sequences leave the batch and the KV cache once an eighth of the batch
+has stopped: ``COMPACT_AT``) and for the batch when every sequence has stopped or max_new_tokens is
+reached. Decode steps write the KV cache in place (``compat.kv_cache``) where transformers allows.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import inspect
 from typing import Iterable
 
 import torch
+
+from verl_lite.compat.kv_cache import reserved_cache
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
@@ -96,6 +99,13 @@ def gumbel_max_sample(scaled_logits: torch.Tensor, uniforms: torch.Tensor) -> to
     """One draw per row from softmax(scaled_logits) (-inf entries never drawn): argmax(logits + Gumbel(u))."""
     gumbel = -torch.log(-torch.log(uniforms))
     return (scaled_logits.double() + gumbel).argmax(dim=-1)
+
+
+# Stopped rows leave the batch once at most this fraction of its rows is still generating. A decode
+# step's matmuls read the weights once for all rows, so a stopped row kept costs less than its share
+# of the step, while dropping rows copies every layer's KV cache (at the compute-bound bench point,
+# dropping at every stop cost more than it saved: 28 copies of the cache in 64 steps).
+COMPACT_AT = 7 / 8
 
 
 def _cache_of(out):
@@ -210,15 +220,19 @@ class HFRollout:
                                   shaping=(float(repetition_penalty), float(min_p or 0.0)),
                                   stops=([stop] if isinstance(stop, str) else list(stop or []), list(stop_token_ids or [])))
 
-    def _prefill(self, prompt_ids: list[list[int]], n: int):
+    def _prefill(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int):
         """The prompts' forward, ONE row per prompt: its n samples share it (their KV cache rows and
         first logits are copies, ``Cache.batch_repeat_interleave``), so prefill costs 1/n of a
         per-sample prefill. Returns (ids, attention mask, cache, last logits), n rows per prompt.
-        A cache without ``batch_repeat_interleave`` gets the prompts repeated n times instead."""
+        A cache without ``batch_repeat_interleave`` gets the prompts repeated n times instead.
+        The cache has room for the prompts and ``max_new_tokens`` (``compat.kv_cache``: decode steps
+        write in place) where the installed transformers and the model allow it."""
         def forward(seqs):
             ids, attn = self._left_pad(seqs)
             position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-            out = self.model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=True)
+            cache = reserved_cache(self.model.config, ids.shape[1] + max_new_tokens)
+            out = self.model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=True,
+                             **({} if cache is None else {self._cache_kw: cache}))
             return ids, attn, _cache_of(out), out.logits[:, -1, :]
 
         if n == 1:
@@ -255,7 +269,7 @@ class HFRollout:
             row_seeds = torch.full((b,), 0 if seed is None else int(seed), dtype=torch.int64, device=self.device)
             row_samples = torch.arange(b, dtype=torch.int64, device=self.device)
 
-        ids, attn, past, logits = self._prefill(prompt_ids, n)
+        ids, attn, past, logits = self._prefill(prompt_ids, n, max_new_tokens)
         position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
         next_pos = position_ids[:, -1:] + 1
 
@@ -264,8 +278,9 @@ class HFRollout:
         lengths = torch.zeros(b, dtype=torch.long, device=self.device)
         attn = torch.cat([attn, attn.new_zeros((b, max_new_tokens))], dim=1)  # filled in as tokens are kept
         width = ids.shape[1]
-        # the rows still generating (indices into the call's rows): a row that stops leaves the batch
-        # and its KV cache (``Cache.batch_select_indices``); a cache without it keeps the row, masked
+        # the rows still generating (indices into the call's rows): stopped rows leave the batch and
+        # their KV cache (``Cache.batch_select_indices``) once COMPACT_AT of the rows or fewer are left
+        # generating; until then, and with a cache without it, a stopped row stays, masked
         rows = torch.arange(b, device=self.device)
         alive = torch.ones(b, dtype=torch.bool, device=self.device)
         compact = callable(getattr(past, "batch_select_indices", None))
@@ -295,7 +310,7 @@ class HFRollout:
                 alive = alive & ~self._stopped_by_string(tokens, lengths, rows, stop)
             if t + 1 == max_new_tokens or not bool(alive.any()):
                 break
-            if compact and not bool(alive.all()):
+            if compact and int(alive.sum()) <= COMPACT_AT * alive.numel():
                 keep = alive.nonzero().squeeze(-1)
                 past.batch_select_indices(keep)
                 rows, nxt, attn, next_pos, alive = rows[keep], nxt[keep], attn[keep], next_pos[keep], alive[keep]

@@ -1,0 +1,139 @@
+"""A KV cache whose decode steps write in place, built on transformers' cache layers (``TESTED_TRANSFORMERS``).
+
+transformers' ``DynamicLayer`` grows a layer's keys and values by ``torch.cat`` at every forward, so each decode
+step copies the whole cache of every layer: at the compute-bound bench point (``bench/rl_step_vs_trl.py --workload
+compute``: 128 rows, 64 new tokens, 8 layers) that was 16% of ``HFRollout``'s generation time.
+
+:class:`ReservedLayer` keeps a layer's keys and values in a buffer ``[batch, kv_heads, room, head_dim]`` with room to
+grow. A forward writes its positions into the buffer in place, and the layer's ``keys`` / ``values`` are views of the
+filled part, so everything that reads them (attention, masks, ``get_seq_length``) sees what a ``DynamicLayer`` would
+hold, value for value. The buffer is made at the first forward with room for the ``capacity`` positions the caller
+expects to need (no more than a ``DynamicLayer`` holds at that length, and half of what its last ``torch.cat`` needs);
+past it the room doubles. Selecting or repeating batch rows copies the buffer once.
+
+:func:`reserved_cache` stands aside (returns None, and the model builds its own cache) for any transformers version but
+the ones it was written for, and for a model whose layers are not all full attention (sliding windows, linear
+attention, shared KV): their layers keep state that a ``DynamicLayer`` does not have.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verl_lite.compat import installed_version
+
+# the versions whose Cache(layers=...) and DynamicLayer (keys/values/is_initialized/device, update, get_seq_length,
+# get_mask_sizes) this was written for and checked against
+TESTED_TRANSFORMERS = ("5.25.0",)
+FULL_ATTENTION = "full_attention"
+
+
+def _layer_class():
+    from transformers.cache_utils import DynamicLayer
+
+    class ReservedLayer(DynamicLayer):
+        """A ``DynamicLayer`` (the same keys and values after every call) that writes new positions in place."""
+
+        def __init__(self, capacity: int):
+            super().__init__()
+            self.capacity = capacity
+            self._key_buffer: torch.Tensor | None = None
+            self._value_buffer: torch.Tensor | None = None
+            self._length = 0
+
+        def _expose(self) -> None:
+            self.keys = self._key_buffer[:, :, : self._length]
+            self.values = self._value_buffer[:, :, : self._length]
+
+        def _reserve(self, keys: torch.Tensor, values: torch.Tensor, room: int) -> None:
+            """New buffers of ``room`` positions holding ``keys`` / ``values`` (the filled part)."""
+            batch, heads, length, _ = keys.shape
+            self._key_buffer = keys.new_empty((batch, heads, room, keys.shape[-1]))
+            self._value_buffer = values.new_empty((batch, values.shape[1], room, values.shape[-1]))
+            self._key_buffer[:, :, :length] = keys
+            self._value_buffer[:, :, :length] = values
+            self._length = length
+            self._expose()
+
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            self.device = key_states.device
+            self.is_initialized = True
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            if self._key_buffer is None:
+                self._reserve(key_states, value_states, max(self.capacity, key_states.shape[-2]))
+                return self.keys, self.values
+            end = self._length + key_states.shape[-2]
+            if end > self._key_buffer.shape[-2]:
+                self._reserve(self.keys, self.values, max(end, 2 * self._key_buffer.shape[-2]))
+            self._key_buffer[:, :, self._length:end] = key_states
+            self._value_buffer[:, :, self._length:end] = value_states
+            self._length = end
+            self._expose()
+            return self.keys, self.values
+
+        def crop(self, tokens_to_remove: int) -> None:
+            if tokens_to_remove > 0:
+                raise ValueError(f"crop({tokens_to_remove}): give a negative number of tokens to remove")
+            if tokens_to_remove and self._key_buffer is not None:
+                self._length = max(0, self._length + tokens_to_remove)
+                self._expose()
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            if self._key_buffer is not None:
+                indices = indices.to(self._key_buffer.device)
+                self._key_buffer = self._key_buffer.index_select(0, indices)
+                self._value_buffer = self._value_buffer.index_select(0, indices)
+                self._expose()
+
+        def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+            self.batch_select_indices(beam_idx)
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            if self._key_buffer is not None:
+                self._key_buffer = self._key_buffer.repeat_interleave(repeats, dim=0)
+                self._value_buffer = self._value_buffer.repeat_interleave(repeats, dim=0)
+                self._expose()
+
+        def reset(self) -> None:
+            self._key_buffer = self._value_buffer = None
+            self._length = 0
+            super().reset()
+
+    return ReservedLayer
+
+
+_reserved_layer = None
+
+
+def reserved_layer_class():
+    """The :class:`ReservedLayer` class (built once, on transformers' ``DynamicLayer``)."""
+    global _reserved_layer
+    if _reserved_layer is None:
+        _reserved_layer = _layer_class()
+    return _reserved_layer
+
+
+def supported(config) -> bool:
+    """Whether :func:`reserved_cache` serves a model of this (HF) config under the installed transformers."""
+    if installed_version("transformers") not in TESTED_TRANSFORMERS:
+        return False
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    layer_types = getattr(text, "layer_types", None) or [FULL_ATTENTION] * text.num_hidden_layers
+    shared_kv = getattr(text, "num_kv_shared_layers", 0) or 0
+    return all(kind == FULL_ATTENTION for kind in layer_types) and not shared_kv and not getattr(
+        text, "use_sliding_window", False)
+
+
+def reserved_cache(config, capacity: int):
+    """A cache of :class:`ReservedLayer` for a model of ``config`` that will hold about ``capacity`` positions per row,
+    or None where :func:`supported` says no (the model then builds its own cache)."""
+    if not supported(config):
+        return None
+    from transformers.cache_utils import Cache
+
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    layer = reserved_layer_class()
+    return Cache(layers=[layer(capacity) for _ in range(text.num_hidden_layers)])
