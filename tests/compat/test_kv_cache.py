@@ -78,7 +78,8 @@ def qwen2_config():
 
 
 def test_stands_aside_where_it_was_not_written_for(qwen2_config, monkeypatch):
-    monkeypatch.setattr(kv_cache, "installed_version", lambda package: kv_cache.TESTED_TRANSFORMERS[-1])
+    check = kv_cache._tested_transformers_installed.__wrapped__  # the version check itself (cached per process)
+    monkeypatch.setattr(kv_cache, "_tested_transformers_installed", lambda: True)
     cache = kv_cache.reserved_cache(qwen2_config, capacity=16)
     assert cache is not None and len(cache.layers) == 3
     assert all(isinstance(layer, kv_cache.reserved_layer_class()) for layer in cache.layers)
@@ -88,4 +89,6 @@ def test_stands_aside_where_it_was_not_written_for(qwen2_config, monkeypatch):
     mixed = AutoConfig.for_model("qwen3", num_hidden_layers=2, layer_types=["full_attention", "sliding_attention"])
     assert kv_cache.reserved_cache(mixed, capacity=16) is None
     monkeypatch.setattr(kv_cache, "installed_version", lambda package: "5.26.0")
+    assert not check()
+    monkeypatch.setattr(kv_cache, "_tested_transformers_installed", check)
     assert kv_cache.reserved_cache(qwen2_config, capacity=16) is None

@@ -18,6 +18,8 @@ attention, shared KV): their layers keep state that a ``DynamicLayer`` does not 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from verl_lite.compat import installed_version
@@ -42,16 +44,19 @@ def _layer_class():
             self._length = 0
 
         def _expose(self) -> None:
-            self.keys = self._key_buffer[:, :, : self._length]
-            self.values = self._value_buffer[:, :, : self._length]
+            self.keys = self._key_buffer.narrow(2, 0, self._length)
+            self.values = self._value_buffer.narrow(2, 0, self._length)
 
-        def _reserve(self, keys: torch.Tensor, values: torch.Tensor, room: int) -> None:
-            """New buffers of ``room`` positions holding ``keys`` / ``values`` (the filled part)."""
-            batch, heads, length, _ = keys.shape
-            self._key_buffer = keys.new_empty((batch, heads, room, keys.shape[-1]))
-            self._value_buffer = values.new_empty((batch, values.shape[1], room, values.shape[-1]))
-            self._key_buffer[:, :, :length] = keys
-            self._value_buffer[:, :, :length] = values
+        def _reserve(self, keys: torch.Tensor, values: torch.Tensor, room: int, repeats: int = 1) -> None:
+            """New buffers of ``room`` positions holding ``keys`` / ``values`` (the filled part), each row repeated
+            ``repeats`` times in place (``batch_repeat_interleave``'s order) by one copy."""
+            length = keys.shape[-2]
+            for name, states in (("_key_buffer", keys), ("_value_buffer", values)):
+                batch, heads, _, width = states.shape
+                buffer = states.new_empty((batch * repeats, heads, room, width))
+                filled = buffer.narrow(2, 0, length).view(batch, repeats, heads, length, width)
+                filled.copy_(states.unsqueeze(1).expand(batch, repeats, heads, length, width))
+                setattr(self, name, buffer)
             self._length = length
             self._expose()
 
@@ -65,11 +70,12 @@ def _layer_class():
             if self._key_buffer is None:
                 self._reserve(key_states, value_states, max(self.capacity, key_states.shape[-2]))
                 return self.keys, self.values
-            end = self._length + key_states.shape[-2]
+            new = key_states.shape[-2]
+            end = self._length + new
             if end > self._key_buffer.shape[-2]:
                 self._reserve(self.keys, self.values, max(end, 2 * self._key_buffer.shape[-2]))
-            self._key_buffer[:, :, self._length:end] = key_states
-            self._value_buffer[:, :, self._length:end] = value_states
+            self._key_buffer.narrow(2, self._length, new).copy_(key_states)
+            self._value_buffer.narrow(2, self._length, new).copy_(value_states)
             self._length = end
             self._expose()
             return self.keys, self.values
@@ -93,9 +99,7 @@ def _layer_class():
 
         def batch_repeat_interleave(self, repeats: int) -> None:
             if self._key_buffer is not None:
-                self._key_buffer = self._key_buffer.repeat_interleave(repeats, dim=0)
-                self._value_buffer = self._value_buffer.repeat_interleave(repeats, dim=0)
-                self._expose()
+                self._reserve(self.keys, self.values, self._key_buffer.shape[-2], repeats)
 
         def reset(self) -> None:
             self._key_buffer = self._value_buffer = None
@@ -116,9 +120,14 @@ def reserved_layer_class():
     return _reserved_layer
 
 
+@functools.lru_cache(maxsize=None)
+def _tested_transformers_installed() -> bool:
+    return installed_version("transformers") in TESTED_TRANSFORMERS  # reads package metadata: once per process
+
+
 def supported(config) -> bool:
     """Whether :func:`reserved_cache` serves a model of this (HF) config under the installed transformers."""
-    if installed_version("transformers") not in TESTED_TRANSFORMERS:
+    if not _tested_transformers_installed():
         return False
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     layer_types = getattr(text, "layer_types", None) or [FULL_ATTENTION] * text.num_hidden_layers
