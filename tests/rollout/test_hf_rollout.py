@@ -9,7 +9,7 @@ import torch
 
 from verl_lite.data.char_tokenizer import build_char_tokenizer
 from verl_lite.rollout import HFRollout, make_rollout, vllm_available
-from verl_lite.rollout.hf_rollout import _filter_top_k_top_p, counter_uniform, gumbel_max_sample
+from verl_lite.rollout.hf_rollout import _filter_top_k_top_p, counter_uniform, inverse_cdf_sample
 from verl_lite.utils import make_tiny_hf_model
 
 torch.set_num_threads(1)
@@ -179,27 +179,29 @@ def test_shared_prefill_in_place_cache_and_dropping_stopped_rows_change_no_sampl
 def test_counter_uniform_is_a_function_of_its_key_only():
     seeds = torch.tensor([3, 3, 7, 2**40 + 3])
     samples = torch.tensor([0, 1, 0, 0])
-    u = counter_uniform(seeds, samples, position=5, vocab_size=64)
-    assert u.dtype == torch.float64 and u.shape == (4, 64) and (u > 0).all() and (u < 1).all()
-    for i in range(4):  # the same values for a row computed alone
-        torch.testing.assert_close(counter_uniform(seeds[i:i + 1], samples[i:i + 1], 5, 64)[0], u[i], atol=0, rtol=0)
+    u = counter_uniform(seeds, samples, position=5)
+    assert u.dtype == torch.float64 and u.shape == (4,) and (u > 0).all() and (u < 1).all()
+    for i in range(4):  # the same value for a row computed alone
+        torch.testing.assert_close(counter_uniform(seeds[i:i + 1], samples[i:i + 1], 5)[0], u[i], atol=0, rtol=0)
     # every key component matters (seed incl. its high bits, sample id, position)
-    assert len({tuple(row.tolist()) for row in u}) == 4
-    assert not torch.equal(counter_uniform(seeds, samples, 6, 64), u)
-    big = counter_uniform(torch.arange(4000), torch.zeros(4000, dtype=torch.long), 0, 16).flatten()
-    assert abs(float(big.mean()) - 0.5) < 0.01 and abs(float(big.var()) - 1 / 12) < 0.005
-    # neighbouring tokens are uncorrelated
+    assert len(set(u.tolist())) == 4
+    assert not torch.equal(counter_uniform(seeds, samples, 6), u)
+    big = counter_uniform(torch.arange(40000), torch.zeros(40000, dtype=torch.long), 0)
+    assert abs(float(big.mean()) - 0.5) < 0.005 and abs(float(big.var()) - 1 / 12) < 0.002
+    # neighbouring keys (seeds, and positions of one row) are uncorrelated
     assert abs(float(torch.corrcoef(torch.stack([big[:-1], big[1:]]))[0, 1])) < 0.02
+    by_position = torch.stack([counter_uniform(torch.tensor([11]), torch.tensor([2]), t) for t in range(4000)]).flatten()
+    assert abs(float(torch.corrcoef(torch.stack([by_position[:-1], by_position[1:]]))[0, 1])) < 0.05
 
 
 @pytest.mark.parametrize("top_k", [-1, 3])
-def test_gumbel_max_draws_follow_the_softmax(top_k):
+def test_inverse_cdf_draws_follow_the_softmax(top_k):
     """Frequencies of 40000 draws (different sample ids) vs softmax(filtered logits): chi-square."""
     logits = torch.tensor([[1.5, 0.2, -0.7, 2.0, 0.0, -3.0, 1.0, -1.2]])
     rows = 40000
     filtered = _filter_top_k_top_p(logits, top_k, 1.0).expand(rows, -1)
-    u = counter_uniform(torch.full((rows,), 123), torch.arange(rows), position=0, vocab_size=8)
-    draws = gumbel_max_sample(filtered, u)
+    u = counter_uniform(torch.full((rows,), 123), torch.arange(rows), position=0)
+    draws = inverse_cdf_sample(filtered, u)
     counts = torch.bincount(draws, minlength=8).double()
     probs = torch.softmax(filtered[0].double(), -1)
     kept = probs > 0
@@ -207,6 +209,17 @@ def test_gumbel_max_draws_follow_the_softmax(top_k):
     expected = probs[kept] * rows
     chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
     assert chi2 < 30.0, (chi2, counts.tolist(), expected.tolist())  # p < 1e-4 at <= 7 degrees of freedom
+
+
+def test_inverse_cdf_never_draws_a_filtered_token_at_the_extremes():
+    """The smallest and largest uniforms of the 2**-32 grid draw the first and the last token that can be drawn:
+    filtered (-inf) tokens before, between and after them own empty intervals."""
+    inf = float("-inf")
+    logits = torch.tensor([[inf, inf, 0.3, inf, -1.0, 2.0, inf, inf]] * 2)
+    extremes = torch.tensor([0.5 / 2**32, 1 - 0.5 / 2**32], dtype=torch.float64)
+    assert inverse_cdf_sample(logits, extremes).tolist() == [2, 5]
+    one_token = torch.tensor([[inf, 4.0, inf]] * 2)
+    assert inverse_cdf_sample(one_token, extremes).tolist() == [1, 1]
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, -1, 1.0), (1.5, 5, 0.9)])

@@ -14,15 +14,14 @@ T = temperature if > 0 else 1.
 
 The prompt forward (prefill) runs once per prompt; its n samples start from copies of its KV cache.
 Sampling is ONE batched call for all prompts x n samples and still layout independent: every
-row draws its token by Gumbel-max, ``argmax(filtered logits / T + G)``, with Gumbel noise
-``G[v] = -log(-log(u[v]))`` from a counter-based hash ``u = hash(seed, sample id, position, v)``
-(``counter_uniform``). So the draws of a row depend on (its seed, its sample id, the position)
-only: not on which other prompts share the batch, on the batch size or on the worker layout.
-With ``seeds`` (one per prompt) sample k of prompt p is keyed (seeds[p], k); with a single
-``seed`` row i of the call is keyed (seed, i). Gumbel-max draws exactly from
-softmax(filtered logits / T). (The logits themselves come from a batched forward; batched and
-single-row float kernels agree to ~1e-6, so a different batch can flip a draw only where two
-perturbed logits tie to that precision.) A call leaves the global RNG alone. Generation stops
+row draws its token by inverting the CDF of softmax(filtered logits / T) at a uniform from a
+counter-based hash ``u = hash(seed, sample id, position)`` (``counter_uniform``,
+``inverse_cdf_sample``). So the draws of a row depend on (its seed, its sample id, the position)
+and its own logits only: not on which other prompts share the batch, on the batch size or on the
+worker layout. With ``seeds`` (one per prompt) sample k of prompt p is keyed (seeds[p], k); with a
+single ``seed`` row i of the call is keyed (seed, i). (The logits themselves come from a batched
+forward; batched and single-row float kernels agree to ~1e-6, so a different batch can flip a draw
+only where u falls within that distance of a boundary of the row's CDF.) A call leaves the global RNG alone. Generation stops
 per sequence at EOS (stopped sequences leave the batch and the KV cache once an eighth of the batch
 has stopped: ``COMPACT_AT``) and for the batch when every sequence has stopped or max_new_tokens is
 reached. Decode steps write the KV cache in place (``compat.kv_cache``) where transformers allows.
@@ -84,21 +83,26 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def counter_uniform(seeds: torch.Tensor, sample_ids: torch.Tensor, position: int, vocab_size: int) -> torch.Tensor:
-    """Uniforms in (0, 1), float64 ``[b, vocab_size]``: entry (i, v) is a hash of
-    (seeds[i], sample_ids[i], position, v) and nothing else (same values on any device, in any batch)."""
+def counter_uniform(seeds: torch.Tensor, sample_ids: torch.Tensor, position: int) -> torch.Tensor:
+    """One uniform in (0, 1) per row, float64 ``[b]``: a hash of (seeds[i], sample_ids[i], position) and
+    nothing else (the same value on any device, in any batch), on a grid of 2**-32."""
     s = seeds.to(torch.int64)
     row = _fmix32(_fmix32(_fmix32(s & _M32) ^ _fmix32((s >> 32) & _M32) ^ 0x9E3779B9) ^ (sample_ids.to(torch.int64) & _M32))
-    row = _fmix32(row ^ _fmix32(torch.full_like(row, (int(position) * 0x632BE5AB + 0x2545F491) & _M32)))
-    v = torch.arange(vocab_size, dtype=torch.int64, device=row.device)
-    h = _fmix32(_fmix32(row[:, None] ^ _mul32(v, 0x9E3779B1)[None, :]) + 0x7F4A7C15)
+    h = _fmix32(_fmix32(row ^ _fmix32(torch.full_like(row, (int(position) * 0x632BE5AB + 0x2545F491) & _M32))) + 0x7F4A7C15)
     return (h.double() + 0.5) / 2.0**32
 
 
-def gumbel_max_sample(scaled_logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """One draw per row from softmax(scaled_logits) (-inf entries never drawn): argmax(logits + Gumbel(u))."""
-    gumbel = -torch.log(-torch.log(uniforms))
-    return (scaled_logits.double() + gumbel).argmax(dim=-1)
+def inverse_cdf_sample(scaled_logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One draw per row from softmax(scaled_logits) (-inf entries never drawn): the first token whose
+    cumulative probability (float64, in vocabulary order) exceeds ``uniforms[i]`` times the total.
+
+    A token of probability p owns an interval of width p of the row's CDF, so a uniform draws it with
+    probability p (to the 2**-32 grid of ``counter_uniform``); a token of probability 0 owns an empty
+    interval. The cost is a softmax and a cumulative sum per row: O(vocabulary) float work, where a
+    per-token noise (Gumbel-max) hashes every (row, token) pair at every step."""
+    cdf = torch.softmax(scaled_logits.double(), dim=-1).cumsum_(dim=-1)
+    target = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
 
 
 # Stopped rows leave the batch once at most this fraction of its rows is still generating. A decode
@@ -295,8 +299,8 @@ class HFRollout:
             if seen is not None:
                 scaled = _penalize_repetition(scaled, seen[rows], repetition_penalty)
             if do_sample:
-                u = counter_uniform(row_seeds[rows], row_samples[rows], t, scaled.shape[-1])
-                nxt = gumbel_max_sample(_filter_top_k_top_p(scaled, top_k, top_p, min_p), u)
+                u = counter_uniform(row_seeds[rows], row_samples[rows], t)
+                nxt = inverse_cdf_sample(_filter_top_k_top_p(scaled, top_k, top_p, min_p), u)
             else:
                 nxt = scaled.argmax(dim=-1)
             nxt = torch.where(alive, nxt, torch.full_like(nxt, self.pad_token_id))
