@@ -44,12 +44,13 @@ class _RMSNorm(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
         x_hat = x.float() * rstd
-        grad_x_hat = grad.float() * x_hat  # g x^: its row sums give dw, its rows dotted with w give mean(gy x^)
+        grad32, weight32 = grad.float(), weight.float()
+        grad_x_hat = grad32 * x_hat  # g x^: its row sums give dw, its rows dotted with w give mean(gy x^)
         grad_weight = None
         if ctx.needs_input_grad[1]:
             grad_weight = grad_x_hat.reshape(-1, grad.shape[-1]).sum(0).to(weight.dtype)
-        mean_term = (grad_x_hat @ weight.float()).unsqueeze(-1).div_(x.shape[-1])
-        grad_y = grad.float() * weight.float()
+        mean_term = (grad_x_hat @ weight32).unsqueeze(-1).div_(x.shape[-1])
+        grad_y = grad32 * weight32
         grad_x = grad_y.addcmul_(x_hat, mean_term, value=-1).mul_(rstd)
         return grad_x.to(x.dtype), grad_weight, None
 

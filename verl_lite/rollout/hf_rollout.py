@@ -99,10 +99,12 @@ def inverse_cdf_sample(scaled_logits: torch.Tensor, uniforms: torch.Tensor) -> t
     A token of probability p owns an interval of width p of the row's CDF, so a uniform draws it with
     probability p (to the 2**-32 grid of ``counter_uniform``); a token of probability 0 owns an empty
     interval. The cost is a softmax and a cumulative sum per row: O(vocabulary) float work, where a
-    per-token noise (Gumbel-max) hashes every (row, token) pair at every step."""
+    per-token noise (Gumbel-max) hashes every (row, token) pair at every step. Since ``u < 1`` the target
+    is below the total and the index is a token's; only a row of NaN logits could point past the end,
+    and the clamp keeps its (meaningless) draw a token id, as argmax would."""
     cdf = torch.softmax(scaled_logits.double(), dim=-1).cumsum_(dim=-1)
     target = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
 
 
 # Stopped rows leave the batch once at most this fraction of its rows is still generating. A decode
