@@ -32,6 +32,23 @@ DEFAULT_MODEL_DIR = ASSETS_DIR / "tiny-addition"
 DEFAULT_DATA_DIR = ASSETS_DIR / "synthetic-addition"
 
 
+PACKAGE_DIR = ASSETS_DIR.parent
+PACKAGE_RESOLVER = "verl_lite"  # ${verl_lite:assets/tiny-addition}: a path inside the installed package
+
+
+def package_path(relative: str) -> str:
+    """``${verl_lite:RELATIVE}`` in a recipe or an override: the file or directory ``RELATIVE`` inside the installed
+    verl_lite package, as an absolute path (a shipped recipe's assets resolve from any working directory)."""
+    return str(PACKAGE_DIR / relative)
+
+
+def _register_resolver() -> None:
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver(PACKAGE_RESOLVER):
+        OmegaConf.register_new_resolver(PACKAGE_RESOLVER, package_path)
+
+
 def default_model_path() -> str:
     """The shipped tiny model (HF format, tokenizer included)."""
     return str(DEFAULT_MODEL_DIR)
@@ -288,6 +305,7 @@ def to_dataclass(dict_cfg) -> PPOConfig:
     """An OmegaConf DictConfig (already composed against the schema) -> PPOConfig with built-in defaults filled."""
     from omegaconf import OmegaConf
 
+    _register_resolver()  # ${verl_lite:...} values resolve here
     return _fill_builtin_defaults(OmegaConf.to_object(dict_cfg))
 
 
