@@ -60,6 +60,24 @@ def test_reserved_layer_matches_dynamic_layer_through_every_operation():
 
 
 @TESTED
+def test_selecting_rows_early_in_a_large_room_matches_dynamic_layer():
+    """Rows selected while the filled part is at most half the room (copied alone into a new room), then decode
+    steps into that room."""
+    generator = torch.Generator().manual_seed(2)
+    reserved, dynamic = kv_cache.reserved_layer_class()(capacity=32), DynamicLayer()
+    keys, values = _states(5, 3, generator)
+    reserved.update(keys, values), dynamic.update(keys, values)
+    keep = torch.tensor([4, 1])
+    reserved.batch_select_indices(keep), dynamic.batch_select_indices(keep)
+    _assert_same(reserved, dynamic)
+    assert reserved._key_buffer.shape[-2] == 32  # the room is kept
+    for _ in range(3):
+        keys, values = _states(2, 1, generator)
+        reserved.update(keys, values), dynamic.update(keys, values)
+        _assert_same(reserved, dynamic)
+
+
+@TESTED
 def test_decode_steps_write_in_place():
     """Within its room a decode step allocates nothing for the cache: keys and values stay views of one buffer."""
     reserved = kv_cache.reserved_layer_class()(capacity=10)

@@ -9,7 +9,8 @@ grow. A forward writes its positions into the buffer in place, and the layer's `
 filled part, so everything that reads them (attention, masks, ``get_seq_length``) sees what a ``DynamicLayer`` would
 hold, value for value. The buffer is made at the first forward with room for the ``capacity`` positions the caller
 expects to need (no more than a ``DynamicLayer`` holds at that length, and half of what its last ``torch.cat`` needs);
-past it the room doubles. Selecting or repeating batch rows copies the buffer once.
+past it the room doubles. Repeating batch rows copies the filled part once; selecting rows copies the whole buffer
+once, or the filled part twice while it is at most half the room (early in a long generation).
 
 :func:`reserved_cache` stands aside (returns None, and the model builds its own cache) for any transformers version but
 the ones it was written for, and for a model whose layers are not all full attention (sliding windows, linear
@@ -88,8 +89,13 @@ def _layer_class():
                 self._expose()
 
         def batch_select_indices(self, indices: torch.Tensor) -> None:
-            if self._key_buffer is not None:
-                indices = indices.to(self._key_buffer.device)
+            if self._key_buffer is None:
+                return
+            indices = indices.to(self._key_buffer.device)
+            room = self._key_buffer.shape[-2]
+            if 2 * self._length <= room:  # the filled part twice (select, then into a new room) costs less than the room
+                self._reserve(self.keys.index_select(0, indices), self.values.index_select(0, indices), room)
+            else:
                 self._key_buffer = self._key_buffer.index_select(0, indices)
                 self._value_buffer = self._value_buffer.index_select(0, indices)
                 self._expose()
