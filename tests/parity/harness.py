@@ -134,6 +134,13 @@ def make_problem(root: Path) -> Path:
     assert len(lengths) == NUM_SEQS
     assert all(n % 2 for n in lengths)  # odd: no length divides by 2*CP, padding is always exercised
     ids = [torch.randint(1, 64, (n,), generator=g) for n in lengths]
+    # sequences with prompts of one length share that prompt (the n samples of one prompt in RL): the
+    # engine packs a shared prompt once (engine/packing.py), across whatever micro-batches and DP ranks
+    # the planner makes; prompts of lengths 7 and 8 stay unique
+    for length in (2, 3, 4, 5):
+        group = [i for i, p in enumerate(prompt_lens) if p == length]
+        for i in group[1:]:
+            ids[i][:length] = ids[group[0]][:length]
     width = max(resp_lens)
     mask = torch.zeros(NUM_SEQS, width)
     for i, r in enumerate(resp_lens):

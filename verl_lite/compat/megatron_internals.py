@@ -182,14 +182,20 @@ def unshare_adam_steps(optimizer) -> None:
                 state["step"] = state["step"].detach().clone()
 
 
+def plain_rotary(config) -> bool:
+    """RoPE in the case :func:`use_rotary_kernel` computes itself: rotate-half over the head dim, unfused, no MLA."""
+    return not config.apply_rope_fusion and not config.rotary_interleaved and not config.multi_latent_attention
+
+
 def use_rotary_kernel() -> None:
     """Route megatron's unfused RoPE (``transformer/attention.py`` calls ``apply_rotary_pos_emb`` for q and
     for k in every layer) through :func:`verl_lite.engine.elementwise.rotary`, for the cases the engine
     runs: the rotate-half layout over the whole head dim, ``mscale`` 1, no MLA, and bshd or packed THD
     at CP 1. The THD positions restart at every ``cu_seqlens`` boundary, as in megatron's per-sequence
-    loop (``rope_utils._apply_rotary_pos_emb_thd``, its case 2), here computed in one pass. Everything
-    else (CP > 1, fused RoPE, interleaved, MLA, per-token frequencies) goes to megatron's own function.
-    Idempotent."""
+    loop (``rope_utils._apply_rotary_pos_emb_thd``, its case 2), here computed in one pass, except in a
+    pack with shared prompts (``cu_seqlens.shared_prompts``, ``engine/packing.py``), whose rows carry
+    their positions. Everything else (CP > 1, fused RoPE, interleaved, MLA, per-token frequencies) goes
+    to megatron's own function; a pack with shared prompts there is refused. Idempotent."""
     import megatron.core.transformer.attention as attention_module
 
     from verl_lite.engine.elementwise import rotary
@@ -199,8 +205,13 @@ def use_rotary_kernel() -> None:
         return
 
     def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None):
-        plain = (not config.apply_rope_fusion and not config.rotary_interleaved and not config.multi_latent_attention
-                 and mscale == 1.0 and freqs.shape[-1] == t.shape[-1])
+        plain = plain_rotary(config) and mscale == 1.0 and freqs.shape[-1] == t.shape[-1]
+        shared = getattr(cu_seqlens, "shared_prompts", None)
+        if shared is not None:
+            if not plain or (cp_group is not None and cp_group.size() > 1):
+                raise NotImplementedError("a pack with shared prompts needs the plain RoPE case at CP=1")
+            packed = freqs[shared.positions].reshape(t.shape[0], 1, t.shape[-1])
+            return rotary(t, torch.cos(packed).to(t.dtype), torch.sin(packed).to(t.dtype))
         if plain and cu_seqlens is None:
             return rotary(t, torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype))
         if plain and cp_group is not None and cp_group.size() == 1:

@@ -34,6 +34,13 @@ variable ``VERL_LITE_ATTENTION_BACKEND=sdpa``) forces SDPA, ``"flash"`` demands 
 the flash path hands the kernel, per sequence, the two local query chunks as two varlen sequences
 whose keys are the gathered K/V re-ordered into position order and cut at the chunk's end: flash's
 bottom-right-aligned causal mask is then exactly ``p_k <= p_q``. bshd always runs on SDPA.
+
+Shared prompts (CP = 1; ``engine/packing.py``): when ``cu`` carries a ``shared_prompts`` layout, a
+sequence is not a row range but a list of rows (its group's prefix rows, then its own). q, k and v are
+gathered into the pack of those virtual sequences, attention runs there as above, and each pack row
+takes the output of the one slot that owns it. The gradient of a shared key or value sums over every
+sequence that reads it (the gather's backward adds); a query's comes only from its owning slot, the
+only one whose output is used.
 """
 
 from __future__ import annotations
@@ -248,6 +255,11 @@ class PackedCoreAttention(torch.nn.Module):
         if cu_kv is not None and not torch.equal(cu.cpu(), cu_kv.cpu()):
             raise ValueError("self-attention needs identical q and kv cu_seqlens")
         cp = self.cp_size
+        shared = getattr(cu, "shared_prompts", None)
+        if shared is not None:
+            if cp > 1:
+                raise ValueError("a pack with shared prompts runs at CP=1 only")
+            return self._thd_shared(q, k, v, shared)
         bounds = cu.tolist()
         t_local = q.shape[0]
         if bounds[-1] % cp or bounds[-1] // cp > t_local:
@@ -285,6 +297,21 @@ class PackedCoreAttention(torch.nn.Module):
         if used < t_local or not outs:
             outs.append(q.new_zeros(t_local - used, np_ * hn))
         return torch.cat(outs, dim=0)
+
+    def _thd_shared(self, q, k, v, shared):
+        """CP = 1 with shared prompts (module docstring): attention on the pack of virtual sequences."""
+        from verl_lite.engine.regather import gather_rows
+
+        rows = shared.virtual_rows
+        qv = gather_rows(q, rows, shared.slot_of_row)  # a query's gradient: from its owning slot only
+        kv, vv = k.index_select(0, rows), v.index_select(0, rows)  # a key's: summed over its readers
+        if self.backend == "flash" and q.dtype in FLASH_DTYPES:
+            cu = torch.tensor(shared.virtual_bounds, dtype=torch.int32, device=q.device)
+            out = self._thd_flash(self._flash, qv, kv, vv, cu)
+        else:
+            out = self._thd_batched(qv, kv, vv, shared.virtual_bounds)
+        out = gather_rows(out, shared.slot_of_row.clamp(min=0), shared.row_of_slot)
+        return torch.where((shared.slot_of_row >= 0)[:, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
 
     def _thd_batched(self, q, k, v, bounds: list[int]):
         """cp == 1: every sequence of the pack in ONE causal SDPA call.

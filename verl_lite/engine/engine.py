@@ -178,6 +178,7 @@ class MegatronEngine:
         from megatron.core import parallel_state as ps
         from transformers import AutoConfig
 
+        from verl_lite.compat.megatron_internals import plain_rotary
         from verl_lite.engine.hf_bridge import load_hf_weights
         from verl_lite.engine.model import build_model_chunks, transformer_config_from_hf
 
@@ -213,6 +214,10 @@ class MegatronEngine:
             **cfg.model_overrides,
         )
         self._check_p2p_settings()
+        # prompts shared by several sequences of a micro-batch are packed once (engine/packing.py), where
+        # the attention and RoPE can read such a pack: CP 1, RoPE in the engine's own case; not for MoE,
+        # whose router statistics count every token of every sequence
+        self.share_prompts = self.cp == 1 and self.tf_config.num_moe_experts is None and plain_rotary(self.tf_config)
         self.chunks = build_model_chunks(self.hf_config, self.tf_config, value_head=cfg.value_head)
         if cfg.forward_only:  # nothing trains: megatron's frozen-weight linears (the same kernels as a LoRA base)
             for chunk in self.chunks:
@@ -445,6 +450,7 @@ class MegatronEngine:
                 multiple=self.pad_multiple,
                 cp_size=self.cp,
                 cp_rank=self.cp_rank,
+                share_prompts=self.share_prompts,
             )
             out.append(_MicroBatch(packed=packed, data=batch.rows(mb), indices=list(mb)))
         return out
@@ -458,6 +464,8 @@ class MegatronEngine:
         from megatron.core.packed_seq_params import PackedSeqParams
 
         cu = packed.cu_seqlens.to(self.device)
+        if packed.shared is not None:  # read by the attention and RoPE (engine/packing.py)
+            cu.shared_prompts = packed.shared.to(self.device)
         return PackedSeqParams(
             qkv_format="thd",
             cu_seqlens_q=cu,

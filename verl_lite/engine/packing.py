@@ -20,6 +20,19 @@ gradient flows only through the local chunks and each token's gradient is counte
 CP group), un-zig-zagged, trimmed to L_i, and sliced to the response positions: the output at
 position p predicts token p+1, so response token t (at position L_i - R_i + t) is scored at
 position L_i - R_i - 1 + t. Result: [b, W] right-padded with 0.
+
+Shared prompts (``share_prompts=True``, CP = 1): sequences with the same prompt (the first L_i - R_i
+tokens; in RL, the n samples of one prompt) are packed with that prompt's first S = L_i - R_i - 1
+tokens ONCE, as a segment of its own, followed by each sequence's own segment ``ids[S:]`` (the last
+prompt token and the response). A sequence is then a *virtual sequence*: the rows of its group's
+prefix segment followed by the rows of its own segment (:class:`SharedPrompts`). Every row still has
+one label (a prefix row's next token is a prompt token, the same in the whole group, and the last
+prompt token, whose next token differs per sequence, is in each own segment) and one position
+(its index in its virtual sequence), and every response token is scored in its own segment. The
+model computes each prefix row once instead of once per sequence; the attention gathers each virtual
+sequence (``engine/attention.py``) and RoPE takes each row's position (``compat/megatron_internals``),
+so every output and every gradient is the one of the unshared pack (to float rounding: sums taken in
+another order). ``cu_seqlens`` then bounds the segments, ``max_seqlen`` is the longest virtual sequence.
 """
 
 from __future__ import annotations
@@ -59,6 +72,7 @@ class PackedMicroBatch:
     response_lengths: list[int]
     cp_size: int
     cp_rank: int
+    shared: SharedPrompts | None = None
 
     @property
     def num_local_tokens(self) -> int:
@@ -66,8 +80,35 @@ class PackedMicroBatch:
 
     @property
     def num_real_local_tokens(self) -> int:
-        """Real (non-padding) tokens in this rank's chunks; sums over the CP group to sum_i L_i."""
+        """The tokens of the sequences this rank holds (real, non-padding positions of its chunks); sums
+        over the CP group to sum_i L_i. A shared prompt counts once per sequence, as unshared."""
+        if self.shared is not None:
+            return sum(self.lengths)
         return int(self.real_mask.sum())
+
+
+@dataclass
+class SharedPrompts:
+    """How the sequences of a pack with shared prompt prefixes read it (see the module docstring).
+
+    virtual_rows: [sum_i L_i] long, sequence-major: the pack row of position p of sequence i is
+        ``virtual_rows[virtual_bounds[i] + p]``.
+    virtual_bounds: [b+1] list, the cumulative L_i.
+    slot_of_row: [T] long: for each pack row, the index into ``virtual_rows`` (the slot) whose attention
+        output the row takes (a prefix row: its slot in the group's first sequence); -1 for padding.
+    row_of_slot: [sum_i L_i] long: the inverse, the pack row that takes slot j's output, or -1.
+    positions: [T] long: each row's position in its virtual sequence(s) (0 for padding).
+    """
+
+    virtual_rows: torch.Tensor
+    virtual_bounds: list[int]
+    slot_of_row: torch.Tensor
+    row_of_slot: torch.Tensor
+    positions: torch.Tensor
+
+    def to(self, device) -> SharedPrompts:
+        return SharedPrompts(self.virtual_rows.to(device), self.virtual_bounds, self.slot_of_row.to(device),
+                             self.row_of_slot.to(device), self.positions.to(device))
 
 
 def zigzag_positions(padded_length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -89,8 +130,15 @@ def pack_micro_batch(
     multiple: int = 1,
     cp_size: int = 1,
     cp_rank: int = 0,
+    share_prompts: bool = False,
 ) -> PackedMicroBatch:
-    """Pack sequences THD (see module docstring). ``multiple`` must divide by 2*CP when CP > 1."""
+    """Pack sequences THD (see module docstring). ``multiple`` must divide by 2*CP when CP > 1.
+    ``share_prompts`` (CP = 1 only) packs each prompt shared by two or more sequences once."""
+    if share_prompts and cp_size == 1:
+        sequences = [torch.as_tensor(ids, dtype=torch.long).reshape(-1) for ids in input_ids]
+        groups = _prompt_groups(sequences, response_lengths)
+        if groups:
+            return _pack_shared(sequences, response_lengths, groups, multiple)
     if len(input_ids) == 0:
         raise ValueError("pack_micro_batch: a micro-batch needs at least one sequence (got an empty one)")
     if len(input_ids) != len(response_lengths):
@@ -135,6 +183,86 @@ def pack_micro_batch(
     )
 
 
+def _prompt_groups(sequences: list[torch.Tensor], response_lengths) -> dict[int, list[int]]:
+    """{first member: members} of the sequences whose prompts (``ids[:L - R]``, at least 2 tokens) are
+    equal, for the prompts that two or more sequences share; members in batch order."""
+    by_prompt: dict[tuple, list[int]] = {}
+    for k, (ids, r) in enumerate(zip(sequences, response_lengths)):
+        prompt_len = int(ids.numel()) - int(r)
+        if prompt_len >= 2 and int(r) >= 0:
+            by_prompt.setdefault(tuple(ids[:prompt_len].tolist()), []).append(k)
+    return {members[0]: members for members in by_prompt.values() if len(members) > 1}
+
+
+def _pack_shared(sequences: list[torch.Tensor], response_lengths, groups: dict[int, list[int]],
+                 multiple: int) -> PackedMicroBatch:
+    """The pack with shared prompts (module docstring): in batch order, each sequence's own segment,
+    preceded by its group's prefix segment where it is the group's first member. Every segment is
+    padded to ``multiple``."""
+    from verl_lite.engine.regather import invert_index
+
+    shared_len = {k: int(sequences[first].numel()) - int(response_lengths[first]) - 1
+                  for first, members in groups.items() for k in members}
+    prefix_start: dict[int, int] = {}  # group's first member -> pack row of its prefix segment
+    ids_out, labels_out, positions_out, real_out, segments = [], [], [], [], []
+    own_start, lengths = [], []
+    rows = 0
+
+    def add_segment(ids: torch.Tensor, labels: torch.Tensor, first_position: int) -> int:
+        nonlocal rows
+        n = int(ids.numel())
+        p = _ceil_to(n, multiple)
+        ids_out.append(torch.nn.functional.pad(ids, (0, p - n)))
+        labels_out.append(torch.nn.functional.pad(labels, (0, p - n)))
+        positions_out.append(torch.nn.functional.pad(torch.arange(first_position, first_position + n), (0, p - n)))
+        real_out.append(torch.arange(p) < n)
+        segments.append(p)
+        start, rows = rows, rows + p
+        return start
+
+    for k, (ids, r) in enumerate(zip(sequences, response_lengths)):
+        n, r = int(ids.numel()), int(r)
+        if r < 0 or r > n - 1:
+            raise ValueError(
+                f"sequence {k}: response length {r} must be in [0, L-1] with L={n} (the first token is "
+                f"prompt: the response is scored from the token before it)"
+            )
+        labels = torch.nn.functional.pad(ids[1:], (0, 1))  # label[t] = ids[t+1]; the last one is never read
+        s = shared_len.get(k, 0)
+        if k in groups:
+            prefix_start[k] = add_segment(ids[:s], labels[:s], 0)
+        own_start.append(add_segment(ids[s:], labels[s:], s))
+        lengths.append(n)
+
+    first_of = {k: first for first, members in groups.items() for k in members}
+    virtual, bounds, owner = [], [0], torch.full((rows,), -1, dtype=torch.long)
+    for k, n in enumerate(lengths):
+        s = shared_len.get(k, 0)
+        seq_rows = torch.cat([torch.arange(prefix_start[first_of[k]], prefix_start[first_of[k]] + s) if s else
+                              torch.zeros(0, dtype=torch.long), torch.arange(own_start[k], own_start[k] + n - s)])
+        slots = torch.arange(bounds[-1], bounds[-1] + n)
+        own = slots[s:] if first_of.get(k, k) != k else slots  # a group's first member owns the prefix rows
+        owner[seq_rows[n - len(own):]] = own
+        virtual.append(seq_rows)
+        bounds.append(bounds[-1] + n)
+    cu = torch.zeros(len(segments) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(segments, dtype=torch.int32), 0)
+    return PackedMicroBatch(
+        input_ids=torch.cat(ids_out).unsqueeze(0),
+        labels=torch.cat(labels_out).unsqueeze(0),
+        real_mask=torch.cat(real_out).unsqueeze(0),
+        cu_seqlens=cu,
+        max_seqlen=max(max(lengths), max(segments)),
+        lengths=lengths,
+        padded_lengths=[_ceil_to(n, multiple) for n in lengths],
+        response_lengths=[int(r) for r in response_lengths],
+        cp_size=1,
+        cp_rank=0,
+        shared=SharedPrompts(torch.cat(virtual), bounds, owner, invert_index(owner.clamp(min=0), owner >= 0, bounds[-1]),
+                             torch.cat(positions_out)),
+    )
+
+
 def gather_over_cp(local: torch.Tensor, cp_size: int, cp_rank: int, cp_group) -> list[torch.Tensor]:
     """All-gather a per-token tensor over CP; only this rank's entry keeps autograd."""
     if cp_size == 1:
@@ -174,11 +302,16 @@ def _gather_responses(local: torch.Tensor, packed: PackedMicroBatch, width: int)
     responses = torch.tensor(packed.response_lengths, dtype=torch.long)
     if int(responses.max()) > width:
         raise ValueError(f"response length {int(responses.max())} exceeds the output width {width}")
-    padded = torch.tensor(packed.padded_lengths, dtype=torch.long)
-    first = torch.cumsum(padded, 0) - padded + torch.tensor(packed.lengths, dtype=torch.long) - responses - 1
+    starts = torch.tensor(packed.shared.virtual_bounds[:-1] if packed.shared is not None else
+                          [0, *packed.padded_lengths[:-1]], dtype=torch.long)
+    starts = starts if packed.shared is not None else torch.cumsum(starts, 0)
+    first = starts + torch.tensor(packed.lengths, dtype=torch.long) - responses - 1
     offsets = torch.arange(width, dtype=torch.long)
-    valid = (offsets[None, :] < responses[:, None]).reshape(-1).to(local.device)
-    index = torch.where(valid, (first[:, None] + offsets[None, :]).reshape(-1).to(local.device), 0)
+    valid = (offsets[None, :] < responses[:, None]).reshape(-1)
+    index = torch.where(valid, (first[:, None] + offsets[None, :]).reshape(-1), 0)
+    if packed.shared is not None:  # scored positions are in each sequence's own segment: distinct rows
+        index = packed.shared.virtual_rows[index]
+    valid, index = valid.to(local.device), index.to(local.device)
     inverse = invert_index(index, valid, local.numel())
     rows = gather_rows(local, index, inverse)
     return torch.where(valid, rows, torch.zeros((), dtype=local.dtype, device=local.device)).view(len(packed.lengths), width)
