@@ -1,9 +1,12 @@
 """Where ``MegatronEngine.train_step`` spends its time: torch.profiler per-op tables, one process.
 
-    python bench/profile_train_step.py [--hidden 128 512] [--compute] [--seqs 128] [--steps 5] [--rows 25]
+    python bench/profile_train_step.py [--hidden 128 512] [--compute] [--seqs 128] [--samples 8] [--steps 5] [--rows 25]
 
 The RL update's shape: ``--seqs`` sequences of prompt ~9 + response 2..12 tokens (the shipped
-task at n=8), one micro-batch, the real actor loss (GRPO advantages, token-mean, clip 0.2).
+task at n=8), ``--samples`` consecutive sequences per prompt, one micro-batch, the real actor loss
+(GRPO advantages, token-mean, clip 0.2). The step is timed with the engine packing every prompt per
+sequence and with shared prompts packed once (``engine/packing.py``), alternating, and the FLOP
+figures count the model FLOPs of the unshared sequences for both.
 hidden 128 = the shipped tiny model's shape (vocab 128, 4 layers); hidden 512 = the same at 4x
 width. ``--compute`` adds the compute point of ``bench/rl_step_vs_trl.py --workload compute``: its
 model's shape (``COMPUTE_MODEL``: hidden 512, 8 layers, 8 heads, 2 KV heads, intermediate 1408) and
@@ -60,15 +63,18 @@ def _setup(shape: dict, root: Path):
     return engine, Path(model_dir)
 
 
-def _batch(num_seqs: int, prompt: tuple[int, int], response: tuple[int, int], vocab: int = 128):
+def _batch(num_seqs: int, samples: int, prompt: tuple[int, int], response: tuple[int, int], vocab: int = 128):
+    """``num_seqs`` sequences, ``samples`` per prompt (consecutive), as the RL update sees them."""
     from verl_lite.engine import SequenceBatch
 
     rnd = random.Random(0)
     g = torch.Generator().manual_seed(0)
     ids, resp = [], []
-    for _ in range(num_seqs):
-        p, r = rnd.randint(*prompt), rnd.randint(*response)
-        ids.append(torch.randint(3, vocab, (p + r,), generator=g))
+    for i in range(num_seqs):
+        if i % samples == 0:
+            prompt_ids = torch.randint(3, vocab, (rnd.randint(*prompt),), generator=g)
+        r = rnd.randint(*response)
+        ids.append(torch.cat([prompt_ids, torch.randint(3, vocab, (r,), generator=g)]))
         resp.append(r)
     width = max(resp)
     mask = torch.zeros(num_seqs, width)
@@ -117,22 +123,32 @@ def _phases(engine, batch, loss_fn, mbs):
     return total, spent
 
 
-def run(shape: dict, num_seqs: int, steps: int, rows: int, root: Path, peak: float) -> None:
+def run(shape: dict, num_seqs: int, samples: int, steps: int, rows: int, root: Path, peak: float) -> None:
     engine, model_dir = _setup(shape, root)
-    batch = _batch(num_seqs, shape["prompt"], shape["response"])
+    batch = _batch(num_seqs, samples, shape["prompt"], shape["response"])
     loss_fn = _loss_fn(batch)
     mbs = [list(range(len(batch)))]
     engine.train_step(batch, mbs, loss_fn)  # warm-up
-    best = float("inf")
+    best = {True: float("inf"), False: float("inf")}  # by engine.share_prompts, alternating
+    shares = engine.share_prompts  # the engine's own choice for this model and layout
     for _ in range(steps):
-        t = time.perf_counter()
-        engine.train_step(batch, mbs, loss_fn)
-        best = min(best, time.perf_counter() - t)
+        for share in (False, True):
+            engine.share_prompts = share
+            t = time.perf_counter()
+            engine.train_step(batch, mbs, loss_fn)
+            best[share] = min(best[share], time.perf_counter() - t)
+    engine.share_prompts = shares  # the phases and the profile below: as the engine runs
     total, spent = min((_phases(engine, batch, loss_fn, mbs) for _ in range(3)), key=lambda x: x[0])
     tokens = sum(batch.lengths)
-    flops = 6 * matmul_params(model_dir) * tokens / best
-    print(f"\n##### {shape['name']}: {num_seqs} sequences, {tokens} tokens; train_step min {best * 1e3:.1f} ms "
-          f"({tokens / best:.0f} tok/s, {flops / 1e9:.1f} GFLOP/s = {100 * flops / peak:.1f}% of the fp32 GEMM peak)")
+    pack_rows = engine._pack(batch, mbs)[0].packed.num_local_tokens
+    unshared = best[False]
+    flops = 6 * matmul_params(model_dir) * tokens / unshared
+    print(f"\n##### {shape['name']}: {num_seqs} sequences ({samples} per prompt), {tokens} tokens; train_step min "
+          f"{unshared * 1e3:.1f} ms with every prompt packed per sequence ({tokens / unshared:.0f} tok/s, "
+          f"{flops / 1e9:.1f} GFLOP/s = {100 * flops / peak:.1f}% of the fp32 GEMM peak)")
+    print(f"shared prompts ({pack_rows} pack rows): train_step min {best[True] * 1e3:.1f} ms, "
+          f"{best[True] / unshared:.2f}x; the same model FLOPs would be {100 * flops / peak * unshared / best[True]:.1f}% "
+          f"of the peak")
     print(f"phases of one step ({total * 1e3:.1f} ms): forward+backward {spent['schedule'] * 1e3:.1f} ms, "
           f"optimizer.step {spent['optimizer'] * 1e3:.1f} ms, rest {(total - sum(spent.values())) * 1e3:.1f} ms")
     from torch.profiler import ProfilerActivity, profile
@@ -147,6 +163,7 @@ def main():
     ap.add_argument("--hidden", type=int, nargs="*", default=[128, 512])
     ap.add_argument("--compute", action="store_true", help="also the compute point's shape (see above)")
     ap.add_argument("--seqs", type=int, default=128)
+    ap.add_argument("--samples", type=int, default=8, help="sequences per prompt (1: every prompt distinct)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--threads", type=int, default=2)
@@ -166,7 +183,7 @@ def main():
     init_distributed(0, 1, "127.0.0.1", free_port(), parallel_config())
     with tempfile.TemporaryDirectory() as tmp:
         for shape in _shapes(args.hidden, args.compute):
-            run(shape, args.seqs, args.steps, args.rows, Path(tmp), peak)
+            run(shape, args.seqs, args.samples, args.steps, args.rows, Path(tmp), peak)
 
 
 if __name__ == "__main__":

@@ -299,21 +299,20 @@ class PackedCoreAttention(torch.nn.Module):
         return torch.cat(outs, dim=0)
 
     def _thd_shared(self, q, k, v, shared):
-        """CP = 1 with shared prompts (module docstring): attention on the pack of virtual sequences."""
+        """CP = 1 with shared prompts (module docstring): attention on the virtual sequences."""
         from verl_lite.engine.regather import gather_rows
 
-        rows = shared.virtual_rows
+        if not (self.backend == "flash" and q.dtype in FLASH_DTYPES):
+            return self._thd_batched(q, k, v, shared.virtual_bounds, shared)
+        rows = shared.virtual_rows  # flash-attn: the pack of virtual sequences, then back
         qv = gather_rows(q, rows, shared.slot_of_row)  # a query's gradient: from its owning slot only
         kv, vv = k.index_select(0, rows), v.index_select(0, rows)  # a key's: summed over its readers
-        if self.backend == "flash" and q.dtype in FLASH_DTYPES:
-            cu = torch.tensor(shared.virtual_bounds, dtype=torch.int32, device=q.device)
-            out = self._thd_flash(self._flash, qv, kv, vv, cu)
-        else:
-            out = self._thd_batched(qv, kv, vv, shared.virtual_bounds)
+        cu = torch.tensor(shared.virtual_bounds, dtype=torch.int32, device=q.device)
+        out = self._thd_flash(self._flash, qv, kv, vv, cu)
         out = gather_rows(out, shared.slot_of_row.clamp(min=0), shared.row_of_slot)
         return torch.where((shared.slot_of_row >= 0)[:, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
 
-    def _thd_batched(self, q, k, v, bounds: list[int]):
+    def _thd_batched(self, q, k, v, bounds: list[int], shared=None):
         """cp == 1: every sequence of the pack in ONE causal SDPA call.
 
         The sequences are gathered into ``[b, max_len]``; the slots past a sequence's end read an
@@ -321,7 +320,13 @@ class PackedCoreAttention(torch.nn.Module):
         real row's output is its own sequence's attention. The real rows are read back in pack
         order; rows past ``cu[-1]`` are zeros. Both gathers have gather backwards
         (``regather.gather_rows``): the pad slots get no gradient, exactly as they influence
-        no real output."""
+        no real output.
+
+        With ``shared`` (a pack with shared prompts) the sequences are its virtual sequences
+        (``bounds`` = ``shared.virtual_bounds``), gathered from the pack rows they read; a row is
+        read back from the slot that owns it, padding rows are zeros, and k and v are gathered with
+        an adding backward: a shared key's gradient sums over the sequences that read it (the pad
+        slots add exact zeros: no real query sees them)."""
         from verl_lite.engine.regather import gather_rows, invert_index
 
         t_local, np_, hn = q.shape
@@ -336,17 +341,30 @@ class PackedCoreAttention(torch.nn.Module):
         valid = (offsets[None, :] < lengths[:, None]).reshape(-1)
         index = torch.where(valid, (starts[:, None] + offsets[None, :]).reshape(-1), 0).to(q.device)
         valid = valid.to(q.device)
-        inverse = invert_index(index, valid, t_local)  # token -> its slot (-1 past cu[-1])
-        slot_to_token = torch.where(valid, index, -1)
+        if shared is None:
+            inverse = invert_index(index, valid, t_local)  # token -> its slot (-1 past cu[-1])
+            readers = torch.where(valid, index, -1)  # slot -> the token it outputs to
+            read = inverse[:used]
+            key_gather = lambda x: gather_rows(x, index, inverse)  # noqa: E731
+        else:
+            slot_of_virtual = valid.nonzero().squeeze(-1)  # virtual slots are the valid slots, in order
+            index = torch.where(valid, shared.virtual_rows[index], 0)  # slot -> the pack row it reads
+            inverse = torch.where(shared.slot_of_row >= 0, slot_of_virtual[shared.slot_of_row.clamp(min=0)], -1)
+            readers = torch.full_like(index, -1).index_copy_(0, slot_of_virtual, shared.row_of_slot)
+            read = inverse
+            key_gather = lambda x: x.index_select(0, index)  # noqa: E731
 
-        def gather(x):  # [t, heads, hn] -> [b, heads, max_len, hn]
-            return gather_rows(x, index, inverse).view(b, max_len, *x.shape[1:]).permute(0, 2, 1, 3)
+        def gather(x, rows):  # [t, heads, hn] -> [b, heads, max_len, hn]
+            return rows(x).view(b, max_len, *x.shape[1:]).permute(0, 2, 1, 3)
 
-        qb, kb, vb = gather(q), gather(k), gather(v)
+        qb = gather(q, lambda x: gather_rows(x, index, inverse))
+        kb, vb = gather(k, key_gather), gather(v, key_gather)
         out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=self.scale,
                                              enable_gqa=kb.shape[1] != np_)
         out = out.permute(0, 2, 1, 3).reshape(b * max_len, np_ * hn)
-        out = gather_rows(out, inverse[:used], slot_to_token)
+        out = gather_rows(out, read.clamp(min=0), readers)
+        if shared is not None:
+            return torch.where((read >= 0)[:, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
         if used < t_local:
             out = torch.cat([out, out.new_zeros(t_local - used, np_ * hn)])
         return out

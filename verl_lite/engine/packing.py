@@ -60,6 +60,8 @@ class PackedMicroBatch:
     real_mask: [1, T_local] bool, True on real (non-padding) positions of the local shard.
     cu_seqlens: [b+1] int32, global padded; max_seqlen: max P_i.
     lengths, padded_lengths, response_lengths: per-sequence L_i, P_i, R_i.
+    shared: None, or the layout of a pack with shared prompts (:class:`SharedPrompts`; its
+        ``cu_seqlens`` bound segments, and the sequences are its virtual sequences, not row ranges).
     """
 
     input_ids: torch.Tensor
@@ -198,68 +200,73 @@ def _pack_shared(sequences: list[torch.Tensor], response_lengths, groups: dict[i
                  multiple: int) -> PackedMicroBatch:
     """The pack with shared prompts (module docstring): in batch order, each sequence's own segment,
     preceded by its group's prefix segment where it is the group's first member. Every segment is
-    padded to ``multiple``."""
-    from verl_lite.engine.regather import invert_index
-
-    shared_len = {k: int(sequences[first].numel()) - int(response_lengths[first]) - 1
-                  for first, members in groups.items() for k in members}
-    prefix_start: dict[int, int] = {}  # group's first member -> pack row of its prefix segment
-    ids_out, labels_out, positions_out, real_out, segments = [], [], [], [], []
-    own_start, lengths = [], []
-    rows = 0
-
-    def add_segment(ids: torch.Tensor, labels: torch.Tensor, first_position: int) -> int:
-        nonlocal rows
-        n = int(ids.numel())
-        p = _ceil_to(n, multiple)
-        ids_out.append(torch.nn.functional.pad(ids, (0, p - n)))
-        labels_out.append(torch.nn.functional.pad(labels, (0, p - n)))
-        positions_out.append(torch.nn.functional.pad(torch.arange(first_position, first_position + n), (0, p - n)))
-        real_out.append(torch.arange(p) < n)
-        segments.append(p)
-        start, rows = rows, rows + p
-        return start
-
-    for k, (ids, r) in enumerate(zip(sequences, response_lengths)):
-        n, r = int(ids.numel()), int(r)
-        if r < 0 or r > n - 1:
+    padded to ``multiple``. Built with whole-pack index arithmetic (no per-segment tensor ops)."""
+    lengths = [int(ids.numel()) for ids in sequences]
+    for k, (n, r) in enumerate(zip(lengths, response_lengths)):
+        if int(r) < 0 or int(r) > n - 1:
             raise ValueError(
-                f"sequence {k}: response length {r} must be in [0, L-1] with L={n} (the first token is "
+                f"sequence {k}: response length {int(r)} must be in [0, L-1] with L={n} (the first token is "
                 f"prompt: the response is scored from the token before it)"
             )
-        labels = torch.nn.functional.pad(ids[1:], (0, 1))  # label[t] = ids[t+1]; the last one is never read
-        s = shared_len.get(k, 0)
-        if k in groups:
-            prefix_start[k] = add_segment(ids[:s], labels[:s], 0)
-        own_start.append(add_segment(ids[s:], labels[s:], s))
-        lengths.append(n)
-
     first_of = {k: first for first, members in groups.items() for k in members}
-    virtual, bounds, owner = [], [0], torch.full((rows,), -1, dtype=torch.long)
+    shared_len = [lengths[k] - int(response_lengths[k]) - 1 if k in first_of else 0 for k in range(len(lengths))]
+    # segments in pack order as (sequence, its first position, real length); each group's prefix
+    # segment and each sequence's own segment by index
+    segments, prefix_seg, own_seg = [], {}, []
     for k, n in enumerate(lengths):
-        s = shared_len.get(k, 0)
-        seq_rows = torch.cat([torch.arange(prefix_start[first_of[k]], prefix_start[first_of[k]] + s) if s else
-                              torch.zeros(0, dtype=torch.long), torch.arange(own_start[k], own_start[k] + n - s)])
-        slots = torch.arange(bounds[-1], bounds[-1] + n)
-        own = slots[s:] if first_of.get(k, k) != k else slots  # a group's first member owns the prefix rows
-        owner[seq_rows[n - len(own):]] = own
-        virtual.append(seq_rows)
-        bounds.append(bounds[-1] + n)
-    cu = torch.zeros(len(segments) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(segments, dtype=torch.int32), 0)
+        if k in groups:
+            prefix_seg[k] = len(segments)
+            segments.append((k, 0, shared_len[k]))
+        own_seg.append(len(segments))
+        segments.append((k, shared_len[k], n - shared_len[k]))
+    seg_seq, seg_from, seg_len = zip(*segments)
+    seg_len_t = torch.tensor(seg_len, dtype=torch.long)
+    seg_padded = -(-seg_len_t // multiple) * multiple
+    seg_start = torch.cumsum(seg_padded, 0) - seg_padded
+    rows = int(seg_padded.sum())
+
+    # every pack row: its segment, its position in its sequence, whether it is real, its token and label
+    row_seg = torch.repeat_interleave(torch.arange(len(seg_seq)), seg_padded, output_size=rows)
+    row_offset = torch.arange(rows) - seg_start[row_seg]
+    real = row_offset < seg_len_t[row_seg]
+    row_seq = torch.tensor(seg_seq, dtype=torch.long)[row_seg]
+    position = torch.tensor(seg_from, dtype=torch.long)[row_seg] + row_offset
+    flat = torch.cat(sequences)
+    length_t = torch.tensor(lengths, dtype=torch.long)
+    seq_start = torch.cumsum(length_t, 0) - length_t
+    source = (seq_start[row_seq] + position).clamp(max=flat.numel() - 1)
+    has_label = real & (position < length_t[row_seq] - 1)
+    input_ids = torch.where(real, flat[source], 0)
+    labels = torch.where(has_label, flat[(source + 1).clamp(max=flat.numel() - 1)], 0)
+
+    # every virtual slot (position j of sequence k): the pack row it reads, and whether it owns that row
+    slot_seq = torch.repeat_interleave(torch.arange(len(lengths)), length_t, output_size=int(length_t.sum()))
+    slot_pos = torch.arange(slot_seq.numel()) - seq_start[slot_seq]
+    shared_t = torch.tensor(shared_len, dtype=torch.long)[slot_seq]
+    first_t = torch.tensor([first_of.get(k, k) for k in range(len(lengths))], dtype=torch.long)
+    prefix_start = seg_start[torch.tensor([prefix_seg.get(first_of.get(k, -1), 0) for k in range(len(lengths))])]
+    own_start = seg_start[torch.tensor(own_seg)]
+    in_prefix = slot_pos < shared_t
+    virtual_rows = torch.where(in_prefix, prefix_start[slot_seq] + slot_pos, own_start[slot_seq] + slot_pos - shared_t)
+    owns = ~in_prefix | (first_t[slot_seq] == slot_seq)  # a group's first member owns the prefix rows
+    slot_of_row = torch.full((rows,), -1, dtype=torch.long)
+    slot_of_row[virtual_rows[owns]] = torch.arange(slot_seq.numel())[owns]
+    row_of_slot = torch.where(owns, virtual_rows, -1)
+    cu = torch.zeros(len(seg_seq) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(seg_padded, 0).to(torch.int32)
     return PackedMicroBatch(
-        input_ids=torch.cat(ids_out).unsqueeze(0),
-        labels=torch.cat(labels_out).unsqueeze(0),
-        real_mask=torch.cat(real_out).unsqueeze(0),
+        input_ids=input_ids.unsqueeze(0),
+        labels=labels.unsqueeze(0),
+        real_mask=real.unsqueeze(0),
         cu_seqlens=cu,
-        max_seqlen=max(max(lengths), max(segments)),
+        max_seqlen=max(max(lengths), int(seg_padded.max())),
         lengths=lengths,
         padded_lengths=[_ceil_to(n, multiple) for n in lengths],
         response_lengths=[int(r) for r in response_lengths],
         cp_size=1,
         cp_rank=0,
-        shared=SharedPrompts(torch.cat(virtual), bounds, owner, invert_index(owner.clamp(min=0), owner >= 0, bounds[-1]),
-                             torch.cat(positions_out)),
+        shared=SharedPrompts(virtual_rows, [0, *torch.cumsum(length_t, 0).tolist()], slot_of_row, row_of_slot,
+                             torch.where(real, position, 0)),
     )
 
 
@@ -302,9 +309,11 @@ def _gather_responses(local: torch.Tensor, packed: PackedMicroBatch, width: int)
     responses = torch.tensor(packed.response_lengths, dtype=torch.long)
     if int(responses.max()) > width:
         raise ValueError(f"response length {int(responses.max())} exceeds the output width {width}")
-    starts = torch.tensor(packed.shared.virtual_bounds[:-1] if packed.shared is not None else
-                          [0, *packed.padded_lengths[:-1]], dtype=torch.long)
-    starts = starts if packed.shared is not None else torch.cumsum(starts, 0)
+    if packed.shared is not None:  # where each sequence starts: in the virtual rows, or in the pack
+        starts = torch.tensor(packed.shared.virtual_bounds[:-1], dtype=torch.long)
+    else:
+        padded = torch.tensor(packed.padded_lengths, dtype=torch.long)
+        starts = torch.cumsum(padded, 0) - padded
     first = starts + torch.tensor(packed.lengths, dtype=torch.long) - responses - 1
     offsets = torch.arange(width, dtype=torch.long)
     valid = (offsets[None, :] < responses[:, None]).reshape(-1)
