@@ -69,3 +69,61 @@ def test_count_padding_splits_instead_of_emptying():
     # one rank may need 1 micro-batch; counts equal and none empty
     assert len({len(r) for r in plan}) == 1
     assert all(mb for r in plan for mb in r)
+
+
+def _prompt_major(num_prompts: int, samples: int, rnd: random.Random):
+    """A prompt-major RL batch: ``samples`` consecutive trajectories per prompt."""
+    prompts, lengths = [], []
+    for p in range(num_prompts):
+        prompt = [p + 1] * rnd.randint(2, 9)
+        for _ in range(samples):
+            prompts.append(prompt)
+            lengths.append(len(prompt) + rnd.randint(1, 30))
+    return prompts, lengths
+
+
+@settings(max_examples=60, deadline=None)
+@given(dp=st.sampled_from([1, 2, 3, 4]), num_prompts=st.integers(1, 8), samples=st.sampled_from([1, 2, 4, 8]),
+       budget_slack=st.integers(0, 200), mbs=st.integers(1, 8), seed=st.integers(0, 10_000))
+def test_plans_with_prompts_keep_their_properties(dp, num_prompts, samples, budget_slack, mbs, seed):
+    rnd = random.Random(seed)
+    prompts, lengths = _prompt_major(num_prompts, samples, rnd)
+    if len(lengths) % dp:
+        return
+    budget = max(lengths) + budget_slack
+    for plan in (plan_micro_batches(lengths, dp, micro_batch_size=mbs, prompts=prompts),
+                 plan_micro_batches(lengths, dp, max_tokens_per_micro_batch=budget, prompts=prompts)):
+        assert _flat(plan) == list(range(len(lengths)))
+        assert len({len(r) for r in plan}) == 1
+        assert all(sum(len(mb) for mb in r) == len(lengths) // dp for r in plan)
+    assert all(sum(lengths[i] for i in mb) <= budget for r in plan for mb in r)  # the budget, sharing or not
+
+
+def test_a_prompts_samples_stay_on_one_rank_and_in_one_micro_batch_where_they_fit():
+    rnd = random.Random(0)
+    prompts, lengths = _prompt_major(8, 4, rnd)  # 8 prompts x 4 samples over DP 2: 4 whole prompts each
+    shares = partition_over_dp(lengths, 2, prompts)
+    assert [len(s) for s in shares] == [16, 16]
+    for p in range(8):
+        members = set(range(4 * p, 4 * p + 4))
+        assert any(members <= set(s) for s in shares), p
+    loads = [sum(lengths[i] for i in s) for s in shares]
+    assert abs(loads[0] - loads[1]) <= max(sum(lengths[4 * p: 4 * p + 4]) for p in range(8))
+    without = partition_over_dp(lengths, 2)  # trajectory by trajectory: the prompts are split
+    assert not all(any(set(range(4 * p, 4 * p + 4)) <= set(s) for s in without) for p in range(8))
+    budget = max(sum(lengths[4 * p: 4 * p + 4]) for p in range(8))
+    plan = plan_micro_batches(lengths, 2, max_tokens_per_micro_batch=budget, prompts=prompts)
+    for p in range(8):
+        members = set(range(4 * p, 4 * p + 4))
+        assert any(members <= set(mb) for r in plan for mb in r), p
+    fixed = plan_micro_batches(lengths, 2, micro_batch_size=4, prompts=prompts)
+    assert sorted(tuple(mb) for r in fixed for mb in r) == [tuple(range(4 * p, 4 * p + 4)) for p in range(8)]
+
+
+def test_a_prompt_with_more_samples_than_a_rank_holds_is_split():
+    prompts = [[1, 2, 3]] * 6 + [[4, 5]] * 2
+    lengths = [10, 11, 12, 13, 14, 15, 5, 6]
+    shares = partition_over_dp(lengths, 2, prompts)
+    assert sorted(i for s in shares for i in s) == list(range(8)) and [len(s) for s in shares] == [4, 4]
+    with pytest.raises(ValueError, match="prompts for"):
+        plan_micro_batches(lengths, 2, micro_batch_size=2, prompts=prompts[:3])

@@ -96,9 +96,10 @@ def shard_by_plan(
     micro_batch_size: int | None = None,
     max_tokens_per_micro_batch: int | None = None,
     vpp_multiple: int = 1,
+    prompts: Sequence[Sequence[int]] | None = None,
 ) -> Shards:
     """Plan micro-batches over DP ranks (``planning.plan_micro_batches``) and cut the batch to match."""
-    plan = plan_micro_batches(lengths, dp_size, micro_batch_size, max_tokens_per_micro_batch, vpp_multiple)
+    plan = plan_micro_batches(lengths, dp_size, micro_batch_size, max_tokens_per_micro_batch, vpp_multiple, prompts)
     pieces, rows, local_mbs = [], [], []
     for rank_plan in plan:
         order = [i for mb in rank_plan for i in mb]

@@ -16,6 +16,14 @@ Two steps:
    splitting the largest micro-batches; a micro-batch is empty only if a rank has fewer
    trajectories than the required count.
 
+With ``prompts`` (each trajectory's prompt token ids), the trajectories of one prompt (in RL, its n
+samples) are placed as one unit wherever they fit, so the engine can pack their prompt once
+(``engine/packing.py``). A unit weighs the tokens of all its trajectories, as if nothing were shared
+(an engine that does not share, under CP or for MoE, packs that many, so a token budget holds
+either way). A unit that fits in no rank or no budgeted micro-batch is placed member by member. A
+rank's trajectories stay in ascending order, so a prompt-major batch cut into fixed-size
+micro-batches keeps each prompt's samples together too.
+
 Planning never changes the math: the loss normalization comes from the whole mini-batch
 (``algorithms.aggregation.NormalizationPlan``), not from how it is cut.
 """
@@ -34,11 +42,27 @@ def _check_lengths(lengths: Sequence[int]) -> list[int]:
     return out
 
 
-def partition_over_dp(lengths: Sequence[int], dp_size: int) -> list[list[int]]:
+def prompt_units(indices: Sequence[int], lengths: Sequence[int],
+                 prompts: Sequence[Sequence[int]] | None) -> list[tuple[list[int], int]]:
+    """``(members, tokens)`` units, heaviest first: the trajectories among ``indices`` that share a prompt
+    of at least 2 tokens (each alone without ``prompts``), weighing the sum of their lengths."""
+    by_prompt: dict = {}
+    for i in indices:
+        prompt = prompts[i] if prompts is not None else ()
+        key = tuple(prompt.tolist() if hasattr(prompt, "tolist") else prompt) if len(prompt) >= 2 else ("alone", i)
+        by_prompt.setdefault(key, []).append(i)
+    units = [(members, sum(lengths[i] for i in members)) for members in by_prompt.values()]
+    return sorted(units, key=lambda u: (-u[1], u[0][0]))
+
+
+def partition_over_dp(lengths: Sequence[int], dp_size: int,
+                      prompts: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
     """Split trajectory indices into ``dp_size`` equal-size groups with balanced token sums.
 
-    Greedy: longest trajectory first, into the group with the smallest token sum that still has
-    fewer than ``len(lengths) / dp_size`` members. Indices inside a group are sorted ascending.
+    Greedy: heaviest unit first (``prompt_units``: one trajectory each without ``prompts``), into the
+    group with the smallest token sum that still has room for all of it (``len(lengths) / dp_size``
+    members at most); a unit no group has room for goes member by member, longest first. Indices
+    inside a group are sorted ascending.
     """
     lengths = _check_lengths(lengths)
     if dp_size < 1:
@@ -52,11 +76,20 @@ def partition_over_dp(lengths: Sequence[int], dp_size: int) -> list[list[int]]:
     per_rank = n // dp_size
     groups: list[list[int]] = [[] for _ in range(dp_size)]
     loads = [0] * dp_size
-    for i in sorted(range(n), key=lambda k: (-lengths[k], k)):
-        open_ranks = [r for r in range(dp_size) if len(groups[r]) < per_rank]
+
+    def place(members: list[int], tokens: int) -> bool:
+        open_ranks = [r for r in range(dp_size) if len(groups[r]) + len(members) <= per_rank]
+        if not open_ranks:
+            return False
         r = min(open_ranks, key=lambda q: (loads[q], q))
-        groups[r].append(i)
-        loads[r] += lengths[i]
+        groups[r].extend(members)
+        loads[r] += tokens
+        return True
+
+    for members, tokens in prompt_units(range(n), lengths, prompts):
+        if not place(members, tokens):
+            for i in sorted(members, key=lambda k: (-lengths[k], k)):
+                place([i], lengths[i])
     return [sorted(g) for g in groups]
 
 
@@ -64,8 +97,10 @@ def _split_fixed(indices: list[int], micro_batch_size: int) -> list[list[int]]:
     return [indices[k : k + micro_batch_size] for k in range(0, len(indices), micro_batch_size)]
 
 
-def _split_token_budget(indices: list[int], lengths: list[int], budget: int) -> list[list[int]]:
-    """First-fit-decreasing into bins of at most ``budget`` tokens, then rebalance greedily."""
+def _split_token_budget(indices: list[int], lengths: list[int], budget: int,
+                        prompts: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
+    """First-fit-decreasing into bins of at most ``budget`` tokens, then rebalance greedily; by
+    ``prompt_units`` (a unit over the budget goes member by member)."""
     too_long = [i for i in indices if lengths[i] > budget]
     if too_long:
         raise ValueError(
@@ -73,29 +108,31 @@ def _split_token_budget(indices: list[int], lengths: list[int], budget: int) -> 
             f"max_tokens_per_micro_batch={budget}; raise the token budget to at least the longest "
             f"sequence ({max(lengths[i] for i in too_long)})"
         )
-    bins: list[list[int]] = []
+    units = []
+    for members, tokens in prompt_units(indices, lengths, prompts):
+        units.extend([(members, tokens)] if tokens <= budget else [([i], lengths[i]) for i in members])
+    units.sort(key=lambda u: (-u[1], u[0][0]))
     loads: list[int] = []
-    for i in sorted(indices, key=lambda k: (-lengths[k], k)):
+    for _, tokens in units:
         for b, load in enumerate(loads):
-            if load + lengths[i] <= budget:
-                bins[b].append(i)
-                loads[b] += lengths[i]
+            if load + tokens <= budget:
+                loads[b] += tokens
                 break
         else:
-            bins.append([i])
-            loads.append(lengths[i])
-    return _rebalance(indices, lengths, len(bins), budget)
+            loads.append(tokens)
+    return _rebalance(units, len(loads), budget)
 
 
-def _rebalance(indices: list[int], lengths: list[int], k: int, budget: int | None) -> list[list[int]]:
-    """Greedy LPT into ``k`` bins (lightest bin first); falls back to the FFD count if it overflows."""
+def _rebalance(units: list[tuple[list[int], int]], k: int, budget: int | None) -> list[list[int]]:
+    """Greedy LPT of the units (heaviest first) into ``k`` bins (lightest bin first); falls back to the
+    FFD count if it overflows."""
     while True:
         bins: list[list[int]] = [[] for _ in range(k)]
         loads = [0] * k
-        for i in sorted(indices, key=lambda q: (-lengths[q], q)):
+        for members, tokens in units:
             b = min(range(k), key=lambda q: (loads[q], len(bins[q]), q))
-            bins[b].append(i)
-            loads[b] += lengths[i]
+            bins[b].extend(members)
+            loads[b] += tokens
         if budget is None or max(loads) <= budget:
             return [sorted(b) for b in bins]
         k += 1  # LPT can be worse than FFD on awkward inputs; one more bin always eventually fits
@@ -130,6 +167,7 @@ def plan_micro_batches(
     micro_batch_size: int | None = None,
     max_tokens_per_micro_batch: int | None = None,
     vpp_multiple: int = 1,
+    prompts: Sequence[Sequence[int]] | None = None,
 ) -> list[list[list[int]]]:
     """Plan DP shares and micro-batches of trajectory indices (indices into ``lengths``).
 
@@ -141,6 +179,8 @@ def plan_micro_batches(
             error.
         vpp_multiple: the micro-batch count is rounded up to a multiple of this (the pipeline size
             under virtual pipeline parallelism, which megatron requires).
+        prompts: each trajectory's prompt token ids, to keep the trajectories of one prompt together
+            (module docstring); None plans every trajectory on its own.
 
     Returns:
         ``plan[r]`` = list of micro-batches for DP rank r; every rank has the same count; every
@@ -161,11 +201,13 @@ def plan_micro_batches(
     if vpp_multiple < 1:
         raise ValueError(f"vpp_multiple must be >= 1, got {vpp_multiple}")
 
-    shares = partition_over_dp(lengths, dp_size)
+    if prompts is not None and len(prompts) != len(lengths):
+        raise ValueError(f"plan_micro_batches: {len(prompts)} prompts for {len(lengths)} trajectories")
+    shares = partition_over_dp(lengths, dp_size, prompts)
     if micro_batch_size is not None:
         per_rank = [_split_fixed(s, micro_batch_size) for s in shares]
     else:
-        per_rank = [_split_token_budget(s, lengths, max_tokens_per_micro_batch) for s in shares]
+        per_rank = [_split_token_budget(s, lengths, max_tokens_per_micro_batch, prompts) for s in shares]
     count = max(len(m) for m in per_rank)
     count = -(-count // vpp_multiple) * vpp_multiple
     return [_pad_count(m, lengths, count) for m in per_rank]

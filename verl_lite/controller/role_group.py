@@ -144,6 +144,7 @@ class RoleGroup:
             micro_batch_size=sizing.micro_batch_size,
             max_tokens_per_micro_batch=None if sizing.max_tokens is None else sizing.max_tokens * self.cp,
             vpp_multiple=self.vpp_multiple,
+            prompts=batch["prompt_ids"],  # a prompt's samples kept together: the engine packs the prompt once
         )
 
     def infer(self, method: str, batch: Batch, sizing: MicroBatching, *args) -> dict:
