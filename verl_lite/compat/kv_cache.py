@@ -131,24 +131,31 @@ def _tested_transformers_installed() -> bool:
     return installed_version("transformers") in TESTED_TRANSFORMERS  # reads package metadata: once per process
 
 
-def supported(config) -> bool:
-    """Whether :func:`reserved_cache` serves a model of this (HF) config under the installed transformers."""
+def _served_layers(config) -> int | None:
+    """The number of layers of a model of this (HF) config when :func:`reserved_cache` serves it under the
+    installed transformers (every layer full attention, no shared KV), else None."""
     if not _tested_transformers_installed():
-        return False
+        return None
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     layer_types = getattr(text, "layer_types", None) or [FULL_ATTENTION] * text.num_hidden_layers
     shared_kv = getattr(text, "num_kv_shared_layers", 0) or 0
-    return all(kind == FULL_ATTENTION for kind in layer_types) and not shared_kv and not getattr(
+    plain = all(kind == FULL_ATTENTION for kind in layer_types) and not shared_kv and not getattr(
         text, "use_sliding_window", False)
+    return text.num_hidden_layers if plain else None
+
+
+def supported(config) -> bool:
+    """Whether :func:`reserved_cache` serves a model of this (HF) config under the installed transformers."""
+    return _served_layers(config) is not None
 
 
 def reserved_cache(config, capacity: int):
     """A cache of :class:`ReservedLayer` for a model of ``config`` that will hold about ``capacity`` positions per row,
-    or None where :func:`supported` says no (the model then builds its own cache)."""
-    if not supported(config):
+    or None where it does not serve the model or the installed transformers (the model then builds its own cache)."""
+    layers = _served_layers(config)
+    if layers is None:
         return None
     from transformers.cache_utils import Cache
 
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     layer = reserved_layer_class()
-    return Cache(layers=[layer(capacity) for _ in range(text.num_hidden_layers)])
+    return Cache(layers=[layer(capacity) for _ in range(layers)])
