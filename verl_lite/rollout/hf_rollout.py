@@ -83,13 +83,23 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def row_keys(seeds: torch.Tensor, sample_ids: torch.Tensor) -> torch.Tensor:
+    """The per-row part of :func:`counter_uniform`'s hash, int64 ``[b]`` (the same at every position)."""
+    s = seeds.to(torch.int64)
+    return _fmix32(_fmix32(_fmix32(s & _M32) ^ _fmix32((s >> 32) & _M32) ^ 0x9E3779B9) ^ (sample_ids.to(torch.int64) & _M32))
+
+
+def uniform_at(keys: torch.Tensor, position: int) -> torch.Tensor:
+    """:func:`counter_uniform` from the rows' :func:`row_keys`."""
+    position_key = int(_fmix32(torch.tensor((int(position) * 0x632BE5AB + 0x2545F491) & _M32)))
+    h = _fmix32(_fmix32(keys ^ position_key) + 0x7F4A7C15)
+    return (h.double() + 0.5) / 2.0**32
+
+
 def counter_uniform(seeds: torch.Tensor, sample_ids: torch.Tensor, position: int) -> torch.Tensor:
     """One uniform in (0, 1) per row, float64 ``[b]``: a hash of (seeds[i], sample_ids[i], position) and
     nothing else (the same value on any device, in any batch), on a grid of 2**-32."""
-    s = seeds.to(torch.int64)
-    row = _fmix32(_fmix32(_fmix32(s & _M32) ^ _fmix32((s >> 32) & _M32) ^ 0x9E3779B9) ^ (sample_ids.to(torch.int64) & _M32))
-    h = _fmix32(_fmix32(row ^ _fmix32(torch.full_like(row, (int(position) * 0x632BE5AB + 0x2545F491) & _M32))) + 0x7F4A7C15)
-    return (h.double() + 0.5) / 2.0**32
+    return uniform_at(row_keys(seeds, sample_ids), position)
 
 
 def inverse_cdf_sample(scaled_logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -275,6 +285,7 @@ class HFRollout:
             row_seeds = torch.full((b,), 0 if seed is None else int(seed), dtype=torch.int64, device=self.device)
             row_samples = torch.arange(b, dtype=torch.int64, device=self.device)
 
+        keys = row_keys(row_seeds, row_samples)  # counter_uniform's per-row part, hashed once per call
         ids, attn, past, logits = self._prefill(prompt_ids, n, max_new_tokens)
         position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
         next_pos = position_ids[:, -1:] + 1
@@ -301,7 +312,7 @@ class HFRollout:
             if seen is not None:
                 scaled = _penalize_repetition(scaled, seen[rows], repetition_penalty)
             if do_sample:
-                u = counter_uniform(row_seeds[rows], row_samples[rows], t)
+                u = uniform_at(keys[rows], t)
                 nxt = inverse_cdf_sample(_filter_top_k_top_p(scaled, top_k, top_p, min_p), u)
             else:
                 nxt = scaled.argmax(dim=-1)
