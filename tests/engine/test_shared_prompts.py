@@ -4,6 +4,8 @@
   rows; responses unpack exactly as from the unshared pack (values and gradients); the pack is
   smaller; the token count the loss normalisation sees is unchanged; prompts of one token, lone
   prompts and CP > 1 are packed as before.
+- The core attention on such a pack (SDPA, and the flash path against flash-attn's varlen contract in
+  plain torch) equals each sequence attended alone, outputs and the gradients of q, k and v.
 - The engine (one launch, TP2 with sequence parallelism: row-sharded activations between the shared
   pack's segments): forward log-probs and entropy, and the gradient of one train step over two
   micro-batches, equal the engine's own with sharing off. The gradient's agreement with a float64
@@ -90,6 +92,45 @@ def test_nothing_to_share_packs_as_before():
     assert pack_micro_batch(one_token, [3, 3], share_prompts=True).shared is None
     cp = pack_micro_batch(seqs, resp, multiple=4, cp_size=2, cp_rank=0, share_prompts=True)
     assert cp.shared is None  # context parallelism splits sequences, not shared packs
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "flash"])
+def test_attention_over_shared_prompts_equals_each_sequence_alone_values_and_gradients(kernel):
+    """The core attention on a pack with shared prompts (SDPA, and the flash path on flash-attn's varlen
+    contract in plain torch) against each sequence attended alone from its own copy of every row:
+    outputs on every pack row and the gradients of q, k and v (a shared key's summed over its readers)."""
+    from .conftest import attention_module, dense_causal_attention
+    from .test_attention_select import varlen_reference
+
+    seqs, resp = _sequences()
+    pack = pack_micro_batch(seqs, resp, multiple=2, share_prompts=True)
+    layout, rows, hn = pack.shared, pack.num_local_tokens, 8
+    g = torch.Generator().manual_seed(1)
+    q0, k0, v0 = (torch.randn(rows, h, hn, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    weights = torch.randn(rows, 4 * hn, generator=g, dtype=torch.float64)
+    module = attention_module(hn)
+    if kernel == "flash":
+        module.backend, module._flash = "flash", varlen_reference
+        q0, k0, v0, weights = q0.bfloat16(), k0.bfloat16(), v0.bfloat16(), weights.bfloat16()
+    cu = pack.cu_seqlens.clone()
+    cu.shared_prompts = layout
+    psp = type("PSP", (), dict(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=None,
+                                cu_seqlens_kv_padded=None))()
+    q, k, v = (x.clone().requires_grad_(True) for x in (q0, k0, v0))
+    out = module(q, k, v, None, attn_mask_type=None, attention_bias=None, packed_seq_params=psp)
+    (out.double() * weights.double()).sum().backward()
+
+    qr, kr, vr = (x.double().clone().requires_grad_(True) for x in (q0, k0, v0))
+    virtual = dense_causal_attention(*(x.index_select(0, layout.virtual_rows) for x in (qr, kr, vr)),
+                                     layout.virtual_bounds, hn**-0.5)
+    real = layout.slot_of_row >= 0
+    ref = torch.where(real[:, None], virtual[layout.slot_of_row.clamp(min=0)], 0.0)
+    (ref * weights.double()).sum().backward()
+    tol = dict(rtol=0, atol=1e-12) if kernel == "sdpa" else dict(rtol=0.02, atol=0.02)
+    torch.testing.assert_close(out.double(), ref.detach(), **tol)
+    for mine, theirs in ((q, qr), (k, kr), (v, vr)):
+        torch.testing.assert_close(mine.grad.double(), theirs.grad, **tol)
+    assert float(kr.grad[~real].abs().sum()) == 0.0  # padding rows are read by no sequence
 
 
 def _model(root):
