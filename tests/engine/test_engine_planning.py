@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verl_lite.controller.planning import partition_over_dp, plan_micro_batches
+from verl_lite.controller.planning import packed_tokens, partition_over_dp, plan_micro_batches
 
 
 def _flat(plan):
@@ -71,14 +71,14 @@ def test_count_padding_splits_instead_of_emptying():
     assert all(mb for r in plan for mb in r)
 
 
-def _prompt_major(num_prompts: int, samples: int, rnd: random.Random):
+def _prompt_major(num_prompts: int, samples: int, rnd: random.Random, prompt_len=(2, 9), response_len=(1, 30)):
     """A prompt-major RL batch: ``samples`` consecutive trajectories per prompt."""
     prompts, lengths = [], []
     for p in range(num_prompts):
-        prompt = [p + 1] * rnd.randint(2, 9)
+        prompt = [p + 1] * rnd.randint(*prompt_len)
         for _ in range(samples):
             prompts.append(prompt)
-            lengths.append(len(prompt) + rnd.randint(1, 30))
+            lengths.append(len(prompt) + rnd.randint(*response_len))
     return prompts, lengths
 
 
@@ -101,16 +101,17 @@ def test_plans_with_prompts_keep_their_properties(dp, num_prompts, samples, budg
 
 def test_a_prompts_samples_stay_on_one_rank_and_in_one_micro_batch_where_they_fit():
     rnd = random.Random(0)
-    prompts, lengths = _prompt_major(8, 4, rnd)  # 8 prompts x 4 samples over DP 2: 4 whole prompts each
+    # 8 prompts x 4 samples over DP 2, long prompts: whole prompts (4 each) pack fewer tokens per rank
+    prompts, lengths = _prompt_major(8, 4, rnd, prompt_len=(20, 40), response_len=(1, 10))
     shares = partition_over_dp(lengths, 2, prompts)
     assert [len(s) for s in shares] == [16, 16]
     for p in range(8):
         members = set(range(4 * p, 4 * p + 4))
         assert any(members <= set(s) for s in shares), p
-    loads = [sum(lengths[i] for i in s) for s in shares]
-    assert abs(loads[0] - loads[1]) <= max(sum(lengths[4 * p: 4 * p + 4]) for p in range(8))
     without = partition_over_dp(lengths, 2)  # trajectory by trajectory: the prompts are split
     assert not all(any(set(range(4 * p, 4 * p + 4)) <= set(s) for s in without) for p in range(8))
+    assert max(packed_tokens(s, lengths, prompts) for s in shares) < max(
+        packed_tokens(s, lengths, prompts) for s in without)
     budget = max(sum(lengths[4 * p: 4 * p + 4]) for p in range(8))
     plan = plan_micro_batches(lengths, 2, max_tokens_per_micro_batch=budget, prompts=prompts)
     for p in range(8):
@@ -118,6 +119,24 @@ def test_a_prompts_samples_stay_on_one_rank_and_in_one_micro_batch_where_they_fi
         assert any(members <= set(mb) for r in plan for mb in r), p
     fixed = plan_micro_batches(lengths, 2, micro_batch_size=4, prompts=prompts)
     assert sorted(tuple(mb) for r in fixed for mb in r) == [tuple(range(4 * p, 4 * p + 4)) for p in range(8)]
+
+
+def test_whole_prompts_are_not_kept_where_they_would_unbalance_the_ranks():
+    # two prompts of 2 tokens (1 shared row per extra sample), one with long responses, one with short:
+    # a rank per prompt would be far heavier than balancing trajectory by trajectory
+    prompts = [[1, 2]] * 4 + [[3, 4]] * 4
+    lengths = [60, 62, 64, 66, 4, 5, 6, 7]
+    shares = partition_over_dp(lengths, 2, prompts)
+    assert shares == partition_over_dp(lengths, 2)
+    assert max(packed_tokens(s, lengths, prompts) for s in shares) < 252 - 3
+
+
+def test_packed_tokens_counts_a_shared_prompt_once_per_group():
+    prompts = [[1, 2, 3]] * 3 + [[4, 5]] + [[6]] * 2
+    lengths = [5, 6, 7, 4, 3, 3]
+    assert packed_tokens(range(6), lengths, prompts) == 28 - 2 * 2  # prompt 1-2-3: 2 of 3 rows shared twice
+    assert packed_tokens([0, 3], lengths, prompts) == 9  # nothing shared
+    assert packed_tokens(range(6), lengths, None) == 28
 
 
 def test_a_prompt_with_more_samples_than_a_rank_holds_is_split():

@@ -18,11 +18,13 @@ Two steps:
 
 With ``prompts`` (each trajectory's prompt token ids), the trajectories of one prompt (in RL, its n
 samples) are placed as one unit wherever they fit, so the engine can pack their prompt once
-(``engine/packing.py``). A unit weighs the tokens of all its trajectories, as if nothing were shared
-(an engine that does not share, under CP or for MoE, packs that many, so a token budget holds
-either way). A unit that fits in no rank or no budgeted micro-batch is placed member by member. A
-rank's trajectories stay in ascending order, so a prompt-major batch cut into fixed-size
-micro-batches keeps each prompt's samples together too.
+(``engine/packing.py``). Give ``prompts`` only for an engine that does (a role's workers report it).
+Over DP, whole prompts balance more coarsely: the partition by prompt is kept only where its
+heaviest rank packs no more tokens than the partition by trajectory's would. In a budgeted
+micro-batch a unit weighs the tokens of all its trajectories, as if nothing were shared (so the budget
+bounds the unshared tokens too). A unit that fits in no rank or no budgeted micro-batch is placed
+member by member. A rank's trajectories stay in ascending order, so a prompt-major batch cut into
+fixed-size micro-batches keeps each prompt's samples together too.
 
 Planning never changes the math: the loss normalization comes from the whole mini-batch
 (``algorithms.aggregation.NormalizationPlan``), not from how it is cut.
@@ -55,14 +57,25 @@ def prompt_units(indices: Sequence[int], lengths: Sequence[int],
     return sorted(units, key=lambda u: (-u[1], u[0][0]))
 
 
+def packed_tokens(indices: Sequence[int], lengths: Sequence[int], prompts: Sequence[Sequence[int]] | None) -> int:
+    """The tokens an engine that packs a shared prompt once packs for the trajectories ``indices``: their
+    lengths, less (m - 1) x (P - 1) for each prompt of P tokens that m >= 2 of them share."""
+    total = 0
+    for members, tokens in prompt_units(indices, lengths, prompts):
+        total += tokens - (len(members) - 1) * (len(prompts[members[0]]) - 1) if len(members) > 1 else tokens
+    return total
+
+
 def partition_over_dp(lengths: Sequence[int], dp_size: int,
                       prompts: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
     """Split trajectory indices into ``dp_size`` equal-size groups with balanced token sums.
 
     Greedy: heaviest unit first (``prompt_units``: one trajectory each without ``prompts``), into the
     group with the smallest token sum that still has room for all of it (``len(lengths) / dp_size``
-    members at most); a unit no group has room for goes member by member, longest first. Indices
-    inside a group are sorted ascending.
+    members at most); a unit no group has room for goes member by member, longest first. With
+    ``prompts`` both partitions are made, by prompt and by trajectory, and the one whose heaviest
+    group packs fewer tokens (``packed_tokens``) is kept: whole prompts balance more coarsely, and win
+    where the prompts they share outweigh that. Indices inside a group are sorted ascending.
     """
     lengths = _check_lengths(lengths)
     if dp_size < 1:
@@ -73,7 +86,18 @@ def partition_over_dp(lengths: Sequence[int], dp_size: int,
             f"{n} trajectories do not divide over dp_size={dp_size}; make the mini-batch's trajectory "
             f"count a multiple of the data-parallel size"
         )
-    per_rank = n // dp_size
+    by_trajectory = _partition(prompt_units(range(n), lengths, None), lengths, dp_size)
+    if prompts is None or dp_size == 1:
+        return by_trajectory
+    by_prompt = _partition(prompt_units(range(n), lengths, prompts), lengths, dp_size)
+    heaviest = {name: max(packed_tokens(g, lengths, prompts) for g in groups)
+                for name, groups in (("prompt", by_prompt), ("trajectory", by_trajectory))}
+    return by_prompt if heaviest["prompt"] <= heaviest["trajectory"] else by_trajectory
+
+
+def _partition(units: list[tuple[list[int], int]], lengths: list[int], dp_size: int) -> list[list[int]]:
+    """``partition_over_dp``'s greedy placement of ``units`` (heaviest first)."""
+    per_rank = len(lengths) // dp_size
     groups: list[list[int]] = [[] for _ in range(dp_size)]
     loads = [0] * dp_size
 
@@ -86,7 +110,7 @@ def partition_over_dp(lengths: Sequence[int], dp_size: int,
         loads[r] += tokens
         return True
 
-    for members, tokens in prompt_units(range(n), lengths, prompts):
+    for members, tokens in units:
         if not place(members, tokens):
             for i in sorted(members, key=lambda k: (-lengths[k], k)):
                 place([i], lengths[i])

@@ -103,10 +103,13 @@ class RoleGroup:
                                  concurrent_ranks=concurrent_ranks)
         self.layouts: list | None = None  # set by start_roles, once the engines are built
         self.dp: int | None = None
+        self.shares_prompts = False  # whether the engines pack a shared prompt once (set with the layouts)
 
     def _set_layout(self) -> None:
-        self.layouts = make_layouts(self.group.call_all("layout"))
+        reports = self.group.call_all("layout")
+        self.layouts = make_layouts(reports)
         self.dp = self.layouts[0].dp_size
+        self.shares_prompts = all(r.get("shares_prompts", False) for r in reports)  # engine/packing.py
 
     # ------------------------------------------------------------------ plain calls
     def call_all(self, method: str, *args, **kwargs) -> list[Any]:
@@ -144,7 +147,7 @@ class RoleGroup:
             micro_batch_size=sizing.micro_batch_size,
             max_tokens_per_micro_batch=None if sizing.max_tokens is None else sizing.max_tokens * self.cp,
             vpp_multiple=self.vpp_multiple,
-            prompts=batch["prompt_ids"],  # a prompt's samples kept together: the engine packs the prompt once
+            prompts=batch["prompt_ids"] if self.shares_prompts else None,  # a prompt's samples together
         )
 
     def infer(self, method: str, batch: Batch, sizing: MicroBatching, *args) -> dict:

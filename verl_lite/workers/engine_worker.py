@@ -101,8 +101,9 @@ class EngineWorker(Worker):
     def layout(self) -> dict:
         from verl_lite.engine.distributed import data_parallel_rank, data_parallel_size
 
+        engine = self._owner_engine()
         return {"dp_rank": data_parallel_rank(), "dp_size": data_parallel_size(),
-                "is_output_owner": bool(self._owner_engine().is_output_owner)}
+                "is_output_owner": bool(engine.is_output_owner), "shares_prompts": bool(engine.share_prompts)}
 
     def shutdown(self) -> None:
         from verl_lite.engine.distributed import destroy_distributed
