@@ -61,7 +61,9 @@ class PackedMicroBatch:
     cu_seqlens: [b+1] int32, global padded; max_seqlen: max P_i.
     lengths, padded_lengths, response_lengths: per-sequence L_i, P_i, R_i.
     shared: None, or the layout of a pack with shared prompts (:class:`SharedPrompts`; its
-        ``cu_seqlens`` bound segments, and the sequences are its virtual sequences, not row ranges).
+        ``cu_seqlens`` bound segments, and the sequences are its virtual sequences, not row ranges;
+        its ``padded_lengths`` are per sequence as if unshared, read only by the CP and MoE paths,
+        which never get such a pack).
     """
 
     input_ids: torch.Tensor
