@@ -34,6 +34,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from verl_lite.engine.packing import shared_prefix_length
+
 
 def _check_lengths(lengths: Sequence[int]) -> list[int]:
     out = [int(x) for x in lengths]
@@ -47,11 +49,13 @@ def _check_lengths(lengths: Sequence[int]) -> list[int]:
 def prompt_units(indices: Sequence[int], lengths: Sequence[int],
                  prompts: Sequence[Sequence[int]] | None) -> list[tuple[list[int], int]]:
     """``(members, tokens)`` units, heaviest first: the trajectories among ``indices`` that share a prompt
-    of at least 2 tokens (each alone without ``prompts``), weighing the sum of their lengths."""
+    the engine can share (``packing.shared_prefix_length``; each alone without ``prompts``), weighing the sum
+    of their lengths."""
     by_prompt: dict = {}
     for i in indices:
         prompt = prompts[i] if prompts is not None else ()
-        key = tuple(prompt.tolist() if hasattr(prompt, "tolist") else prompt) if len(prompt) >= 2 else ("alone", i)
+        shared = shared_prefix_length(len(prompt))
+        key = tuple(prompt.tolist() if hasattr(prompt, "tolist") else prompt) if shared else ("alone", i)
         by_prompt.setdefault(key, []).append(i)
     units = [(members, sum(lengths[i] for i in members)) for members in by_prompt.values()]
     return sorted(units, key=lambda u: (-u[1], u[0][0]))
@@ -59,10 +63,10 @@ def prompt_units(indices: Sequence[int], lengths: Sequence[int],
 
 def packed_tokens(indices: Sequence[int], lengths: Sequence[int], prompts: Sequence[Sequence[int]] | None) -> int:
     """The tokens an engine that packs a shared prompt once packs for the trajectories ``indices``: their
-    lengths, less (m - 1) x (P - 1) for each prompt of P tokens that m >= 2 of them share."""
+    lengths, less (m - 1) x ``shared_prefix_length(P)`` for each prompt of P tokens that m >= 2 of them share."""
     total = 0
     for members, tokens in prompt_units(indices, lengths, prompts):
-        total += tokens - (len(members) - 1) * (len(prompts[members[0]]) - 1) if len(members) > 1 else tokens
+        total += tokens - (len(members) - 1) * shared_prefix_length(len(prompts[members[0]])) if len(members) > 1 else tokens
     return total
 
 

@@ -187,13 +187,19 @@ def pack_micro_batch(
     )
 
 
+def shared_prefix_length(prompt_length: int) -> int:
+    """The tokens of a prompt of ``prompt_length`` that a pack with shared prompts holds once: all but the
+    last (module docstring); 0, nothing shared, for a prompt of one token."""
+    return prompt_length - 1 if prompt_length >= 2 else 0
+
+
 def _prompt_groups(sequences: list[torch.Tensor], response_lengths) -> dict[int, list[int]]:
     """{first member: members} of the sequences whose prompts (``ids[:L - R]``, at least 2 tokens) are
     equal, for the prompts that two or more sequences share; members in batch order."""
     by_prompt: dict[tuple, list[int]] = {}
     for k, (ids, r) in enumerate(zip(sequences, response_lengths)):
         prompt_len = int(ids.numel()) - int(r)
-        if prompt_len >= 2 and int(r) >= 0:
+        if shared_prefix_length(prompt_len) > 0 and int(r) >= 0:
             by_prompt.setdefault(tuple(ids[:prompt_len].tolist()), []).append(k)
     return {members[0]: members for members in by_prompt.values() if len(members) > 1}
 
@@ -211,7 +217,8 @@ def _pack_shared(sequences: list[torch.Tensor], response_lengths, groups: dict[i
                 f"prompt: the response is scored from the token before it)"
             )
     first_of = {k: first for first, members in groups.items() for k in members}
-    shared_len = [lengths[k] - int(response_lengths[k]) - 1 if k in first_of else 0 for k in range(len(lengths))]
+    shared_len = [shared_prefix_length(lengths[k] - int(response_lengths[k])) if k in first_of else 0
+                  for k in range(len(lengths))]
     # segments in pack order as (sequence, its first position, real length); each group's prefix
     # segment and each sequence's own segment by index
     segments, prefix_seg, own_seg = [], {}, []
