@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verl_lite.controller.planning import packed_tokens, partition_over_dp, plan_micro_batches
+from verl_lite.controller.planning import packed_tokens, partition_over_dp, plan_micro_batches, prompt_groups
 
 
 def _flat(plan):
@@ -110,8 +110,8 @@ def test_a_prompts_samples_stay_on_one_rank_and_in_one_micro_batch_where_they_fi
         assert any(members <= set(s) for s in shares), p
     without = partition_over_dp(lengths, 2)  # trajectory by trajectory: the prompts are split
     assert not all(any(set(range(4 * p, 4 * p + 4)) <= set(s) for s in without) for p in range(8))
-    assert max(packed_tokens(s, lengths, prompts) for s in shares) < max(
-        packed_tokens(s, lengths, prompts) for s in without)
+    groups = prompt_groups(prompts)
+    assert max(packed_tokens(s, lengths, groups) for s in shares) < max(packed_tokens(s, lengths, groups) for s in without)
     budget = max(sum(lengths[4 * p: 4 * p + 4]) for p in range(8))
     plan = plan_micro_batches(lengths, 2, max_tokens_per_micro_batch=budget, prompts=prompts)
     for p in range(8):
@@ -128,15 +128,27 @@ def test_whole_prompts_are_not_kept_where_they_would_unbalance_the_ranks():
     lengths = [60, 62, 64, 66, 4, 5, 6, 7]
     shares = partition_over_dp(lengths, 2, prompts)
     assert shares == partition_over_dp(lengths, 2)
-    assert max(packed_tokens(s, lengths, prompts) for s in shares) < 252 - 3
+    assert max(packed_tokens(s, lengths, prompt_groups(prompts)) for s in shares) < 252 - 3
 
 
 def test_packed_tokens_counts_a_shared_prompt_once_per_group():
     prompts = [[1, 2, 3]] * 3 + [[4, 5]] + [[6]] * 2
     lengths = [5, 6, 7, 4, 3, 3]
-    assert packed_tokens(range(6), lengths, prompts) == 28 - 2 * 2  # prompt 1-2-3: 2 of 3 rows shared twice
-    assert packed_tokens([0, 3], lengths, prompts) == 9  # nothing shared
+    groups = prompt_groups(prompts)
+    assert packed_tokens(range(6), lengths, groups) == 28 - 2 * 2  # prompt 1-2-3: 2 of 3 rows shared twice
+    assert packed_tokens([0, 3], lengths, groups) == 9  # nothing shared
     assert packed_tokens(range(6), lengths, None) == 28
+
+
+def test_prompt_groups_read_each_prompt_once_into_ids():
+    import torch
+
+    prompts = [[1, 2, 3], torch.tensor([1, 2, 3]), [6], [6], [1, 2], [1, 2, 3]]
+    groups = prompt_groups(prompts)
+    assert [shared for _, shared in groups] == [2, 2, 0, 0, 1, 2]
+    ids = [g for g, _ in groups]
+    assert ids[0] == ids[1] == ids[5] and len({ids[0], ids[2], ids[3], ids[4]}) == 4  # a 1-token prompt is alone
+    assert prompt_groups(None) is None
 
 
 def test_a_prompt_with_more_samples_than_a_rank_holds_is_split():

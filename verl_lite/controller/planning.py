@@ -32,6 +32,7 @@ Planning never changes the math: the loss normalization comes from the whole min
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 
 from verl_lite.engine.packing import shared_prefix_length
@@ -46,27 +47,38 @@ def _check_lengths(lengths: Sequence[int]) -> list[int]:
     return out
 
 
-def prompt_units(indices: Sequence[int], lengths: Sequence[int],
-                 prompts: Sequence[Sequence[int]] | None) -> list[tuple[list[int], int]]:
-    """``(members, tokens)`` units, heaviest first: the trajectories among ``indices`` that share a prompt
-    the engine can share (``packing.shared_prefix_length``; each alone without ``prompts``), weighing the sum
-    of their lengths."""
-    by_prompt: dict = {}
-    for i in indices:
-        prompt = prompts[i] if prompts is not None else ()
+def prompt_groups(prompts: Sequence[Sequence[int]] | None) -> list[tuple[int, int]] | None:
+    """Each trajectory's ``(group, shared)``, from its prompt token ids, read once per plan: ``shared`` =
+    ``packing.shared_prefix_length`` of its prompt, and ``group`` an id that trajectories whose equal prompts the
+    engine can share have in common (a trajectory with nothing to share has an id of its own). None: no prompts."""
+    if prompts is None:
+        return None
+    ids: dict[tuple, int] = {}
+    groups = []
+    for i, prompt in enumerate(prompts):
         shared = shared_prefix_length(len(prompt))
-        key = tuple(prompt.tolist() if hasattr(prompt, "tolist") else prompt) if shared else ("alone", i)
-        by_prompt.setdefault(key, []).append(i)
-    units = [(members, sum(lengths[i] for i in members)) for members in by_prompt.values()]
+        key = tuple(prompt.tolist() if hasattr(prompt, "tolist") else prompt) if shared else None
+        groups.append((ids.setdefault(key, len(ids)) if shared else -1 - i, shared))
+    return groups
+
+
+def prompt_units(indices: Sequence[int], lengths: Sequence[int],
+                 groups: Sequence[tuple[int, int]] | None) -> list[tuple[list[int], int]]:
+    """``(members, tokens)`` units, heaviest first: the trajectories among ``indices`` of one prompt group
+    (``prompt_groups``; each alone without groups), weighing the sum of their lengths."""
+    by_group: dict[int, list[int]] = {}
+    for i in indices:
+        by_group.setdefault(groups[i][0] if groups is not None else i, []).append(i)
+    units = [(members, sum(lengths[i] for i in members)) for members in by_group.values()]
     return sorted(units, key=lambda u: (-u[1], u[0][0]))
 
 
-def packed_tokens(indices: Sequence[int], lengths: Sequence[int], prompts: Sequence[Sequence[int]] | None) -> int:
+def packed_tokens(indices: Sequence[int], lengths: Sequence[int], groups: Sequence[tuple[int, int]] | None) -> int:
     """The tokens an engine that packs a shared prompt once packs for the trajectories ``indices``: their
-    lengths, less (m - 1) x ``shared_prefix_length(P)`` for each prompt of P tokens that m >= 2 of them share."""
+    lengths, less (m - 1) x the prompt's shared tokens for each prompt group with m >= 2 of them there."""
     total = 0
-    for members, tokens in prompt_units(indices, lengths, prompts):
-        total += tokens - (len(members) - 1) * shared_prefix_length(len(prompts[members[0]])) if len(members) > 1 else tokens
+    for members, tokens in prompt_units(indices, lengths, groups):
+        total += tokens - (len(members) - 1) * groups[members[0]][1] if len(members) > 1 else tokens
     return total
 
 
@@ -81,7 +93,10 @@ def partition_over_dp(lengths: Sequence[int], dp_size: int,
     group packs fewer tokens (``packed_tokens``) is kept: whole prompts balance more coarsely, and win
     where the prompts they share outweigh that. Indices inside a group are sorted ascending.
     """
-    lengths = _check_lengths(lengths)
+    return _partition_over_dp(_check_lengths(lengths), dp_size, prompt_groups(prompts))
+
+
+def _partition_over_dp(lengths: list[int], dp_size: int, groups: list[tuple[int, int]] | None) -> list[list[int]]:
     if dp_size < 1:
         raise ValueError(f"dp_size must be >= 1, got {dp_size}")
     n = len(lengths)
@@ -91,11 +106,11 @@ def partition_over_dp(lengths: Sequence[int], dp_size: int,
             f"count a multiple of the data-parallel size"
         )
     by_trajectory = _partition(prompt_units(range(n), lengths, None), lengths, dp_size)
-    if prompts is None or dp_size == 1:
+    if groups is None or dp_size == 1:
         return by_trajectory
-    by_prompt = _partition(prompt_units(range(n), lengths, prompts), lengths, dp_size)
-    heaviest = {name: max(packed_tokens(g, lengths, prompts) for g in groups)
-                for name, groups in (("prompt", by_prompt), ("trajectory", by_trajectory))}
+    by_prompt = _partition(prompt_units(range(n), lengths, groups), lengths, dp_size)
+    heaviest = {name: max(packed_tokens(g, lengths, groups) for g in parts)
+                for name, parts in (("prompt", by_prompt), ("trajectory", by_trajectory))}
     return by_prompt if heaviest["prompt"] <= heaviest["trajectory"] else by_trajectory
 
 
@@ -126,7 +141,7 @@ def _split_fixed(indices: list[int], micro_batch_size: int) -> list[list[int]]:
 
 
 def _split_token_budget(indices: list[int], lengths: list[int], budget: int,
-                        prompts: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
+                        groups: list[tuple[int, int]] | None = None) -> list[list[int]]:
     """First-fit-decreasing into bins of at most ``budget`` tokens, then rebalance greedily; by
     ``prompt_units`` (a unit over the budget goes member by member)."""
     too_long = [i for i in indices if lengths[i] > budget]
@@ -137,7 +152,7 @@ def _split_token_budget(indices: list[int], lengths: list[int], budget: int,
             f"sequence ({max(lengths[i] for i in too_long)})"
         )
     units = []
-    for members, tokens in prompt_units(indices, lengths, prompts):
+    for members, tokens in prompt_units(indices, lengths, groups):
         units.extend([(members, tokens)] if tokens <= budget else [([i], lengths[i]) for i in members])
     units.sort(key=lambda u: (-u[1], u[0][0]))
     loads: list[int] = []
@@ -156,12 +171,12 @@ def _rebalance(units: list[tuple[list[int], int]], k: int, budget: int | None) -
     FFD count if it overflows."""
     while True:
         bins: list[list[int]] = [[] for _ in range(k)]
-        loads = [0] * k
+        lightest = [(0, 0, q) for q in range(k)]  # (load, members, bin) of every bin: a heap, lightest first
         for members, tokens in units:
-            b = min(range(k), key=lambda q: (loads[q], len(bins[q]), q))
+            load, count, b = heapq.heappop(lightest)
             bins[b].extend(members)
-            loads[b] += tokens
-        if budget is None or max(loads) <= budget:
+            heapq.heappush(lightest, (load + tokens, count + len(members), b))
+        if budget is None or max(load for load, _, _ in lightest) <= budget:
             return [sorted(b) for b in bins]
         k += 1  # LPT can be worse than FFD on awkward inputs; one more bin always eventually fits
 
@@ -231,11 +246,12 @@ def plan_micro_batches(
 
     if prompts is not None and len(prompts) != len(lengths):
         raise ValueError(f"plan_micro_batches: {len(prompts)} prompts for {len(lengths)} trajectories")
-    shares = partition_over_dp(lengths, dp_size, prompts)
+    groups = prompt_groups(prompts)  # the prompts are read here only
+    shares = _partition_over_dp(lengths, dp_size, groups)
     if micro_batch_size is not None:
         per_rank = [_split_fixed(s, micro_batch_size) for s in shares]
     else:
-        per_rank = [_split_token_budget(s, lengths, max_tokens_per_micro_batch, prompts) for s in shares]
+        per_rank = [_split_token_budget(s, lengths, max_tokens_per_micro_batch, groups) for s in shares]
     count = max(len(m) for m in per_rank)
     count = -(-count // vpp_multiple) * vpp_multiple
     return [_pad_count(m, lengths, count) for m in per_rank]

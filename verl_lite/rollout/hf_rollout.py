@@ -68,13 +68,14 @@ _M32 = 0xFFFFFFFF
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2**32 for uint32 values held in int64, without int64 overflow."""
+    """(x * c) mod 2**32 for uint32 values held in int64 (or a Python int), without int64 overflow."""
     hi = ((x * (c >> 16)) & 0xFFFF) << 16
     return (hi + x * (c & 0xFFFF)) & _M32
 
 
 def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    """murmur3's 32-bit finaliser (a bijection with full avalanche) on uint32 values held in int64."""
+    """murmur3's 32-bit finaliser (a bijection with full avalanche) on uint32 values held in int64 (or on a Python
+    int: the same operators)."""
     x = x & _M32
     x = x ^ (x >> 16)
     x = _mul32(x, 0x85EBCA6B)
@@ -91,7 +92,7 @@ def row_keys(seeds: torch.Tensor, sample_ids: torch.Tensor) -> torch.Tensor:
 
 def uniform_at(keys: torch.Tensor, position: int) -> torch.Tensor:
     """:func:`counter_uniform` from the rows' :func:`row_keys`."""
-    position_key = int(_fmix32(torch.tensor((int(position) * 0x632BE5AB + 0x2545F491) & _M32)))
+    position_key = _fmix32((int(position) * 0x632BE5AB + 0x2545F491) & _M32)  # a Python int: no tensor ops
     h = _fmix32(_fmix32(keys ^ position_key) + 0x7F4A7C15)
     return (h.double() + 0.5) / 2.0**32
 
