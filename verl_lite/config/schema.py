@@ -108,7 +108,7 @@ class PolicyLossConfig:
 @dataclass
 class ActorConfig:
     ppo_mini_batch_size: int = 16  # prompts per optimizer step (x rollout.n trajectories)
-    ppo_micro_batch_size_per_gpu: Optional[int] = 64  # trajectories per micro-batch on one DP rank
+    ppo_micro_batch_size_per_gpu: Optional[int] = 128  # trajectories per micro-batch on one DP rank
     use_dynamic_bsz: bool = False  # cut micro-batches by token budget instead
     ppo_max_token_len_per_gpu: int = 16384  # token budget per micro-batch (x CP) with use_dynamic_bsz
     ppo_epochs: int = 1  # passes over the step's trajectories
