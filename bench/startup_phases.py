@@ -21,8 +21,9 @@ timestamp (CLOCK_MONOTONIC, shared by parent and child) on entry and exit, then 
     shutdown        trainer.close (workers killed, Ray stopped), files, summary print
     exit            main's return -> process exit (atexit handlers; the CLI skips the interpreter's teardown)
 
-Phases that overlap (Ray starting while the trainer initialises) are printed with their own wall
-times and the ``critical path`` line sums what the process actually waited for, from spawn to exit.
+Each run also reports the CPU seconds the whole machine spent while it ran (``/proc/stat``: every process,
+Ray's and the workers' included; meaningful on an otherwise quiet machine): on 2 cores a run whose CPU
+seconds are near twice its wall time cannot get faster by overlapping its phases, only by doing less.
 
     python bench/startup_phases.py [--runs 3] [--python .venv/bin/python] [ARGS ... for main_ppo]
 
@@ -123,17 +124,27 @@ TRL_SIDE = ("import sys; from pathlib import Path; sys.path.insert(0, sys.argv[2
 SAME_WORK_AS_TRL = ["trainer.val_before_train=false", "trainer.test_freq=0", "trainer.save_freq=1"]
 
 
-def trl_once(trl_python: str) -> float:
-    """Wall seconds of TRL's one-step job, spawn to exit."""
+def busy_cpu_seconds() -> float:
+    """CPU seconds the whole machine has spent outside idle and iowait since boot (Linux ``/proc/stat``; 0 elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in f.readline().split()[1:9])
+    except (OSError, ValueError):
+        return 0.0
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def trl_once(trl_python: str) -> tuple[float, float]:
+    """Wall seconds of TRL's one-step job, spawn to exit, and the machine's CPU seconds meanwhile."""
     with tempfile.TemporaryDirectory(prefix="trl_startup_") as tmp:
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-        spawn = time.monotonic()
+        cpu, spawn = busy_cpu_seconds(), time.monotonic()
         proc = subprocess.run([trl_python, "-c", TRL_SIDE, tmp, str(REPO / "bench")], cwd=tmp, env=env,
                               capture_output=True, text=True)
-        exited = time.monotonic()
+        exited, cpu = time.monotonic(), busy_cpu_seconds() - cpu
         if proc.returncode != 0:
             raise RuntimeError(f"TRL's 1-step job failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-        return exited - spawn
+        return exited - spawn, cpu
 
 
 def run_once(python: str, args: list[str]) -> dict[str, float]:
@@ -142,12 +153,12 @@ def run_once(python: str, args: list[str]) -> dict[str, float]:
         env = dict(os.environ, **{STAMPS_ENV: str(stamps_file)})
         cmd = [python, str(Path(__file__).resolve()), "--child", f"trainer.output_dir={tmp}/out",
                f"trainer.default_local_dir={tmp}/ckpt", "trainer.total_training_steps=1", *args]
-        spawn = time.monotonic()
+        cpu, spawn = busy_cpu_seconds(), time.monotonic()
         proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
-        exited = time.monotonic()
+        exited, cpu = time.monotonic(), busy_cpu_seconds() - cpu
         if proc.returncode != 0:
             raise RuntimeError(f"the 1-step job failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-        return phases(spawn, json.loads(stamps_file.read_text()), exited)
+        return {**phases(spawn, json.loads(stamps_file.read_text()), exited), "CPU s (machine, all processes)": cpu}
 
 
 def main() -> None:
@@ -164,17 +175,19 @@ def main() -> None:
     ap.add_argument("--trl", action="store_true", help="TRL's GRPOTrainer on the same one step, alternating")
     ap.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON", "/tmp/trl-venv/bin/python"))
     a, rest = ap.parse_known_args()
-    runs, trl = [], []
+    runs, trl, trl_cpu = [], [], []
     if a.trl:
         rest = SAME_WORK_AS_TRL + rest
     for k in range(a.runs):
         load = os.getloadavg()[0]
         trl_first = a.trl and k % 2 == 1
-        if trl_first:
-            trl.append(trl_once(a.trl_python))
-        runs.append(run_once(a.python, rest))
-        if a.trl and not trl_first:
-            trl.append(trl_once(a.trl_python))
+        for side in (("trl", "verl") if trl_first else ("verl", "trl") if a.trl else ("verl",)):
+            if side == "verl":
+                runs.append(run_once(a.python, rest))
+            else:
+                wall, cpu = trl_once(a.trl_python)
+                trl.append(wall)
+                trl_cpu.append(cpu)
         beside = (f"; TRL {trl[-1]:.2f} s ({'before' if trl_first else 'after'} it), ratio "
                   f"{runs[-1]['whole process'] / trl[-1]:.2f}") if a.trl else ""
         print(f"run {k + 1}: whole process {runs[-1]['whole process']:.2f} s{beside} (1-min load before it "
@@ -187,7 +200,8 @@ def main() -> None:
         print(f"  {key:<36} {statistics.median(vals):6.2f} / {min(vals):6.2f}")
     if a.trl:
         ratios = [r["whole process"] / t for r, t in zip(runs, trl)]
-        print(f"TRL GRPOTrainer, the same step (whole process): {statistics.median(trl):.2f} / {min(trl):.2f} s; "
+        print(f"TRL GRPOTrainer, the same step (whole process): {statistics.median(trl):.2f} / {min(trl):.2f} s, "
+              f"CPU {statistics.median(trl_cpu):.2f} s (machine, all processes); "
               f"verl_lite / TRL per pair {', '.join(f'{x:.2f}' for x in ratios)}, median {statistics.median(ratios):.2f}")
 
 
