@@ -126,8 +126,11 @@ class ActorRolloutRefWorker(EngineWorker):
     def sync_rollout_weights(self) -> int:
         """Copy the actor's current weights (LoRA: merged into the base) into the rollout model (every rank
         takes part: export gathers)."""
+        from verl_lite.compat.cpu_adapter import suspended
+
         self.rollout_behind = False
-        return self.rollout.load_weights(self.actor.export_merged_hf())
+        with suspended():  # reading, gathering and copying tensors: no CUDA->CPU rewriting on the way
+            return self.rollout.load_weights(self.actor.export_merged_hf())
 
     def _catch_up_rollout(self) -> None:
         """Before the rollout samples: load the actor's weights into it if an update came since its last load.
