@@ -143,7 +143,10 @@ class ActorRolloutRefWorker(EngineWorker):
     def export_rollout_weights(self) -> list | None:
         """Split placement: the actor's current weights (LoRA merged) as [(hf_name, tensor)] on rank 0, None on
         the other ranks (every rank takes part: export gathers). The driver hands them to the rollout pool."""
-        weights = [(name, t.detach().cpu().clone()) for name, t in self.actor.export_merged_hf()]
+        from verl_lite.compat.cpu_adapter import suspended
+
+        with suspended():  # reading, gathering and copying tensors: no CUDA->CPU rewriting on the way
+            weights = [(name, t.detach().cpu().clone()) for name, t in self.actor.export_merged_hf()]
         return weights if self.rank == 0 else None
 
     # ------------------------------------------------------------------ log-probs
