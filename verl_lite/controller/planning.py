@@ -35,7 +35,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from verl_lite.engine.packing import shared_prefix_length
+from verl_lite.engine.packing import prompt_groups
 
 
 def _check_lengths(lengths: Sequence[int]) -> list[int]:
@@ -45,21 +45,6 @@ def _check_lengths(lengths: Sequence[int]) -> list[int]:
     if any(x <= 0 for x in out):
         raise ValueError(f"plan_micro_batches: every length must be positive, got {out}")
     return out
-
-
-def prompt_groups(prompts: Sequence[Sequence[int]] | None) -> list[tuple[int, int]] | None:
-    """Each trajectory's ``(group, shared)``, from its prompt token ids, read once per plan: ``shared`` =
-    ``packing.shared_prefix_length`` of its prompt, and ``group`` an id that trajectories whose equal prompts the
-    engine can share have in common (a trajectory with nothing to share has an id of its own). None: no prompts."""
-    if prompts is None:
-        return None
-    ids: dict[tuple, int] = {}
-    groups = []
-    for i, prompt in enumerate(prompts):
-        shared = shared_prefix_length(len(prompt))
-        key = tuple(prompt.tolist() if hasattr(prompt, "tolist") else prompt) if shared else None
-        groups.append((ids.setdefault(key, len(ids)) if shared else -1 - i, shared))
-    return groups
 
 
 def prompt_units(indices: Sequence[int], lengths: Sequence[int],

@@ -37,6 +37,7 @@ another order). ``cu_seqlens`` then bounds the segments, ``max_seqlen`` is the l
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -193,15 +194,34 @@ def shared_prefix_length(prompt_length: int) -> int:
     return prompt_length - 1 if prompt_length >= 2 else 0
 
 
+def prompt_groups(prompts: Sequence[Sequence[int]] | None) -> list[tuple[int, int]] | None:
+    """Each sequence's ``(group, shared)`` from its prompt token ids (a list or a tensor), each prompt read once:
+    ``shared`` = :func:`shared_prefix_length` of its prompt, and ``group`` an id that the sequences whose equal
+    prompts a pack can share have in common (a sequence with nothing to share has an id of its own). The packer
+    and the micro-batch planner group by it. None: no prompts."""
+    if prompts is None:
+        return None
+    ids: dict[tuple, int] = {}
+    groups = []
+    for i, prompt in enumerate(prompts):
+        shared = shared_prefix_length(len(prompt))
+        key = tuple(prompt.tolist() if hasattr(prompt, "tolist") else prompt) if shared else None
+        groups.append((ids.setdefault(key, len(ids)) if shared else -1 - i, shared))
+    return groups
+
+
 def _prompt_groups(sequences: list[torch.Tensor], response_lengths) -> dict[int, list[int]]:
-    """{first member: members} of the sequences whose prompts (``ids[:L - R]``, at least 2 tokens) are
-    equal, for the prompts that two or more sequences share; members in batch order."""
-    by_prompt: dict[tuple, list[int]] = {}
-    for k, (ids, r) in enumerate(zip(sequences, response_lengths)):
+    """{first member: members} of the sequences whose prompts (``ids[:L - R]``) are equal and shareable
+    (:func:`prompt_groups`), for the prompts that two or more sequences share; members in batch order."""
+    prompts = []
+    for ids, r in zip(sequences, response_lengths):
         prompt_len = int(ids.numel()) - int(r)
-        if shared_prefix_length(prompt_len) > 0 and int(r) >= 0:
-            by_prompt.setdefault(tuple(ids[:prompt_len].tolist()), []).append(k)
-    return {members[0]: members for members in by_prompt.values() if len(members) > 1}
+        prompts.append(ids[:prompt_len] if 0 <= prompt_len <= ids.numel() else ids[:0])  # a bad R shares nothing
+    by_group: dict[int, list[int]] = {}
+    for k, (group, shared) in enumerate(prompt_groups(prompts)):
+        if shared:
+            by_group.setdefault(group, []).append(k)
+    return {members[0]: members for members in by_group.values() if len(members) > 1}
 
 
 def _pack_shared(sequences: list[torch.Tensor], response_lengths, groups: dict[int, list[int]],
