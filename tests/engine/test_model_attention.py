@@ -30,8 +30,19 @@ def _qkv(t, n_heads, n_kv, hn, seed=0, dtype=torch.float64):
     return [torch.randn(t, h, hn, generator=gen, dtype=dtype) for h in (n_heads, n_kv, n_kv)]
 
 
+@pytest.fixture(params=["matmul", "sdpa"])
+def causal_kernel(request, monkeypatch):
+    """Both CPU kernels of the batched causal attention: two matmuls (sequences of at most
+    ``SHORT_CAUSAL_MAX_LEN`` positions, the default for these tests' short ones) and torch SDPA."""
+    import verl_lite.engine.attention as attention
+
+    if request.param == "sdpa":
+        monkeypatch.setattr(attention, "SHORT_CAUSAL_MAX_LEN", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("n_heads,n_kv", [(4, 2), (4, 4), (6, 1)])
-def test_thd_matches_per_sequence_reference_values_and_grads(n_heads, n_kv):
+def test_thd_matches_per_sequence_reference_values_and_grads(n_heads, n_kv, causal_kernel):
     hn = 8
     bounds = [0, 3, 3, 11, 12, 17]  # includes an empty and a length-1 sequence
     q, k, v = _qkv(bounds[-1] + 2, n_heads, n_kv, hn)  # 2 trailing rows past cu[-1] -> zeros
@@ -64,24 +75,59 @@ def test_thd_uses_padded_boundaries_when_given():
     torch.testing.assert_close(out[4:9], alone, rtol=0, atol=1e-12)
 
 
-def test_thd_never_attends_across_the_whole_pack(monkeypatch):
-    """No SDPA call sees more keys than the longest sequence and none takes a mask: no [T, T]
-    mask over the pack (at CP=1 one batched call over [b, max_len])."""
+def test_thd_never_attends_across_the_whole_pack(monkeypatch, causal_kernel):
+    """No attention call sees more keys than the longest sequence and none takes a mask: no [T, T]
+    mask over the pack (at CP=1 one batched call over [b, max_len]), with either kernel."""
     import verl_lite.engine.attention as attention
 
     seen = []
-    real_sdpa = F.scaled_dot_product_attention
+    real_sdpa, real_matmul = F.scaled_dot_product_attention, attention.causal_matmul_attention
 
     def spy(q, k, v, attn_mask=None, **kw):
-        seen.append((k.shape[-2], None if attn_mask is None else tuple(attn_mask.shape)))
+        seen.append(("sdpa", k.shape[-2], None if attn_mask is None else tuple(attn_mask.shape)))
         return real_sdpa(q, k, v, attn_mask=attn_mask, **kw)
 
+    def spy_matmul(q, k, v, scale):
+        seen.append(("matmul", k.shape[-2], None))
+        return real_matmul(q, k, v, scale)
+
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(attention, "causal_matmul_attention", spy_matmul)
     bounds = [0, 5, 9, 16]
     q, k, v = _qkv(16, 2, 2, 4, dtype=torch.float32)
     attention_module(4)(q, k, v, None, attn_mask_type=None, attention_bias=None, packed_seq_params=_thd_params(bounds))
-    assert seen and all(s <= 7 for s, _ in seen)
-    assert all(m is None for _, m in seen)
+    assert [kernel for kernel, _, _ in seen] == [causal_kernel]
+    assert all(s <= 7 for _, s, _ in seen)
+    assert all(m is None for _, _, m in seen)
+
+
+@pytest.mark.parametrize("length,n_heads,n_kv", [(1, 4, 2), (9, 6, 3), (64, 4, 1), (65, 2, 2)])
+def test_causal_kernels_agree_with_float64_reference(length, n_heads, n_kv, monkeypatch):
+    """``causal_matmul_attention`` (values and q/k/v gradients) against the dense per-sequence reference, float64,
+    GQA; ``_causal_attention`` takes it up to ``SHORT_CAUSAL_MAX_LEN`` positions, SDPA beyond, and in 16-bit."""
+    import verl_lite.engine.attention as attention
+
+    b, hn = 3, 8
+    gen = torch.Generator().manual_seed(length)
+    q = torch.randn(b, n_heads, length, hn, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(b, n_kv, length, hn, generator=gen, dtype=torch.float64, requires_grad=True) for _ in "kv")
+    w = torch.randn(b, n_heads, length, hn, generator=gen, dtype=torch.float64)
+    out = attention.causal_matmul_attention(q, k, v, hn**-0.5)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    for i in range(b):
+        rows = lambda x: x[i].transpose(0, 1)  # noqa: E731  [heads, L, hn] -> [L, heads, hn]
+        ref_q, ref_k, ref_v = (rows(x).detach().clone().requires_grad_() for x in (q, k, v))
+        ref = dense_causal_attention(ref_q, ref_k, ref_v, [0, length], hn**-0.5)  # [L, heads * hn]
+        torch.testing.assert_close(out[i].transpose(0, 1).reshape(length, -1), ref, rtol=0, atol=1e-12)
+        ref_grads = torch.autograd.grad((ref * rows(w).reshape(length, -1)).sum(), (ref_q, ref_k, ref_v))
+        for mine, theirs in zip(grads, ref_grads):
+            torch.testing.assert_close(rows(mine), theirs, rtol=0, atol=1e-12)
+    calls = []
+    monkeypatch.setattr(attention, "causal_matmul_attention", lambda *a: calls.append("matmul") or out)
+    attention._causal_attention(q, k, v, hn**-0.5)
+    assert calls == (["matmul"] if length <= attention.SHORT_CAUSAL_MAX_LEN else [])
+    attention._causal_attention(q.detach().bfloat16(), k.detach().bfloat16(), v.detach().bfloat16(), hn**-0.5)
+    assert calls == (["matmul"] if length <= attention.SHORT_CAUSAL_MAX_LEN else [])
 
 
 def test_bshd_causal_and_explicit_mask():
