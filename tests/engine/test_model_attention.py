@@ -104,7 +104,8 @@ def test_thd_never_attends_across_the_whole_pack(monkeypatch, causal_kernel):
 @pytest.mark.parametrize("length,n_heads,n_kv", [(1, 4, 2), (9, 6, 3), (64, 4, 1), (65, 2, 2)])
 def test_causal_kernels_agree_with_float64_reference(length, n_heads, n_kv, monkeypatch):
     """``causal_matmul_attention`` (values and q/k/v gradients) against the dense per-sequence reference, float64,
-    GQA; ``_causal_attention`` takes it up to ``SHORT_CAUSAL_MAX_LEN`` positions, SDPA beyond, and in 16-bit."""
+    GQA; ``_causal_attention`` takes it up to ``SHORT_CAUSAL_MAX_LEN`` positions and ``MATMUL_ATTENTION_MAX_SCORES`` scores,
+    SDPA beyond and in 16-bit."""
     import verl_lite.engine.attention as attention
 
     b, hn = 3, 8
@@ -127,6 +128,8 @@ def test_causal_kernels_agree_with_float64_reference(length, n_heads, n_kv, monk
     attention._causal_attention(q, k, v, hn**-0.5)
     assert calls == (["matmul"] if length <= attention.SHORT_CAUSAL_MAX_LEN else [])
     attention._causal_attention(q.detach().bfloat16(), k.detach().bfloat16(), v.detach().bfloat16(), hn**-0.5)
+    monkeypatch.setattr(attention, "MATMUL_ATTENTION_MAX_SCORES", b * n_heads * length * length - 1)
+    attention._causal_attention(q, k, v, hn**-0.5)  # one score more than the bound: SDPA
     assert calls == (["matmul"] if length <= attention.SHORT_CAUSAL_MAX_LEN else [])
 
 

@@ -122,12 +122,15 @@ def _sdpa(q, k, v, scale, *, causal: bool, allowed: torch.Tensor | None = None):
     )
 
 
-# Causal attention over sequences of at most this many positions runs as matmuls (``causal_matmul_attention``)
-# on the CPU in float32/float64. There torch's SDPA (its flash kernel for CPU) costs more than the math at short
-# lengths, and less beyond them, where it skips the masked blocks the matmuls compute: forward + backward of one
-# layer, 2 threads, 128 sequences with 4 query / 2 KV heads of 32: 5.5 ms (SDPA) against 3.2 ms at 21 positions;
-# 8 / 2 heads of 64: 63 against 59 ms at 72 positions; at 128 and 256 positions SDPA is 1.2x and 2x the faster.
+# Causal attention over short sequences runs as matmuls (``causal_matmul_attention``) on the CPU in float32/float64:
+# sequences of at most SHORT_CAUSAL_MAX_LEN positions, and a score tensor [b, heads, L, L] of at most
+# MATMUL_ATTENTION_MAX_SCORES elements (16 MiB in float32). There torch's SDPA (its flash kernel for the CPU) costs
+# more than the arithmetic; beyond, SDPA skips the masked blocks the matmuls compute and keeps its blocks in cache.
+# Forward + backward of one layer, 2 threads, 8 query / 2 KV heads of 64 (matmuls / SDPA): 0.36 at 16 positions
+# x 256 sequences, 0.50-0.58 at 21 x 128-512, 0.57-0.68 at 24-64 positions x 4,096 tokens, 0.85-0.89 at 64 x 120-128
+# (4M scores), 1.07 at 32 x 1,024 (8M), 1.44 at 64 x 256, 1.55 at 96 x 128; 4 / 2 heads of 32 at 21 x 128: 0.58.
 SHORT_CAUSAL_MAX_LEN = 64
+MATMUL_ATTENTION_MAX_SCORES = 1 << 22
 MATMUL_ATTENTION_DTYPES = (torch.float32, torch.float64)
 
 
@@ -136,7 +139,7 @@ def causal_matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     (h % g == 0; query head i reads KV group i // (h/g)) -> ``[b, h, L, d]``. The h/g query heads of a group are
     stacked as rows of one matmul against their group's keys, so K and V are never repeated. Query position i
     sees keys 0..i (upper-left causal, as SDPA's ``is_causal``); every row keeps its diagonal, so no row is empty.
-    Scores take ``O(b h L^2)`` memory: for short sequences (``SHORT_CAUSAL_MAX_LEN``)."""
+    Scores take ``O(b h L^2)`` memory: for short sequences (``SHORT_CAUSAL_MAX_LEN``, ``MATMUL_ATTENTION_MAX_SCORES``)."""
     b, h, length, d = q.shape
     groups = k.shape[1]
     rows = (h // groups) * length
@@ -148,8 +151,10 @@ def causal_matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of ``[b, h, L, d]`` queries over ``[b, g, L, d]`` keys/values: ``causal_matmul_attention``
-    where it is the faster (short sequences in float32/64 on the CPU), else SDPA."""
-    if q.device.type == "cpu" and q.dtype in MATMUL_ATTENTION_DTYPES and q.shape[2] <= SHORT_CAUSAL_MAX_LEN:
+    where it is the faster (short sequences and few scores, float32/64, the CPU), else SDPA."""
+    b, heads, length, _ = q.shape
+    if (q.device.type == "cpu" and q.dtype in MATMUL_ATTENTION_DTYPES and length <= SHORT_CAUSAL_MAX_LEN
+            and b * heads * length * length <= MATMUL_ATTENTION_MAX_SCORES):
         return causal_matmul_attention(q, k, v, scale)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
