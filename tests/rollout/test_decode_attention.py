@@ -70,6 +70,7 @@ def test_generation_equals_the_models_own_sdpa(tmp_path):
     prompts = [tok.encode(t, add_special_tokens=False) for t in ("12+3=", "7+88=", "x", "1000+2000=")]
     rollout = HFRollout(model_dir, tok)
     assert rollout.model.config._attn_implementation == hf_attention.NAME
+    assert not hf_attention.use_decode_attention(rollout.model), "only a model on sdpa is switched"
     kw = dict(do_sample=True, temperature=1.0, max_new_tokens=12, seeds=[3, 4, 5, 6])
     ours = rollout.generate(prompts, n=3, **kw)
     assert len({len(o["response_ids"]) for o in ours}) > 1, "rows must stop at different steps"

@@ -3,13 +3,13 @@
 A decode step asks one query per row of every cached key. transformers' ``sdpa`` hands that to torch's SDPA, whose
 flash kernel for the CPU costs more than the arithmetic here: per layer and decode step, 2 threads, 128 rows,
 4 query / 2 KV heads of 32 over 20 positions: 180 us against 126 us as two matmuls; 8 / 2 heads of 64 over 70
-positions: 941 against 372 us. :func:`decode_attention_implementation` registers ``verl_lite_decode`` with
+positions: 941 against 372 us. :func:`use_decode_attention` registers ``verl_lite_decode`` with
 ``transformers.AttentionInterface`` (and transformers' own ``sdpa_mask`` for it with ``AttentionMaskInterface``, so
-the model builds the masks SDPA would get) and returns that name for ``from_pretrained(attn_implementation=...)``:
-a single-query step on the CPU in float32/float64 runs :func:`decode_attention`, every other call (the prefill,
-GPUs, 16-bit, attention sinks, soft-capping, dropout) runs transformers' ``sdpa_attention_forward`` unchanged.
+the model builds the masks SDPA would get) and switches a model that runs ``sdpa`` to it: a single-query step on
+the CPU in float32/float64 runs :func:`decode_attention`, every other call (the prefill, GPUs, 16-bit, attention
+sinks, soft-capping, dropout) runs transformers' ``sdpa_attention_forward`` unchanged.
 
-For any transformers but the version it was written for it stands aside: the name is ``sdpa``.
+For any transformers but the version it was written for, and for a model not on ``sdpa``, it stands aside.
 """
 
 from __future__ import annotations
@@ -57,14 +57,19 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
     return out.transpose(1, 2).contiguous(), None
 
 
-def decode_attention_implementation() -> str:
-    """The ``attn_implementation`` for the HF rollout's model: ``verl_lite_decode`` (registered on first call) with
-    the transformers this was written for, else ``sdpa``."""
+def use_decode_attention(model) -> bool:
+    """Switch ``model`` from transformers' ``sdpa`` to ``verl_lite_decode`` (registered on first use): the same
+    attention with single-query CPU steps as matmuls. A model that runs anything but ``sdpa`` (eager, flash,
+    flex: transformers chose or was told so) is left alone, as is every model with another transformers.
+    Returns whether it switched."""
     if installed_version("transformers") not in TESTED_TRANSFORMERS:
-        return "sdpa"
+        return False
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return False
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(NAME, _attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)
-    return NAME
+    model.set_attn_implementation(NAME)
+    return True

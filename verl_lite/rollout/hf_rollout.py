@@ -34,7 +34,7 @@ from typing import Iterable
 
 import torch
 
-from verl_lite.compat.hf_attention import decode_attention_implementation
+from verl_lite.compat.hf_attention import use_decode_attention
 from verl_lite.compat.kv_cache import reserved_cache
 
 
@@ -142,8 +142,8 @@ class HFRollout:
 
         self.tokenizer = tokenizer
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=dtype, attn_implementation=decode_attention_implementation()).to(self.device)
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device)
+        use_decode_attention(self.model)  # sdpa, with decode steps on the CPU as matmuls
         self.model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
