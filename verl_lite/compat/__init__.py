@@ -21,8 +21,8 @@ silently misbehaving) somewhere deep in a run. ``pyproject.toml`` pins the same 
   place instead of ``torch.cat`` (stands aside, like ``transformers_imports``, with any transformers
   but the version it was written for, and for models with other than full-attention layers).
 - :mod:`.hf_attention`: the HF rollout's decode-step attention as matmuls, registered with transformers'
-  ``AttentionInterface`` (stands aside, the model running ``sdpa``, with any transformers but the version it
-  was written for).
+  ``AttentionInterface`` (stands aside with any transformers but the version it was written for, and for a
+  model transformers does not run on ``sdpa``).
 - :mod:`.transformers_imports`: transformers' lazy-import table (``define_import_structure``) read
   from a cache file instead of a scan of ~3,300 source files in every process. A speed-up only: with
   any transformers but the version it was written for, it stands aside (no ``require``).

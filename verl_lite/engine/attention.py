@@ -143,9 +143,9 @@ def causal_matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     b, h, length, d = q.shape
     groups = k.shape[1]
     rows = (h // groups) * length
-    hidden = torch.full((length, length), float("-inf"), dtype=q.dtype, device=q.device).triu_(1)
+    future = torch.full((length, length), float("-inf"), dtype=q.dtype, device=q.device).triu_(1)
     scores = torch.matmul(q.reshape(b, groups, rows, d), k.transpose(-1, -2)) * scale  # [b, g, h/g * L, L]
-    scores = scores + hidden.repeat(h // groups, 1)
+    scores = scores + future.repeat(h // groups, 1)  # row r of a group is query position r % L
     return torch.matmul(torch.softmax(scores, dim=-1), v).reshape(b, h, length, d)
 
 
