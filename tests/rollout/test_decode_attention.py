@@ -1,4 +1,5 @@
-"""The HF rollout's decode-step attention (``compat.hf_attention``): the math against a float64 loop, the dispatch
+"""The HF rollout's decode-step attention (``compat.hf_attention`` on ``engine.attention.grouped_matmul_attention``):
+the math against a float64 loop, the dispatch
 to transformers' SDPA for everything else, and whole generations equal to the model's own ``sdpa``."""
 
 import pytest
@@ -7,6 +8,7 @@ import torch.nn.functional as F
 
 from verl_lite.compat import hf_attention, installed_version
 from verl_lite.data.char_tokenizer import build_char_tokenizer
+from verl_lite.engine.attention import grouped_matmul_attention
 from verl_lite.rollout import HFRollout
 from verl_lite.utils import make_tiny_hf_model
 
@@ -37,7 +39,8 @@ def test_decode_attention_matches_loop_and_sdpa(heads, groups, masked):
         allowed = torch.rand(b, 1, 1, length, generator=gen) > 0.4
         allowed[..., -1] = True
         allowed[0, ..., :5] = False
-    out = hf_attention.decode_attention(query, key, value, allowed, 0.3)
+    out = grouped_matmul_attention(query, key, value, 0.3,
+                                   None if allowed is None else hf_attention.mask_bias(allowed, query.dtype))
     torch.testing.assert_close(out, _loop_reference(query, key, value, allowed, 0.3), rtol=0, atol=1e-12)
     sdpa = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=0.3, enable_gqa=groups != heads)
     torch.testing.assert_close(out, sdpa, rtol=0, atol=1e-12)

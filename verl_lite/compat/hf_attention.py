@@ -6,8 +6,9 @@ flash kernel for the CPU costs more than the arithmetic here: per layer and deco
 positions: 941 against 372 us. :func:`use_decode_attention` registers ``verl_lite_decode`` with
 ``transformers.AttentionInterface`` (and transformers' own ``sdpa_mask`` for it with ``AttentionMaskInterface``, so
 the model builds the masks SDPA would get) and switches a model that runs ``sdpa`` to it: a single-query step on
-the CPU in float32/float64 runs :func:`decode_attention`, every other call (the prefill, GPUs, 16-bit, attention
-sinks, soft-capping, dropout) runs transformers' ``sdpa_attention_forward`` unchanged.
+the CPU in float32/float64 runs the engine's ``grouped_matmul_attention`` (a KV group's query heads as the rows of
+one matmul), every other call (the prefill, GPUs, 16-bit, attention sinks, soft-capping, dropout) runs
+transformers' ``sdpa_attention_forward`` unchanged.
 
 For any transformers but the version it was written for, and for a model not on ``sdpa``, it stands aside.
 """
@@ -17,43 +18,37 @@ from __future__ import annotations
 import torch
 
 from verl_lite.compat import installed_version
+from verl_lite.engine.attention import MATMUL_ATTENTION_DTYPES, grouped_matmul_attention
 
 # the versions whose attention-function signature (module, query, key, value, attention_mask, dropout, scaling,
 # **kwargs) -> (output [b, q, heads, d], weights), the boolean mask of sdpa_mask (True = attend; or None) and
 # AttentionInterface / AttentionMaskInterface.register this was written for and checked against
 TESTED_TRANSFORMERS = ("5.25.0",)
 NAME = "verl_lite_decode"
-MATMUL_DTYPES = (torch.float32, torch.float64)
 # attention-function arguments that change the math; a call with any of them set goes to transformers' sdpa
 _SDPA_ONLY = ("softcap", "s_aux", "position_bias")
 
 
-def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor | None,
-                     scale: float) -> torch.Tensor:
-    """``softmax(q k^T * scale, over allowed keys) v`` for ONE query per row: query ``[b, h, 1, d]``, key/value
-    ``[b, g, L, d]`` (h % g == 0; query head i reads KV group i // (h/g)), ``allowed`` bool broadcastable to
-    ``[b, 1, 1, L]`` (True = attend; None = every key) -> ``[b, h, 1, d]``. A group's h/g query heads are the rows of
-    one matmul against the group's keys (no K/V repeat)."""
-    b, heads, _, width = query.shape
-    groups = key.shape[1]
-    scores = torch.matmul(query.reshape(b, groups, heads // groups, width), key.transpose(-1, -2)) * scale
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))  # [b, 1, 1, L] over [b, g, h/g, L]
-    return torch.matmul(torch.softmax(scores, dim=-1), value).reshape(b, heads, 1, width)
+def mask_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An additive bias from a boolean mask (True = attend): 0 where allowed, -inf elsewhere (``[b, 1, 1, L]``
+    broadcasts over the grouped scores ``[b, g, h/g, L]``)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    matmul = (query.shape[2] == 1 and query.device.type == "cpu" and query.dtype in MATMUL_DTYPES and not dropout
+    matmul = (query.shape[2] == 1 and query.device.type == "cpu" and query.dtype in MATMUL_ATTENTION_DTYPES
+              and not dropout
               and (attention_mask is None or attention_mask.dtype == torch.bool)
               and all(kwargs.get(name) is None for name in _SDPA_ONLY))
     if not matmul:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = decode_attention(query, key, value, attention_mask, scale)
+    bias = None if attention_mask is None else mask_bias(attention_mask, query.dtype)
+    out = grouped_matmul_attention(query, key, value, scale, bias)
     return out.transpose(1, 2).contiguous(), None
 
 
