@@ -44,6 +44,9 @@ to ``--settle-s`` for it to fall to ``--max-load`` and says when it did not), an
 fraction of this machine's measured fp32 GEMM peak each side reaches (model FLOPs: 2 x matmul
 params per generated/prefilled token + 6 x per trained token, attention scores ignored), for the
 whole step and for each stage with matmul work (generation and log-prob passes 2x, the update 6x).
+And a floor: the FLOPs verl_lite's step cannot skip (each prompt once, every response token, 8x the matmul
+parameters) at 100% of that peak, as a fraction of TRL's median step. No verl_lite/TRL ratio below it is
+possible on the machine of that run, whatever verl_lite does short of skipping model FLOPs.
 """
 
 from __future__ import annotations
@@ -411,6 +414,12 @@ def main() -> None:
         tokens = PROMPTS_PER_STEP * n * (prompt_len + resp_len)
         return 8 * params * tokens  # 2x generate (prefill + decode) + 6x train
 
+    def floor_s(n: int, resp_len: float) -> float:
+        """verl_lite's step at 100% of the peak: the model FLOPs it cannot skip (each prompt once, as its
+        generation prefills it and its update packs it for the n samples; every response token), 2x in
+        generation + 6x in the update, nothing else (no attention, no elementwise, no controller)."""
+        return 8 * params * PROMPTS_PER_STEP * (prompt_len + n * resp_len) / peak
+
     name = {"verl": "verl_lite", "trl": "TRL"}
     for c, (n, length) in enumerate(configs):
         print(f"\n=== {PROMPTS_PER_STEP} prompts x n={n}, up to {length} new tokens "
@@ -439,6 +448,11 @@ def main() -> None:
                   f"the rest of the step: {', '.join(s for s in stage_names if s not in STAGE_FLOP_FACTORS and s != 'step')}")
         print(f"  ratio verl_lite/TRL (median step): min {min(ratios):.2f}, median {statistics.median(ratios):.2f} "
               f"(per pair: {', '.join(f'{r:.2f}' for r in ratios)})")
+        floors = [floor_s(n, runs["verl"][pair][c]["response_length"]) / statistics.median(runs["trl"][pair][c]["step_s"])
+                  for pair in range(a.pairs)]
+        print(f"  floor: verl_lite's step at 100% of the peak measured here (its unavoidable model FLOPs only) would be "
+              f"{statistics.median(floors):.2f} of TRL's median step (per pair: {', '.join(f'{f:.2f}' for f in floors)}); "
+              f"no ratio below it is possible on this machine")
         if c == 0:
             phases = [runs["verl"][pair][0]["startup_phases_s"] for pair in range(a.pairs)]
             print("  verl_lite start-up by phase (median s over runs; the clock runs from process start to the "
