@@ -31,11 +31,10 @@ def _dir_bytes(path: Path) -> int:
 
 
 def _engine(model_path: str):
-    from verl_lite.workers.from_config import engine_config, optim_config, parallel_config
+    from verl_lite.engine.config import EngineConfig, MegatronConfig, OptimConfig
     from verl_lite.engine.engine import MegatronEngine
 
-    return MegatronEngine(engine_config(model_path=model_path, parallel=parallel_config(),
-                                        optim=optim_config(lr=1e-4, total_steps=10)))
+    return MegatronEngine(EngineConfig(model_path=model_path, optim=OptimConfig(lr=1e-4), total_steps=10))
 
 
 def _one_step(engine, vocab: int) -> None:
@@ -88,12 +87,12 @@ def main() -> None:
     args = parser.parse_args()
 
     from verl_lite.engine.distributed import init_distributed
-    from verl_lite.workers.from_config import parallel_config
+    from verl_lite.engine.config import MegatronConfig
     from verl_lite.utils import make_tiny_hf_model
     from verl_lite.utils.net import free_port
 
     torch.set_num_threads(1)
-    init_distributed(0, 1, "127.0.0.1", free_port(), parallel_config())
+    init_distributed(0, 1, "127.0.0.1", free_port(), MegatronConfig.layout())
     shipped = str(Path(__file__).resolve().parents[1] / "verl_lite" / "assets" / "tiny-addition")
     with tempfile.TemporaryDirectory() as tmp:
         big = make_tiny_hf_model(Path(tmp) / f"h{args.hidden}", vocab_size=1024, hidden_size=args.hidden,

@@ -226,11 +226,10 @@ def main() -> None:
 
     from verl_lite.config.schema import PPOConfig
     from verl_lite.controller import start_ray, stop_ray
-    from verl_lite.workers.from_config import actor_loss_config
-
+    
     step_s = args.step_s if args.step_s is not None else default_job_step_s()
     cfg = PPOConfig()
-    loss_cfg = actor_loss_config(cfg.actor_rollout_ref.actor)
+    loss_cfg = cfg.actor_rollout_ref.actor
     resp = cfg.data.max_response_length
     batch = make_batch(cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n, resp)
     minis = max(1, cfg.data.train_batch_size // cfg.actor_rollout_ref.actor.ppo_mini_batch_size)

@@ -114,7 +114,7 @@ def _adapter_seconds_per_step(engine, batch) -> float:
 
 def run(hidden: int, num_seqs: int, min_len: int, max_len: int, steps: int, root: Path) -> dict:
     from verl_lite.engine import MegatronEngine
-    from verl_lite.workers.from_config import engine_config, optim_config, parallel_config
+    from verl_lite.engine.config import EngineConfig, MegatronConfig, OptimConfig
     from verl_lite.utils.tiny_model import make_tiny_hf_model
 
     heads = max(4, hidden // 64)
@@ -122,7 +122,7 @@ def run(hidden: int, num_seqs: int, min_len: int, max_len: int, steps: int, root
     model_dir = make_tiny_hf_model(root / f"h{hidden}", "qwen2", vocab_size=vocab, hidden_size=hidden, num_layers=4,
                                    num_attention_heads=heads, num_key_value_heads=heads // 2,
                                    intermediate_size=hidden * 3, seed=0, init_std=0.02)
-    engine = MegatronEngine(engine_config(str(model_dir), parallel_config(), optim_config(lr=1e-5)))
+    engine = MegatronEngine(EngineConfig(str(model_dir), MegatronConfig.layout(), OptimConfig(lr=1e-5)))
     rnd = random.Random(0)
     lengths = [rnd.randint(min_len, max_len) for _ in range(num_seqs)]
     real = sum(lengths)
@@ -148,9 +148,9 @@ def main():
     args = ap.parse_args()
 
     from verl_lite.engine import init_distributed
-    from verl_lite.workers.from_config import parallel_config
+    from verl_lite.engine.config import MegatronConfig
 
-    init_distributed(0, 1, "127.0.0.1", _free_port(), parallel_config())
+    init_distributed(0, 1, "127.0.0.1", _free_port(), MegatronConfig.layout())
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for h in args.hidden:

@@ -61,18 +61,18 @@ def measure(kind: str, model_dir: str, rank: int, seqs: int, steps: int, dtype: 
 
     from verl_lite.engine.distributed import init_distributed
     from verl_lite.engine.engine import MegatronEngine
-    from verl_lite.engine.lora import LoraConfig
+    from verl_lite.engine.config import LoraConfig
     from verl_lite.utils.net import free_port
-    from verl_lite.workers.from_config import engine_config, optim_config, parallel_config
+    from verl_lite.engine.config import EngineConfig, MegatronConfig, OptimConfig
 
-    par = parallel_config()
+    par = MegatronConfig.layout()
     init_distributed(0, 1, "127.0.0.1", free_port(), par)
     lora = None
     if kind == "lora":
         lora = LoraConfig(rank=rank, alpha=2.0 * rank, dropout=0.0, target_modules=("all-linear",),
                           exclude_modules=(), adapter_path=None)
-    engine = MegatronEngine(engine_config(model_dir, parallel=par, optim=optim_config(lr=1e-4), lora=lora,
-                                          params_dtype=dtype))
+    engine = MegatronEngine(EngineConfig(model_dir, MegatronConfig(dtype=dtype), OptimConfig(lr=1e-4),
+                                         lora=lora))
     batch = _batch(seqs, engine.hf_config.vocab_size)
     mbs = [list(range(0, seqs // 2)), list(range(seqs // 2, seqs))]
     best = float("inf")

@@ -52,13 +52,13 @@ def _shapes(hidden_sizes: list[int], compute: bool) -> list[dict]:
 
 def _setup(shape: dict, root: Path):
     from verl_lite.engine import MegatronEngine
-    from verl_lite.workers.from_config import engine_config, optim_config, parallel_config
+    from verl_lite.engine.config import EngineConfig, MegatronConfig, OptimConfig
     from verl_lite.utils.tiny_model import make_tiny_hf_model
 
     model_dir = make_tiny_hf_model(root / shape["name"].replace(" ", "_"), "qwen2", vocab_size=128, seed=0, init_std=0.02,
                                    **{k: shape[k] for k in ("hidden_size", "num_layers", "num_attention_heads",
                                                             "num_key_value_heads", "intermediate_size")})
-    engine = MegatronEngine(engine_config(str(model_dir), parallel_config(), optim_config(lr=1e-4, clip_grad=1.0,
+    engine = MegatronEngine(EngineConfig(str(model_dir), MegatronConfig.layout(), OptimConfig(lr=1e-4, clip_grad=1.0,
                                                                                         betas=(0.9, 0.99))))
     return engine, Path(model_dir)
 
@@ -88,10 +88,10 @@ def _batch(num_seqs: int, samples: int, prompt: tuple[int, int], response: tuple
 
 def _loss_fn(batch):
     from verl_lite.algorithms import NormalizationPlan, actor_loss
-    from verl_lite.workers.from_config import actor_loss_config
+    from verl_lite.algorithms import ActorLossConfig
 
     plan = NormalizationPlan.from_mask(batch.data["response_mask"], "token-mean")
-    return partial(actor_loss, plan=plan, cfg=actor_loss_config(loss_agg_mode="token-mean"))
+    return partial(actor_loss, plan=plan, cfg=ActorLossConfig(loss_agg_mode="token-mean"))
 
 
 def _phases(engine, batch, loss_fn, mbs):
@@ -177,10 +177,10 @@ def main():
     print(f"fp32 GEMM peak at {args.threads} threads: {peak / 1e9:.1f} GFLOP/s")
 
     from verl_lite.engine import init_distributed
-    from verl_lite.workers.from_config import parallel_config
+    from verl_lite.engine.config import MegatronConfig
     from verl_lite.utils.net import free_port
 
-    init_distributed(0, 1, "127.0.0.1", free_port(), parallel_config())
+    init_distributed(0, 1, "127.0.0.1", free_port(), MegatronConfig.layout())
     with tempfile.TemporaryDirectory() as tmp:
         for shape in _shapes(args.hidden, args.compute):
             run(shape, args.seqs, args.samples, args.steps, args.rows, Path(tmp), peak)

@@ -165,7 +165,7 @@ def main() -> None:
     from verl_lite.engine.distributed import destroy_distributed
     from verl_lite.rollout import HFRollout
     from verl_lite.utils.net import free_port
-    from verl_lite.workers.from_config import engine_config, optim_config, parallel_config
+    from verl_lite.engine.config import EngineConfig, MegatronConfig, OptimConfig
 
     t0 = time.time()
     tmp = Path(tempfile.mkdtemp(prefix="tiny_rm_"))
@@ -181,10 +181,11 @@ def main() -> None:
     print(f"[rm] {len(train_ex)} train / {len(val_ex)} val responses, positives "
           f"{sum(e[2] for e in train_ex) / len(train_ex):.3f}, {time.time() - t0:.0f}s", flush=True)
 
-    init_distributed(0, 1, "127.0.0.1", free_port(), parallel_config(), seed=args.seed)
+    init_distributed(0, 1, "127.0.0.1", free_port(), MegatronConfig.layout(), seed=args.seed)
     try:
-        optim = optim_config(lr=args.lr, total_steps=args.steps, lr_decay_style="cosine", min_lr=args.lr / 10)
-        engine = MegatronEngine(engine_config(model_path=str(init), optim=optim, seed=args.seed, value_head=True))
+        optim = OptimConfig(lr=args.lr, lr_decay_style="cosine", min_lr=args.lr / 10)
+        engine = MegatronEngine(EngineConfig(model_path=str(init), optim=optim, total_steps=args.steps, seed=args.seed,
+                                             value_head=True))
         history = [{"step": 0, **evaluate(engine, val_ex, args.samples)}]
         print(f"[rm] step 0 {history[-1]}", flush=True)
         rng = random.Random(args.seed)

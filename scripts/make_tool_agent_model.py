@@ -157,7 +157,7 @@ def run_tool_sft(init: Path, out: Path, paths: dict, args) -> dict:
     from verl_lite.engine.distributed import destroy_distributed
     from verl_lite.rollout import HFRollout
     from verl_lite.utils.net import free_port
-    from verl_lite.workers.from_config import engine_config, optim_config, parallel_config
+    from verl_lite.engine.config import EngineConfig, MegatronConfig, OptimConfig
 
     tok = AutoTokenizer.from_pretrained(init)
     sft = RLDataset([str(paths["sft_train"])], tok, MAX_PROMPT_LENGTH, tools=[TOOL_SCHEMA], verbose=False)
@@ -171,11 +171,11 @@ def run_tool_sft(init: Path, out: Path, paths: dict, args) -> dict:
     examples = [(sft[i]["prompt_ids"], r) for i, (r, _) in enumerate(demos)]
     masks = [m for _, m in demos]
 
-    init_distributed(0, 1, "127.0.0.1", free_port(), parallel_config(), seed=args.seed)
+    init_distributed(0, 1, "127.0.0.1", free_port(), MegatronConfig.layout(), seed=args.seed)
     try:
-        optim = optim_config(lr=args.sft_lr, weight_decay=0.0, betas=(0.9, 0.99), lr_warmup_steps=0,
-                             lr_decay_style="constant", min_lr=0.0, total_steps=args.sft_steps)
-        engine = MegatronEngine(engine_config(model_path=str(init), optim=optim, seed=args.seed))
+        optim = OptimConfig(lr=args.sft_lr, weight_decay=0.0, betas=[0.9, 0.99], lr_warmup_steps=0,
+                            lr_decay_style="constant", min_lr=0.0)
+        engine = MegatronEngine(EngineConfig(model_path=str(init), optim=optim, total_steps=args.sft_steps, seed=args.seed))
         history, t0, step, epoch, done = [], time.time(), 0, 0, False
         while not done:
             for idx in iterate_batches(list(range(len(examples))), args.sft_batch_size, shuffle=True,

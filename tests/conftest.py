@@ -1,4 +1,4 @@
-"""How ``make test`` shares two cores: two phases (README, "Tests", has the measured times).
+"""How ``make test`` shares two cores: two phases (docs/testing.md; docs/performance.md has the measured times).
 
 Most tests launch the CLI or a Ray job and spend about half their wall time waiting (Ray's start-up
 and shutdown, a worker's import, a reward's timeout, a signal's delay): one such run keeps about one

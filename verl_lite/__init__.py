@@ -4,4 +4,4 @@ __version__ = "0.1.0"
 
 from verl_lite.compat.transformers_imports import install as _serve_transformers_import_table_from_cache
 
-_serve_transformers_import_table_from_cache()  # ~0.5-1 s less per process that imports transformers (module doc)
+_serve_transformers_import_table_from_cache()  # a cached table instead of a scan in every process (module doc)

@@ -20,7 +20,7 @@ import torch
 
 from verl_lite.compat.lazy_compile import compile_decorators_deferred
 
-with compile_decorators_deferred():  # tensordict's import-time allow_in_graph would import torch._dynamo (~0.7 s)
+with compile_decorators_deferred():  # tensordict's import-time allow_in_graph would import torch._dynamo (a large import)
     from tensordict import TensorDict
 
 

@@ -217,14 +217,14 @@ def ref_policy_loss(name, b: Batch, cfg, use_is=False, cov=None):
                 val, g = -c * a * lp[i][t], -c * a
                 metric("pg_clipfrac", i, t, c != r)
             elif name == "sapo":
-                tau = cfg.tau_pos if a > 0 else cfg.tau_neg
+                tau = cfg.policy_loss.tau_pos if a > 0 else cfg.policy_loss.tau_neg
                 sg = _sigmoid(tau * (r - 1.0))
                 val = -a * sg * 4.0 / tau
                 g = -a * 4.0 * sg * (1.0 - sg) * r * dr
             elif name == "kl_cov":
                 s_ = sel[i][t]
-                val = -a * r + s_ * cfg.ppo_kl_coef * abs(d)
-                g = -a * r * dr + s_ * cfg.ppo_kl_coef * _sign(d) * dr
+                val = -a * r + s_ * cfg.policy_loss.ppo_kl_coef * abs(d)
+                g = -a * r * dr + s_ * cfg.policy_loss.ppo_kl_coef * _sign(d) * dr
                 metric("cov_selected_frac", i, t, s_)
                 metric("ppo_kl_abs", i, t, abs(d))
             else:
@@ -294,8 +294,8 @@ def ref_verl_clip_cov(b: Batch, cfg, seed: int):
     l1 = {(i, t): -A[i][t] * math.exp(lp[i][t] - old[i][t]) for i, t in cells}
     l2 = {(i, t): -A[i][t] * _clip(math.exp(lp[i][t] - old[i][t]), 1 - lo, 1 + hi) for i, t in cells}
     candidates = [(i, t) for i, t in cells
-                  if not l2[i, t] > l1[i, t] and cfg.clip_cov_lb < (A[i][t] - ma) * (lp[i][t] - ml) < cfg.clip_cov_ub]
-    clip_num = max(int(cfg.clip_cov_ratio * len(cells)), 1)
+                  if not l2[i, t] > l1[i, t] and cfg.policy_loss.clip_cov_lb < (A[i][t] - ma) * (lp[i][t] - ml) < cfg.policy_loss.clip_cov_ub]
+    clip_num = max(int(cfg.policy_loss.clip_cov_ratio * len(cells)), 1)
     perm = torch.randperm(len(candidates), generator=torch.Generator().manual_seed(seed)).tolist()
     picked = {candidates[k] for k in perm[:min(clip_num, len(candidates))]}
     loss = [[0.0] * width for _ in range(rows)]
@@ -461,3 +461,15 @@ def ref_advantage(name, b: Batch, gamma=1.0, lam=1.0, norm=True, baselines=None)
         return adv, ret
     del zeros
     raise AssertionError(name)
+
+
+def loss_config(policy_loss: str = "vanilla", **keys):
+    """The actor section's loss keys (``algorithms.ActorLossConfig``) from its keys and ``policy_loss.*``'s, named
+    flat here for the tables of the tests: ``policy_loss`` is ``policy_loss.loss_mode``."""
+    import dataclasses
+
+    from verl_lite.algorithms import ActorLossConfig, PolicyLossConfig
+
+    sub = {f.name for f in dataclasses.fields(PolicyLossConfig)}
+    nested = PolicyLossConfig(loss_mode=policy_loss, **{k: v for k, v in keys.items() if k in sub})
+    return ActorLossConfig(policy_loss=nested, **{k: v for k, v in keys.items() if k not in sub})

@@ -13,7 +13,7 @@ import torch
 
 from algo_reference import LOSSES, MODES, make_batch
 from verl_lite.algorithms import COV_SELECTION_LOSSES, NormalizationPlan, actor_loss, select_cov_tokens
-from verl_lite.workers.from_config import actor_loss_config
+from algo_reference import loss_config
 
 TOL = 1e-12
 
@@ -68,7 +68,7 @@ def test_cp_gradients_reconstruct_reference(cp, name, mode):
         prompt_lens, response_lens = _layout(b, cp, seed)
         assert cp == 1 or all((p + r) % (2 * cp) != 0 for p, r in zip(prompt_lens, response_lens))
         owner = response_owners(prompt_lens, response_lens, b.mask.shape[1], cp)
-        cfg = actor_loss_config(
+        cfg = loss_config(
             policy_loss=name, loss_agg_mode=mode, clip_ratio_high=0.28, clip_cov_ratio=0.2, clip_cov_lb=-1.0,
             kl_cov_ratio=0.2, use_kl_loss=True, kl_loss_coef=0.05, kl_loss_type="low_var_kl", entropy_coeff=0.01,
         )

@@ -16,9 +16,9 @@ from verl_lite.algorithms import (
     register_policy_loss,
     select_cov_tokens,
 )
-from verl_lite.workers.from_config import policy_loss_config
+from algo_reference import loss_config
 
-CFG = policy_loss_config(
+CFG = loss_config(
     clip_ratio=0.2, clip_ratio_low=0.15, clip_ratio_high=0.28, clip_ratio_c=2.5,
     clip_cov_ratio=0.1, clip_cov_lb=-0.5, clip_cov_ub=2.0, kl_cov_ratio=0.15, ppo_kl_coef=0.7,
 )
@@ -80,18 +80,18 @@ def test_kl_cov_selection_matches_reference():
         b = make_batch(seed)
         sel = select_cov_tokens("kl_cov", b.adv, b.old, b.mask, CFG)
         got = {tuple(x) for x in torch.nonzero(sel).tolist()}
-        assert got == ref_select_kl_cov(b, CFG.kl_cov_ratio)
+        assert got == ref_select_kl_cov(b, CFG.policy_loss.kl_cov_ratio)
 
 
 def test_clip_cov_selection_is_a_seeded_subset_of_candidates():
     for seed in range(3):
         b = make_batch(seed)
-        cand, num_valid = ref_clip_cov_candidates(b, CFG.clip_cov_lb, CFG.clip_cov_ub)
+        cand, num_valid = ref_clip_cov_candidates(b, CFG.policy_loss.clip_cov_lb, CFG.policy_loss.clip_cov_ub)
         sel = select_cov_tokens("clip_cov", b.adv, b.old, b.mask, CFG, seed=11)
         got = {tuple(x) for x in torch.nonzero(sel).tolist()}
         assert len(cand) > 1
         assert got <= cand
-        assert len(got) == min(max(1, int(CFG.clip_cov_ratio * num_valid)), len(cand))
+        assert len(got) == min(max(1, int(CFG.policy_loss.clip_cov_ratio * num_valid)), len(cand))
         again = select_cov_tokens("clip_cov", b.adv, b.old, b.mask, CFG, seed=11)
         assert torch.equal(sel, again)
 
@@ -103,8 +103,8 @@ def test_kl_cov_selection_uses_the_current_log_probs():
         b = make_batch(seed, n=16, width=12)
         sel = select_cov_tokens("kl_cov", b.adv, b.old, b.mask, CFG, log_probs=b.logp)
         got = {tuple(x) for x in torch.nonzero(sel).tolist()}
-        assert got == ref_select_kl_cov_current(b, CFG.kl_cov_ratio)
-        differs += got != ref_select_kl_cov(b, CFG.kl_cov_ratio)
+        assert got == ref_select_kl_cov_current(b, CFG.policy_loss.kl_cov_ratio)
+        differs += got != ref_select_kl_cov(b, CFG.policy_loss.kl_cov_ratio)
     assert differs  # the data is off-policy enough for the old-log-prob ranking to pick other tokens
 
 
@@ -126,22 +126,22 @@ def _verl_clip_cov_check(b, cfg, seed):
 def test_clip_cov_matches_verl_off_policy_with_ratios_far_from_one():
     """clip_cov_ratio 0.2 (many picks), ratios up to e^1.3 and beyond: the selection skips tokens
     the PPO range already clips and uses the current log-probs, as verl does."""
-    cfg = policy_loss_config(clip_ratio=0.2, clip_cov_ratio=0.2, clip_cov_lb=-0.5, clip_cov_ub=2.0)
+    cfg = loss_config(clip_ratio=0.2, clip_cov_ratio=0.2, clip_cov_lb=-0.5, clip_cov_ub=2.0)
     wasted = 0
     for seed in range(6):
         b = make_batch(seed, n=16, width=12)
         clipped = ref_clipped_by_range(b, cfg)
         picked = _verl_clip_cov_check(b, cfg, seed)
         assert not picked & clipped
-        old_rule, _ = ref_clip_cov_candidates(b, cfg.clip_cov_lb, cfg.clip_cov_ub)  # old log-probs, no skip
+        old_rule, _ = ref_clip_cov_candidates(b, cfg.policy_loss.clip_cov_lb, cfg.policy_loss.clip_cov_ub)  # old log-probs, no skip
         wasted += len(old_rule & clipped)
     assert wasted  # the old rule would have spent picks on clipped tokens on this data
 
 
 def test_clip_cov_matches_verl_at_the_default_ratio():
     """verl's defaults (clip_cov_ratio 2e-4 -> one pick, window (1, 5)) on a larger off-policy batch."""
-    cfg = policy_loss_config()
-    assert (cfg.clip_cov_ratio, cfg.clip_cov_lb, cfg.clip_cov_ub) == (0.0002, 1.0, 5.0)
+    cfg = loss_config()
+    assert (cfg.policy_loss.clip_cov_ratio, cfg.policy_loss.clip_cov_lb, cfg.policy_loss.clip_cov_ub) == (0.0002, 1.0, 5.0)
     picks = 0
     for seed in range(6):
         b = make_batch(100 + seed, n=64, width=16)
@@ -176,7 +176,7 @@ def test_register_custom_loss_and_refuse_silent_override():
 def test_dual_clip_bound_must_exceed_one():
     b = make_batch(0)
     with pytest.raises(ValueError, match="clip_ratio_c"):
-        get_policy_loss("vanilla")(b.old, b.logp, b.adv, b.mask, policy_loss_config(clip_ratio_c=1.0))
+        get_policy_loss("vanilla")(b.old, b.logp, b.adv, b.mask, loss_config(clip_ratio_c=1.0))
 
 
 def test_truncated_is_weights_match_a_loop():

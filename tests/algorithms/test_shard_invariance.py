@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from algo_reference import LOSSES, MODES, make_batch
 from verl_lite.algorithms import COV_SELECTION_LOSSES, NormalizationPlan, actor_loss, select_cov_tokens
-from verl_lite.workers.from_config import actor_loss_config
+from algo_reference import loss_config
 
 TOL = 1e-12
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -28,7 +28,7 @@ def minibatch_and_partition(draw):
 
 
 def _cfg(name, mode):
-    return actor_loss_config(
+    return loss_config(
         policy_loss=name, loss_agg_mode=mode, clip_ratio_low=0.2, clip_ratio_high=0.28,
         clip_cov_ratio=0.2, clip_cov_lb=-1.0, clip_cov_ub=3.0, kl_cov_ratio=0.2,
         use_kl_loss=True, kl_loss_coef=0.05, kl_loss_type="k3+", entropy_coeff=0.01,

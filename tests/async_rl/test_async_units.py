@@ -161,7 +161,7 @@ def test_correction_from_the_update_forward_equals_the_recomputed_one(settings, 
     come from the recomputed old log-probs of the whole step (here: the same values) into ``is_weights``."""
     from verl_lite.algorithms import NormalizationPlan, actor_loss, rollout_correction
     from verl_lite.utils.metric_reduce import combine_all
-    from verl_lite.workers.from_config import actor_loss_config
+    from verl_lite.algorithms import ActorLossConfig
 
     g = torch.Generator().manual_seed(1)
     n, width = 6, 7
@@ -182,7 +182,7 @@ def test_correction_from_the_update_forward_equals_the_recomputed_one(settings, 
     if settings.get("rollout_is") or settings.get("rollout_rs"):
         data["is_weights"] = corr.weights
         assert not torch.equal(corr.weights, mask), "the case needs weights that change the loss"
-    ref_total, ref_metrics = actor_loss({"log_probs": log_probs}, data, plan, actor_loss_config(**cfg))
+    ref_total, ref_metrics = actor_loss({"log_probs": log_probs}, data, plan, ActorLossConfig(**cfg))
     ref_total.backward()
     want = {k: float(v) for k, v in corr.metrics.items()}
 
@@ -193,7 +193,7 @@ def test_correction_from_the_update_forward_equals_the_recomputed_one(settings, 
         lp = torch.nn.functional.logsigmoid(leaf2[rows])
         contribution, metrics = actor_loss(
             {"log_probs": lp}, {"response_mask": mask[rows], "advantages": advantages[rows],
-                                "rollout_log_probs": rollout[rows]}, plan, actor_loss_config(**cfg, rollout_correction=full))
+                                "rollout_log_probs": rollout[rows]}, plan, ActorLossConfig(**cfg), correction=full)
         total = total + contribution
         shards.append({k: float(v) for k, v in metrics.items()})
     total.backward()

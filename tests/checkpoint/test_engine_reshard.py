@@ -20,16 +20,14 @@ REL_TOL = 1e-6
 
 def _build(rank, world, par_kw, model, dist_opt=True, lr=1e-2, keep_schedule=False, lora=False):
     from verl_lite.engine.engine import MegatronEngine
-    from verl_lite.engine.lora import LoraConfig
-    from verl_lite.workers.from_config import engine_config, optim_config, parallel_config
+    from verl_lite.engine.config import LoraConfig
+    from verl_lite.engine.config import EngineConfig, MegatronConfig, OptimConfig
 
-    par = parallel_config(**par_kw)
+    par = MegatronConfig.layout(**par_kw, use_distributed_optimizer=dist_opt)
     use_layout(rank, world, par)
-    adapters = LoraConfig(rank=4, alpha=8.0, dropout=0.0, target_modules=("all-linear",), exclude_modules=(),
-                          adapter_path=None) if lora else None
-    return MegatronEngine(engine_config(model_path=model, parallel=par, lora=adapters, optim=optim_config(
-        lr=lr, use_distributed_optimizer=dist_opt, total_steps=10, lr_decay_style="linear",
-        use_checkpoint_opt_param_scheduler=keep_schedule)))
+    adapters = LoraConfig(rank=4, alpha=8.0, target_modules=["all-linear"]) if lora else None
+    return MegatronEngine(EngineConfig(model_path=model, megatron=par, lora=adapters, total_steps=10, optim=OptimConfig(
+        lr=lr, lr_decay_style="linear", use_checkpoint_opt_param_scheduler=keep_schedule)))
 
 
 def _step(engine):

@@ -23,12 +23,12 @@ def _batch(vocab: int, seed: int = 123):
 
 
 def _engine_log_probs(rank, world_size, model_path, dist_dir, vocab):
-    from verl_lite.workers.from_config import engine_config, parallel_config
+    from verl_lite.engine.config import EngineConfig, MegatronConfig
     from verl_lite.engine.engine import MegatronEngine, SequenceBatch
 
-    par = parallel_config(tp=2)
+    par = MegatronConfig.layout(tp=2)
     use_layout(rank, world_size, par)
-    engine = MegatronEngine(engine_config(model_path=model_path, parallel=par, forward_only=True))
+    engine = MegatronEngine(EngineConfig(model_path=model_path, megatron=par, forward_only=True))
     engine.load_checkpoint(dist_dir)  # the trained weights, resharded from DP2 into TP2
     ids, resp = _batch(vocab)
     out = engine.infer(SequenceBatch(ids, resp), [[0, 1], [2, 3]], outputs=("log_probs",))

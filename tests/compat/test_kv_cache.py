@@ -6,11 +6,11 @@ import torch
 from transformers import AutoConfig
 from transformers.cache_utils import DynamicLayer
 
-from verl_lite.compat import installed_version, kv_cache
+from verl_lite.compat import TESTED_VERSIONS, installed_version, kv_cache, installed_is_tested
 
-TESTED = pytest.mark.skipif(installed_version("transformers") not in kv_cache.TESTED_TRANSFORMERS,
+TESTED = pytest.mark.skipif(not installed_is_tested("transformers"),
                             reason=f"transformers {installed_version('transformers')}: compat.kv_cache was written for "
-                                   f"{kv_cache.TESTED_TRANSFORMERS} and stands aside (its layer is not used)")
+                                   f"{TESTED_VERSIONS['transformers']} and stands aside (its layer is not used)")
 
 
 def _states(batch, length, generator):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from verl_lite.compat import TESTED_VERSIONS, is_tested
 from verl_lite.compat import transformers_imports as ti
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,10 +113,10 @@ def test_the_real_table_from_the_cache_equals_transformers_own(tmp_path, monkeyp
     equals the one transformers' own function builds, and a tokenizer loads through the lazy modules."""
     import transformers
 
-    if transformers.__version__ not in ti.TESTED_TRANSFORMERS:
+    if not is_tested("transformers", transformers.__version__):
         import pytest
 
-        pytest.skip(f"the hook is written for transformers {' / '.join(ti.TESTED_TRANSFORMERS)}; "
+        pytest.skip(f"the hook is written for transformers {' / '.join(TESTED_VERSIONS['transformers'])}; "
                     f"{transformers.__version__} is installed")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     cache_file = ti.cache_path(transformers.__version__)
@@ -141,4 +142,4 @@ def test_another_transformers_version_is_left_to_build_its_own_table(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     said = proc.stdout.strip()
-    assert said.startswith("transformers 9.9.9: import table rebuilt") and ti.TESTED_TRANSFORMERS[-1] in said, said
+    assert said.startswith("transformers 9.9.9: import table rebuilt") and TESTED_VERSIONS["transformers"][-1] in said, said

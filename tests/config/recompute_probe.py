@@ -8,13 +8,13 @@ import megatron.core.tensor_parallel.random as mr
 mr._get_cuda_rng_state = lambda *a, **k: torch.zeros(1)
 mr._set_cuda_rng_state = lambda *a, **k: None
 from verl_lite.engine import MegatronEngine, SequenceBatch
-from verl_lite.workers.from_config import engine_config, optim_config, parallel_config
+from verl_lite.engine.config import EngineConfig, MegatronConfig, OptimConfig
 from verl_lite.engine.distributed import init_distributed
 from verl_lite.utils.net import free_port
 from verl_lite.utils.tiny_model import make_tiny_hf_model
-from verl_lite.workers.from_config import recompute_overrides
+from verl_lite.engine.config import RECOMPUTE
 md = str(make_tiny_hf_model(sys.argv[1], "qwen2", vocab_size=64, hidden_size=32, num_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, seed=0))
-par = parallel_config(timeout_s=60)
+par = MegatronConfig.layout(timeout_s=60)
 init_distributed(0, 1, "127.0.0.1", free_port(), par)
 def loss(o, d):
     m = d["response_mask"]; return -(o["log_probs"] * m).sum() / 10.0, {"n": m.sum()}
@@ -22,8 +22,9 @@ g = torch.Generator().manual_seed(0)
 ids = [torch.randint(1, 64, (n,), generator=g) for n in (7, 9, 5, 6)]
 batch = SequenceBatch(ids, torch.tensor([3, 4, 2, 1]), {"response_mask": torch.ones(4, 4)})
 out = {}
-for name, ov in [("plain", {}), ("recompute", recompute_overrides(True))]:
-    e = MegatronEngine(engine_config(md, par, optim_config(lr=1e-3), model_overrides=ov))
+for name, ov in [("plain", {}), ("recompute", RECOMPUTE)]:
+    e = MegatronEngine(EngineConfig(md, MegatronConfig.layout(timeout_s=60, override_transformer_config=ov),
+                                    OptimConfig(lr=1e-3)))
     calls = []
     orig = mr.CheckpointFunction.forward
     def spy(ctx, *a, **k):

@@ -215,27 +215,23 @@ def test_gradient_checkpointing_and_transformer_overrides_reach_the_engine_confi
     engine builds; override_transformer_config fields land there too (and win)."""
     from transformers import AutoConfig
 
-    from verl_lite.workers.from_config import parallel_config
+    from verl_lite.engine.config import MegatronConfig
     from verl_lite.engine.model import transformer_config_from_hf
-    from verl_lite.workers.engine_worker import EngineWorkerConfig
-    from verl_lite.workers.from_config import engine_model_overrides, engine_worker_fields
+    from verl_lite.workers.from_config import actor_worker_config
 
     # load_config accepts them on every machine; validate_config rejects recompute on CPU (see EXPECTED)
     cfg = load_config(["actor_rollout_ref.model.enable_gradient_checkpointing=true",
                        f"+{M}.override_transformer_config.deallocate_pipeline_outputs=true",
                        f"+{M}.override_transformer_config.recompute_num_layers=2"])
     arr = cfg.actor_rollout_ref
-    overrides = engine_model_overrides(arr.model, arr.actor.megatron)
+    overrides = actor_worker_config(cfg, 10, False).engine.model_overrides
     assert overrides == {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2,
                          "deallocate_pipeline_outputs": True}
-    fields = engine_worker_fields(arr.model, arr.actor.megatron, arr.actor.optim, 10, 0)
-    assert EngineWorkerConfig(**fields).model_overrides == overrides
-    tc = transformer_config_from_hf(AutoConfig.from_pretrained(arr.model.path), parallel_config(), **overrides)
+    tc = transformer_config_from_hf(AutoConfig.from_pretrained(arr.model.path), MegatronConfig.layout(), **overrides)
     assert (tc.recompute_granularity, tc.recompute_method, tc.recompute_num_layers) == ("full", "uniform", 2)
     assert tc.deallocate_pipeline_outputs is True
-    plain = transformer_config_from_hf(AutoConfig.from_pretrained(arr.model.path), parallel_config(),
-                                        **engine_model_overrides(load_config([]).actor_rollout_ref.model,
-                                                                load_config([]).actor_rollout_ref.actor.megatron))
+    plain = transformer_config_from_hf(AutoConfig.from_pretrained(arr.model.path), MegatronConfig.layout(),
+                                        **actor_worker_config(load_config([]), 10, False).engine.model_overrides)
     assert plain.recompute_granularity is None
 
 

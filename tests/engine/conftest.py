@@ -24,9 +24,9 @@ DEFAULT_TIMEOUT_S = 120.0
 def _entry(rank, world_size, port, out_dir, timeout_s, fn, args):
     torch.set_num_threads(1)
     from verl_lite.engine.distributed import destroy_distributed, init_distributed
-    from verl_lite.workers.from_config import parallel_config
+    from verl_lite.engine.config import MegatronConfig
 
-    init_distributed(rank, world_size, "127.0.0.1", port, parallel_config(timeout_s=timeout_s))
+    init_distributed(rank, world_size, "127.0.0.1", port, MegatronConfig.layout(timeout_s=timeout_s))
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))

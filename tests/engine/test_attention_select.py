@@ -122,9 +122,9 @@ def test_flash_path_cp1_matches_dense_reference():
 def _cp_flash_check(rank, world):
     from megatron.core import parallel_state as ps
 
-    from verl_lite.workers.from_config import parallel_config
+    from verl_lite.engine.config import MegatronConfig
 
-    use_layout(rank, world, parallel_config(cp=world))
+    use_layout(rank, world, MegatronConfig.layout(cp=world))
     cp, hn = world, 8
     padded = [8, 0, 16, 4 * cp]  # multiples of 2 * cp, an empty sequence included
     bounds = [0]
@@ -170,9 +170,9 @@ def _gpu_reason() -> str | None:
 @pytest.mark.skipif(_gpu_reason() is not None, reason=_gpu_reason() or "")
 def test_flash_attn_log_probs_match_sdpa_on_gpu(tmp_path):
     """bf16 engine on one GPU: log-probs with flash-attn varlen vs with SDPA, within bf16 noise."""
-    from verl_lite.workers.from_config import engine_config
+    from verl_lite.engine.config import EngineConfig, MegatronConfig
     from verl_lite.engine.distributed import destroy_distributed, init_distributed
-    from verl_lite.workers.from_config import parallel_config
+    from verl_lite.engine.config import MegatronConfig
     from verl_lite.engine.engine import MegatronEngine, SequenceBatch
     from verl_lite.utils.net import free_port
     from verl_lite.utils.tiny_model import make_tiny_hf_model
@@ -180,14 +180,14 @@ def test_flash_attn_log_probs_match_sdpa_on_gpu(tmp_path):
     model_dir = make_tiny_hf_model(Path(tmp_path) / "m", "qwen2", vocab_size=256, hidden_size=128, num_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
                                    tie_word_embeddings=False, seed=0)
-    init_distributed(0, 1, "127.0.0.1", free_port(), parallel_config())
+    init_distributed(0, 1, "127.0.0.1", free_port(), MegatronConfig.layout())
     try:
         g = torch.Generator().manual_seed(0)
         ids = [torch.randint(1, 256, (n,), generator=g) for n in (37, 64, 5, 90)]
         batch = SequenceBatch(ids, [20, 30, 2, 41])
         out = {}
         for backend in ("flash", "sdpa"):
-            engine = MegatronEngine(engine_config(model_path=str(model_dir), params_dtype="bfloat16",
+            engine = MegatronEngine(EngineConfig(model_path=str(model_dir), megatron=MegatronConfig(dtype="bfloat16"),
                                                   forward_only=True, attention_backend=backend))
             layer = engine.chunks[0].decoder.layers[0].self_attention.core_attention
             assert layer.backend == backend, layer.backend_reason

@@ -40,11 +40,11 @@ def _loss(outputs, data):
 
 
 def _engine(model_dir, dtype, forward_only=False):
-    from verl_lite.workers.from_config import engine_config, optim_config
+    from verl_lite.engine.config import EngineConfig, MegatronConfig, OptimConfig
     from verl_lite.engine.engine import MegatronEngine
 
-    return MegatronEngine(engine_config(model_path=str(model_dir), params_dtype=dtype, forward_only=forward_only,
-                                        optim=optim_config(lr=1e-2, use_distributed_optimizer=True)))
+    return MegatronEngine(EngineConfig(model_path=str(model_dir), forward_only=forward_only, optim=OptimConfig(lr=1e-2),
+                                       megatron=MegatronConfig(dtype=dtype, use_distributed_optimizer=True)))
 
 
 def _export(engine) -> dict:
@@ -159,15 +159,15 @@ def test_bf16_reference_engine_runs_bf16_without_main_params(bf16_results):
 
 
 def test_engine_config_dtypes():
-    from verl_lite.workers.from_config import engine_config
+    from verl_lite.engine.config import EngineConfig, MegatronConfig
 
     here = str(Path(__file__).resolve().parents[2] / "verl_lite" / "assets")
     model_dir = next(p.parent for p in Path(here).rglob("config.json") if (p.parent / "model.safetensors").exists())
-    assert engine_config(model_path=str(model_dir), params_dtype="bf16").params_dtype == "bfloat16"
-    assert engine_config(model_path=str(model_dir)).params_dtype == "float32"  # the schema's default reaches the engine
+    assert EngineConfig(model_path=str(model_dir), megatron=MegatronConfig(dtype="bf16")).megatron.torch_dtype == torch.bfloat16
+    assert EngineConfig(model_path=str(model_dir)).megatron.dtype == "float32"  # the section's default reaches the engine
     with pytest.raises(ValueError, match="loss scaling"):
-        engine_config(model_path=str(model_dir), params_dtype="float16")
-    cfg = engine_config(model_path=str(model_dir), model_overrides={"attention_backend": "unfused"})
+        EngineConfig(model_path=str(model_dir), megatron=MegatronConfig(dtype="float16"))
+    cfg = EngineConfig(model_path=str(model_dir), megatron=MegatronConfig(override_transformer_config={"attention_backend": "unfused"}))
     assert cfg.attention_backend == "sdpa" and "attention_backend" not in cfg.model_overrides
     with pytest.raises(ValueError, match="Transformer Engine"):
-        engine_config(model_path=str(model_dir), model_overrides={"attention_backend": "fused"})
+        EngineConfig(model_path=str(model_dir), megatron=MegatronConfig(override_transformer_config={"attention_backend": "fused"}))

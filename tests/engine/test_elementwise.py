@@ -115,8 +115,8 @@ def test_megatron_rope_routed_through_rotary_equals_megatrons(layout):
 
     from verl_lite.compat import megatron_internals
 
-    megatron_internals.use_rotary_kernel()
-    megatron_internals.use_rotary_kernel()  # idempotent: one wrapper, not two
+    megatron_internals.use_rotary_kernel(rotary)
+    megatron_internals.use_rotary_kernel(rotary)  # idempotent: one wrapper, not two
     routed = attention_module.apply_rotary_pos_emb
     assert routed.verl_lite_rotary and routed is not rope_utils.apply_rotary_pos_emb
 
@@ -147,7 +147,7 @@ def test_megatron_rope_other_cases_stay_megatrons():
 
     from verl_lite.compat import megatron_internals
 
-    megatron_internals.use_rotary_kernel()
+    megatron_internals.use_rotary_kernel(rotary)
     cfg = _megatron_rope_config()
     g = torch.Generator().manual_seed(4)
     cu = torch.tensor([0, 8, 16], dtype=torch.int32)
@@ -166,11 +166,11 @@ def _built_mlps(rank, world, model_dir):
 
     from verl_lite.engine.mlp import SwiGLUMLP
     from verl_lite.engine.model import build_model_chunks, transformer_config_from_hf
-    from verl_lite.workers.from_config import parallel_config
+    from verl_lite.engine.config import MegatronConfig
 
     from .conftest import use_layout
 
-    parallel = parallel_config()
+    parallel = MegatronConfig.layout()
     use_layout(rank, world, parallel)
     cfg = transformers.AutoConfig.from_pretrained(model_dir)
     [chunk] = build_model_chunks(cfg, transformer_config_from_hf(cfg, parallel))

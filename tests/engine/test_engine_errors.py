@@ -9,13 +9,14 @@ is checked in-process.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from verl_lite.workers.from_config import engine_config, optim_config
+from verl_lite.engine.config import EngineConfig, MegatronConfig, OptimConfig
 from verl_lite.utils.net import free_port as _free_port
 
 
@@ -27,12 +28,12 @@ def _loss(outputs, data):
 def _rank(rank, port, model_dir, out_dir):
     torch.set_num_threads(1)
     from verl_lite.engine import MegatronEngine, SequenceBatch
-    from verl_lite.workers.from_config import engine_config, optim_config, parallel_config
+    from verl_lite.engine.config import EngineConfig, MegatronConfig, OptimConfig
     from verl_lite.engine.distributed import destroy_distributed, init_distributed
 
-    par = parallel_config(pp=2, vpp=2, timeout_s=60)
+    par = MegatronConfig.layout(pp=2, vpp=2, timeout_s=60)
     init_distributed(rank, 2, "127.0.0.1", port, par)
-    engine = MegatronEngine(engine_config(model_dir, par, optim_config(lr=1e-3), calculate_per_token_loss=True))
+    engine = MegatronEngine(EngineConfig(model_dir, dataclasses.replace(par, calculate_per_token_loss=True), OptimConfig(lr=1e-3)))
     g = torch.Generator().manual_seed(0)
     lengths = (7, 9, 5, 6)
     ids = [torch.randint(1, 64, (n,), generator=g) for n in lengths]
@@ -55,8 +56,8 @@ def _rank(rank, port, model_dir, out_dir):
     outcome["good_result"] = res
     outcome["owner"] = engine.is_output_owner
     # LR schedule: warm-up 2 steps to 1e-3, then linear decay to 1e-4 at step 4
-    sched = MegatronEngine(engine_config(model_dir, par, optim_config(
-        lr=1e-3, min_lr=1e-4, lr_warmup_steps=2, lr_decay_style="linear", total_steps=4)))
+    sched = MegatronEngine(EngineConfig(model_dir, par, OptimConfig(
+        lr=1e-3, min_lr=1e-4, lr_warmup_steps=2, lr_decay_style="linear"), total_steps=4))
     outcome["lrs"] = [sched.train_step(batch, [[0, 1], [2, 3]], _loss)["lr"] for _ in range(4)]
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcome))
     destroy_distributed()
@@ -90,19 +91,19 @@ def test_bad_micro_batches_and_counts_raise_on_every_rank(model_dir, tmp_path):
 
 
 def test_config_validation(tmp_path):
-    with pytest.raises(ValueError, match="lr must be > 0"):
-        optim_config(lr=0)
-    with pytest.raises(ValueError, match="lr_decay_style"):
-        optim_config(lr_decay_style="step")
-    with pytest.raises(ValueError, match="lr_warmup_steps=5 must be < total_steps=5"):
-        optim_config(lr_decay_style="cosine", lr_warmup_steps=5, total_steps=5)
-    with pytest.raises(ValueError, match="min_lr"):
-        optim_config(lr=1e-5, min_lr=1e-3)
-    with pytest.raises(ValueError, match="clip_grad"):
-        optim_config(clip_grad=0)
+    assert OptimConfig(lr=0).problems() == ["optim.lr=0 must be > 0"]
+    assert "lr_decay_style" in OptimConfig(lr_decay_style="step").problems()[0]
+    assert OptimConfig(lr_decay_style="cosine", lr_warmup_steps=5).problems(total_steps=5) == [
+        "optim.lr_warmup_steps=5 must be < total_steps=5 for lr_decay_style='cosine'"]
+    assert "min_lr" in OptimConfig(lr=1e-5, min_lr=1e-3).problems()[0]
+    assert "clip_grad" in OptimConfig(clip_grad=0).problems()[0]
     with pytest.raises(ValueError, match="no config.json"):
-        engine_config(model_path=str(tmp_path))
+        EngineConfig(model_path=str(tmp_path))
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ValueError, match="params_dtype"):
-        engine_config(model_path=str(tmp_path), params_dtype="int8")
-    assert engine_config(model_path=str(tmp_path)).parallel.tp == 1
+    with pytest.raises(ValueError, match="optim.lr=0 must be > 0"):
+        EngineConfig(model_path=str(tmp_path), optim=OptimConfig(lr=0))
+    with pytest.raises(ValueError, match="lr_warmup_steps=5 must be < total_steps=5"):
+        EngineConfig(model_path=str(tmp_path), optim=OptimConfig(lr_decay_style="cosine", lr_warmup_steps=5), total_steps=5)
+    with pytest.raises(ValueError, match="megatron.dtype"):
+        EngineConfig(model_path=str(tmp_path), megatron=MegatronConfig(dtype="int8"))
+    assert EngineConfig(model_path=str(tmp_path)).megatron.tp == 1

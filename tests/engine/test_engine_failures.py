@@ -1,5 +1,5 @@
 """Bounded waits: a peer that raises alone, or dies, becomes an error on the others within the
-configured process-group timeout (``ParallelConfig.timeout_s``), never a 30-minute hang.
+configured process-group timeout (``MegatronConfig.timeout_s``), never a 30-minute hang.
 
 Two DP ranks train one step; rank 1 fails inside its loss function (so it never joins the
 gradient all-reduce). Rank 0 must raise, and it must do so within timeout_s plus slack.
@@ -35,14 +35,14 @@ def _failing_loss(kind: str, rank: int, outputs, data):
 
 def _rank(rank: int, port: int, model_dir: str, kind: str, out_dir: str):
     torch.set_num_threads(1)
-    from verl_lite.workers.from_config import engine_config, optim_config
+    from verl_lite.engine.config import EngineConfig, OptimConfig
     from verl_lite.engine.distributed import init_distributed
-    from verl_lite.workers.from_config import parallel_config
+    from verl_lite.engine.config import MegatronConfig
     from verl_lite.engine.engine import MegatronEngine, SequenceBatch
 
-    par = parallel_config(timeout_s=TIMEOUT_S)
+    par = MegatronConfig.layout(timeout_s=TIMEOUT_S)
     init_distributed(rank, 2, "127.0.0.1", port, par)
-    engine = MegatronEngine(engine_config(model_dir, par, optim_config(lr=1e-3)))
+    engine = MegatronEngine(EngineConfig(model_dir, par, OptimConfig(lr=1e-3)))
     g = torch.Generator().manual_seed(rank)
     ids = [torch.randint(1, 64, (n,), generator=g) for n in (7, 9)]
     batch = SequenceBatch(ids, torch.tensor([3, 4]), {"response_mask": torch.ones(2, 4)})

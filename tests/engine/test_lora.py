@@ -32,7 +32,7 @@ pytest.importorskip("peft")
 
 
 def _lora(adapter_dir):
-    from verl_lite.engine.lora import LoraConfig
+    from verl_lite.engine.config import LoraConfig
 
     return LoraConfig(rank=H.LORA_RANK, alpha=H.LORA_ALPHA, dropout=0.0, target_modules=H.LORA_TARGETS,
                       exclude_modules=(), adapter_path=str(adapter_dir))
@@ -40,12 +40,8 @@ def _lora(adapter_dir):
 
 def _engine(prob, adapter_dir, par, **kw):
     from verl_lite.engine.engine import MegatronEngine
-    from verl_lite.workers.from_config import engine_config, optim_config
-
-    forward_only = kw.get("forward_only", False)
-    optim = None if forward_only else optim_config(**H.optim_kwargs(), use_distributed_optimizer=False)
     lora = kw.pop("lora", _lora(adapter_dir))
-    return MegatronEngine(engine_config(model_path=prob["model_dir"], parallel=par, optim=optim, lora=lora, **kw))
+    return MegatronEngine(H.engine_config(prob, par, False, lora=lora, **kw))
 
 
 def _step(engine, prob, data_all, lengths):
@@ -79,10 +75,10 @@ def _body(rank, world, problem_path, refs_path, out_dir):
     from verl_lite.engine.checkpoint import save_hf_pretrained
     from verl_lite.engine.lora import is_adapter_name
     from verl_lite.engine.model import unwrap_model
-    from verl_lite.workers.from_config import parallel_config
+    from verl_lite.engine.config import MegatronConfig
     from tests.engine.conftest import use_layout
 
-    par = parallel_config(tp=2)
+    par = MegatronConfig.layout(tp=2)
     use_layout(rank, world, par)
     prob, refs, lengths, data_all = H.load_problem(problem_path, refs_path)
     adapter = refs["lora_dir"]
@@ -119,7 +115,7 @@ def _body(rank, world, problem_path, refs_path, out_dir):
     del fresh, engine
 
     # bf16: the frozen base keeps its bf16 load, the adapters train
-    eng16 = _engine(prob, adapter, par, params_dtype="bfloat16")
+    eng16 = _engine(prob, adapter, par, megatron={"dtype": "bfloat16"})
     before = {n: p.detach().clone() for c in eng16.chunks for n, p in unwrap_model(c).named_parameters()}
     _step(eng16, prob, data_all, lengths)
     after = {n: p.detach() for c in eng16.chunks for n, p in unwrap_model(c).named_parameters()}

@@ -290,7 +290,7 @@ def _timeout_check(rank, world):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from verl_lite.workers.from_config import parallel_config
+    from verl_lite.engine.config import MegatronConfig
 
     cases = [
         ("tp", dict(tp=2), ps.get_tensor_model_parallel_group),
@@ -302,14 +302,14 @@ def _timeout_check(rank, world):
         return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
 
     # every group megatron created holds the configured timeout; the default group the launch's
-    use_layout(rank, world, parallel_config(timeout_s=2.0, tp=2))
+    use_layout(rank, world, MegatronConfig.layout(timeout_s=2.0, tp=2))
     configured = {"default": backend_timeout(dist.distributed_c10d._get_default_group())}
     for attr, value in vars(ps).items():
         if isinstance(value, dist.ProcessGroup):
             configured[attr] = backend_timeout(value)
     out = {"configured": configured}
     for name, kw, get_group in cases:
-        use_layout(rank, world, parallel_config(timeout_s=2.0, **kw))
+        use_layout(rank, world, MegatronConfig.layout(timeout_s=2.0, **kw))
         if rank == 0:
             t0 = time.time()
             try:
@@ -324,12 +324,12 @@ def _timeout_check(rank, world):
 def _run(rank, world, layouts, seqs, models, extra):
     import time
 
-    from verl_lite.workers.from_config import parallel_config
+    from verl_lite.engine.config import MegatronConfig
 
     out = {"layouts": {}}
     for name, kw, which, vh in layouts:
         t0 = time.time()
-        parallel = parallel_config(timeout_s=120.0, **kw)
+        parallel = MegatronConfig.layout(timeout_s=120.0, **kw)
         out["layouts"][name] = _check_layout(rank, world, parallel, seqs, models, which, vh)
         if name in extra.get("grads", ()):
             out.setdefault("grads", {})[name] = _grad_export_check(rank, world, parallel, seqs, models["grads"])
@@ -348,7 +348,7 @@ def _run(rank, world, layouts, seqs, models, extra):
 
 ONE_PER_ARCH = [("qwen2", False), ("qwen3", True), ("llama", False)]
 ALL_ARCHS = ARCHS + [("llama3rope", False)]
-# (name, ParallelConfig kwargs, models ("all" or a list), also check the value-head model)
+# (name, MegatronConfig.layout kwargs, models ("all" or a list), also check the value-head model)
 LAYOUTS_2 = [
     ("tp1_dp2", dict(), ONE_PER_ARCH + [("llama3rope", False)], False),
     ("tp2", dict(tp=2), "all", True),

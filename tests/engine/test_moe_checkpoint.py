@@ -7,6 +7,7 @@ change were measured misplaced)."""
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
 from pathlib import Path
 
@@ -28,10 +29,10 @@ def _loss_fn(outputs, data):
 
 
 def _engine_config(model_dir, par):
-    from verl_lite.workers.from_config import engine_config, optim_config
+    from verl_lite.engine.config import EngineConfig, OptimConfig
 
-    return engine_config(model_path=model_dir, parallel=par, optim=optim_config(lr=1e-3),
-                          model_overrides={"moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001})
+    par = dataclasses.replace(par, override_transformer_config={"moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001})
+    return EngineConfig(model_path=model_dir, megatron=par, optim=OptimConfig(lr=1e-3))
 
 
 def _worker(rank, world, port, model_dir, ckpt, out):
@@ -40,10 +41,10 @@ def _worker(rank, world, port, model_dir, ckpt, out):
         import torch.distributed as dist
 
         from verl_lite.engine.distributed import destroy_distributed, init_distributed
-        from verl_lite.workers.from_config import parallel_config
+        from verl_lite.engine.config import MegatronConfig
         from verl_lite.engine.engine import MegatronEngine, SequenceBatch
 
-        par = parallel_config(ep=2, timeout_s=120)
+        par = MegatronConfig.layout(ep=2, timeout_s=120)
         init_distributed(rank, world, "127.0.0.1", port, par)
         cfg = _engine_config(model_dir, par)
         batch = SequenceBatch(_rank_sequences(rank), [4, 4], {"w": torch.full((2, 4), 1 / 16)})
@@ -81,10 +82,10 @@ def _ep1_worker(rank, world, port, model_dir, ckpt, out):
 
         from verl_lite.engine.checkpoint import CheckpointLayoutError
         from verl_lite.engine.distributed import destroy_distributed, init_distributed
-        from verl_lite.workers.from_config import parallel_config
+        from verl_lite.engine.config import MegatronConfig
         from verl_lite.engine.engine import MegatronEngine
 
-        par = parallel_config(timeout_s=120)
+        par = MegatronConfig.layout(timeout_s=120)
         init_distributed(rank, world, "127.0.0.1", port, par)
         refusals = []
         for forward_only in (False, True):

@@ -82,15 +82,15 @@ def test_dense_model_rejects_expert_parallelism_and_router_losses():
 def test_megatron_settings_follow_hf_routing(moe_dirs):
     from transformers import AutoConfig
 
-    from verl_lite.workers.from_config import parallel_config
+    from verl_lite.engine.config import MegatronConfig
     from verl_lite.engine.model import moe_settings
 
-    q3 = moe_settings(AutoConfig.from_pretrained(moe_dirs["qwen3_moe"]), parallel_config(ep=2))
+    q3 = moe_settings(AutoConfig.from_pretrained(moe_dirs["qwen3_moe"]), MegatronConfig.layout(ep=2))
     assert (q3["num_moe_experts"], q3["moe_router_topk"], q3["moe_ffn_hidden_size"]) == (4, 2, 16)
     assert q3["moe_router_pre_softmax"] is False  # norm_topk_prob: softmax over the k logits = renormalised
     assert q3["moe_shared_expert_intermediate_size"] is None and q3["expert_model_parallel_size"] == 2
     assert q3["moe_aux_loss_coeff"] == 0.0 and q3["moe_z_loss_coeff"] is None  # megatron's own losses off
-    q2 = moe_settings(AutoConfig.from_pretrained(moe_dirs["qwen2_moe"]), parallel_config())
+    q2 = moe_settings(AutoConfig.from_pretrained(moe_dirs["qwen2_moe"]), MegatronConfig.layout())
     assert q2["moe_router_pre_softmax"] is True  # no renormalisation
     assert q2["moe_shared_expert_intermediate_size"] == 24 and q2["moe_shared_expert_gate"] is True
 

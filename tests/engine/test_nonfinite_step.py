@@ -46,21 +46,21 @@ def _attempt(fn) -> dict:
 
 def _ranks(rank, world_size, model_dir):
     from verl_lite.engine import MegatronEngine, SequenceBatch
-    from verl_lite.workers.from_config import engine_config, optim_config, parallel_config
+    from verl_lite.engine.config import EngineConfig, MegatronConfig, OptimConfig
 
     g = torch.Generator().manual_seed(0)
     ids = [torch.randint(1, 64, (n,), generator=g) for n in (7, 9)]
     batch = SequenceBatch(ids, torch.tensor([3, 4]), {"response_mask": torch.ones(2, 4)})
     out = {}
-    pp2 = parallel_config(pp=2, timeout_s=60)
+    pp2 = MegatronConfig.layout(pp=2, timeout_s=60)
     use_layout(rank, world_size, pp2)
-    engine = MegatronEngine(engine_config(model_dir, pp2, optim_config(lr=1e-3)))
+    engine = MegatronEngine(EngineConfig(model_dir, pp2, OptimConfig(lr=1e-3)))
     out["pp_good"] = _attempt(lambda: engine.train_step(batch, [[0], [1]], _good_loss))
     out["pp_inf_grad"] = _attempt(lambda: engine.train_step(batch, [[0], [1]], _inf_grad_loss))
     out["pp_owner"] = engine.is_output_owner
-    dp2 = parallel_config(timeout_s=60)
+    dp2 = MegatronConfig.layout(timeout_s=60)
     use_layout(rank, world_size, dp2)
-    engine = MegatronEngine(engine_config(model_dir, dp2, optim_config(lr=1e-3)))
+    engine = MegatronEngine(EngineConfig(model_dir, dp2, OptimConfig(lr=1e-3)))
     out["dp_nan_on_rank1"] = _attempt(lambda: engine.train_step(batch, [[0, 1]], _nan_loss if rank == 1 else _good_loss))
     return out
 

@@ -233,10 +233,10 @@ def _collect_garbage():
 
 def _run(rank, world, plan):
     """``plan``: [(model name, layouts with the config's vocabulary, layouts with the tokenizer's true
-    size)]; a layout is (name, ParallelConfig kwargs). Returns {(model, vocab, layout): results}."""
+    size)]; a layout is (name, MegatronConfig.layout kwargs). Returns {(model, vocab, layout): results}."""
     import time
 
-    from verl_lite.workers.from_config import parallel_config
+    from verl_lite.engine.config import MegatronConfig
 
     out = {}
     for name, real_layouts, odd_layouts in plan:
@@ -253,7 +253,7 @@ def _run(rank, world, plan):
             odd = (cut_config(name, odd_vocab), _odd_state_dict(sd, odd_vocab), seqs[:ODD_SEQS], ref[odd_vocab], True)
             cases += [(*odd, layout) for layout in odd_layouts]
         for c, c_sd, c_seqs, c_ref, poison, (layout, kw) in cases:
-            parallel = parallel_config(timeout_s=300.0, **kw)
+            parallel = MegatronConfig.layout(timeout_s=300.0, **kw)
             out[(name, c.vocab_size, layout)] = _check(rank, world, parallel, c, c_sd, c_seqs, c_ref, poison)
         del sd, cases
         _collect_garbage()

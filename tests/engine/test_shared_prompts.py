@@ -148,11 +148,11 @@ def _model(root):
 
 def _engine_runs(rank, world, model_dir):
     from verl_lite.engine.engine import MegatronEngine, SequenceBatch
-    from verl_lite.workers.from_config import engine_config, optim_config, parallel_config
+    from verl_lite.engine.config import EngineConfig, MegatronConfig, OptimConfig
 
     from .conftest import use_layout
 
-    par = parallel_config(tp=2, sequence_parallel=True)
+    par = MegatronConfig.layout(tp=2, sequence_parallel=True)
     use_layout(rank, world, par)
     seqs, resp = _sequences()
     width = max(resp)
@@ -165,7 +165,7 @@ def _engine_runs(rank, world, model_dir):
         return (-(outputs["log_probs"] * data["mask"]).sum() + 0.1 * (outputs["entropy"] * data["mask"]).sum()) / 20.0, {}
 
     out = {}
-    engine = MegatronEngine(engine_config(model_path=model_dir, parallel=par, optim=optim_config(lr=1e-2)))
+    engine = MegatronEngine(EngineConfig(model_path=model_dir, megatron=par, optim=OptimConfig(lr=1e-2)))
     assert engine.share_prompts
     for share in (False, True):
         engine.load_hf(model_dir)  # both runs start from the same weights and a fresh optimizer

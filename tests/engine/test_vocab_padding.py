@@ -65,18 +65,18 @@ def test_padding_rule_rejects_bad_input(args):
 def test_tp_and_kv_head_rules_on_real_configs(name, tp, vocab, match):
     import transformers
 
-    from verl_lite.workers.from_config import parallel_config
+    from verl_lite.engine.config import MegatronConfig
     from verl_lite.engine.model import transformer_config_from_hf
 
     cfg = transformers.AutoConfig.from_pretrained(CONFIG_DIR / name)
     if vocab is not None:
         cfg.vocab_size = vocab
     if match is None:
-        tf = transformer_config_from_hf(cfg, parallel_config(tp=tp))
+        tf = transformer_config_from_hf(cfg, MegatronConfig.layout(tp=tp))
         assert tf.num_query_groups == cfg.num_key_value_heads and tf.tensor_model_parallel_size == tp
     else:
         with pytest.raises(ValueError, match=match):
-            transformer_config_from_hf(cfg, parallel_config(tp=tp))
+            transformer_config_from_hf(cfg, MegatronConfig.layout(tp=tp))
 
 
 def test_bridge_pads_on_load_and_strips_on_export_at_tp3():
@@ -147,14 +147,14 @@ def _engine_check(rank, model_dir, ref):
     from safetensors.torch import load_file
 
     from verl_lite.engine import MegatronEngine, SequenceBatch
-    from verl_lite.workers.from_config import engine_config, optim_config, parallel_config
+    from verl_lite.engine.config import EngineConfig, MegatronConfig, OptimConfig
     from verl_lite.engine.model import unwrap_model
 
     from .conftest import use_layout
 
-    par = parallel_config(tp=2, timeout_s=120.0)
+    par = MegatronConfig.layout(tp=2, timeout_s=120.0)
     use_layout(rank, 2, par)
-    engine = MegatronEngine(engine_config(model_dir, par, optim_config(lr=1e-2, weight_decay=0.0)))
+    engine = MegatronEngine(EngineConfig(model_dir, par, OptimConfig(lr=1e-2, weight_decay=0.0)))
     head = unwrap_model(engine.chunks[0]).output_layer.weight
     out = {"local_rows": head.shape[0]}
     last = ps.get_tensor_model_parallel_rank() == 1
@@ -252,8 +252,9 @@ def _fake_engine(vocab: int, tp: int):
 
     hf = SimpleNamespace(model_type="qwen2", vocab_size=vocab, hidden_size=64, num_hidden_layers=2,
                          num_attention_heads=6, num_key_value_heads=6, intermediate_size=96, tie_word_embeddings=False)
-    cfg = SimpleNamespace(value_head=False, params_dtype="float32", parallel=SimpleNamespace(ep=1),
-                          optim=SimpleNamespace(use_distributed_optimizer=False))
+    from verl_lite.engine.config import MegatronConfig
+
+    cfg = SimpleNamespace(value_head=False, megatron=MegatronConfig())
     return SimpleNamespace(hf_config=hf, tp=tp, pp=1, vpp=1, cp=1, dp=1, cfg=cfg, optimizer=None)
 
 

@@ -41,7 +41,7 @@ TEMPERATURE = 0.9
 ENTROPY_COEFF = 0.01
 NUM_SEQS = 12
 
-# name -> (world size, ParallelConfig kwargs, use_distributed_optimizer)
+# name -> (world size, MegatronConfig.layout kwargs, use_distributed_optimizer)
 LAYOUTS = {
     "single": (1, dict(), False),
     "dp2": (2, dict(), False),
@@ -67,6 +67,21 @@ LAYOUTS = {
 def optim_kwargs() -> dict:
     return dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-6, clip_grad=0.5, lr_warmup_steps=0,
                 lr_decay_style="constant", total_steps=1)
+
+
+def engine_config(prob, par, distopt: bool, per_token: bool = False, **kw):
+    """The engine under test: ``optim_kwargs``' optimizer on layout ``par``."""
+    import dataclasses
+
+    from verl_lite.engine.config import EngineConfig, OptimConfig
+
+    o = optim_kwargs()
+    optim = OptimConfig(**{k: o[k] for k in ("lr", "weight_decay", "clip_grad", "lr_warmup_steps", "lr_decay_style")},
+                        betas=list(o["betas"]))
+    megatron = dataclasses.replace(par, use_distributed_optimizer=distopt, calculate_per_token_loss=per_token,
+                                   **kw.pop("megatron", {}))
+    return EngineConfig(model_path=prob["model_dir"], megatron=megatron, optim=optim, total_steps=o["total_steps"],
+                        adam_eps=o["eps"], **kw)
 
 
 @dataclass(frozen=True)
@@ -207,9 +222,9 @@ def old_log_probs(prob) -> torch.Tensor:
 
 
 def loss_cfg(loss: str, mode: str):
-    from verl_lite.workers.from_config import actor_loss_config
+    from verl_lite.algorithms import ActorLossConfig, PolicyLossConfig
 
-    return actor_loss_config(policy_loss=loss, loss_agg_mode=mode, entropy_coeff=ENTROPY_COEFF)
+    return ActorLossConfig(policy_loss=PolicyLossConfig(loss_mode=loss), loss_agg_mode=mode, entropy_coeff=ENTROPY_COEFF)
 
 
 def reference_step(prob, loss: str, mode: str, old_lp: torch.Tensor) -> dict:
@@ -398,13 +413,11 @@ def lora_references(prob, lora_dir, modes, old_lp: torch.Tensor) -> dict:
 
 
 def lora_engine_config(prob, lora_dir, par, per_token: bool, distopt: bool):
-    from verl_lite.engine.lora import LoraConfig
-    from verl_lite.workers.from_config import engine_config, optim_config
+    from verl_lite.engine.config import LoraConfig
 
-    lora = LoraConfig(rank=LORA_RANK, alpha=LORA_ALPHA, dropout=0.0, target_modules=LORA_TARGETS,
-                      exclude_modules=(), adapter_path=str(lora_dir))
-    return engine_config(model_path=prob["model_dir"], parallel=par, calculate_per_token_loss=per_token,
-                         optim=optim_config(**optim_kwargs(), use_distributed_optimizer=distopt), lora=lora)
+    lora = LoraConfig(rank=LORA_RANK, alpha=LORA_ALPHA, dropout=0.0, target_modules=list(LORA_TARGETS),
+                      exclude_modules=[], adapter_path=str(lora_dir))
+    return engine_config(prob, par, distopt, per_token, lora=lora)
 
 
 def base_gradient_report(engine) -> dict:
@@ -496,14 +509,14 @@ def _worker_body(rank, world, port, layout_name, cell_dicts, problem_path, refs_
 
     from verl_lite.algorithms.aggregation import NormalizationPlan
     from verl_lite.algorithms.objective import actor_loss, critic_loss
-    from verl_lite.workers.from_config import engine_config, optim_config
+    from verl_lite.engine.config import EngineConfig, OptimConfig
     from verl_lite.engine.distributed import init_distributed
-    from verl_lite.workers.from_config import parallel_config
+    from verl_lite.engine.config import MegatronConfig
     from verl_lite.engine.engine import MegatronEngine
 
     t_start = time.perf_counter()
     _, par_kw, distopt = LAYOUTS[layout_name]
-    par = parallel_config(**par_kw, timeout_s=timeout_s)
+    par = MegatronConfig.layout(**par_kw, timeout_s=timeout_s)
     init_distributed(rank, world, "127.0.0.1", port, par, seed=1234)
     timeline = {"init": time.perf_counter() - t_start}
     prob, refs, lengths, data_all = load_problem(problem_path, refs_path)
@@ -535,11 +548,7 @@ def _worker_body(rank, world, port, layout_name, cell_dicts, problem_path, refs_
             if not todo:
                 continue
             t0 = time.perf_counter()
-            cfg = engine_config(
-                model_path=prob["model_dir"], parallel=par,
-                optim=optim_config(**optim_kwargs(), use_distributed_optimizer=distopt),
-                calculate_per_token_loss=per_token, value_head=critic,
-            )
+            cfg = engine_config(prob, par, distopt, per_token, value_head=critic)
             engine = MegatronEngine(cfg)
             if critic:
                 engine.load_hf(critic_state)

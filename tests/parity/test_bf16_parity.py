@@ -1,7 +1,7 @@
 """bf16 mixed precision computes the gradient one float64 process would, up to bf16 rounding, in
 every layout, and scales the loss exactly as fp32 does.
 
-Engine under test: ``EngineConfig(params_dtype="bfloat16")`` = megatron's ``Float16Module`` (bf16
+Engine under test: ``megatron.dtype="bfloat16"`` = megatron's ``Float16Module`` (bf16
 weights and activations, fp32 logits) + DDP with fp32 gradient accumulation/reduction + megatron's
 mixed-precision optimizer (fp32 main parameters). Problem, reference and planning: ``harness.py``
 (tiny Qwen2, 4 blocks, ragged batch with a fully masked row, float64 HF reference without megatron).
@@ -60,7 +60,7 @@ SAME_ROUNDING = ("dp2", "pp2")  # layouts whose split leaves each sequence's bf1
 
 BF16_LOSSES = ("vanilla", "gspo")
 BF16_MODES = ("token-mean", "seq-mean-token-mean")
-BF16_LAYOUTS = {  # name -> (world size, ParallelConfig kwargs, use_distributed_optimizer)
+BF16_LAYOUTS = {  # name -> (world size, MegatronConfig.layout kwargs, use_distributed_optimizer)
     "single": (1, dict(), False),
     "dp2": (2, dict(), False),
     "tp2": (2, dict(tp=2), False),
@@ -99,14 +99,13 @@ def _worker_body(rank, world, port, layout, problem_path, refs_path, out_dir, ti
 
     from verl_lite.algorithms.aggregation import NormalizationPlan
     from verl_lite.algorithms.objective import actor_loss
-    from verl_lite.workers.from_config import engine_config, optim_config
     from verl_lite.engine.distributed import init_distributed
-    from verl_lite.workers.from_config import parallel_config
+    from verl_lite.engine.config import MegatronConfig
     from verl_lite.engine.engine import MegatronEngine
 
     t0 = time.perf_counter()
     _, par_kw, distopt = BF16_LAYOUTS[layout]
-    par = parallel_config(**par_kw, timeout_s=timeout_s)
+    par = MegatronConfig.layout(**par_kw, timeout_s=timeout_s)
     init_distributed(rank, world, "127.0.0.1", port, par, seed=1234)
     prob, refs, lengths, data_all = H.load_problem(problem_path, refs_path)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -114,10 +113,8 @@ def _worker_body(rank, world, port, layout, problem_path, refs_path, out_dir, ti
     state = {k: v.float() for k, v in refs[(BF16_LOSSES[0], BF16_MODES[0])]["params_before"].items()}
     out: dict = {"cells": {}}
     for per_token in (False, True):
-        engine = MegatronEngine(engine_config(
-            model_path=prob["model_dir"], parallel=par, params_dtype="bfloat16",
-            optim=optim_config(**H.optim_kwargs(), use_distributed_optimizer=distopt),
-            calculate_per_token_loss=per_token))
+        engine = MegatronEngine(H.engine_config(
+            prob, par, distopt, per_token, megatron={"dtype": "bfloat16"}))
         if "export_max_abs" not in out:  # the fp32 main params hold the HF weights exactly
             exported = {n: t.cpu().clone() for n, t in engine.export_hf("param")}
             out["export_dtypes"] = sorted({str(t.dtype) for t in exported.values()})

@@ -44,7 +44,7 @@ AUX_COEFF = 0.02
 Z_COEFF = 0.001
 N_EXPERT_FACTORS = 2 * 4 * 3 * 2  # layers x experts x (gate, up, down) x (A, B) of the tiny Qwen3-MoE
 
-# name -> (world size, ParallelConfig kwargs, model arch)
+# name -> (world size, MegatronConfig.layout kwargs, model arch)
 MOE_LAYOUTS = {
     "moe_single": (1, dict(), "qwen3_moe"),
     "moe_ep2": (2, dict(ep=2), "qwen3_moe"),
@@ -302,14 +302,13 @@ def _worker_body(rank, world, port, layout, cell_dicts, problem_path, refs_path,
 
     from verl_lite.algorithms.aggregation import NormalizationPlan
     from verl_lite.algorithms.objective import actor_loss
-    from verl_lite.workers.from_config import engine_config, optim_config
     from verl_lite.engine.distributed import init_distributed
-    from verl_lite.workers.from_config import parallel_config
+    from verl_lite.engine.config import MegatronConfig
     from verl_lite.engine.engine import MegatronEngine
 
     t_start = time.perf_counter()
     _, par_kw, _ = MOE_LAYOUTS[layout]
-    par = parallel_config(**par_kw, timeout_s=180)
+    par = MegatronConfig.layout(**par_kw, timeout_s=180)
     init_distributed(rank, world, "127.0.0.1", port, par, seed=1234)
     prob, refs, lengths, data_all = H.load_problem(problem_path, refs_path)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -325,7 +324,7 @@ def _worker_body(rank, world, port, layout, cell_dicts, problem_path, refs_path,
     ]
     overrides = {"moe_aux_loss_coeff": AUX_COEFF, "moe_z_loss_coeff": Z_COEFF}
 
-    from verl_lite.engine.lora import LoraConfig
+    from verl_lite.engine.config import LoraConfig
 
     lora_cfg = LoraConfig(rank=H.LORA_RANK, alpha=H.LORA_ALPHA, dropout=0.0, target_modules=H.LORA_TARGETS,
                           exclude_modules=(), adapter_path=None)
@@ -333,10 +332,9 @@ def _worker_body(rank, world, port, layout, cell_dicts, problem_path, refs_path,
         todo = [c for c in cells if c.per_token == per_token and (c.loss == "lora") == lora]
         if not todo:
             continue
-        engine = MegatronEngine(engine_config(
-            model_path=prob["model_dir"], parallel=par,
-            optim=optim_config(**H.optim_kwargs(), use_distributed_optimizer=layout.endswith("distopt")),
-            calculate_per_token_loss=per_token, model_overrides=dict(overrides), lora=lora_cfg if lora else None))
+        engine = MegatronEngine(H.engine_config(
+            prob, par, layout.endswith("distopt"), per_token, megatron={"override_transformer_config": dict(overrides)},
+            lora=lora_cfg if lora else None))
         if lora:
             _run_lora_cells(engine, todo, rank, world, prob, refs, lengths, data_all, dp, dp_rank, results)
             del engine

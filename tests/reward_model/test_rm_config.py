@@ -52,8 +52,9 @@ def test_the_worker_config_carries_the_rm_layout(rm_dirs):
 
     cfg = load_config(["reward_model.enable=true", f"reward_model.model.path={rm_dirs['rm']}",
                        "reward_model.megatron.tensor_model_parallel_size=2", "reward_model.megatron.dtype=bfloat16"])
-    wc = reward_model_worker_config(cfg)
-    assert (wc.model_path, wc.tp, wc.pp, wc.params_dtype, wc.lora) == (rm_dirs["rm"], 2, 1, "bfloat16", None)
+    wc = reward_model_worker_config(cfg).engine
+    assert (wc.model_path, wc.megatron.tp, wc.megatron.pp, wc.megatron.dtype, wc.lora) == (rm_dirs["rm"], 2, 1, "bfloat16", None)
+    assert wc.value_head and wc.forward_only and wc.optim is None
     assert cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size == 1  # its own layout
 
 

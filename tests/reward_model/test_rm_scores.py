@@ -94,10 +94,10 @@ def _hf_scores(rm_dir, inputs) -> torch.Tensor:
 
 
 def _worker_config(rm_dir, tp: int, pp: int) -> EngineWorkerConfig:
-    return EngineWorkerConfig(model_path=str(rm_dir), tp=tp, pp=pp, vpp=None, cp=1, sequence_parallel=False, ep=1,
-                              etp=1, timeout_s=120, optim={}, calculate_per_token_loss=False,
-                              use_distributed_optimizer=False, seed=0, model_overrides={}, params_dtype="float32",
-                              lora=None)
+    from verl_lite.engine.config import EngineConfig, MegatronConfig
+
+    return EngineWorkerConfig(EngineConfig(str(rm_dir), MegatronConfig.layout(tp=tp, pp=pp, timeout_s=120),
+                                           value_head=True, forward_only=True))
 
 
 @pytest.fixture(scope="module")

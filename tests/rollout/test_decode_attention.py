@@ -6,13 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from verl_lite.compat import hf_attention, installed_version
+from verl_lite.compat import hf_attention, installed_is_tested
 from verl_lite.data.char_tokenizer import build_char_tokenizer
-from verl_lite.engine.attention import grouped_matmul_attention
+from verl_lite.engine.attention import MATMUL_ATTENTION_DTYPES, grouped_matmul_attention
 from verl_lite.rollout import HFRollout
 from verl_lite.utils import make_tiny_hf_model
 
-TESTED = installed_version("transformers") in hf_attention.TESTED_TRANSFORMERS
+TESTED = installed_is_tested("transformers")
 
 
 def _loop_reference(query, key, value, allowed, scale):
@@ -55,11 +55,12 @@ def test_only_single_query_float_cpu_steps_leave_sdpa(monkeypatch):
     module.num_key_value_groups, module.is_causal = 2, True
     q1, q3 = torch.randn(2, 4, 1, 8), torch.randn(2, 4, 3, 8)
     k = v = torch.randn(2, 2, 3, 8)
-    out, weights = hf_attention._attention(module, q1, k, v, None, scaling=0.5)
+    attention = hf_attention.decode_attention(grouped_matmul_attention, MATMUL_ATTENTION_DTYPES)
+    out, weights = attention(module, q1, k, v, None, scaling=0.5)
     assert calls == [] and out.shape == (2, 1, 4, 8) and weights is None
     for query, keys, kwargs in [(q3, k, {}), (q1.bfloat16(), k.bfloat16(), {}), (q1, k, {"dropout": 0.1}),
                                 (q1, k, {"softcap": 30.0}), (q1, k, {"s_aux": torch.zeros(4)})]:
-        hf_attention._attention(module, query, keys, keys, None, **kwargs)
+        attention(module, query, keys, keys, None, **kwargs)
     assert calls == ["sdpa"] * 5
 
 
@@ -73,7 +74,8 @@ def test_generation_equals_the_models_own_sdpa(tmp_path):
     prompts = [tok.encode(t, add_special_tokens=False) for t in ("12+3=", "7+88=", "x", "1000+2000=")]
     rollout = HFRollout(model_dir, tok)
     assert rollout.model.config._attn_implementation == hf_attention.NAME
-    assert not hf_attention.use_decode_attention(rollout.model), "only a model on sdpa is switched"
+    assert not hf_attention.use_decode_attention(rollout.model, grouped_matmul_attention, MATMUL_ATTENTION_DTYPES), \
+        "only a model on sdpa is switched"
     kw = dict(do_sample=True, temperature=1.0, max_new_tokens=12, seeds=[3, 4, 5, 6])
     ours = rollout.generate(prompts, n=3, **kw)
     assert len({len(o["response_ids"]) for o in ours}) > 1, "rows must stop at different steps"

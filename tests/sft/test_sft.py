@@ -39,10 +39,10 @@ SCRIPT = textwrap.dedent(
     ref_nll = tot / cnt
 
     from verl_lite.engine import MegatronEngine, init_distributed
-    from verl_lite.workers.from_config import engine_config, optim_config, parallel_config
+    from verl_lite.engine.config import EngineConfig, MegatronConfig, OptimConfig
     from verl_lite.engine.distributed import destroy_distributed
-    init_distributed(0, 1, "127.0.0.1", _free_port(), parallel_config())
-    eng = MegatronEngine(engine_config(model_path=str(d), optim=optim_config(lr=1e-2, weight_decay=0.0, total_steps=8)))
+    init_distributed(0, 1, "127.0.0.1", _free_port(), MegatronConfig.layout())
+    eng = MegatronEngine(EngineConfig(model_path=str(d), optim=OptimConfig(lr=1e-2, weight_decay=0.0), total_steps=8))
     nlls = [sft_step(eng, ex, micro_batch_size=5)["nll"] for _ in range(8)]  # 5 uneven micro-batches
     destroy_distributed()
 

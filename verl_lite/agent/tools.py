@@ -17,22 +17,25 @@ Two ways to give tools, both ending as :class:`Tool` objects (``name``, OpenAI `
   ``execute(instance_id, parameters) -> (response, reward, metrics)``, ``release(instance_id)``
   (each may be sync or async); ``response`` is a string or has a ``.text``.
 
-Every call runs in a daemon thread of its own (an ``async`` tool gets its own event loop there),
-awaited at most ``multi_turn.tool_timeout_s``: the isolation of the Python API's reward functions
-(``verl_lite.reward.sandbox.call_bounded``). A call that raises or passes the bound becomes error text in
-the conversation (``status`` error / timeout), or, with ``multi_turn.tool_error=fail``, a
-:class:`ToolFailure` that stops the run naming the tool. A hung thread is abandoned (it is a daemon:
-it never holds the process up). Response text is truncated to ``max_tool_response_length``
-characters on ``tool_response_truncate_side`` (verl's meaning and markers).
+Every call runs in a tool process (``verl_lite.agent.tool_process``: a pool of reusable processes, an
+``async`` tool on its own event loop there), at most ``multi_turn.tool_timeout_s`` seconds: past it the
+process and everything it started are killed, whether the tool is busy (a pure-Python loop holding the
+GIL) or blocked, and the call ends within the timeout plus the time to kill a process. Tools therefore
+travel to the tool processes: a tool must be picklable by cloudpickle (a function, a closure, a
+``Tool`` object; a class tool of the config is rebuilt there from its class name and config), which
+:func:`build_tools` checks before any worker starts. A call that raises or passes the bound becomes error
+text in the conversation (``status`` error / timeout; the first timeout of each tool is also a warning
+on stderr naming it), or, with ``multi_turn.tool_error=fail``, a :class:`ToolFailure` that stops the run
+naming the tool. Response text is truncated to ``max_tool_response_length`` characters on
+``tool_response_truncate_side`` (verl's meaning and markers).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import importlib
 import inspect
-import threading
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,10 +166,17 @@ class BaseTool:
 
 
 class ClassTool(Tool):
-    """An instance of a tool class from the config (``create`` / ``execute`` / ``release`` per call)."""
+    """An instance of a tool class from the config (``create`` / ``execute`` / ``release`` per call).
+    ``source`` (class name, config): how a tool process rebuilds it instead of unpickling the instance."""
 
-    def __init__(self, instance, schema: dict):
+    def __init__(self, instance, schema: dict, source: tuple[str, dict] | None = None):
         self.instance, self.schema, self.name = instance, schema, schema["function"]["name"]
+        self.source = source
+
+    def __reduce__(self):
+        if self.source is None:
+            return ClassTool, (self.instance, self.schema)
+        return _class_tool_from_config, (*self.source, self.schema)
 
     def invoke(self, arguments: dict) -> ToolResult:
         async def lifecycle():
@@ -184,6 +194,12 @@ class ClassTool(Tool):
                         await done
 
         return asyncio.run(lifecycle())
+
+
+def _class_tool_from_config(class_name: str, config: dict, schema: dict) -> ClassTool:
+    """A config entry's tool, built as :func:`load_tool_config` builds it (in a tool process)."""
+    instance = _import_class(class_name)(config=config, tool_schema=schema)
+    return ClassTool(instance, schema, (class_name, config))
 
 
 # ---------------------------------------------------------------------------------------------- config file
@@ -246,7 +262,7 @@ def load_tool_config(path: str) -> list[Tool]:
         except Exception as e:
             problems.append(f"{where}: {entry['class_name']}(config=..., tool_schema=...) raised {type(e).__name__}: {e}")
             continue
-        tools.append(ClassTool(instance, schema))
+        tools.append(ClassTool(instance, schema, (entry["class_name"], config)))
     if problems:
         raise ToolConfigError("\n".join(problems))
     return tools
@@ -263,7 +279,23 @@ def build_tools(functions=None, tool_config_path: str | None = None) -> list[Too
     dup = sorted(n for n, c in seen.items() if c > 1)
     if dup:
         raise ToolConfigError(f"tools: the name(s) {dup} are given more than once; each tool needs its own name")
+    unpicklable = [problem for t in tools if (problem := _pickling_problem(t)) is not None]
+    if unpicklable:
+        raise ToolConfigError("\n".join(unpicklable))
     return tools
+
+
+def _pickling_problem(tool: Tool) -> str | None:
+    """Why ``tool`` cannot travel to a tool process (None: it can)."""
+    from verl_lite.agent.tool_process import pickled_tools
+
+    try:
+        pickled_tools([tool])
+    except Exception as e:
+        return (f"tools: {tool.name!r} cannot be sent to a tool process ({type(e).__name__}: {e}); every call runs "
+                f"in a process of its own (docs/agents.md), so a tool must be picklable: keep locks, open files, "
+                f"clients and the like out of what it captures and create them on its first call")
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- truncation
@@ -290,28 +322,22 @@ class ToolOutcome:
     reward: float | None = None
 
 
-def _daemon_call(fn: Callable[[], Any]) -> concurrent.futures.Future:
-    """``fn()`` in a daemon thread of its own; its result (or exception) in the returned future."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def target():
-        if future.set_running_or_notify_cancel():
-            try:
-                future.set_result(fn())
-            except BaseException as e:
-                future.set_exception(e)
-
-    threading.Thread(target=target, name="verl_lite-tool", daemon=True).start()
-    return future
-
-
 class ToolExecutor:
-    """Runs a turn's tool calls concurrently, each bounded by ``timeout_s`` (see module docstring)."""
+    """Runs a turn's tool calls concurrently in tool processes, each bounded by ``timeout_s`` (see module
+    docstring); :meth:`close` kills the tool processes (also done when it is collected, or its process dies)."""
 
     def __init__(self, tools: list[Tool], timeout_s: float, max_response_length: int, truncate_side: str,
                  on_error: str = "text"):
+        from verl_lite.agent.tool_process import ToolProcessPool
+
         self.tools = {t.name: t for t in tools}
         self.timeout_s, self.limit, self.side, self.on_error = timeout_s, max_response_length, truncate_side, on_error
+        self.pool = ToolProcessPool(tools) if tools else None
+        self.warned: set[str] = set()  # tools whose first timeout was reported on stderr
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
 
     @property
     def names(self) -> set[str]:
@@ -324,21 +350,38 @@ class ToolExecutor:
     async def _one(self, call) -> ToolOutcome:
         if call.error is not None:
             return ToolOutcome(call.name or "<invalid>", call.error, "invalid")
-        tool = self.tools[call.name]
+        from verl_lite.agent.tool_process import ToolCallTimeout, ToolProcessDied, ToolProcessStartError
+
         start = time.perf_counter()
         try:
-            result = await asyncio.wait_for(asyncio.wrap_future(_daemon_call(lambda: tool.invoke(call.arguments))),
-                                            self.timeout_s)
-        except asyncio.TimeoutError:
-            return self._failed(call.name, f"did not return within {self.timeout_s}s", "timeout", start)
-        except Exception as e:
+            reply = await self.pool.call(call.name, call.arguments, self.timeout_s)
+        except ToolCallTimeout as e:
+            self._warn_timeout(call.name)
+            return self._failed(call.name, f"did not return within {self.timeout_s}s" + (f" ({e})" if str(e) else ""),
+                                "timeout", start)
+        except ToolProcessDied as e:
+            return self._failed(call.name, str(e), "error", start)
+        except ToolProcessStartError as e:
+            raise ToolFailure(f"tool {call.name!r}: {e}", "make the tool importable and picklable in a fresh "
+                              "process (docs/agents.md, Tools)") from None
+        except TypeError as e:  # arguments that JSON cannot carry (a custom loop's call)
             return self._failed(call.name, f"{type(e).__name__}: {e}", "error", start)
-        text = truncate_response(result.text, self.limit, self.side)
-        return ToolOutcome(call.name, text, "ok", time.perf_counter() - start, result.reward)
+        if "error" in reply:
+            return self._failed(call.name, reply["error"], "error", start)
+        text = truncate_response(reply["text"], self.limit, self.side)
+        return ToolOutcome(call.name, text, "ok", time.perf_counter() - start, reply["reward"])
+
+    def _warn_timeout(self, name: str) -> None:
+        """One stderr line the first time ``name`` times out (the conversation gets the error text each time)."""
+        if name not in self.warned and self.on_error != "fail":
+            self.warned.add(name)
+            print(f"verl_lite: warning: tool {name!r} did not return within actor_rollout_ref.rollout.multi_turn."
+                  f"tool_timeout_s={self.timeout_s}s; its tool process was killed and the call answered with the "
+                  f"error (agent/tool_timeouts counts them)", file=sys.stderr, flush=True)
 
     def _failed(self, name: str, what: str, status: str, start: float) -> ToolOutcome:
         if self.on_error == "fail":
-            raise ToolFailure(f"tool {name!r} {'timed out: ' if status == 'timeout' else 'raised '}{what}",
+            raise ToolFailure(f"tool {name!r} {'timed out: ' if status == 'timeout' else 'failed: '}{what}",
                               "fix the tool, raise actor_rollout_ref.rollout.multi_turn.tool_timeout_s, or set "
                               "multi_turn.tool_error=text to answer the model with the error instead")
         return ToolOutcome(name, f"Error executing tool '{name}': {what}", status, time.perf_counter() - start)

@@ -13,13 +13,14 @@ own chunks), computes the same contribution, and the engine counts the value onc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
-from .aggregation import NormalizationPlan, check_agg_mode
-from .kl import kl_penalty
-from .policy_loss import COV_SELECTION_LOSSES, PolicyLossConfig, get_policy_loss
+from .aggregation import AGG_MODES, NormalizationPlan
+from .kl import KL_TYPES, kl_penalty
+from .policy_loss import COV_SELECTION_LOSSES, POLICY_LOSSES, PolicyLossConfig, get_policy_loss
 from .rollout_correction import rollout_correction
 from .value_loss import clipped_value_loss
 
@@ -29,22 +30,57 @@ ROLLOUT_LOG_PROBS_KEY = "rollout_log_probs"  # data key of the behaviour policy'
 
 
 @dataclass
-class ActorLossConfig(PolicyLossConfig):
-    """Actor objective config; field names follow verl's `actor` section."""
+class ActorLossConfig:
+    """The actor section's loss keys (verl's names; ``config.schema.ActorConfig`` extends it): the loss takes it
+    as it is, and ``problems`` states its rules."""
 
-    policy_loss: str  # verl: policy_loss.loss_mode
-    loss_agg_mode: str
-    entropy_coeff: float
-    use_kl_loss: bool
-    kl_loss_coef: float
-    kl_loss_type: str
-    # algorithm.rollout_correction's {rollout_is, ..., rollout_rs_threshold_lower} when the old log-probs are this
-    # forward's (no recompute): the IS weights / rejection and their metrics are computed here, per micro-batch
-    rollout_correction: dict | None = None
+    clip_ratio: float = 0.2  # PPO clip range epsilon (both sides unless clip_ratio_low/high)
+    clip_ratio_low: Optional[float] = 0.2  # lower clip range (verl: 0.2, so clip_ratio alone changes neither); None = clip_ratio
+    clip_ratio_high: Optional[float] = 0.2  # upper clip range (verl: 0.2); None = clip_ratio
+    clip_ratio_c: float = 3.0  # dual-clip constant (> 1)
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    loss_agg_mode: str = "token-mean"  # token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    loss_scale_factor: Optional[float] = None  # H for seq-mean-token-sum-norm; None = max_response_length
+    entropy_coeff: float = 0.0  # entropy bonus coefficient (0 = off)
+    use_kl_loss: bool = False  # KL(pi || ref) as a loss term (GRPO style); needs the reference model
+    kl_loss_coef: float = 0.001  # coefficient of the KL loss
+    kl_loss_type: str = "low_var_kl"  # kl (k1) | abs | mse (k2) | low_var_kl (k3), each also as k+ (verl's); no "full"
+    tis_imp_ratio_cap: float = -1.0  # > 0: truncated IS weights min(pi_old / pi_rollout, cap) on the policy loss; -1 = off
 
-    def __post_init__(self):
-        check_agg_mode(self.loss_agg_mode)
-        get_policy_loss(self.policy_loss)
+    @property
+    def eps_low(self) -> float:
+        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+
+    @property
+    def eps_high(self) -> float:
+        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+
+    def problems(self, key: str = "actor") -> list[str]:
+        """The loss's rules: aggregation mode, policy loss and its parameters, clipping, the KL loss."""
+        out = [f"{key}.loss_agg_mode={self.loss_agg_mode!r} is unknown; choose one of {list(AGG_MODES)}"
+               ] if self.loss_agg_mode not in AGG_MODES else []
+        if self.policy_loss.loss_mode not in POLICY_LOSSES:
+            out.append(f"{key}.policy_loss.loss_mode={self.policy_loss.loss_mode!r} is unknown; choose one of "
+                       f"{sorted(POLICY_LOSSES)}")
+        if self.use_kl_loss and self.kl_loss_type not in KL_TYPES:
+            out.append(f"{key}.kl_loss_type={self.kl_loss_type!r} is unknown; choose one of {list(KL_TYPES)}")
+        if self.use_kl_loss and not self.kl_loss_coef >= 0:
+            out.append(f"{key}.kl_loss_coef={self.kl_loss_coef} must be >= 0 (a negative coefficient rewards "
+                       f"drifting from the reference)")
+        out += [f"{key}.{name}={getattr(self, name)} must be > 0" for name in ("clip_ratio", "clip_ratio_low",
+                "clip_ratio_high") if getattr(self, name) is not None and not getattr(self, name) > 0]
+        if not self.clip_ratio_c > 1:
+            out.append(f"{key}.clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip lower bound)")
+        if self.loss_scale_factor is not None and not self.loss_scale_factor > 0:
+            out.append(f"{key}.loss_scale_factor={self.loss_scale_factor} must be > 0 or null (= data.max_response_length)")
+        pl = self.policy_loss
+        out += [f"{key}.policy_loss.{name}={getattr(pl, name)} must be > 0"
+                for name in ("clip_cov_ratio", "kl_cov_ratio", "tau_pos", "tau_neg") if not getattr(pl, name) > 0]
+        if not pl.clip_cov_lb < pl.clip_cov_ub:
+            out.append(f"{key}.policy_loss.clip_cov_lb={pl.clip_cov_lb} must be < clip_cov_ub={pl.clip_cov_ub}")
+        if self.tis_imp_ratio_cap != -1 and not self.tis_imp_ratio_cap > 0:
+            out.append(f"{key}.tis_imp_ratio_cap={self.tis_imp_ratio_cap} must be > 0 (the truncation cap) or -1 (off)")
+        return out
 
 
 def _scalar(x: torch.Tensor) -> torch.Tensor:
@@ -56,28 +92,27 @@ def actor_loss(
     data: dict[str, torch.Tensor],
     plan: NormalizationPlan,
     cfg: ActorLossConfig,
+    correction: dict | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One micro-batch's share of the actor objective.
+    """One micro-batch's share of the actor objective, aggregated by ``plan`` (its mode is the section's
+    ``loss_agg_mode``: the trainer builds it from ``cfg``).
 
     outputs: "log_probs" [b, W] (autograd), optionally "entropy" [b, W].
     data:    "response_mask", "advantages"; "old_log_probs" (absent: old = sg(log_probs), this forward);
              "ref_log_probs" if use_kl_loss;
              optional "is_weights"; "cov_mask" for clip_cov / kl_cov; "rollout_log_probs" with
-             cfg.rollout_correction (absent old log-probs only: the weights and metrics come from this forward).
+             ``correction`` (absent old log-probs only: the weights and metrics come from this forward).
+    correction: algorithm.rollout_correction's {rollout_is, ..., rollout_rs_threshold_lower} when the old
+             log-probs are this forward's (no recompute): the IS weights / rejection are computed here.
     Returns (contribution scalar, metrics of detached scalars that sum across shards).
     """
-    if plan.mode != cfg.loss_agg_mode:
-        raise ValueError(
-            f"NormalizationPlan mode {plan.mode!r} != cfg.loss_agg_mode {cfg.loss_agg_mode!r}: build the plan "
-            "with the actor's loss_agg_mode."
-        )
     log_probs = outputs["log_probs"]
     mask = data["response_mask"]
-    pg_fn = get_policy_loss(cfg.policy_loss)
+    pg_fn = get_policy_loss(cfg.policy_loss.loss_mode)
     cov_mask = data.get(COV_MASK_KEY)
-    if cfg.policy_loss in COV_SELECTION_LOSSES and cov_mask is None:
+    if cfg.policy_loss.loss_mode in COV_SELECTION_LOSSES and cov_mask is None:
         raise ValueError(
-            f"policy_loss={cfg.policy_loss!r} needs data[{COV_MASK_KEY!r}] computed once per mini-batch with "
+            f"policy_loss={cfg.policy_loss.loss_mode!r} needs data[{COV_MASK_KEY!r}] computed once per mini-batch with "
             "select_cov_tokens (the controller does this before dispatch)."
         )
     # One epoch, one mini-batch per RL step: the old (proximal) policy IS the current one, so
@@ -85,10 +120,10 @@ def actor_loss(
     in_forward = "old_log_probs" not in data
     old_log_probs = log_probs.detach() if in_forward else data["old_log_probs"]
     is_weights, metrics = data.get(IS_WEIGHTS_KEY), {}
-    if in_forward and cfg.rollout_correction is not None:  # behaviour -> old correction from this forward
+    if in_forward and correction is not None:  # behaviour -> old correction from this forward
         if ROLLOUT_LOG_PROBS_KEY not in data:
             raise ValueError(f"rollout_correction needs data[{ROLLOUT_LOG_PROBS_KEY!r}] (the rollout's log-probs).")
-        corr = rollout_correction(old_log_probs, data[ROLLOUT_LOG_PROBS_KEY], mask, **cfg.rollout_correction,
+        corr = rollout_correction(old_log_probs, data[ROLLOUT_LOG_PROBS_KEY], mask, **correction,
                                   token_mean=lambda x: plan.token_mean(x, mask), num_seqs=plan.num_seqs)
         if corr.weights is not None:
             is_weights = corr.weights

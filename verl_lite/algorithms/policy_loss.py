@@ -2,7 +2,7 @@
 
 Every loss has the signature
 
-    fn(old_log_prob, log_prob, advantages, response_mask, cfg: PolicyLossConfig,
+    fn(old_log_prob, log_prob, advantages, response_mask, cfg: ActorLossConfig,
        is_weights=None, cov_mask=None) -> (per_token_loss [n, W], metrics: dict[str, Tensor [n, W]])
 
 and is aggregated by the caller through a `NormalizationPlan` (objective.py), so that every
@@ -43,28 +43,16 @@ RATIO_LOG_CLAMP = 20.0
 
 @dataclass
 class PolicyLossConfig:
-    """Hyper-parameters of the policy losses (verl field names). No defaults: the config's schema holds
-    them (``verl_lite.workers.from_config.actor_loss_config`` builds one from the actor section)."""
+    """verl's ``actor.policy_loss`` section: which policy loss, and the parameters of the losses that have them."""
 
-    clip_ratio: float
-    clip_ratio_low: float | None  # None = clip_ratio
-    clip_ratio_high: float | None  # None = clip_ratio
-    clip_ratio_c: float  # dual-clip bound for A < 0 (vanilla); must be > 1
-    tau_pos: float  # sapo temperature for A > 0
-    tau_neg: float  # sapo temperature for A <= 0
-    clip_cov_ratio: float
-    clip_cov_lb: float
-    clip_cov_ub: float
-    kl_cov_ratio: float
-    ppo_kl_coef: float
-
-    @property
-    def eps_low(self) -> float:
-        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
-
-    @property
-    def eps_high(self) -> float:
-        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+    loss_mode: str = "vanilla"  # a name in verl_lite.algorithms' policy-loss registry (vanilla, gspo, ...)
+    clip_cov_ratio: float = 0.0002  # clip_cov: fraction of the mini-batch's tokens whose gradient is cut
+    clip_cov_lb: float = 1.0  # clip_cov: covariance window lower bound
+    clip_cov_ub: float = 5.0  # clip_cov: covariance window upper bound
+    kl_cov_ratio: float = 0.0002  # kl_cov: fraction of tokens that get the KL penalty
+    ppo_kl_coef: float = 0.1  # kl_cov: coefficient of that penalty
+    tau_pos: float = 1.0  # sapo: gate temperature for A > 0
+    tau_neg: float = 1.05  # sapo: gate temperature for A <= 0
 
 
 def register_policy_loss(name: str, needs: tuple[str, ...] = ()) -> Callable[[PolicyLossFn], PolicyLossFn]:
@@ -188,13 +176,13 @@ def cispo_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weight
 @register_policy_loss("sapo")
 def sapo_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None, cov_mask=None):
     """SAPO: l = -A sigmoid(tau (r - 1)) 4 / tau, tau = tau_pos if A > 0 else tau_neg."""
-    if not (cfg.tau_pos > 0 and cfg.tau_neg > 0):
-        raise ValueError(f"sapo needs tau_pos > 0 and tau_neg > 0, got {cfg.tau_pos}, {cfg.tau_neg}.")
+    if not (cfg.policy_loss.tau_pos > 0 and cfg.policy_loss.tau_neg > 0):
+        raise ValueError(f"sapo needs tau_pos > 0 and tau_neg > 0, got {cfg.policy_loss.tau_pos}, {cfg.policy_loss.tau_neg}.")
     delta, ratio = _ratio(old_log_prob, log_prob)
     tau = torch.where(
         advantages > 0,
-        torch.tensor(cfg.tau_pos, dtype=ratio.dtype, device=ratio.device),
-        torch.tensor(cfg.tau_neg, dtype=ratio.dtype, device=ratio.device),
+        torch.tensor(cfg.policy_loss.tau_pos, dtype=ratio.dtype, device=ratio.device),
+        torch.tensor(cfg.policy_loss.tau_neg, dtype=ratio.dtype, device=ratio.device),
     )
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     loss = -gate * advantages
@@ -253,7 +241,7 @@ def kl_cov_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weigh
     """KL-Cov: l = -A r + sel * ppo_kl_coef * |delta| (no clip)."""
     selected = _require_cov_mask("kl_cov", cov_mask, log_prob)
     delta, ratio = _ratio(old_log_prob, log_prob)
-    loss = -advantages * ratio + selected * cfg.ppo_kl_coef * delta.abs()
+    loss = -advantages * ratio + selected * cfg.policy_loss.ppo_kl_coef * delta.abs()
     metrics = {
         "cov_selected_frac": selected.detach(),
         "ppo_kl": -delta.detach(),
@@ -266,7 +254,7 @@ def kl_cov_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weigh
 
 
 def clipped_by_ppo_range(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-                         cfg: PolicyLossConfig) -> torch.Tensor:
+                         cfg) -> torch.Tensor:
     """Tokens whose PPO term is already clipped: -A clip(r, 1-eps_lo, 1+eps_hi) > -A r (bool [n, W])."""
     _, ratio = _ratio(old_log_prob, log_prob)
     return -advantages * torch.clamp(ratio, 1 - cfg.eps_low, 1 + cfg.eps_high) > -advantages * ratio
@@ -278,7 +266,7 @@ def select_cov_tokens(
     advantages: torch.Tensor,
     old_log_probs: torch.Tensor,
     response_mask: torch.Tensor,
-    cfg: PolicyLossConfig,
+    cfg,
     seed: int = 0,
     log_probs: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -309,17 +297,17 @@ def select_cov_tokens(
     cov = (adv - adv.mean()) * (logp - logp.mean())
     flat_valid = torch.nonzero(valid.reshape(-1), as_tuple=True)[0]
     if loss_name == "kl_cov":
-        if not cfg.kl_cov_ratio > 0:
-            raise ValueError(f"kl_cov_ratio must be > 0, got {cfg.kl_cov_ratio}.")
-        k = max(1, int(num_valid * cfg.kl_cov_ratio))
+        if not cfg.policy_loss.kl_cov_ratio > 0:
+            raise ValueError(f"kl_cov_ratio must be > 0, got {cfg.policy_loss.kl_cov_ratio}.")
+        k = max(1, int(num_valid * cfg.policy_loss.kl_cov_ratio))
         order = torch.sort(cov, descending=True, stable=True).indices[:k]
         chosen = flat_valid[order]
     else:
-        if not cfg.clip_cov_ratio > 0:
-            raise ValueError(f"clip_cov_ratio must be > 0, got {cfg.clip_cov_ratio}.")
-        k = max(1, int(cfg.clip_cov_ratio * num_valid))
+        if not cfg.policy_loss.clip_cov_ratio > 0:
+            raise ValueError(f"clip_cov_ratio must be > 0, got {cfg.policy_loss.clip_cov_ratio}.")
+        k = max(1, int(cfg.policy_loss.clip_cov_ratio * num_valid))
         clipped = clipped_by_ppo_range(old_log_probs, current, advantages, cfg)[valid]
-        candidates = torch.nonzero((cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub) & ~clipped, as_tuple=True)[0]
+        candidates = torch.nonzero((cov > cfg.policy_loss.clip_cov_lb) & (cov < cfg.policy_loss.clip_cov_ub) & ~clipped, as_tuple=True)[0]
         generator = torch.Generator().manual_seed(int(seed))
         perm = torch.randperm(len(candidates), generator=generator)
         chosen = flat_valid[candidates[perm[: min(k, len(candidates))]]]

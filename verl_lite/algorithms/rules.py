@@ -9,7 +9,6 @@ from __future__ import annotations
 from .advantages import ADVANTAGE_ESTIMATORS, ESTIMATOR_NEEDS
 from .aggregation import AGG_MODES
 from .kl import KL_CTRL_TYPES, KL_TYPES
-from .policy_loss import POLICY_LOSSES
 
 FILTER_GROUPS_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")  # DAPO's dynamic sampling signal
 
@@ -25,29 +24,6 @@ def choice_problem(key: str, value, choices) -> list[str]:
 
 def kl_coefficient_problem(key: str, value) -> list[str]:
     return [] if value >= 0 else [f"{key}={value} must be >= 0 (a negative coefficient rewards drifting from the reference)"]
-
-
-def actor_loss_problems(A: str, actor) -> list[str]:
-    """The actor's loss: aggregation mode, policy loss and its parameters, clipping, the KL loss type."""
-    out = choice_problem(f"{A}.loss_agg_mode", actor.loss_agg_mode, AGG_MODES)
-    out += choice_problem(f"{A}.policy_loss.loss_mode", actor.policy_loss.loss_mode, sorted(POLICY_LOSSES))
-    if actor.use_kl_loss:
-        out += choice_problem(f"{A}.kl_loss_type", actor.kl_loss_type, KL_TYPES)
-        out += kl_coefficient_problem(f"{A}.kl_loss_coef", actor.kl_loss_coef)
-    out += [f"{A}.{name}={getattr(actor, name)} must be > 0" for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high")
-            if getattr(actor, name) is not None and not getattr(actor, name) > 0]
-    if not actor.clip_ratio_c > 1:
-        out.append(f"{A}.clip_ratio_c={actor.clip_ratio_c} must be > 1 (dual-clip lower bound)")
-    if not actor.loss_scale_factor > 0:
-        out.append(f"{A}.loss_scale_factor={actor.loss_scale_factor} must be > 0 or null (= data.max_response_length)")
-    pl = actor.policy_loss
-    out += [f"{A}.policy_loss.{name}={getattr(pl, name)} must be > 0"
-            for name in ("clip_cov_ratio", "kl_cov_ratio", "tau_pos", "tau_neg") if not getattr(pl, name) > 0]
-    if not pl.clip_cov_lb < pl.clip_cov_ub:
-        out.append(f"{A}.policy_loss.clip_cov_lb={pl.clip_cov_lb} must be < clip_cov_ub={pl.clip_cov_ub}")
-    if actor.tis_imp_ratio_cap != -1 and not actor.tis_imp_ratio_cap > 0:
-        out.append(f"{A}.tis_imp_ratio_cap={actor.tis_imp_ratio_cap} must be > 0 (the truncation cap) or -1 (off)")
-    return out
 
 
 def algorithm_problems(alg, n: int | None, n_key: str) -> list[str]:

@@ -20,8 +20,8 @@ On a CPU-only torch it changes exactly three things, for the whole process, idem
      because the optimizers assert on that string (``optimizer/optimizer.py:671/690``,
      ``optimizer/distrib_optimizer.py:361/420``, ``optimizer/clip_grads.py:167``).
 
-Nothing inside megatron is edited or monkeypatched. Cost: one Python call per torch op
-(measured +8-10% on a fwd+bwd at hidden 64, within noise at hidden 512); the engine runs the
+Nothing inside megatron is edited or monkeypatched. Cost: one Python call per torch op (it shows
+on small models and vanishes in the matmuls of large ones; docs/performance.md); the engine runs the
 model's forward inside ``suspended()``, where no torch-function mode runs, so the cost is left
 to the schedules, the loss path and the optimizer.
 """
@@ -34,8 +34,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from verl_lite.compat import require
+from verl_lite.compat.torch_internals import torch_function_disabled
 
 require("megatron-core", "verl_lite.compat.cpu_adapter")
+require("torch", "verl_lite.compat.cpu_adapter")
 
 _INSTALLED_MODE: "_CudaToCpuMode | None" = None
 _CPU = torch.device("cpu")
@@ -86,11 +88,11 @@ def suspended():
     """A context in which no torch-function mode runs (so neither does the adapter's per-call hop).
 
     For code that creates no tensor on a literal "cuda" device, e.g. a model's forward (its device
-    lookups go through the patched ``torch.cuda.current_device``). Saves ~6% of a train step at
-    hidden 128. A no-op context when the adapter is not installed (GPU)."""
+    lookups go through the patched ``torch.cuda.current_device``), so its many small ops skip the
+    per-call hop. A no-op context when the adapter is not installed (GPU)."""
     if _INSTALLED_MODE is None:
         return contextlib.nullcontext()
-    return torch._C.DisableTorchFunction()
+    return torch_function_disabled()
 
 
 def is_installed() -> bool:

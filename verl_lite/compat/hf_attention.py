@@ -1,13 +1,12 @@
-"""The HF rollout's attention for decode steps, registered with transformers' attention interface (``TESTED_TRANSFORMERS``).
+"""The HF rollout's attention for decode steps, registered with transformers' attention interface (``TESTED_VERSIONS``).
 
 A decode step asks one query per row of every cached key. transformers' ``sdpa`` hands that to torch's SDPA, whose
-flash kernel for the CPU costs more than the arithmetic here: per layer and decode step, 2 threads, 128 rows,
-4 query / 2 KV heads of 32 over 20 positions: 180 us against 126 us as two matmuls; 8 / 2 heads of 64 over 70
-positions: 941 against 372 us. :func:`use_decode_attention` registers ``verl_lite_decode`` with
+flash kernel for the CPU costs more than the arithmetic of so small a product; two plain matmuls are faster there
+(docs/performance.md). :func:`use_decode_attention` registers ``verl_lite_decode`` with
 ``transformers.AttentionInterface`` (and transformers' own ``sdpa_mask`` for it with ``AttentionMaskInterface``, so
 the model builds the masks SDPA would get) and switches a model that runs ``sdpa`` to it: a single-query step on
-the CPU in float32/float64 runs the engine's ``grouped_matmul_attention`` (a KV group's query heads as the rows of
-one matmul), every other call (the prefill, GPUs, 16-bit, attention sinks, soft-capping, dropout) runs
+the CPU in one of the given dtypes runs the given matmul attention (the HF rollout passes the engine's
+``grouped_matmul_attention``: a KV group's query heads as the rows of one matmul), every other call (the prefill, GPUs, 16-bit, attention sinks, soft-capping, dropout) runs
 transformers' ``sdpa_attention_forward`` unchanged.
 
 For any transformers but the version it was written for, and for a model not on ``sdpa``, it stands aside.
@@ -17,13 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from verl_lite.compat import installed_version
-from verl_lite.engine.attention import MATMUL_ATTENTION_DTYPES, grouped_matmul_attention
+from verl_lite.compat import installed_is_tested
 
-# the versions whose attention-function signature (module, query, key, value, attention_mask, dropout, scaling,
-# **kwargs) -> (output [b, q, heads, d], weights), the boolean mask of sdpa_mask (True = attend; or None) and
-# AttentionInterface / AttentionMaskInterface.register this was written for and checked against
-TESTED_TRANSFORMERS = ("5.25.0",)
+# written for and checked against the attention-function signature (module, query, key, value, attention_mask,
+# dropout, scaling, **kwargs) -> (output [b, q, heads, d], weights), the boolean mask of sdpa_mask (True = attend; or
+# None) and AttentionInterface / AttentionMaskInterface.register of the transformers versions in
+# compat.TESTED_VERSIONS
 NAME = "verl_lite_decode"
 # attention-function arguments that change the math; a call with any of them set goes to transformers' sdpa
 _SDPA_ONLY = ("softcap", "s_aux", "position_bias")
@@ -35,36 +33,43 @@ def mask_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
-def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-               **kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+def decode_attention(matmul_attention, matmul_dtypes: tuple[torch.dtype, ...]):
+    """transformers' attention function for ``verl_lite_decode``: a single-query step on the CPU in one of
+    ``matmul_dtypes`` runs ``matmul_attention(query [b, h, 1, d], key [b, g, L, d], value, scale, additive bias or
+    None) -> [b, h, 1, d]``; every other call runs transformers' ``sdpa_attention_forward`` unchanged."""
 
-    matmul = (query.shape[2] == 1 and query.device.type == "cpu" and query.dtype in MATMUL_ATTENTION_DTYPES
-              and not dropout
-              and (attention_mask is None or attention_mask.dtype == torch.bool)
-              and all(kwargs.get(name) is None for name in _SDPA_ONLY))
-    if not matmul:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    bias = None if attention_mask is None else mask_bias(attention_mask, query.dtype)
-    out = grouped_matmul_attention(query, key, value, scale, bias)
-    return out.transpose(1, 2).contiguous(), None
+    def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                  **kwargs):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward  # transformers: on first use
+
+        matmul = (query.shape[2] == 1 and query.device.type == "cpu" and query.dtype in matmul_dtypes
+                  and not dropout
+                  and (attention_mask is None or attention_mask.dtype == torch.bool)
+                  and all(kwargs.get(name) is None for name in _SDPA_ONLY))
+        if not matmul:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                          **kwargs)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        bias = None if attention_mask is None else mask_bias(attention_mask, query.dtype)
+        out = matmul_attention(query, key, value, scale, bias)
+        return out.transpose(1, 2).contiguous(), None
+
+    return attention
 
 
-def use_decode_attention(model) -> bool:
-    """Switch ``model`` from transformers' ``sdpa`` to ``verl_lite_decode`` (registered on first use): the same
-    attention with single-query CPU steps as matmuls. A model that runs anything but ``sdpa`` (eager, flash,
-    flex: transformers chose or was told so) is left alone, as is every model with another transformers.
-    Returns whether it switched."""
-    if installed_version("transformers") not in TESTED_TRANSFORMERS:
+def use_decode_attention(model, matmul_attention, matmul_dtypes: tuple[torch.dtype, ...]) -> bool:
+    """Switch ``model`` from transformers' ``sdpa`` to ``verl_lite_decode`` (registered, as
+    :func:`decode_attention` of the arguments, at every switch): the same attention with single-query CPU steps
+    as matmuls. A model that runs anything but ``sdpa`` (eager, flash, flex: transformers chose or was told so)
+    is left alone, as is every model with another transformers. Returns whether it switched."""
+    if not installed_is_tested("transformers"):
         return False
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
         return False
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(NAME, _attention)
+    AttentionInterface.register(NAME, decode_attention(matmul_attention, matmul_dtypes))
     AttentionMaskInterface.register(NAME, sdpa_mask)
     model.set_attn_implementation(NAME)
     return True

@@ -1,8 +1,8 @@
-"""A KV cache whose decode steps write in place, built on transformers' cache layers (``TESTED_TRANSFORMERS``).
+"""A KV cache whose decode steps write in place, built on transformers' cache layers (``TESTED_VERSIONS``).
 
 transformers' ``DynamicLayer`` grows a layer's keys and values by ``torch.cat`` at every forward, so each decode
-step copies the whole cache of every layer: at the compute-bound bench point (``bench/rl_step_vs_trl.py --workload
-compute``: 128 rows, 64 new tokens, 8 layers) that was 16% of ``HFRollout``'s generation time.
+step copies the whole cache of every layer: a copy that grows with the generated length, repeated at every step
+(its share of ``HFRollout``'s generation time at the compute-bound bench point: docs/performance.md).
 
 :class:`ReservedLayer` keeps a layer's keys and values in a buffer ``[batch, kv_heads, room, head_dim]`` with room to
 grow. A forward writes its positions into the buffer in place, and the layer's ``keys`` / ``values`` are views of the
@@ -23,11 +23,10 @@ import functools
 
 import torch
 
-from verl_lite.compat import installed_version
+from verl_lite.compat import installed_version, is_tested
 
-# the versions whose Cache(layers=...) and DynamicLayer (keys/values/is_initialized/device, update, get_seq_length,
-# get_mask_sizes) this was written for and checked against
-TESTED_TRANSFORMERS = ("5.25.0",)
+# written for and checked against the Cache(layers=...) and DynamicLayer (keys/values/is_initialized/device, update,
+# get_seq_length, get_mask_sizes) of the transformers versions in compat.TESTED_VERSIONS
 FULL_ATTENTION = "full_attention"
 
 
@@ -128,7 +127,7 @@ def reserved_layer_class():
 
 @functools.lru_cache(maxsize=None)
 def _tested_transformers_installed() -> bool:
-    return installed_version("transformers") in TESTED_TRANSFORMERS  # reads package metadata: once per process
+    return is_tested("transformers", installed_version("transformers"))  # reads package metadata: once per process
 
 
 def _served_layers(config) -> int | None:

@@ -3,8 +3,8 @@
 megatron-core wraps its fused kernels in ``torch.compile`` (``megatron.core.jit.jit_fuser``) and
 imports ``wandb`` for its inference logging; tensordict registers helpers with
 ``torch.compiler.allow_in_graph`` / ``assume_constant_result``; all at module import. Each one
-imports ``torch._dynamo`` / ``torch._inductor`` or wandb: ~1.5 s of CPU per process on the 2-core
-machine, although verl_lite never compiles (the engine runs with every fusion off) and its
+imports ``torch._dynamo`` / ``torch._inductor`` or wandb, a large import in every process, although
+verl_lite never compiles (the engine runs with every fusion off) and its
 workers never log to W&B.
 
 Inside :func:`compile_decorators_deferred`:
@@ -18,7 +18,7 @@ Inside :func:`compile_decorators_deferred`:
   applied (the real ``allow_in_graph``) the first time a deferred compile runs;
 - ``import wandb`` and ``import torch.utils.tensorboard`` raise ImportError, so megatron takes W&B
   and TensorBoard as absent (its timers' optional writers are never used: verl_lite's tracker logs
-  from the driver; TensorBoard's import is ~0.3 s); no failed import is cached, so either import
+  from the driver, so neither import would serve them); no failed import is cached, so either import
   after the block works as usual.
 
 Everything is restored when the block ends; only what was decorated inside it keeps the deferred
@@ -36,6 +36,7 @@ from contextlib import contextmanager
 from verl_lite.compat import require
 
 require("megatron-core", "verl_lite.compat.lazy_compile")
+require("torch", "verl_lite.compat.lazy_compile")  # the marker dynamo sets, torch.compile's arguments
 
 HIDDEN_MODULES = frozenset({"wandb", "torch.utils.tensorboard"})
 _pending_allow_in_graph: list = []

@@ -5,13 +5,16 @@
 - :func:`prepare_host_dispatch` / :func:`make_dispatchers_host_safe`: the MoE alltoall token
   dispatcher's device-to-host copy stream and its synchronise step, on a CPU-only torch.
 - :func:`each_optimizer`: the optimizers inside megatron's (possibly chained) optimizer.
+- :func:`main_param_shard_range`: which part of a parameter's fp32 main copy a DP rank's distributed optimizer holds.
 - :func:`torch_adam_step_fix` / :func:`unshare_adam_steps`: loading the distributed optimizer's
   ``fully_reshardable`` state into torch's Adam (no Apex/TE).
 - :func:`use_fused_adam`: megatron builds torch's Adam (no Apex/TE) with torch's default per-parameter
   loop; the engine switches its groups to torch's fused kernel.
-- :func:`use_swiglu_mlp`: megatron's built dense MLPs re-classed as the engine's ``SwiGLUMLP``.
+- :func:`use_swiglu_mlp`: megatron's built dense MLPs re-classed as a given subclass (the engine's ``SwiGLUMLP``).
 - :func:`use_rotary_kernel`: megatron's unfused RoPE, called by its attention module, routed through
-  the engine's one-function RoPE where the case is the plain one.
+  a given one-function RoPE (the engine's) where the case is the plain one.
+
+The engine's own pieces are passed in (this package imports nothing of the engine: the engine builds on it).
 - :func:`in_process_save_results`: the torch_dist save writer's result queue without a spawned
   ``multiprocessing`` manager process, for synchronous saves.
 """
@@ -27,6 +30,7 @@ import torch.distributed as dist
 from verl_lite.compat import require
 
 require("megatron-core", "verl_lite.compat.megatron_internals")
+require("torch", "verl_lite.compat.megatron_internals")  # its process groups' timeout, its fused Adam
 
 
 def apply_timeout_to_groups(timeout: timedelta) -> None:
@@ -69,8 +73,8 @@ def in_process_save_results() -> None:
     """Before a synchronous ``dist_checkpointing.save``: give megatron's torch_dist writer a thread queue for its
     write results. megatron 0.16.1 creates that queue on a process's first save as
     ``multiprocessing.get_context("spawn").Manager().Queue()`` (``strategies/filesystem_async.py:51``), which spawns a
-    manager server process that re-imports the caller's main module: 1.5 s of the first checkpoint of every worker on
-    a 2-core CPU, and a process that outlives the save. In a synchronous save (``AsyncRequest.execute_sync``) the
+    manager server process that re-imports the caller's main module: a process start in the first checkpoint of every
+    worker, and a process that outlives the save. In a synchronous save (``AsyncRequest.execute_sync``) the
     results are put and read in this process (the forked file writers report on a queue of their own), so a thread
     queue carries them. verl_lite saves synchronously only (``checkpoint.async_save`` is refused)."""
     import queue
@@ -106,6 +110,17 @@ def each_optimizer(optimizer) -> list:
     """megatron's optimizers behind ``optimizer``: a ``ChainedOptimizer``'s ``chained_optimizers`` (dense and
     expert parameters), else ``optimizer`` itself. Each wraps a torch optimizer as ``.optimizer``."""
     return getattr(optimizer, "chained_optimizers", [optimizer])
+
+
+def main_param_shard_range(optimizer, param) -> tuple[int, int]:
+    """[start, end) of ``param``'s flattened elements whose fp32 main copy this DP rank holds, read from the
+    distributed optimizer (of ``optimizer``) that manages ``param`` (its private ``_get_model_param_range_map``).
+    Raises KeyError when none does."""
+    for opt in each_optimizer(optimizer):
+        if param in getattr(opt, "model_param_gbuf_map", {}):
+            r = opt._get_model_param_range_map(param)["param"]
+            return r.start, r.end
+    raise KeyError("parameter not managed by the distributed optimizer")
 
 
 @contextlib.contextmanager
@@ -145,7 +160,7 @@ def use_fused_adam(optimizer) -> None:
 
     megatron-core 0.16.1 without Apex/TE builds ``torch.optim.AdamW(params, lr, weight_decay, betas, eps)``,
     which on CPU takes torch's per-parameter loop: ~10 elementwise passes per parameter, each a separate op
-    (46 ms per step for 12.7M fp32 parameters on 2 cores, against 9 ms fused). The fused kernel computes
+    (several times the fused kernel's time; docs/performance.md). The fused kernel computes
     the same update (decoupled weight decay, bias correction) in one pass per parameter; its results
     agree with the loop's to rounding (~1 ulp), and an engine uses the same kernel before and after a
     resume, so a resumed run continues as the uninterrupted one. ``fused`` is torch's documented per-group
@@ -187,18 +202,17 @@ def plain_rotary(config) -> bool:
     return not config.apply_rope_fusion and not config.rotary_interleaved and not config.multi_latent_attention
 
 
-def use_rotary_kernel() -> None:
+def use_rotary_kernel(rotary) -> None:
     """Route megatron's unfused RoPE (``transformer/attention.py`` calls ``apply_rotary_pos_emb`` for q and
-    for k in every layer) through :func:`verl_lite.engine.elementwise.rotary`, for the cases the engine
-    runs: the rotate-half layout over the whole head dim, ``mscale`` 1, no MLA, and bshd or packed THD
+    for k in every layer) through ``rotary(t, cos, sin)`` (the engine passes
+    :func:`verl_lite.engine.elementwise.rotary`: rotate-half RoPE of ``t`` with ``cos`` / ``sin`` broadcast over
+    it), for the cases the engine runs: the rotate-half layout over the whole head dim, ``mscale`` 1, no MLA, and bshd or packed THD
     at CP 1. The THD positions restart at every ``cu_seqlens`` boundary, as in megatron's per-sequence
     loop (``rope_utils._apply_rotary_pos_emb_thd``, its case 2), here computed in one pass, except in a
     pack with shared prompts (``cu_seqlens.shared_prompts``, ``engine/packing.py``), whose rows carry
     their positions. Everything else (CP > 1, fused RoPE, interleaved, MLA, per-token frequencies) goes
     to megatron's own function; a pack with shared prompts there is refused. Idempotent."""
     import megatron.core.transformer.attention as attention_module
-
-    from verl_lite.engine.elementwise import rotary
 
     original = attention_module.apply_rotary_pos_emb
     if getattr(original, "verl_lite_rotary", False):
@@ -229,9 +243,10 @@ def use_rotary_kernel() -> None:
     attention_module.apply_rotary_pos_emb = apply_rotary_pos_emb
 
 
-def use_swiglu_mlp(model) -> None:
-    """Make every module of ``model`` whose class is exactly megatron's ``MLP`` a
-    :class:`verl_lite.engine.mlp.SwiGLUMLP` (a subclass that adds no state: only ``forward`` differs).
+def use_swiglu_mlp(model, mlp_class) -> None:
+    """Make every module of ``model`` whose class is exactly megatron's ``MLP`` an ``mlp_class`` (the engine
+    passes :class:`verl_lite.engine.mlp.SwiGLUMLP`): a subclass of ``MLP`` that adds no state, only ``forward``
+    differs.
 
     Not in the layer spec: megatron's ``TransformerLayer`` passes an MLP its TP group only when the spec's
     module IS ``MLP`` (``transformer_layer.py``), and logs "Unknown MLP type" for a subclass. MoE experts
@@ -239,8 +254,8 @@ def use_swiglu_mlp(model) -> None:
     megatron's forward."""
     from megatron.core.transformer.mlp import MLP
 
-    from verl_lite.engine.mlp import SwiGLUMLP
-
+    if not issubclass(mlp_class, MLP):
+        raise TypeError(f"use_swiglu_mlp: {mlp_class.__name__} is not a subclass of megatron's MLP")
     for module in model.modules():
         if type(module) is MLP:
-            module.__class__ = SwiGLUMLP
+            module.__class__ = mlp_class

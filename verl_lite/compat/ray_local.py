@@ -4,10 +4,13 @@
   (``ray_constants.ENABLE_RAY_CLUSTER``, read once at import) is off, so the node address stays
   127.0.0.1, and ``Node.start_api_server`` / ``Node.start_monitor`` (the API server and the
   autoscaler monitor, unused by a fixed one-node local run) start nothing, and the head's wait for
-  its raylet to register polls every 20 ms (Ray's ``GlobalStateAccessor::GetNode`` sleeps a whole
-  second between its checks: the raylet registers ~0.6 s after the first one), and whether the dashboard
-  agent's optional dependencies are installed is decided by finding their modules, not importing them
-  (Ray imports aiohttp, opentelemetry, pydantic, ... in the driver, ~0.35 s before it spawns the raylet);
+  its raylet to register polls every ``REGISTER_POLL_S`` (Ray's ``GlobalStateAccessor::GetNode`` sleeps a
+  whole second between its checks, and the raylet registers well within the first one), and whether the
+  dashboard agent's optional dependencies are installed is decided by finding their modules, not importing
+  them (Ray imports aiohttp, opentelemetry, pydantic, ... in the driver before it spawns the raylet);
+- :func:`init_local_head`: ``ray.init`` of a local head bound to 127.0.0.1 with :data:`LOCAL_SYSTEM_CONFIG`
+  (Ray's private ``_node_ip_address`` / ``_system_config`` arguments; the settings' reasons:
+  ``controller/local_ray.py``);
 - :func:`session_dir` / :func:`node_process_pids`: the session directory and the processes of the
   node this process started (``ray._private.worker._global_node``).
 """
@@ -28,6 +31,11 @@ from verl_lite.compat import require
 
 require("ray", "verl_lite.compat.ray_local")
 
+# Ray's internal settings (``ray_config_def.h``) of the local head, passed as ``_system_config``
+LOCAL_SYSTEM_CONFIG = {"worker_niceness": 0, "enable_worker_prestart": False, "prestart_worker_first_driver": False,
+                       "raylet_client_connect_timeout_milliseconds": 20, "raylet_client_num_connect_attempts": 500,
+                       "task_events_report_interval_ms": 0}
+LOCAL_NODE_IP = "127.0.0.1"
 SKIPPED_HEAD_PROCESSES = ("start_api_server", "start_monitor")
 REGISTER_POLL_S = 0.02  # how often the local head checks that its raylet has registered
 REGISTER_WAIT_S = 30.0  # Ray's own bound for it (node.py's raylet_start_wait_time_s)
@@ -127,6 +135,13 @@ def local_head_hooks(look_up_dependencies: bool = True):
         for name, method in skipped.items():
             setattr(ray_node.Node, name, method)
         ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+
+
+def init_local_head(**options) -> None:
+    """``ray.init(address="local", **options)`` with the node bound to :data:`LOCAL_NODE_IP` and Ray's internal
+    settings :data:`LOCAL_SYSTEM_CONFIG` (call it inside :func:`local_head_hooks`, or Ray rewrites the address to the
+    routable one)."""
+    ray.init(address="local", _node_ip_address=LOCAL_NODE_IP, _system_config=dict(LOCAL_SYSTEM_CONFIG), **options)
 
 
 def _global_node():

@@ -4,8 +4,7 @@ transformers 5 builds the table behind its lazy modules (which module defines wh
 and the backends it needs) while ``import transformers`` runs: ``define_import_structure`` reads
 every file under ``transformers/models`` (about 3,300 files, searched for ``__all__`` and
 ``@requires``). That costs every process that imports transformers (the driver, each worker, test
-processes) about 0.5-1 s of CPU on the 2-core machine, to rebuild a table that depends only on the
-installed files.
+processes) a scan of the whole tree, to rebuild a table that depends only on the installed files.
 
 :func:`install` (called when ``verl_lite`` is imported, before transformers is) wraps
 ``define_import_structure`` as its module is loaded: a result is computed by transformers once,
@@ -17,7 +16,7 @@ its own rules, when a name is first used. It is used only while it matches the i
 the same version, the same installation directory, and the same modification times of the scanned
 directories; otherwise the table is rebuilt and the file rewritten (atomically). A file that cannot be
 read or written, a result that JSON cannot carry, any other transformers version
-(``TESTED_TRANSFORMERS``) or transformers already imported: the wrapper stands aside and transformers
+(``compat.TESTED_VERSIONS``) or transformers already imported: the wrapper stands aside and transformers
 builds its table as it always does.
 """
 
@@ -30,11 +29,10 @@ import os
 import sys
 from pathlib import Path
 
-from verl_lite.compat import installed_version
+from verl_lite.compat import TESTED_VERSIONS, installed_version, is_tested
 
-# the versions whose define_import_structure (and the helpers it calls: create_import_structure_from_path,
-# fetch__all__, spread_import_structure) this was written for and checked against; 5.25.0's are 5.24.0's unchanged
-TESTED_TRANSFORMERS = ("5.24.0", "5.25.0")
+# written for and checked against define_import_structure (and the helpers it calls: create_import_structure_from_path,
+# fetch__all__, spread_import_structure) of the transformers versions in compat.TESTED_VERSIONS
 TARGET = "transformers.utils.import_utils"
 
 
@@ -157,7 +155,7 @@ def install() -> bool:
     if "transformers" in sys.modules or any(isinstance(f, _PatchOnLoad) for f in sys.meta_path):
         return False
     version = installed_version("transformers")
-    if version not in TESTED_TRANSFORMERS:
+    if not is_tested("transformers", version):
         return False
     sys.meta_path.insert(0, _PatchOnLoad(_Cache(cache_path(version), version)))
     return True
@@ -171,4 +169,4 @@ def describe() -> str:
                                                       "__wrapped__")):
         return f"transformers {version}: import table from the cache"
     return (f"transformers {version}: import table rebuilt by every process (the cache serves "
-            f"{' / '.join(TESTED_TRANSFORMERS)})")
+            f"{' / '.join(TESTED_VERSIONS['transformers'])})")

@@ -23,6 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from verl_lite.algorithms.objective import ActorLossConfig
+from verl_lite.engine.config import LoraConfig, MegatronConfig, OptimConfig
+
 # trainer.logger's names (verl_lite.trainer.tracking builds one tracker per name)
 LOGGER_BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
 
@@ -44,20 +47,6 @@ class DataConfig:
 
 
 @dataclass
-class LoraConfig:
-    """LoRA adapters on a frozen base (verl's ``model.lora.*``; docs/lora.md). rank 0 = off: every parameter trains."""
-
-    type: str = "lora"  # lora | canonical_lora: both build one adapter per HF projection (PEFT's layout)
-    rank: int = 0  # adapter rank; 0 = no LoRA
-    alpha: float = 32.0  # scaling alpha / rank (PEFT's lora_alpha)
-    dropout: float = 0.0  # dropout on the adapter input (0 = deterministic; > 0 needs tp=1)
-    target_modules: Any = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])  # HF names (q_proj, ..., all-linear) or megatron's
-    exclude_modules: List[str] = field(default_factory=list)  # names taken out of target_modules
-    merge: bool = True  # the rollout receives merged weights (vLLM's LoRA-adapter path is not built)
-    adapter_path: Optional[str] = None  # a PEFT adapter directory to start from (rank/alpha/targets must match)
-
-
-@dataclass
 class ModelConfig:
     path: Optional[str] = None  # HF model dir (config.json, safetensors, tokenizer) or HF hub id (fetched into the HF cache); None = shipped tiny model
     tokenizer_path: Optional[str] = None  # None = same as path
@@ -66,65 +55,15 @@ class ModelConfig:
 
 
 @dataclass
-class OptimConfig:
-    lr: float = 1e-4  # peak learning rate (verl: 1e-6; see 'Defaults that differ')
-    weight_decay: float = 0.0  # decoupled (AdamW) weight decay; biases and norms are skipped
-    clip_grad: float = 1.0  # max global grad norm
-    lr_warmup_steps: int = 0  # optimizer steps of linear warm-up
-    lr_decay_style: str = "constant"  # constant | linear | cosine
-    min_lr: float = 0.0  # floor for linear/cosine decay
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.99])  # Adam betas
-    use_checkpoint_opt_param_scheduler: bool = False  # on resume: true keeps the checkpoint's LR schedule; false (verl's default) continues this run's schedule from the saved step
+class ActorConfig(ActorLossConfig):
+    """The actor: its batch sizes, optimizer and layout; the loss keys are algorithms' ``ActorLossConfig``."""
 
-
-@dataclass
-class MegatronConfig:
-    tensor_model_parallel_size: int = 1  # TP: each layer's weights split over this many ranks
-    pipeline_model_parallel_size: int = 1  # PP: layers split into this many stages
-    virtual_pipeline_model_parallel_size: Optional[int] = None  # needs pp > 1 and layers % (pp * vpp) == 0
-    context_parallel_size: int = 1  # CP: each sequence split over this many ranks (zig-zag, THD)
-    sequence_parallel: bool = False  # only meaningful with tp > 1
-    expert_model_parallel_size: int = 1  # EP (MoE models only): each MoE layer's experts split over this many ranks
-    expert_tensor_parallel_size: int = 1  # ETP: 1 = every expert whole on its rank (the only value built)
-    use_distributed_optimizer: bool = False  # shard optimizer state over DP (megatron's distributed optimizer)
-    calculate_per_token_loss: bool = False  # megatron's loss mode; the gradient is the same in both
-    timeout_s: int = 300  # process-group timeout: a stuck collective fails after this many seconds
-    dtype: str = "float32"  # float32 | bfloat16 (bf16 weights/activations, fp32 main params, grads and losses)
-    override_transformer_config: Dict[str, Any] = field(default_factory=dict)  # megatron TransformerConfig fields, applied last
-
-
-@dataclass
-class PolicyLossConfig:
-    loss_mode: str = "vanilla"  # a name in verl_lite.algorithms' policy-loss registry (vanilla, gspo, ...)
-    clip_cov_ratio: float = 0.0002  # clip_cov: fraction of the mini-batch's tokens whose gradient is cut
-    clip_cov_lb: float = 1.0  # clip_cov: covariance window lower bound
-    clip_cov_ub: float = 5.0  # clip_cov: covariance window upper bound
-    kl_cov_ratio: float = 0.0002  # kl_cov: fraction of tokens that get the KL penalty
-    ppo_kl_coef: float = 0.1  # kl_cov: coefficient of that penalty
-    tau_pos: float = 1.0  # sapo: gate temperature for A > 0
-    tau_neg: float = 1.05  # sapo: gate temperature for A <= 0
-
-
-@dataclass
-class ActorConfig:
     ppo_mini_batch_size: int = 16  # prompts per optimizer step (x rollout.n trajectories)
     ppo_micro_batch_size_per_gpu: Optional[int] = 128  # trajectories per micro-batch on one DP rank
     use_dynamic_bsz: bool = False  # cut micro-batches by token budget instead
     ppo_max_token_len_per_gpu: int = 16384  # token budget per micro-batch (x CP) with use_dynamic_bsz
     ppo_epochs: int = 1  # passes over the step's trajectories
     shuffle: bool = False  # reshuffle trajectories between mini-batches each epoch
-    clip_ratio: float = 0.2  # PPO clip range epsilon (both sides unless clip_ratio_low/high)
-    clip_ratio_low: Optional[float] = 0.2  # lower clip range (verl: 0.2, so clip_ratio alone changes neither); None = clip_ratio
-    clip_ratio_high: Optional[float] = 0.2  # upper clip range (verl: 0.2); None = clip_ratio
-    clip_ratio_c: float = 3.0  # dual-clip constant (> 1)
-    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
-    loss_agg_mode: str = "token-mean"  # token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
-    loss_scale_factor: Optional[float] = None  # H for seq-mean-token-sum-norm; None = max_response_length
-    entropy_coeff: float = 0.0  # entropy bonus coefficient (0 = off)
-    use_kl_loss: bool = False  # KL(pi || ref) as a loss term (GRPO style); needs the reference model
-    kl_loss_coef: float = 0.001  # coefficient of the KL loss
-    kl_loss_type: str = "low_var_kl"  # kl (k1) | abs | mse (k2) | low_var_kl (k3), each also as k+ (verl's); no "full"
-    tis_imp_ratio_cap: float = -1.0  # > 0: truncated IS weights min(pi_old / pi_rollout, cap) on the policy loss; -1 = off
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
 

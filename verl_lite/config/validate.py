@@ -17,6 +17,7 @@ from verl_lite.algorithms import rules as algorithm_rules
 from verl_lite.config.loader import ConfigError
 from verl_lite.config.schema import LOGGER_BACKENDS, PPOConfig
 from verl_lite.engine import rules
+from verl_lite.engine.config import RECOMPUTE
 from verl_lite.engine.model_files import config_int, model_dir_problem, read_config
 
 A, R, M = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.actor.megatron"
@@ -83,10 +84,9 @@ def validate_config(cfg: PPOConfig, world_size: int | None = None) -> Layout:
     world = world_size if world_size is not None else tr.n_gpus_per_node * tr.nnodes
     model_cfg = read_config(arr.model.path) if arr.model.path else None
     dp = _check_layout(M, mg, world, "the {world} workers (trainer.n_gpus_per_node x trainer.nnodes)", model_cfg, p)
-    from verl_lite.workers.from_config import engine_model_overrides
-
+    recompute = RECOMPUTE if arr.model.enable_gradient_checkpointing else {}
     p.extend(rules.router_loss_recompute_problems(f"{M}.override_transformer_config", model_cfg,
-                                                  engine_model_overrides(arr.model, mg),
+                                                  {**recompute, **mg.override_transformer_config},
                                                   "actor_rollout_ref.model.enable_gradient_checkpointing"))
     traj_mini = actor.ppo_mini_batch_size * rollout.n if ok_sizes else 0
     if dp and traj_mini and traj_mini % dp:
@@ -132,10 +132,8 @@ def _without_echoes(cfg: PPOConfig, problems: list[str]) -> list[str]:
 
 def _check_layout(key: str, mg, world: int, workers: str, model_cfg: dict | None, p: list[str]) -> int:
     """TP/PP/VPP/CP of one engine role (``key`` = its megatron section) over ``world`` workers; returns DP (0 if bad)."""
-    layout = {field: getattr(mg, name) for field, name in rules.MEGATRON_NAMES.items()}
     before = len(p)
-    p.extend(rules.layout_problems(key, layout, world, workers, model_cfg, rules.MEGATRON_NAMES))
-    p.extend(rules.dtype_problems(f"{key}.dtype", mg.dtype))
+    p.extend(mg.problems(key, world, workers, model_cfg))
     p.extend(rules.transformer_override_problems(f"{key}.override_transformer_config", mg.override_transformer_config,
                                                  dtype=mg.dtype, cuda=_cuda_visible()))
     sizes_ok = not any(f"{key}.{rules.MEGATRON_NAMES[f]}=" in line for line in p[before:] for f in ("tp", "pp", "cp"))
@@ -167,7 +165,7 @@ def _check_critic(cfg: PPOConfig, actor_world: int, p: list[str]) -> tuple[int, 
         p.append(f"critic trajectories per mini-batch = {mini} x rollout.n {n} = {mini * n} must divide by the "
                  f"critic's DP = {dp}; change critic.ppo_mini_batch_size or critic.megatron.*")
     p.extend(algorithm_rules.choice_problem("critic.loss_agg_mode", c.loss_agg_mode, algorithm_rules.AGG_MODES))
-    p.extend(rules.optim_problems("critic.optim", c.optim))
+    p.extend(c.optim.problems("critic.optim"))
     return world, dp
 
 
@@ -204,7 +202,7 @@ def _section_problems(cfg: PPOConfig, needs, n: int | None) -> list[str]:
 
     d, arr, alg, tr = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
     actor, rollout = arr.actor, arr.rollout
-    p = algorithm_rules.actor_loss_problems(A, actor) + algorithm_rules.algorithm_problems(alg, n, f"{R}.n")
+    p = actor.problems(A) + algorithm_rules.algorithm_problems(alg, n, f"{R}.n")
     if tr.critic_warmup > 0 and "critic" not in needs:
         p.append(f"trainer.critic_warmup={tr.critic_warmup} needs a critic, but algorithm.adv_estimator="
                  f"{alg.adv_estimator!r} runs none; set it to 0 or use adv_estimator=gae")
@@ -213,9 +211,10 @@ def _section_problems(cfg: PPOConfig, needs, n: int | None) -> list[str]:
         p.append(f"reward.overlong_buffer.len={ob.len} must lie in (0, data.max_response_length={d.max_response_length}]")
     if ob.enable and not ob.penalty_factor >= 0:
         p.append(f"reward.overlong_buffer.penalty_factor={ob.penalty_factor} must be >= 0")
-    p.extend(rules.optim_problems(f"{A}.optim", actor.optim))
+    p.extend(actor.optim.problems(f"{A}.optim"))
     for key, lora in (("actor_rollout_ref.model.lora", arr.model.lora), ("critic.model.lora", cfg.critic.model.lora)):
-        p.extend(rules.lora_problems(key, lora, allow_off=True))  # rank 0 = no LoRA; engine/rules.py states the rules
+        p.extend(lora.problems(key) or _adapter_problems(key, lora, key == "actor_rollout_ref.model.lora" or
+                                                          "critic" in needs))
     for key, enabled in (("actor_rollout_ref.model", arr.model.enable_gradient_checkpointing),
                          ("critic.model", cfg.critic.model.enable_gradient_checkpointing and "critic" in needs)):
         if enabled and not _cuda_visible():
@@ -238,6 +237,14 @@ def _section_problems(cfg: PPOConfig, needs, n: int | None) -> list[str]:
     p.extend(f"trainer.logger entry {lg!r} is unknown; choose from {list(LOGGER_BACKENDS)}"
              for lg in tr.logger if lg not in LOGGER_BACKENDS)
     return p
+
+
+def _adapter_problems(key: str, lora, used: bool) -> list[str]:
+    """A LoRA section's ``adapter_path`` (rank > 0, on an engine the run builds) is a PEFT adapter with the
+    section's settings (``engine.model_files.lora_adapter_problems``), checked here, before any worker loads it."""
+    from verl_lite.engine.model_files import lora_adapter_problems
+
+    return lora_adapter_problems(key, lora) if used and lora.rank else []
 
 
 def _checkpoint_key_problems(tr) -> list[str]:

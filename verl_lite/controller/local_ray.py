@@ -9,20 +9,21 @@ local Ray that:
   unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (Ray's "single-machine" switch) is set while
   it starts; this module sets it for the start only;
 - starts its raylet with a one-process role's worker environment (``worker_env.role_env``), which every
-  worker inherits: a role whose environment is that one needs no ``runtime_env`` (~0.3 s per actor start);
+  worker inherits: a role whose environment is that one needs no ``runtime_env`` (no runtime-env set-up per actor start);
 - runs its workers at normal priority (Ray's default ``worker_niceness`` is 15, which starved
   runs on a busy machine) and has no dashboard, no usage-stats reporting;
 - starts only what the run needs: no prestarted idle workers (Ray starts ``num_cpus`` of them,
   each importing Ray, and the run's actors cannot use them: their ``runtime_env`` differs), no
   API-server process (Ray starts it even without the dashboard, for job submission / the state
   API / usage stats, none of which a local run uses, and ``ray.init`` waits for it), no
-  autoscaler monitor (a fixed one-node cluster). On 2 cores these took ~1 s of ``ray.init``
-  and CPU from the run's own start;
-- has its raylet connect to its own object store every 20 ms, up to 500 times (Ray's default: every 1000 ms, up to
-  10 times; the store starts in a thread of the raylet, and when its socket is not there at the first try the
-  raylet slept a whole second: half of the starts on the 2-core machine, ``ray.init`` 2.2-2.3 s against 1.2-1.3 s);
+  autoscaler monitor (a fixed one-node cluster). On a small machine these lengthen ``ray.init``
+  and take CPU from the run's own start;
+- has its raylet try to connect to its own object store at a short interval, many times (the
+  ``raylet_client_connect_*`` settings below; Ray's default: once a second, up to 10 times; the store starts in a
+  thread of the raylet, and when its socket is not there at the first try the raylet slept a whole second, which
+  happened in about half of the starts on the 2-core machine);
 - reports no task events (``task_events_report_interval_ms: 0``: the state API's task list and timeline, which
-  nothing of a local run reads; flushing them made ``ray.shutdown`` take 0.35-0.39 s, 0.10 s without);
+  nothing of a local run reads; flushing them at the end lengthened ``ray.shutdown``);
 - is retried a bounded number of times (``ray.init`` times out under load: "The current node
   timed out during startup"), then fails with :class:`RayStartError` saying what to try.
 
@@ -67,9 +68,6 @@ from verl_lite.errors import RayStartError
 from verl_lite.utils.processes import kill_and_wait
 
 RAY_START_ATTEMPTS = 3
-LOCAL_SYSTEM_CONFIG = {"worker_niceness": 0, "enable_worker_prestart": False, "prestart_worker_first_driver": False,
-                       "raylet_client_connect_timeout_milliseconds": 20, "raylet_client_num_connect_attempts": 500,
-                       "task_events_report_interval_ms": 0}
 _LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 SESSION_MARKER_ENV = "VERL_LITE_RAY_SESSION"  # carried by every process of the local Ray this process started
 REAPER = Path(__file__).with_name("ray_reaper.py")
@@ -146,13 +144,10 @@ def _init_local(num_cpus: int | None, num_gpus: int | None, marker: str, first_a
     with _spawn_environment({**workers, _LOOPBACK_ENV: "0", SESSION_MARKER_ENV: marker}):
         # this process read the loopback switch at import time; a retry checks the dashboard's dependencies Ray's way
         with ray_local.local_head_hooks(look_up_dependencies=first_attempt):
-            ray.init(
-                address="local",
+            ray_local.init_local_head(  # Ray's settings: ray_local.LOCAL_SYSTEM_CONFIG (the module doc says why)
                 include_dashboard=False,
                 num_cpus=num_cpus if num_cpus is not None else (os.cpu_count() or 1),
                 num_gpus=num_gpus,
-                _node_ip_address="127.0.0.1",
-                _system_config=dict(LOCAL_SYSTEM_CONFIG),
                 **_quiet(),
             )
     _worker_env = workers

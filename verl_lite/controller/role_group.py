@@ -137,8 +137,8 @@ class RoleGroup:
     def _shared(self, piece: Any) -> Any:
         """A DP piece as sent to its ranks: put in the object store once when several ranks (TP/PP/CP
         peers) receive it; passed by value when each DP rank is one rank (the object-store round trip
-        costs ~2 ms a call; Ray still stores a large argument by itself). Either way in wire form:
-        its tensors pickle as raw bytes (~10x faster to pickle, ~30x to unpickle, than torch's own)."""
+        costs more than it saves for one receiver; Ray still stores a large argument by itself). Either way
+        in wire form: its tensors pickle as raw bytes, without torch's per-tensor cost (``wire``)."""
         return ray.put(wire(piece)) if self.world_size > self.dp else wire(piece)
 
     def _shards(self, batch: Batch, lengths: Sequence[int], sizing: MicroBatching):

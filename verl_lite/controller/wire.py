@@ -1,9 +1,8 @@
 """What the controller sends to (and gets back from) workers, pickled without torch's per-tensor cost.
 
 A CPU ``torch.Tensor`` pickles through ``torch.save`` of its storage into a bytes object, and
-unpickles through ``torch.load`` of it: ~0.1 ms per tensor each way, however small (a DP piece of
-the default job, 8 rows x 4 tensors, took ~0.3 ms to pickle and ~0.5 ms to unpickle; a TensorDict
-adds its own state). :func:`wire` wraps any object graph (a ``Batch`` piece, a list of train jobs,
+unpickles through ``torch.load`` of it: a fixed cost per tensor each way, however small, which
+dominates for the many small tensors of a DP piece (a TensorDict adds its own state). :func:`wire` wraps any object graph (a ``Batch`` piece, a list of train jobs,
 a dict of result tensors, a state dict) so that, when Ray (or ``pickle``) pickles it, every CPU
 tensor travels as its raw bytes: a numpy array pickled with protocol 5, whose buffer goes
 out-of-band where the outer pickler allows it (Ray's does: a large value lands in the object store

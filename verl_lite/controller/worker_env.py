@@ -6,7 +6,7 @@ Every worker gets: ``OMP_NUM_THREADS`` (:func:`worker_threads`), glibc's heap se
 to give it:
 
 - an actor's ``runtime_env``: Ray's runtime-env agent builds an environment for the actor, and no idle
-  worker can serve it, ~0.3 s more per actor start on the 2-core machine;
+  worker can serve it, which lengthens every actor start;
 - inheritance: the local Ray started by this process (``local_ray.start_ray``) starts its raylet with
   :func:`role_env` of a one-process role in the environment, and every worker it starts inherits it.
 
@@ -26,8 +26,8 @@ from verl_lite.utils.quiet import worker_env
 # fresh mmap and unmaps it at free, so each of a train step's large activations ([tokens, 2 x ffn] fp32 is
 # 100 MB at bench/rl_step_vs_trl.py's compute point) is page-faulted in again, page by page, every time it
 # is allocated. With allocations up to 1 GB served from the (main-thread) heap and up to 1 GB of its free
-# top kept: a train step there 5.85-6.64 -> 5.22-5.25 s in one process (minor faults 2.4M -> 1.27M per run,
-# peak RSS 4.7 -> 5.0 GB), and the actor's update in the RL step 7.45-8.05 -> 5.98-6.19 s (alternating runs).
+# top kept, a large train step reuses its pages (far fewer page faults) at the price of a larger peak RSS;
+# the measured effect on the train step is in docs/performance.md.
 # A GLIBC_TUNABLES of the user's own is kept as given. Other C libraries ignore the variable.
 HEAP_TUNABLES = "glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=1073741824"
 
@@ -37,7 +37,7 @@ def worker_threads(concurrent_ranks: int) -> int:
     same time (roles colocated on one rank take turns, so each may use the cores its peers leave), at most
     an inherited ``OMP_NUM_THREADS`` (an upper bound, never a reason to oversubscribe: with split placement on
     2 cores, an inherited 2 gave the actor and the rollout worker 2 threads each, and the one-step-off job
-    took 76-87 s against 42-53 s with the rollout worker at 1 thread)."""
+    ran far slower than with the rollout worker at 1 thread)."""
     threads = max(1, (os.cpu_count() or 1) // max(1, concurrent_ranks))
     inherited = os.environ.get("OMP_NUM_THREADS", "")
     return min(threads, int(inherited)) if inherited.isdigit() and int(inherited) > 0 else threads

@@ -15,7 +15,7 @@ every actor on it) is reported as ONE :class:`NodeLostError` naming the node, it
 roles and ranks it hosted (the pool records which role runs on which ranks), also when a surviving
 rank fails first because its collective lost the connection to that node (it then waits up to
 ``PEER_LOSS_GRACE_S`` for Ray to say so). The bound: Ray's node health check
-(``health_check_period_ms`` x ``health_check_failure_threshold``, ~15-30 s with Ray's defaults), and
+(``health_check_period_ms`` x ``health_check_failure_threshold``: tens of seconds with Ray's defaults), and
 ``trainer.worker_timeout_s`` for anything Ray never reports. A worker whose raylet
 is gone exits by itself (:func:`exit_when_orphaned`): Ray's own workers outlive a killed raylet
 while they run a task (or wait in a collective), and would be left behind on a node whose raylet
@@ -379,7 +379,7 @@ class WorkerGroup:
 
     @staticmethod
     def _died_ranks(pending: list, rank_of: dict) -> list[int]:
-        """The ranks of the ``pending`` calls that have failed because their worker died (waits ~0.25 s)."""
+        """The ranks of the ``pending`` calls that have failed because their worker died (one short ``ray.wait``)."""
         ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0.25) if pending else ([], [])
         died = []
         for ref in ready:

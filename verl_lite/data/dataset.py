@@ -52,7 +52,7 @@ def _read_rows(path: Path, prompt_key: str) -> list[dict]:
     if not path.is_file():
         raise DataError(f"data file {str(path)!r} does not exist")
     try:
-        table = pq.ParquetFile(path).read()  # one file; read_table would import pyarrow.dataset and pandas (0.25 s)
+        table = pq.ParquetFile(path).read()  # one file; read_table would import pyarrow.dataset and pandas, unused here
     except Exception as e:
         hint = {".jsonl": "pandas.read_json(f, lines=True)", ".json": "pandas.read_json(f)",
                 ".csv": "pandas.read_csv(f)"}.get(Path(path).suffix.lower())

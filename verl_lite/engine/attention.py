@@ -126,9 +126,7 @@ def _sdpa(q, k, v, scale, *, causal: bool, allowed: torch.Tensor | None = None):
 # sequences of at most SHORT_CAUSAL_MAX_LEN positions, and a score tensor [b, heads, L, L] of at most
 # MATMUL_ATTENTION_MAX_SCORES elements (16 MiB in float32). There torch's SDPA (its flash kernel for the CPU) costs
 # more than the arithmetic; beyond, SDPA skips the masked blocks the matmuls compute and keeps its blocks in cache.
-# Forward + backward of one layer, 2 threads, 8 query / 2 KV heads of 64 (matmuls / SDPA): 0.36 at 16 positions
-# x 256 sequences, 0.50-0.58 at 21 x 128-512, 0.57-0.68 at 24-64 positions x 4,096 tokens, 0.85-0.89 at 64 x 120-128
-# (4M scores), 1.07 at 32 x 1,024 (8M), 1.44 at 64 x 256, 1.55 at 96 x 128; 4 / 2 heads of 32 at 21 x 128: 0.58.
+# The two limits sit where the matmuls stopped being the faster in the measurements recorded in docs/performance.md.
 SHORT_CAUSAL_MAX_LEN = 64
 MATMUL_ATTENTION_MAX_SCORES = 1 << 22
 MATMUL_ATTENTION_DTYPES = (torch.float32, torch.float64)
@@ -140,8 +138,8 @@ def grouped_matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     (h % g == 0; query head i reads KV group i // (h/g)) -> ``[b, h, Lq, d]``. The h/g query heads of a group are
     stacked as the rows of one matmul against the group's keys (row r: head r // Lq of the group, query position
     r % Lq), so K and V are never repeated. ``bias``: additive, broadcastable to those scores ``[b, g, (h/g) * Lq,
-    Lk]``, -inf where a key is not attended (an addition: its backward needs no mask, where ``masked_fill``'s made
-    the causal forward + backward 10-20% slower); None = every key. Scores take ``O(b h Lq Lk)`` memory."""
+    Lk]``, -inf where a key is not attended (an addition: its backward needs no mask, where ``masked_fill``'s
+    backward does, which slowed the causal forward + backward); None = every key. Scores take ``O(b h Lq Lk)`` memory."""
     b, h, length, d = q.shape
     groups = k.shape[1]
     scores = torch.matmul(q.reshape(b, groups, (h // groups) * length, d), k.transpose(-1, -2)) * scale

@@ -11,18 +11,20 @@ non-distributed optimizer too) and the LR schedule (plain numbers). The engine d
 numbers while training (dropout is 0 in ``model.transformer_config_from_hf``; sampling lives in
 the rollout with per-call seeds), so there is no engine RNG to store.
 
-What loading reads, and why nothing arbitrary is unpickled (``torch_dist`` backend):
+What loading reads, and why nothing in a checkpoint is trusted beyond plain tensors and bounded,
+validated metadata (``torch_dist`` backend; :func:`check_dist_dir` checks all of it before a load):
 
-- ``metadata.json``: JSON (megatron's format marker).
-- ``.metadata``: torch.distributed.checkpoint's index, written with ``pickle``. It is read here
-  through :class:`RestrictedUnpickler`, which allows exact ``(module, name)`` pairs only: the
-  dataclasses and enums of ``torch.distributed.checkpoint.metadata`` / ``filesystem`` / ``planner``
-  that the index holds, ``torch.Size``, the dtypes and torch's layout lookup; a dotted name or any
-  other global raises ``pickle.UnpicklingError`` naming it (:func:`read_dist_metadata` turns that
-  into :class:`UnsafeCheckpointFile` naming the file).
-- ``__*_*.distcp``: tensor bytes, read by torch with ``torch.load(weights_only=True)``.
-- ``common.pt``: the non-tensor part (optimizer param-group hyper-parameters, step counters,
-  the scheduler's numbers), read with ``torch.load(weights_only=True)`` (:class:`SafeCommonLoad`).
+- every file is opened inside the directory without following a link, as a regular file, and each file
+  read whole is size-bounded first (:mod:`verl_lite.utils.safe_files`);
+- ``metadata.json`` (megatron's format marker) and ``FORMAT_FILE`` (the saver's description): bounded
+  JSON, the description's fields type-checked;
+- ``.metadata``: torch.distributed.checkpoint's index, a pickle, read through the restricted unpickler
+  of :mod:`verl_lite.compat.torch_dcp` (exact allowed globals; no state change of any object but the
+  records it builds); each storage entry must name a plain file of the directory and a byte range
+  inside it (no ``..``, no absolute path, no link out, no length past the file);
+- ``__*_*.distcp``: tensor bytes, read by torch with ``torch.load(weights_only=True)``;
+- ``common.pt``: the non-tensor part (optimizer param-group hyper-parameters, step counters, the
+  scheduler's numbers), bounded, read with ``torch.load(weights_only=True)`` (:func:`read_common_state`);
 - ShardedObjects (pickled byte blobs) are never requested: the state dict is checked to hold
   none before loading (:func:`_reject_sharded_objects`).
 
@@ -33,7 +35,6 @@ loaded into a trainable engine).
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import pickle
@@ -41,7 +42,10 @@ from pathlib import Path
 
 import torch
 
-from verl_lite.compat import megatron_internals
+from verl_lite.compat import megatron_internals, torch_dcp
+from verl_lite.compat.torch_dcp import RestrictedUnpickler, restricted_metadata_unpickling  # noqa: F401 (re-exported)
+from verl_lite.utils import safe_files
+from verl_lite.engine.rules import canonical_dtype
 from verl_lite.engine.vocab_parallel import padded_vocab_size
 
 # Reshardable in TP, PP, VPP, CP and DP, and readable by the regular optimizer.
@@ -54,84 +58,30 @@ class CheckpointLayoutError(ValueError):
     """A checkpoint cannot be loaded into this engine (the message says which change is not supported)."""
 
 
-# ---------------------------------------------------------------------------- safe unpickling
-# Exactly the globals torch.distributed.checkpoint's ``.metadata`` pickle refers to (listed from a real
-# verl_lite checkpoint with a recording unpickler; megatron's save also keeps every rank's SavePlan in
-# it, ``Metadata.all_local_plans``). Each is a plain dataclass, an Enum, ``torch.Size``, a dtype or
-# torch's layout-by-name lookup: none can reach another callable, so nothing else can run.
-_DCP = "torch.distributed.checkpoint"
-_ALLOWED_GLOBALS = frozenset({
-    (f"{_DCP}.metadata", "Metadata"),
-    (f"{_DCP}.metadata", "StorageMeta"),
-    (f"{_DCP}.metadata", "MetadataIndex"),
-    (f"{_DCP}.metadata", "ChunkStorageMetadata"),
-    (f"{_DCP}.metadata", "TensorProperties"),
-    (f"{_DCP}.metadata", "TensorStorageMetadata"),
-    (f"{_DCP}.metadata", "_MEM_FORMAT_ENCODING"),
-    (f"{_DCP}.filesystem", "_StorageInfo"),
-    (f"{_DCP}.planner", "SavePlan"),
-    (f"{_DCP}.planner", "WriteItem"),
-    (f"{_DCP}.planner", "WriteItemType"),
-    (f"{_DCP}.planner", "TensorWriteData"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # how a torch.layout pickles: an existing layout by its name
-}) | {("torch", name) for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}
-
-
-class RestrictedUnpickler(pickle.Unpickler):
-    """Unpickles torch.distributed.checkpoint metadata only (see the module docstring).
-
-    ``find_class`` (every opcode that names a global goes through it: GLOBAL, STACK_GLOBAL, INST, OBJ,
-    EXT*) accepts an exact ``(module, name)`` pair of ``_ALLOWED_GLOBALS`` and nothing else. A name with a
-    dot is refused before anything is looked up: protocol 4 resolves ``name`` attribute by attribute
-    (``'os.system'`` in an allowed module reaches ``os.system``)."""
-
-    def find_class(self, module: str, name: str):
-        if "." in name:
-            raise pickle.UnpicklingError(
-                f"checkpoint metadata refers to {name!r} in {module}: a dotted name reaches attributes of "
-                f"attributes; refusing to unpickle it (the file is not a checkpoint written by verl_lite)")
-        if (module, name) not in _ALLOWED_GLOBALS:
-            raise pickle.UnpicklingError(
-                f"checkpoint metadata refers to {module}.{name}, which is not a torch.distributed.checkpoint "
-                f"metadata type; refusing to unpickle it (the file is not a checkpoint written by verl_lite)")
-        return super().find_class(module, name)
-
-
-class _RestrictedPickleModule:
-    """Stands in for the ``pickle`` module inside torch.distributed.checkpoint.filesystem while loading."""
-
-    def __getattr__(self, name):
-        return getattr(pickle, name)
-
-    @staticmethod
-    def load(file, **_kw):
-        return RestrictedUnpickler(file).load()
-
-    @staticmethod
-    def loads(data, **_kw):
-        return RestrictedUnpickler(io.BytesIO(data)).load()
-
-
+# ---------------------------------------------------------------------------- reading a checkpoint safely
 class UnsafeCheckpointFile(ValueError):
-    """A checkpoint file cannot be read safely: it does not parse, or it would unpickle a global outside
-    the allow-list (the message names the file and what was refused)."""
+    """A checkpoint file cannot be read safely: it does not parse, it reaches outside the checkpoint, or it
+    would unpickle a global outside the allow-list (the message names the file and what was refused)."""
 
 
 METADATA_FILE = ".metadata"
+INDEX_LIMIT = 1 << 30  # the dist-checkpoint index's size bound (one record per saved shard piece)
+COMMON_LIMIT = 64 << 20  # common.pt: optimizer hyper-parameters, step counters, the LR schedule
+JSON_FILES = ("metadata.json", FORMAT_FILE)  # megatron's format marker and the saver's description
 
 
 def read_dist_metadata(directory: str | Path):
-    """``<directory>/.metadata`` (the dist-checkpoint index) through :class:`RestrictedUnpickler`.
-
-    What a load reads first; callers that want a refusal before any process starts call it up front.
-    Raises :class:`UnsafeCheckpointFile` naming the file for a refused global or an unparseable file."""
+    """``<directory>/.metadata`` (the dist-checkpoint index), size-bounded, through the restricted unpickler
+    (:mod:`verl_lite.compat.torch_dcp`). Raises :class:`UnsafeCheckpointFile` naming the file for a refused
+    global or state change, an unparseable file, or a file that is not a regular one inside ``directory``."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     path = Path(directory) / METADATA_FILE
     try:
-        with open(path, "rb") as f:
-            metadata = RestrictedUnpickler(f).load()
+        data = safe_files.read_bounded(directory, METADATA_FILE, INDEX_LIMIT)
+        metadata = torch_dcp.loads_index(data)
+    except safe_files.UnsafeFile as err:
+        raise UnsafeCheckpointFile(str(err)) from None
     except pickle.UnpicklingError as err:
         raise UnsafeCheckpointFile(f"{path}: {err}") from None
     except Exception as err:  # a damaged pickle fails in many ways (EOFError, KeyError, TypeError, ...)
@@ -143,17 +93,59 @@ def read_dist_metadata(directory: str | Path):
     return metadata
 
 
-@contextlib.contextmanager
-def restricted_metadata_unpickling():
-    """While active, torch.distributed.checkpoint reads ``.metadata`` through :class:`RestrictedUnpickler`."""
-    from torch.distributed.checkpoint import filesystem
-
-    original = filesystem.pickle
-    filesystem.pickle = _RestrictedPickleModule()
+def check_dist_dir(directory: str | Path) -> None:
+    """Everything a load of ``directory`` (a ``dist/`` of :func:`save_engine_state`) will read, checked first:
+    the index through the restricted unpickler; every storage entry it holds names a plain file of the
+    directory (no path, no ``..``, no link) and a byte range inside that file; the JSON files are regular
+    files within their size bound; ``common.pt`` loads as plain data (:func:`read_common_state`). Raises :class:`UnsafeCheckpointFile` naming
+    the file. Reads no tensor data."""
+    directory = Path(directory)
+    index = read_dist_metadata(directory)
     try:
-        yield
-    finally:
-        filesystem.pickle = original
+        entries = torch_dcp.storage_entries(index)
+    except ValueError as err:
+        raise UnsafeCheckpointFile(f"{directory / METADATA_FILE}: {err}") from None
+    sizes: dict[str, int] = {}
+    try:
+        for name, offset, length in entries:
+            if not _plain_file_name(name):
+                raise safe_files.UnsafeFile(f"{directory / METADATA_FILE}: storage entry {name!r} is not a file "
+                                            f"name of this directory (a path, or with '..')")
+            if name not in sizes:
+                sizes[name] = safe_files.size_inside(directory, name)
+            if offset < 0 or length < 0 or offset + length > sizes[name]:
+                raise safe_files.UnsafeFile(f"{directory / METADATA_FILE}: places {length} bytes at offset {offset} "
+                                            f"of {name}, which holds {sizes[name]}")
+        for name in JSON_FILES:
+            safe_files.read_json(directory, name)
+    except safe_files.UnsafeFile as err:
+        raise UnsafeCheckpointFile(str(err)) from None
+    read_common_state(directory)
+
+
+def _plain_file_name(name: str) -> bool:
+    try:
+        return len(safe_files.relative_parts(name)) == 1
+    except safe_files.UnsafeFile:
+        return False
+
+
+def read_common_state(directory: str | Path) -> dict:
+    """``<directory>/common.pt`` (size-bounded, a regular file inside it) with ``torch.load(weights_only=True)``;
+    :class:`UnsafeCheckpointFile` naming the file when it is not a dict of plain data and tensors."""
+    from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
+
+    path = Path(directory) / COMMON_STATE_FNAME
+    try:
+        data = safe_files.read_bounded(directory, COMMON_STATE_FNAME, COMMON_LIMIT)
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except safe_files.UnsafeFile as err:
+        raise UnsafeCheckpointFile(str(err)) from None
+    except Exception as err:  # weights_only refuses anything but plain data and tensors, in many ways
+        raise UnsafeCheckpointFile(f"{path}: not a readable common state ({type(err).__name__}: {err})") from None
+    if not isinstance(state, dict):
+        raise UnsafeCheckpointFile(f"{path}: holds a {type(state).__name__}, not the common state dict")
+    return state
 
 
 def _safe_common_strategy():
@@ -163,10 +155,7 @@ def _safe_common_strategy():
         """``common.pt`` with ``torch.load(weights_only=True)``; ShardedObjects are refused."""
 
         def load_common(self, checkpoint_dir):
-            path = Path(checkpoint_dir) / COMMON_STATE_FNAME
-            if not path.is_file():
-                raise CheckpointLayoutError(f"{checkpoint_dir}: no {COMMON_STATE_FNAME}; not a complete engine checkpoint")
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return read_common_state(checkpoint_dir)
 
         def load_sharded_objects(self, sharded_objects_state_dict, checkpoint_dir):
             _reject_sharded_objects(sharded_objects_state_dict)
@@ -252,11 +241,11 @@ def _describe(engine) -> dict:
     return {
         "format_version": FORMAT_VERSION,
         "layout": {"tp": engine.tp, "pp": engine.pp, "vpp": engine.vpp, "cp": engine.cp, "dp": engine.dp,
-                   "ep": engine.cfg.parallel.ep},
+                   "ep": engine.cfg.megatron.ep},
         "value_head": bool(engine.cfg.value_head),
         "with_optimizer": engine.optimizer is not None,
-        "use_distributed_optimizer": bool(engine.optimizer is not None and engine.cfg.optim.use_distributed_optimizer),
-        "params_dtype": engine.cfg.params_dtype,
+        "use_distributed_optimizer": bool(engine.optimizer is not None and engine.cfg.megatron.use_distributed_optimizer),
+        "params_dtype": canonical_dtype(engine.cfg.megatron.dtype),
         "padded_vocab_size": padded_vocab_size(hf.vocab_size, engine.tp),
         "model": {k: getattr(hf, k, None) for k in (
             "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -291,11 +280,26 @@ def save_engine_state(engine, directory: str | Path) -> None:
     _barrier()
 
 
+_DESCRIPTION_TYPES = {"format_version": int, "layout": dict, "value_head": bool, "with_optimizer": bool,
+                      "use_distributed_optimizer": bool, "params_dtype": str, "padded_vocab_size": int, "model": dict}
+
+
 def read_engine_description(directory: str | Path) -> dict:
+    """The saver's description (``FORMAT_FILE``), size-bounded and checked to hold each field with its type
+    (:class:`CheckpointLayoutError` naming the file otherwise)."""
     path = Path(directory) / FORMAT_FILE
-    if not path.is_file():
-        raise CheckpointLayoutError(f"{directory}: no {FORMAT_FILE}; not an engine checkpoint written by verl_lite")
-    return json.loads(path.read_text())
+    try:
+        saved = safe_files.read_json(directory, FORMAT_FILE)
+    except safe_files.UnsafeFile as err:
+        raise CheckpointLayoutError(f"{err}; not an engine checkpoint written by verl_lite") from None
+    optional = ("padded_vocab_size", "params_dtype")  # absent in saves before they existed
+    wrong = [k for k, kind in _DESCRIPTION_TYPES.items() if not isinstance(saved, dict) or
+             not (isinstance(saved.get(k), kind) or (k in optional and k not in saved))]
+    if not wrong:
+        wrong = [f"layout.{k}" for k in ("tp", "pp", "cp", "dp") if type(saved["layout"].get(k)) is not int]
+    if wrong:
+        raise CheckpointLayoutError(f"{path}: malformed {', '.join(wrong)}; not an engine checkpoint written by verl_lite")
+    return saved
 
 
 def _check_padded_vocab(saved: dict, here: dict) -> None:
@@ -367,6 +371,7 @@ def load_engine_state(engine, directory: str | Path) -> dict:
     directory = Path(directory)
     saved = read_engine_description(directory)
     check_compatible(engine, saved)
+    check_dist_dir(directory)
     with_optimizer = engine.optimizer is not None
     state = _engine_sharded_state_dict(engine, is_loading=True, with_optimizer=with_optimizer)
     _reject_sharded_objects(state)
@@ -459,6 +464,7 @@ def load_role_state(engine, path: str | Path) -> dict:
     rng_file = path / "rng" / f"rank_{_rank()}.safetensors"
     same = False
     if rng_file.is_file():
+        safe_files.check_safetensors(path, rng_file.relative_to(path))
         with safe_open(str(rng_file), "pt") as f:
             meta = f.metadata() or {}
         same = meta.get("world_size") == str(_world()) and json.loads(meta.get("layout", "{}")) == _describe(engine)["layout"]
@@ -540,6 +546,7 @@ def load_model_only(chunks, directory: str | Path) -> None:
 
     from verl_lite.engine.model import unwrap_model
 
+    check_dist_dir(directory)
     state = {f"model{i}": _drop_empty_extra_state(unwrap_model(c).sharded_state_dict()) for i, c in enumerate(chunks)}
     with restricted_metadata_unpickling():
         loaded = dist_checkpointing.load(state, str(directory), common_strategy=_safe_common_strategy(),

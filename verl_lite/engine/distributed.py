@@ -1,6 +1,6 @@
 """Process groups for the engine: one default group plus megatron's TP/PP/CP/DP groups.
 
-Every group carries the timeout from ``ParallelConfig.timeout_s``, so a dead or diverged peer
+Every group carries the timeout from ``MegatronConfig.timeout_s``, so a dead or diverged peer
 turns into an error on the waiting ranks after that many seconds, never a 30-minute hang.
 On a CPU-only torch the CPU adapter is installed first and the backend is gloo; with CUDA the
 backend is nccl and the adapter stays off.
@@ -13,68 +13,13 @@ parallel, expert data parallel); its groups (EP, ETP, expert-DP) get the same ti
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from verl_lite.compat import cpu_adapter, megatron_internals
-
-
-@dataclass
-class ParallelConfig:
-    """Model-parallel layout. DP is whatever is left: ``world_size // (tp * pp * cp)``.
-
-    tp: tensor parallel size; pp: pipeline stages; vpp: virtual stages (model chunks) per
-    pipeline rank, None to disable; cp: context parallel size; sequence_parallel: megatron
-    sequence parallelism (needs tp > 1); timeout_s: timeout of every process group (required: the
-    config's ``megatron.timeout_s`` holds its default).
-    ep: expert parallel size (mixture-of-experts models only; the experts of every MoE layer are
-    split over ep ranks carved out of DP x CP x TP); etp: expert tensor parallel size (1: every
-    expert whole on its rank). ``tp*cp*dp`` must divide by ``ep*etp``.
-    """
-
-    timeout_s: float = field(kw_only=True)
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None
-    cp: int = 1
-    sequence_parallel: bool = False
-    ep: int = 1
-    etp: int = 1
-
-    @property
-    def model_parallel_size(self) -> int:
-        return self.tp * self.pp * self.cp
-
-    def dp(self, world_size: int) -> int:
-        return world_size // self.model_parallel_size
-
-    def validate(self, world_size: int | None = None) -> "ParallelConfig":
-        """Raise ValueError naming the problem and the fix; return self when the layout is valid."""
-        from verl_lite.engine.rules import layout_problems
-
-        for name in ("ep", "etp"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"parallel.{name}={v!r} must be an integer >= 1")
-        problems = layout_problems("parallel", vars(self), world_size)
-        if problems:
-            raise ValueError("; ".join(problems))
-        if self.etp != 1:
-            raise ValueError(
-                f"parallel.etp={self.etp}: expert tensor parallelism > 1 is not supported yet (the HF bridge "
-                "shards experts whole); set expert_tensor_parallel_size=1"
-            )
-        if world_size is not None and (self.ep > 1 or self.etp > 1):
-            dense_ranks = world_size // self.pp  # TP x CP x DP ranks of one pipeline stage
-            if dense_ranks % (self.ep * self.etp):
-                raise ValueError(
-                    f"expert parallelism ep*etp = {self.ep}*{self.etp} must divide tp*cp*dp = {dense_ranks} "
-                    f"(world size {world_size} / pp {self.pp}); change ep or the number of processes"
-                )
-        return self
+from verl_lite.engine.config import MegatronConfig
 
 
 def init_distributed(
@@ -82,7 +27,7 @@ def init_distributed(
     world_size: int,
     master_addr: str,
     master_port: int,
-    parallel: ParallelConfig,
+    parallel: MegatronConfig,
     seed: int = 1234,
 ) -> None:
     """Create the default process group and megatron's model-parallel groups, and seed RNGs.

@@ -10,17 +10,17 @@ passes (a concatenation, an expanded mean). The results equal autograd's to roun
   taken in float32 (as HF's Qwen2/Llama RMSNorm). With ``x^ = x r`` and ``gy = g w`` (float32):
   ``dx = r (gy - x^ mean(gy x^))``, ``dw = sum over rows of g x^``, where ``mean(gy x^) = (g x^) . w / width``
   reuses ``g x^`` (one matrix-vector product instead of a pass). In low precision the backward keeps ``g w``
-  and ``x^`` in float32 (autograd of the forward would round ``x^`` to the dtype for ``dw``).
-  Forward and backward of fp32 ``[8671, 512]`` on 2 cores (the workers' heap settings, 3 alternating runs):
-  17.7-18.5 ms in the first version of this function (pow + mean, weight-first products), 12.9-13.3 ms here.
+  and ``x^`` in float32 (autograd of the forward would round ``x^`` to the dtype for ``dw``). The norm as
+  ``vector_norm`` and activation-first products replaced a first version's pow + mean and weight-first products
+  (measured in docs/performance.md).
 - :func:`swiglu`: ``y = silu(a) * b`` for ``x = [a | b]`` split in halves along the last dim (megatron's
   ``linear_fc1`` layout, per TP rank). ``da = silu'(a) g b``, ``db = g silu(a)``, written straight into
   the two halves of one ``dx`` (autograd concatenates them). Bit-identical to autograd's
-  ``silu(a) * b``: the same kernels on the same operands. ``[2030, 3072]``: 11.5 -> 7.9 ms against
-  megatron's unfused GLU (which also adds its ``glu_linear_offset`` of 0 to ``b``).
+  ``silu(a) * b``: the same kernels on the same operands, in fewer passes than megatron's unfused GLU (which
+  also adds its ``glu_linear_offset`` of 0 to ``b``).
 - :func:`rotary`: RoPE's ``x cos + [-x2 | x1] sin`` as one multiply and two in-place multiply-adds on
   the halves, backward ``g cos + [g2 | -g1] sin`` the same way; megatron's unfused RoPE negates,
-  concatenates and concatenates again (``[2070, 16, 32]`` forward and backward: ~4.6 ms there).
+  concatenates and concatenates again.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class _RMSNorm(torch.autograd.Function):
         norm = torch.linalg.vector_norm(x32, dim=-1, keepdim=True)
         rstd = torch.rsqrt(norm.square_().div_(x.shape[-1]).add_(eps))
         ctx.save_for_backward(x, weight, rstd)
-        # activations first: a product whose first operand broadcasts along rows runs ~2x slower on CPU
+        # activations first: a product whose first operand broadcasts along rows runs slower on CPU
         return (x32 * rstd).to(x.dtype) * weight
 
     @staticmethod

@@ -28,7 +28,7 @@ so the final gradient is exactly grad L:
 No denominator is computed by a collective; loss metrics are returned on output owners only
 (last PP stage, TP rank 0, CP rank 0).
 
-Precision (``EngineConfig.params_dtype``). float32: the chunks as built. bfloat16: megatron's mixed
+Precision (``megatron.dtype``). float32: the chunks as built. bfloat16: megatron's mixed
 precision: every chunk in a ``Float16Module`` (bf16 weights and activations, the last stage's
 output cast to fp32, so log-probs/entropy/values and the loss are fp32), DDP accumulating and
 reducing gradients in fp32, megatron's mixed-precision optimizer keeping fp32 main parameters
@@ -185,14 +185,14 @@ class MegatronEngine:
         if not ps.model_parallel_is_initialized():
             raise RuntimeError("MegatronEngine: call verl_lite.engine.distributed.init_distributed(...) first")
         self.cfg = cfg
-        par = cfg.parallel
+        par = cfg.megatron
         if (
             ps.get_tensor_model_parallel_world_size() != par.tp
             or ps.get_pipeline_model_parallel_world_size() != par.pp
             or ps.get_context_parallel_world_size() != par.cp
         ):
             raise ValueError(
-                f"EngineConfig.parallel (tp={par.tp}, pp={par.pp}, cp={par.cp}) differs from the initialised "
+                f"EngineConfig.megatron (tp={par.tp}, pp={par.pp}, cp={par.cp}) differs from the initialised "
                 f"groups (tp={ps.get_tensor_model_parallel_world_size()}, "
                 f"pp={ps.get_pipeline_model_parallel_world_size()}, cp={ps.get_context_parallel_world_size()})"
             )
@@ -208,8 +208,8 @@ class MegatronEngine:
         self.tf_config = transformer_config_from_hf(
             self.hf_config,
             par,
-            calculate_per_token_loss=cfg.calculate_per_token_loss,
-            params_dtype=cfg.torch_dtype,
+            calculate_per_token_loss=par.calculate_per_token_loss,
+            params_dtype=par.torch_dtype,
             attention_backend=_megatron_attention_backend(cfg.attention_backend),
             **cfg.model_overrides,
         )
@@ -231,7 +231,7 @@ class MegatronEngine:
         self.output_names = VALUE_OUTPUTS if cfg.value_head else LM_OUTPUTS
         self._reduced_token_count: int | None = None
 
-        self.mixed_precision = cfg.torch_dtype != torch.float32
+        self.mixed_precision = cfg.megatron.torch_dtype != torch.float32
         # what the schedules run: Float16Module-wrapped in bf16, then DDP-wrapped when training
         self.model = self._wrap_precision(self.chunks)
         self.optimizer = None
@@ -267,13 +267,9 @@ class MegatronEngine:
     def _main_param_shard_range(self, param) -> tuple[int, int]:
         """[start, end) of ``param``'s flattened elements whose fp32 main copy this DP rank holds
         (distributed optimizer)."""
-        from verl_lite.compat.megatron_internals import each_optimizer
+        from verl_lite.compat.megatron_internals import main_param_shard_range
 
-        for opt in each_optimizer(self.optimizer):
-            if param in getattr(opt, "model_param_gbuf_map", {}):
-                r = opt._get_model_param_range_map(param)["param"]
-                return r.start, r.end
-        raise KeyError("parameter not managed by the distributed optimizer")
+        return main_param_shard_range(self.optimizer, param)
 
     def _load_main_params(self, source) -> None:
         """Write the HF weights (fp32 as stored, not rounded to bf16) into the optimizer's fp32 main
@@ -319,7 +315,7 @@ class MegatronEngine:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
-            use_distributed_optimizer=self.cfg.optim.use_distributed_optimizer,
+            use_distributed_optimizer=self.cfg.megatron.use_distributed_optimizer,
             average_in_collective=False,
         )
         self.model = [
@@ -335,7 +331,7 @@ class MegatronEngine:
         from verl_lite.compat import megatron_internals
 
         o = self.cfg.optim
-        dtype = self.cfg.torch_dtype
+        dtype = self.cfg.megatron.torch_dtype
         opt_config = OptimizerConfig(
             optimizer="adam",
             lr=o.lr,
@@ -343,9 +339,9 @@ class MegatronEngine:
             weight_decay=o.weight_decay,
             adam_beta1=o.betas[0],
             adam_beta2=o.betas[1],
-            adam_eps=o.eps,
+            adam_eps=self.cfg.adam_eps,
             clip_grad=o.clip_grad,
-            use_distributed_optimizer=o.use_distributed_optimizer,
+            use_distributed_optimizer=self.cfg.megatron.use_distributed_optimizer,
             params_dtype=dtype,
             bf16=dtype == torch.bfloat16,
             fp16=dtype == torch.float16,
@@ -358,7 +354,7 @@ class MegatronEngine:
             max_lr=o.lr,
             min_lr=o.min_lr,
             lr_warmup_steps=o.lr_warmup_steps,
-            lr_decay_steps=max(o.total_steps, o.lr_warmup_steps + 1),
+            lr_decay_steps=max(self.cfg.total_steps, o.lr_warmup_steps + 1),
             lr_decay_style=o.lr_decay_style,
             start_wd=o.weight_decay,
             end_wd=o.weight_decay,
@@ -583,7 +579,7 @@ class MegatronEngine:
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self._check_micro_batches(batch, micro_batches)
-        per_token = self.cfg.calculate_per_token_loss
+        per_token = self.cfg.megatron.calculate_per_token_loss
         if per_token:
             if global_token_count is None:
                 if self.dp != 1:

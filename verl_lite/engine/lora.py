@@ -63,9 +63,8 @@ from verl_lite.engine.rules import (
     LORA_MLP,
     LORA_TARGETS,
     as_names as _as_names,
-    lora_problems,
-    lora_projections,
 )
+from verl_lite.engine.config import LoraConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -83,36 +82,6 @@ LINEARS = {
 # the MLP's two linears (a dense MLP, a routed expert, the shared expert): (parallel style, HF projections)
 MLP_LINEARS = {"linear_fc1": ("column", ("gate_proj", "up_proj")), "linear_fc2": ("row", ("down_proj",))}
 ADAPTER_ATTR = "lora"  # the adapter module's attribute name on a megatron linear
-
-
-@dataclass(frozen=True)
-class LoraConfig:
-    """What the engine builds. ``rank`` > 0; ``alpha`` the PEFT ``lora_alpha`` (scaling alpha / rank);
-    ``target_modules`` / ``exclude_modules``: names of :data:`TARGETS`; ``adapter_path``: a PEFT adapter
-    directory to start from (else A is PEFT's Kaiming-uniform draw from ``seed``, B = 0).
-    Every field is required: the config's defaults live in ``verl_lite.config.schema``."""
-
-    rank: int
-    alpha: float
-    dropout: float
-    target_modules: tuple[str, ...]
-    exclude_modules: tuple[str, ...]
-    adapter_path: str | None
-
-    def __post_init__(self):
-        object.__setattr__(self, "target_modules", tuple(_as_names(self.target_modules)))
-        object.__setattr__(self, "exclude_modules", tuple(_as_names(self.exclude_modules)))
-        if problems := lora_problems("LoraConfig", self):
-            raise ValueError("; ".join(problems))
-
-    @property
-    def scaling(self) -> float:
-        return float(self.alpha) / int(self.rank)
-
-    @property
-    def projections(self) -> tuple[str, ...]:
-        """The HF projections that get an adapter, in :data:`ALL_LINEAR` order."""
-        return lora_projections(self.target_modules, self.exclude_modules)
 
 
 # ------------------------------------------------------------------------------------------
@@ -531,10 +500,15 @@ def read_peft_adapter(directory) -> tuple[dict, dict]:
         raise FileNotFoundError(f"lora.adapter_path={str(d)!r} is not a PEFT adapter directory "
                                 f"({ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} expected)")
     config = json.loads((d / ADAPTER_CONFIG).read_text())
-    if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora") or config.get("use_rslora"):
-        raise ValueError(f"{d / ADAPTER_CONFIG}: only plain LoRA adapters are supported (no DoRA / rsLoRA)")
+    check_plain_lora(config, d / ADAPTER_CONFIG)
     tensors = {k.replace(".default.weight", ".weight"): v for k, v in load_file(str(d / ADAPTER_WEIGHTS)).items()}
     return config, tensors
+
+
+def check_plain_lora(config: dict, where) -> None:
+    """An adapter_config.json of plain LoRA (no DoRA / rsLoRA): what the engine builds."""
+    if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora") or config.get("use_rslora"):
+        raise ValueError(f"{where}: only plain LoRA adapters are supported (no DoRA / rsLoRA)")
 
 
 def check_adapter_matches(cfg: LoraConfig, config: dict, where: str) -> None:

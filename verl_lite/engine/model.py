@@ -1,6 +1,6 @@
 """The model: megatron-core ``GPTModel`` with our layer spec, for the Qwen2 / Qwen3 / Llama family.
 
-- ``transformer_config_from_hf``: HF config + ``ParallelConfig`` -> megatron ``TransformerConfig``.
+- ``transformer_config_from_hf``: HF config + ``MegatronConfig`` -> megatron ``TransformerConfig``.
 - ``layer_spec``: megatron's local layer (``ColumnParallelLinear``/``RowParallelLinear``, ``SelfAttention``,
   ``MLP``) with our ``PackedCoreAttention``, our ``RMSNorm`` (same math as HF's, and it marks its
   weight for megatron's sequence-parallel gradient all-reduce); ``build_model_chunks`` makes its MLPs
@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from verl_lite.engine.attention import PackedCoreAttention
-from verl_lite.engine.distributed import ParallelConfig
-from verl_lite.engine.elementwise import rms_norm
+from verl_lite.engine.config import MegatronConfig
+from verl_lite.engine.elementwise import rms_norm, rotary
 from verl_lite.engine.moe import RouterLossCoefficients
 from verl_lite.engine.rules import MOE_MODEL_TYPES
 from verl_lite.engine.vocab_parallel import padded_vocab_size
@@ -227,7 +227,7 @@ def head_dim(hf_config) -> int:
 
 def transformer_config_from_hf(
     hf_config,
-    parallel: ParallelConfig,
+    parallel: MegatronConfig,
     *,
     calculate_per_token_loss: bool = False,
     params_dtype: torch.dtype = torch.float32,
@@ -334,7 +334,7 @@ def transformer_config_from_hf(
     return config
 
 
-def moe_settings(hf_config, parallel: ParallelConfig) -> dict:
+def moe_settings(hf_config, parallel: MegatronConfig) -> dict:
     """``TransformerConfig`` keywords of an HF Qwen3-MoE / Qwen2-MoE config under ``parallel``.
 
     Routing as HF: softmax over all experts, top-k; Qwen3 (``norm_topk_prob=True``) renormalises
@@ -406,11 +406,12 @@ def build_model_chunks(hf_config, tf_config, value_head: bool = False) -> list:
     from megatron.core import parallel_state as ps
 
     from verl_lite.compat import cpu_adapter, megatron_internals
+    from verl_lite.engine.mlp import SwiGLUMLP  # engine.mlp imports megatron-core at its top
 
     cpu_adapter.install()  # no-op on GPU or when init_distributed already did it (RoPE needs it on CPU)
     GPTModel = _gpt_model_class()
     megatron_internals.prepare_host_dispatch()
-    megatron_internals.use_rotary_kernel()
+    megatron_internals.use_rotary_kernel(rotary)
     vpp = tf_config.virtual_pipeline_model_parallel_size
     tied = bool(_get(hf_config, "tie_word_embeddings", False)) and not value_head
     chunks = []
@@ -433,7 +434,7 @@ def build_model_chunks(hf_config, tf_config, value_head: bool = False) -> list:
         )
         model.is_value_model = value_head  # read by hf_bridge on every stage
         megatron_internals.make_dispatchers_host_safe(model)
-        megatron_internals.use_swiglu_mlp(model)
+        megatron_internals.use_swiglu_mlp(model, SwiGLUMLP)
         if post and value_head:
             model.output_layer = ValueHead(tf_config, tf_config.hidden_size)
             model.output_layer.weight.is_embedding_or_output_parameter = True

@@ -183,10 +183,17 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return sorted(model_dir.glob("*.safetensors"))
 
 
-def model_weight_problems(key: str, model_path: str | None) -> list[str]:
-    """The vocabulary tensors (embed_tokens, lm_head) of ``<model_path>/*.safetensors`` must have
-    config.json's ``vocab_size`` rows (the engine shards them by it); a header that does not read
-    as safetensors is named too. A model dir without safetensors is left to the loader."""
+# what a model's output layer is, by the engine that loads it: "lm" (lm_head, or tied to the embedding),
+# "value" (a critic: score.weight when the checkpoint has one, else a fresh head), "reward" (score.weight required)
+HEADS = ("lm", "value", "reward")
+
+
+def model_weight_problems(key: str, model_path: str | None, head: str = "lm") -> list[str]:
+    """The weights of ``<model_path>`` (``*.safetensors``, or those its index names), read from the headers,
+    against its config.json, as the engine's loader would find them: there are weight files; the vocabulary
+    tensors (embed_tokens, lm_head) have ``vocab_size`` rows (the engine shards them by it); every other
+    tensor the engine loads exists with the shape the config implies (:func:`weight_shape_problems`); a
+    header that does not read as safetensors is named. ``head``: one of ``HEADS``."""
     vocab = config_int(model_path, "vocab_size")
     if vocab is None:
         return []  # model_config_problems reports a broken config.json
@@ -194,13 +201,17 @@ def model_weight_problems(key: str, model_path: str | None) -> list[str]:
         files = _weight_files(Path(model_path))
     except (OSError, ValueError, AttributeError) as e:
         return [f"{key}={model_path!r}: model.safetensors.index.json cannot be read ({e}); re-export the model"]
-    problems = []
+    if not files:
+        return [f"{key}={model_path!r} holds no weights (no *.safetensors next to its config.json); save the model "
+                f"with save_pretrained(safe_serialization=True) into that directory"]
+    problems, headers = [], {}
     for file in files:
         try:
             header = safetensors_header(file)
         except (OSError, ValueError) as e:
             problems.append(f"{key}={model_path!r}: {file} cannot be read as safetensors ({e}); re-export the model")
             continue
+        headers[file] = header
         for name in VOCAB_TENSORS:
             shape = header.get(name, {}).get("shape") if isinstance(header.get(name), dict) else None
             if shape and shape[0] != vocab:
@@ -208,7 +219,53 @@ def model_weight_problems(key: str, model_path: str | None) -> list[str]:
                     f"{key}={model_path!r}: {file} holds {name} of shape {list(shape)} but config.json's "
                     f"vocab_size is {vocab}; set vocab_size to {shape[0]} in {Path(model_path) / 'config.json'} "
                     f"(or re-export the model)")
-    return problems
+    return problems or weight_shape_problems(key, model_path, headers, head)
+
+
+def _shape_of(entry) -> list | None:
+    shape = entry.get("shape") if isinstance(entry, dict) else None
+    return list(shape) if isinstance(shape, list) else None
+
+
+def weight_shape_problems(key: str, model_path: str, headers: dict, head: str = "lm") -> list[str]:
+    """The tensors the engine loads (``engine.hf_bridge.hf_shapes`` of config.json, the one statement of
+    them) against the safetensors ``headers`` (file -> header): each must exist with its shape, except a
+    critic's ``score.weight`` (a fresh value head); a layer beyond ``num_hidden_layers`` means config.json
+    describes a smaller model than the weights (the loader would drop those layers silently). One line for
+    the first difference, with the count of the others. The vocabulary rows are ``model_weight_problems``'."""
+    from verl_lite.engine.hf_bridge import hf_shapes
+
+    config = read_config(model_path) or {}
+    try:
+        expected = hf_shapes(config, value_head=head != "lm")
+    except (TypeError, ValueError, KeyError, ZeroDivisionError):
+        return []  # a config.json the engine cannot read either: model_config_problems' and the loader's
+    where, found = {}, {}
+    for file, header in headers.items():
+        for name, entry in header.items():
+            where[name], found[name] = file, _shape_of(entry)
+    cfg_file = Path(model_path) / "config.json"
+    optional = {"score.weight"} if head == "value" else set()
+    wrong = [(name, list(shape), found.get(name)) for name, shape in expected.items() if name not in VOCAB_TENSORS
+             and name not in optional and found.get(name) != list(shape)]
+    layers = config.get("num_hidden_layers")
+    beyond = sorted({int(n.split(".")[2]) for n in found if n.startswith("model.layers.") and
+                     n.split(".")[2].isdigit() and isinstance(layers, int) and int(n.split(".")[2]) >= layers})
+    out = []
+    if beyond:
+        out.append(f"{key}={model_path!r}: the weights hold {max(beyond) + 1} layers but {cfg_file} says "
+                   f"num_hidden_layers={layers}: config.json describes a smaller model than its weights; set "
+                   f"num_hidden_layers={max(beyond) + 1} there (or re-export the model)")
+    if wrong:
+        name, shape, got = wrong[0]
+        more = f" (and {len(wrong) - 1} more tensors differ)" if len(wrong) > 1 else ""
+        fields = {k: config.get(k) for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                            "num_key_value_heads", "head_dim") if k in config}
+        state = (f"{where[name]} holds {name} of shape {got}" if got is not None else
+                 f"the weights lack {name}" + (" (the reward model's score head)" if name == "score.weight" else ""))
+        out.append(f"{key}={model_path!r}: {state} but {cfg_file} ({fields}) implies {shape}{more}: the weights do "
+                   f"not match config.json; fix config.json or re-export the model")
+    return out
 
 
 def tokenizer_id_problems(tok: tuple[str, str], tokenizer, models: list[tuple[str, str]]) -> list[str]:
@@ -228,5 +285,51 @@ def tokenizer_id_problems(tok: tuple[str, str], tokenizer, models: list[tuple[st
             problems.append(
                 f"{tok_key}={tok_path!r}: the tokenizer produces ids up to {top} ({len(ids)} tokens) but {model} "
                 f"has vocab_size {vocab}: ids >= {vocab} have no embedding row; give the tokenizer the model was trained "
-                f"with (actor_rollout_ref.model.tokenizer_path), or a model with at least {top + 1} vocabulary rows")
+                f"with ({tok_key.rsplit('.', 1)[0]}.tokenizer_path), or a model with at least {top + 1} vocabulary rows")
     return problems
+
+
+ADAPTER_CONFIG_MAX_BYTES = 1_000_000  # an adapter_config.json is a few hundred bytes
+
+
+def lora_adapter_problems(key: str, lora) -> list[str]:
+    """``<key>.adapter_path`` (``key`` names a ``model.lora`` section with rank > 0 and valid settings) is a
+    PEFT adapter directory: ``adapter_config.json`` (size-bounded, a JSON object) and
+    ``adapter_model.safetensors`` exist, and the adapter is plain LoRA with the section's rank, alpha and
+    target projections (``engine.lora``'s own checks, the ones ``init_model`` applies on the workers)."""
+    from verl_lite.engine import lora as engine_lora
+
+    path = lora.adapter_path
+    if not path:
+        return []
+    where = f"{key}.adapter_path={path!r}"
+    d = Path(path).expanduser()
+    if not d.is_dir():
+        return [f"{where} does not exist or is not a directory; give a PEFT adapter directory "
+                f"({engine_lora.ADAPTER_CONFIG} + {engine_lora.ADAPTER_WEIGHTS}) or null for fresh adapters"]
+    missing = [f for f in (engine_lora.ADAPTER_CONFIG, engine_lora.ADAPTER_WEIGHTS) if not (d / f).is_file()]
+    if missing:
+        return [f"{where} lacks {missing}: not a PEFT adapter directory; give the directory PEFT's save_pretrained "
+                f"wrote (or null for fresh adapters)"]
+    file = d / engine_lora.ADAPTER_CONFIG
+    try:
+        if file.stat().st_size > ADAPTER_CONFIG_MAX_BYTES:
+            raise ValueError(f"{file.stat().st_size} bytes, more than an adapter config holds")
+        config = json.loads(file.read_text())
+        if not isinstance(config, dict):
+            raise ValueError(f"a JSON {type(config).__name__}, not an object")
+    except (OSError, ValueError) as e:
+        return [f"{where}: {file} cannot be read ({e}); give a PEFT adapter directory"]
+    from types import SimpleNamespace
+
+    from verl_lite.engine.rules import lora_projections
+
+    engine_cfg = SimpleNamespace(rank=lora.rank, alpha=lora.alpha,  # what check_adapter_matches reads
+                                 projections=lora_projections(lora.target_modules, lora.exclude_modules))
+    try:
+        engine_lora.check_plain_lora(config, file)
+        engine_lora.check_adapter_matches(engine_cfg, config, str(path))
+    except ValueError as e:
+        return [f"{where}: {str(e).removeprefix(f'lora.adapter_path={str(path)!r} ')}; set {key}.rank/alpha/"
+                f"target_modules to the adapter's, or give an adapter trained with these settings"]
+    return []

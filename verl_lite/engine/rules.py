@@ -160,18 +160,19 @@ def router_loss_recompute_problems(key: str, model_cfg: dict | None, overrides: 
     return []
 
 
-# ParallelConfig's fields -> the names of a config's megatron section
+# the short names of a megatron section's layout (engine.config.MegatronConfig's properties) -> its keys
 MEGATRON_NAMES = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
                   "vpp": "virtual_pipeline_model_parallel_size", "cp": "context_parallel_size",
-                  "sequence_parallel": "sequence_parallel", "timeout_s": "timeout_s"}
+                  "sequence_parallel": "sequence_parallel", "timeout_s": "timeout_s",
+                  "ep": "expert_model_parallel_size", "etp": "expert_tensor_parallel_size"}
 
 
 def layout_problems(key: str, layout: dict, world: int | None, workers: str = "the {world} processes",
                     model_cfg: dict | None = None, names: dict | None = None) -> list[str]:
     """The rules of one TP x PP (x VPP) x CP layout over ``world`` ranks (None: not checked), one line each.
 
-    ``layout``: ParallelConfig's fields (tp, pp, vpp, cp, sequence_parallel, timeout_s); ``names``: how
-    ``key`` names them (default: as ParallelConfig does; ``MEGATRON_NAMES`` for a config's megatron section);
+    ``layout``: the short names (tp, pp, vpp, cp, sequence_parallel, timeout_s); ``names``: how ``key`` names
+    them (default: the short names; ``MEGATRON_NAMES`` for a megatron section's keys);
     ``model_cfg``: the model's config.json, whose layers must divide by pp x vpp and whose attention heads by tp
     (TP and the KV heads divide one another: megatron replicates KV heads when TP exceeds them)."""
     def name(field: str) -> str:
@@ -276,21 +277,42 @@ def lora_projections(target_modules, exclude_modules) -> tuple[str, ...]:
     return tuple(p for p in LORA_ALL_LINEAR if p in chosen)
 
 
-def lora_problems(key: str, lora, allow_off: bool = False) -> list[str]:
-    """The rules of a LoRA setting (``key`` names it, e.g. ``actor_rollout_ref.model.lora``): for the config's
-    section its type and merge, always; with ``rank`` > 0 (LoRA on) alpha, dropout, module names and a target
-    left. ``allow_off``: rank 0 is accepted (the config's "no LoRA"), else rank must be > 0 (the engine's)."""
+LORA_ONLY_FIELDS = ("target_modules", "exclude_modules", "adapter_path")  # what only an adapter uses
+
+
+def lora_off_problems(key: str, lora) -> list[str]:
+    """rank 0 (no LoRA: every parameter trains) with an adapter-only field set away from its default (the
+    section's own class default: what the user did not set): the run would train the full model without a
+    word, so it is refused with both ways out."""
+    default = type(lora)()
+    changed = [f"{key}.{name}={getattr(lora, name)!r}" for name in LORA_ONLY_FIELDS
+               if _names_or_value(getattr(lora, name)) != _names_or_value(getattr(default, name))]
+    if not changed:
+        return []
+    return [f"{key}.rank=0 (no LoRA: the full model trains) with {', '.join(changed)} set: those only shape LoRA "
+            f"adapters; set {key}.rank > 0 to train adapters, or drop {', '.join(c.split('=')[0] for c in changed)} "
+            f"to train the full model"]
+
+
+def _names_or_value(value):
+    """Module names as a list (a single name or a list of them compare alike); a path or None as it is."""
+    return as_names(value) if isinstance(value, (list, tuple)) or value in LORA_TARGETS else value
+
+
+def lora_problems(key: str, lora) -> list[str]:
+    """The rules of a LoRA section (``key`` names it, e.g. ``actor_rollout_ref.model.lora``): its type and merge,
+    always; with ``rank`` > 0 (LoRA on) alpha, dropout, module names and a target left. rank 0 = no LoRA."""
     out = []
-    if getattr(lora, "type", "lora") not in LORA_TYPES:
+    if lora.type not in LORA_TYPES:
         out.append(f"{key}.type={lora.type!r} is not built (DoRA / VLM LoRA); use one of {LORA_TYPES} (both build "
                    f"one adapter per HF projection, as PEFT does)")
-    if getattr(lora, "merge", True) is not True:
+    if lora.merge is not True:
         out.append(f"{key}.merge=false (vLLM's LoRA-adapter path) is not built: the rollout always receives merged "
                    f"weights; set it true or drop it")
-    if allow_off and lora.rank == 0:
-        return out
-    if int(lora.rank) <= 0:
-        out.append(f"{key}.rank must be > 0 to build adapters{' (0 = no LoRA)' if allow_off else ''}, got {lora.rank}")
+    if lora.rank == 0:
+        return out + lora_off_problems(key, lora)
+    if int(lora.rank) < 0:
+        out.append(f"{key}.rank must be > 0 to build adapters (0 = no LoRA), got {lora.rank}")
     if not float(lora.alpha) > 0:
         out.append(f"{key}.alpha must be > 0, got {lora.alpha}")
     if not 0.0 <= float(lora.dropout) < 1.0:

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from verl_lite.config.loader import ConfigError
+from verl_lite.errors import ConfigError
 from verl_lite.reward.rules import REWARD_MANAGERS
 from verl_lite.reward.scorers import default_compute_score
 

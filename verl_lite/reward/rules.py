@@ -141,11 +141,7 @@ def reward_model_problems(rm, world: int, cuda: bool = False) -> list[str]:
     if not isinstance(w, (int, float)) or isinstance(w, bool) or not abs(w) < float("inf"):
         p.append(f"{key}.rule_reward_weight={w!r} must be a finite number (0 = the reward model alone)")
     mg = rm.megatron
-    layout = {field: getattr(mg, name) for field, name in engine_rules.MEGATRON_NAMES.items()}
-    p.extend(engine_rules.layout_problems(f"{key}.megatron", layout, world,
-                                          "the reward model's {world} workers (colocated: the actor's)", cfg,
-                                          engine_rules.MEGATRON_NAMES))
-    p.extend(engine_rules.dtype_problems(f"{key}.megatron.dtype", mg.dtype))
+    p.extend(mg.problems(f"{key}.megatron", world, "the reward model's {world} workers (colocated: the actor's)", cfg))
     p.extend(engine_rules.transformer_override_problems(f"{key}.megatron.override_transformer_config",
                                                         mg.override_transformer_config, dtype=mg.dtype, cuda=cuda))
     return p
@@ -154,31 +150,27 @@ def reward_model_problems(rm, world: int, cuda: bool = False) -> list[str]:
 JUDGE_SECTIONS = ("rollout", "judge")  # the generative judge's own sections of reward_model
 
 
-def _differing(section, default) -> list[tuple[str, object]]:
-    """(field, value) of ``section`` that differ from the dataclass ``default``."""
+def _differing(section) -> list[tuple[str, object]]:
+    """(field, value) of the dataclass ``section`` that differ from its class's defaults."""
     import dataclasses
 
+    default = type(section)()
     return [(f.name, getattr(section, f.name)) for f in dataclasses.fields(default)
             if getattr(section, f.name) != getattr(default, f.name)]
 
 
 def _set_judge_keys(rm) -> list[tuple[str, str]]:
     """A discriminative RM with judge settings: each set key and why it does not apply (none is ignored)."""
-    from verl_lite.config import schema
-
     why = ("configures the generative judge (reward_model.generative=true); the discriminative reward model runs on "
            "the megatron engine (its layout: reward_model.megatron.*): drop it, or set reward_model.generative=true "
            "with a causal-LM judge")
-    defaults = {"rollout": schema.RewardModelRolloutConfig(), "judge": schema.JudgeConfig()}
-    return [(f"{sec}.{name}={value!r}", why) for sec in JUDGE_SECTIONS
-            for name, value in _differing(getattr(rm, sec), defaults[sec])]
+    return [(f"{sec}.{name}={value!r}", why) for sec in JUDGE_SECTIONS for name, value in _differing(getattr(rm, sec))]
 
 
 def judge_problems(rm, cuda: bool = False) -> list[str]:
     """``reward_model.generative=true``: a causal-LM judge directory and tokenizer, a known backend that runs here,
     sampling and length bounds that fit the judge model, a known parser, a finite unparsable score, a positive
     timeout; the discriminative RM's engine settings (``reward_model.megatron.*``) must stay unset."""
-    from verl_lite.config import schema
     from verl_lite.engine.model_files import model_dir_problem, read_config
     from verl_lite.reward.judge import SCORE_PARSERS, template_placeholders
     from verl_lite.rollout.rules import generation_problems
@@ -188,7 +180,7 @@ def judge_problems(rm, cuda: bool = False) -> list[str]:
     longest = r.prompt_length + r.response_length if _ints(r.prompt_length, r.response_length) else None
     p += [f"{key}.megatron.{name}={value!r} is the discriminative reward model's engine layout; the generative judge "
           f"runs behind {R}.name (one process of its own): drop it"
-          for name, value in _differing(rm.megatron, schema.MegatronConfig())]
+          for name, value in _differing(rm.megatron)]
     if not rm.model.path:
         p.append(f"{key}.generative=true needs {key}.model.path: an HF causal-LM directory (the judge; the policy's "
                  f"own checkpoint works too)")

@@ -4,11 +4,14 @@
   (``sandbox_child.py``, started once; the file is imported there once). Each batch call waits
   at most ``timeout_s``; past it the process is SIGKILLed and a :class:`TimeoutError`-like
   :class:`RewardCallFailed` says which sample it was stuck on. If the process dies (segfault,
-  ``os._exit``), the call fails at once naming its exit status. The process leads a session
-  (and process group) of its own: :meth:`close`, a timeout and the driver's death end the whole
-  group, so helper processes the reward file started go with it. Its data segment is limited to
-  ``reward.max_memory_gb`` (``RLIMIT_DATA``): a leaking reward fails with a ``MemoryError`` that
-  names the limit and the key.
+  ``os._exit``), the call fails at once naming its exit status. The process runs under a guard
+  (:class:`verl_lite.utils.processes.GuardedProcess`): :meth:`close`, a timeout, the process's own
+  exit and the driver's death (SIGKILL included) end every process the reward file started, also one
+  that left the session (``start_new_session=True``). ``reward.max_memory_gb`` holds for every kind
+  of allocation: the process's data segment is limited (``RLIMIT_DATA``: a leak of private memory
+  fails at once with a ``MemoryError`` on its sample), and the guard holds the whole tree's
+  proportional set size (shared anonymous memory and subprocesses included) under the same limit,
+  checked every ``process_guard.POLL_S``; past it the tree is killed. Both name the limit and the key.
 - :class:`InProcessReward`: a Python callable (the Python API's ``reward_fn``, or the built-in
   scorer) runs in a daemon thread of the driver, awaited with the same bound
   (:func:`call_bounded`); a call past the bound is abandoned (the thread cannot be killed) and
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from verl_lite.reward.sandbox_child import HEADER
+from verl_lite.utils.processes import GuardedProcess
 
 CHILD = Path(__file__).with_name("sandbox_child.py")
 START_TIMEOUT_S = 60.0  # importing a reward file (it may import torch, a tokenizer, ...)
@@ -45,14 +49,6 @@ def close_all() -> None:
         proc.close()
 
 
-def _kill_group(pgid: int) -> None:
-    """SIGKILL the process group the reward process leads (gone already: nothing to do)."""
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 class RewardCallFailed(Exception):
     """A reward call failed. ``kind``: raised | timeout | died | bad_result | load; ``sample``: index or None."""
 
@@ -63,6 +59,15 @@ class RewardCallFailed(Exception):
 
 
 MEMORY_KEY = "reward.max_memory_gb"
+
+
+def memory_limit_message(used_bytes: int | None, limit_gb: float) -> str:
+    """The one message of a reward that reached its memory limit (``used_bytes``: what the guard measured)."""
+    what = ("the reward process reached its memory limit" if used_bytes is None else
+            f"the reward process and what it started reached {used_bytes / 2**30:.2f} GiB (shared memory and "
+            f"subprocesses count), over its memory limit")
+    return (f"MemoryError: {what} {MEMORY_KEY}={limit_gb:g} GiB; free what the function keeps between calls or "
+            f"raise {MEMORY_KEY}")
 
 
 def call_bounded(fn: Callable[[], Any], timeout_s: float | None, thread_name: str) -> concurrent.futures.Future:
@@ -135,6 +140,7 @@ class RewardProcess:
         self.path, self.name, self.mode, self.kwarg_names = str(path), name, mode, list(kwarg_names)
         self.max_memory_gb = max_memory_gb if max_memory_gb is not None and max_memory_gb > 0 else None
         self.proc: subprocess.Popen | None = None
+        self.guard: GuardedProcess | None = None
         self.signature = None
         _LIVE.add(self)
         self._start()
@@ -142,9 +148,10 @@ class RewardProcess:
     # ------------------------------------------------------------ process
     def _start(self) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, "-u", str(CHILD)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env, close_fds=True, start_new_session=True)
         limit = int(self.max_memory_gb * 2**30) if self.max_memory_gb else None
+        self.guard = GuardedProcess([sys.executable, "-u", str(CHILD)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    env=env, memory_limit_bytes=limit)
+        self.proc = self.guard.proc
         self._send(("init", self.path, self.name, self.mode, self.kwarg_names, limit))
         reply = self._recv(time.monotonic() + START_TIMEOUT_S, during="importing the reward file")
         if reply[0] == "load_error":
@@ -154,24 +161,17 @@ class RewardProcess:
         self.signature = reply[1]
 
     def pid(self) -> int | None:
+        """The pid of the reward process's guard (its parent; the reward process tree is below it)."""
         return self.proc.pid if self.proc is not None else None
 
     def close(self) -> None:
+        """End the reward process and everything it started (idempotent)."""
         _LIVE.discard(self)
-        proc, self.proc = self.proc, None
-        if proc is None:
+        proc, guard, self.proc, self.guard = self.proc, self.guard, None, None
+        if guard is None:
             return
-        try:
-            proc.stdin.close()
-        except Exception:
-            pass
-        try:
-            proc.wait(timeout=2.0)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5.0)
-        _kill_group(proc.pid)  # what the reward file started (its process group outlives the leader)
-        for f in (proc.stdout,):
+        guard.stop()
+        for f in (proc.stdin, proc.stdout):
             try:
                 f.close()
             except Exception:
@@ -179,7 +179,6 @@ class RewardProcess:
 
     def _kill(self) -> None:
         if self.proc is not None:
-            _kill_group(self.proc.pid)
             self.close()
             _LIVE.add(self)  # restarted on its next call, so still closed by close_all()
 
@@ -204,7 +203,10 @@ class RewardProcess:
                 continue
             chunk = os.read(fd, n - got)
             if not chunk:
-                code = self.proc.wait(timeout=5.0)
+                code = self.proc.wait(timeout=30.0)  # the guard ends the rest of the tree first (bounded)
+                used = self.guard.memory_used()
+                if used is not None:
+                    raise RewardCallFailed("raised", memory_limit_message(used, self.max_memory_gb), sample=sample)
                 how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
                 limit = (f" (its memory limit is {MEMORY_KEY}={self.max_memory_gb:g} GiB)"
                          if self.max_memory_gb and code < 0 else "")  # a failed allocation in C code can crash it
@@ -247,9 +249,8 @@ class RewardProcess:
             raise RewardCallFailed("bad_result", reply[1])
         _, sample, type_name, message, payload, tb = reply
         if type_name == "MemoryError" and self.max_memory_gb:
-            raise RewardCallFailed("raised", f"MemoryError: the reward process reached its memory limit {MEMORY_KEY}="
-                                   f"{self.max_memory_gb:g} GiB; free what the function keeps between calls or raise "
-                                   f"{MEMORY_KEY}", sample=sample, remote_traceback=tb)
+            raise RewardCallFailed("raised", memory_limit_message(None, self.max_memory_gb), sample=sample,
+                                   remote_traceback=tb)
         cause = None
         if payload is not None:
             try:

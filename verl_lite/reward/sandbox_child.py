@@ -3,11 +3,11 @@
 Run by path (``python sandbox_child.py``, standard library only, so nothing of verl_lite or torch
 is imported unless the user's file does). Protocol over stdin/stdout: length-prefixed pickles
 (see ``verl_lite.reward.sandbox``). The user's prints go to stderr (fd 1 is re-pointed there).
-The driver starts it as the leader of a process group of its own; when the driver dies, the
-kernel sends it SIGTERM (``PR_SET_PDEATHSIG``), on which it SIGKILLs its whole group (itself and
-whatever the reward file started); so does the end of its input (the driver's close, or its death,
-whose closed pipe can arrive before the signal). The memory limit (``RLIMIT_DATA``) is set before the file is
-imported.
+The driver starts it under a guard (``verl_lite/utils/process_guard.py``), which ends whatever the
+reward file started when this process exits, when the driver closes it and when the driver dies; this
+process exits at the end of its input (the driver's close, or its death) and dies with its guard
+(``PR_SET_PDEATHSIG``). The memory limit (``RLIMIT_DATA``) is set before the file is imported; the guard
+holds the whole tree's memory under the same limit.
 
 Requests and replies:
     ("init", path, name, mode, kwarg_names, memory_limit_bytes | None) -> ("ready", signature_problem | None)
@@ -33,20 +33,15 @@ import traceback
 HEADER = struct.Struct("<Q")
 
 
-def _kill_own_group(signum=None, frame=None) -> None:
-    os.killpg(os.getpgid(0), signal.SIGKILL)
-
-
 def _die_with_parent() -> None:
-    """The driver's death -> SIGTERM here -> SIGKILL to this process group (Linux)."""
-    signal.signal(signal.SIGTERM, _kill_own_group)
+    """The guard's death -> SIGKILL here (Linux; the guard ends this process's descendants itself)."""
+    parent = os.getppid()
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
         return
-    if os.getppid() == 1:  # the driver died before the prctl took effect
-        _kill_own_group()
+    if os.getppid() != parent:  # the guard died before the prctl took effect
+        os._exit(1)
 
 
 def _limit_memory(limit_bytes) -> None:
@@ -107,8 +102,9 @@ def main() -> None:
     fn = None
     while True:
         msg = _recv(inp)
-        if msg is None:  # the driver closed the pipe, or died: the kernel closes its end before it sends the
-            _kill_own_group()  # death signal, so this process could exit first and leave the file's helpers behind
+        if msg is None:  # the driver closed the pipe, or died: the guard ends what the reward file started
+            sys.stderr.flush()
+            os._exit(0)
         if msg[0] == "init":
             _, path, name, mode, kwarg_names, limit_bytes = msg
             try:

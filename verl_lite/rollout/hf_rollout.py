@@ -36,6 +36,8 @@ import torch
 
 from verl_lite.compat.hf_attention import use_decode_attention
 from verl_lite.compat.kv_cache import reserved_cache
+from verl_lite.compat.torch_internals import torch_function_disabled
+from verl_lite.engine.attention import MATMUL_ATTENTION_DTYPES, grouped_matmul_attention
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
@@ -143,7 +145,8 @@ class HFRollout:
         self.tokenizer = tokenizer
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device)
-        use_decode_attention(self.model)  # sdpa, with decode steps on the CPU as matmuls
+        # sdpa, with decode steps on the CPU as matmuls
+        use_decode_attention(self.model, grouped_matmul_attention, MATMUL_ATTENTION_DTYPES)
         self.model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -233,8 +236,8 @@ class HFRollout:
             raise ValueError("generate: give either seed (one per call) or seeds (one per prompt), not both")
         # generation needs no __torch_function__ overrides: skip any global mode (e.g. the engine's
         # CPU adapter in a colocated worker), which would cost one Python hop per torch call; and no autograd
-        # bookkeeping (inference mode: no version counters or view tracking, 7-12% of the tiny model's generate)
-        with torch._C.DisableTorchFunction(), torch.inference_mode():
+        # bookkeeping (inference mode: no version counters or view tracking, a visible share of a small model's generate)
+        with torch_function_disabled(), torch.inference_mode():
             tokens, logps, lengths = self._generate(
                 prompt_ids, n, do_sample, temperature, top_p, top_k, max_new_tokens, seed, seeds,
                 shaping=(float(repetition_penalty), float(min_p or 0.0)),

@@ -67,6 +67,7 @@ from typing import Iterator
 import torch
 
 from verl_lite.errors import BadInput
+from verl_lite.utils import safe_files
 
 PREFIX = "global_step_"
 COMPLETE = "complete"
@@ -139,38 +140,32 @@ class CheckpointRefused(BadInput):
     """A checkpoint is damaged or unsafe to read; the message names the file. Nothing of it was loaded."""
 
 
-def _hash_file(path: Path) -> str:
-    with open(path, "rb") as f:
+def _hash_file(directory: Path, rel: str) -> str:
+    fd = safe_files.open_inside(directory, rel)
+    with open(fd, "rb") as f:
         return hashlib.file_digest(f, HASH_NAME).hexdigest()
 
 
 def _hash_files(directory: Path, rels: list[str]) -> dict[str, str]:
     """sha256 of each ``directory / rel``, several files at once (hashlib releases the GIL)."""
     with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, len(rels)))) as pool:
-        return dict(zip(rels, pool.map(lambda rel: _hash_file(directory / rel), rels)))
-
-
-def _files_of(directory: Path) -> list[str]:
-    """Every file under ``directory`` but the marker, as sorted POSIX paths relative to it."""
-    rels = [Path(d, f).relative_to(directory).as_posix() for d, _dirs, files in os.walk(directory) for f in files]
-    return sorted(r for r in rels if r != COMPLETE)
+        return dict(zip(rels, pool.map(lambda rel: _hash_file(directory, rel), rels)))
 
 
 def build_manifest(directory: Path) -> dict[str, dict]:
     """``{relative path: {"size": bytes, "sha256": hex}}`` of every file of a checkpoint being saved."""
-    rels = _files_of(directory)
-    digests = _hash_files(directory, rels)
-    return {rel: {"size": (directory / rel).stat().st_size, HASH_NAME: digests[rel]} for rel in rels}
+    sizes = {rel: size for rel, size in safe_files.scan_tree(directory).items() if rel != COMPLETE}
+    digests = _hash_files(directory, sorted(sizes))
+    return {rel: {"size": sizes[rel], HASH_NAME: digests[rel]} for rel in sorted(sizes)}
 
 
 def _read_marker(path: Path, fix: str | None) -> dict:
-    marker = path / COMPLETE
     try:
-        data = json.loads(marker.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointRefused(f"checkpoint marker {marker} is unreadable ({type(e).__name__}: {e})", fix) from None
+        data = safe_files.read_json(path, COMPLETE)
+    except safe_files.UnsafeFile as e:
+        raise CheckpointRefused(f"checkpoint marker {e}", fix) from None
     if not isinstance(data, dict):
-        raise CheckpointRefused(f"checkpoint marker {marker} holds no JSON object", fix)
+        raise CheckpointRefused(f"checkpoint marker {path / COMPLETE} holds no JSON object", fix)
     return data
 
 
@@ -180,23 +175,30 @@ def _manifest(path: Path, fix: str | None) -> dict[str, dict] | None:
     if files is None:
         return None
     ok = isinstance(files, dict) and all(
-        isinstance(rel, str) and not Path(rel).is_absolute() and ".." not in Path(rel).parts
-        and isinstance(rec, dict) and isinstance(rec.get("size"), int) and isinstance(rec.get(HASH_NAME), str)
+        isinstance(rel, str) and _plain_relative(rel)
+        and isinstance(rec, dict) and type(rec.get("size")) is int and isinstance(rec.get(HASH_NAME), str)
         for rel, rec in files.items())
     if not ok:
         raise CheckpointRefused(f"the manifest in {path / COMPLETE} is malformed (not written by verl_lite)", fix)
     return files
 
 
-def _damage(path: Path, manifest: dict[str, dict]) -> list[tuple[str, str]]:
+def _plain_relative(rel: str) -> bool:
+    try:
+        safe_files.relative_parts(rel)
+        return True
+    except safe_files.UnsafeFile:
+        return False
+
+
+def _damage(path: Path, manifest: dict[str, dict], on_disk: dict[str, int]) -> list[tuple[str, str]]:
     """(file, what is wrong) for each manifest entry that differs on disk: sizes first, then content."""
     problems = []
     for rel, rec in sorted(manifest.items()):
-        f = path / rel
-        if not f.is_file():
+        if rel not in on_disk:
             problems.append((rel, "is missing"))
-        elif (size := f.stat().st_size) != rec["size"]:
-            problems.append((rel, f"is {size} bytes where the save wrote {rec['size']} (truncated or overwritten)"))
+        elif on_disk[rel] != rec["size"]:
+            problems.append((rel, f"is {on_disk[rel]} bytes where the save wrote {rec['size']} (truncated or overwritten)"))
     if problems:
         return problems
     digests = _hash_files(path, sorted(manifest))
@@ -205,37 +207,89 @@ def _damage(path: Path, manifest: dict[str, dict]) -> list[tuple[str, str]]:
 
 
 def verify_checkpoint(path: Path, fix: str | None = None, under: str | None = None) -> int:
-    """Check the files of checkpoint ``path`` against the manifest its save wrote, before anything reads
-    them (``under``: only those below that sub-directory, e.g. the role an export reads). Raises
-    :class:`CheckpointRefused` naming the first damaged file, with ``fix`` as the remedy. Returns how
-    many files were verified (0: a checkpoint written before manifests, which is said once)."""
+    """Check checkpoint ``path`` before anything reads it; raise :class:`CheckpointRefused` naming the first
+    file that fails, with ``fix`` as the remedy. Returns how many files the manifest verified (0: a checkpoint
+    written before manifests, which is said once; its structure and contents are checked all the same).
+
+    1. the tree holds only regular files and directories (no link, FIFO or device anywhere);
+    2. with a manifest: no file outside it, and each file's size, then sha256, as the save recorded;
+    3. the contents a load trusts (:func:`check_contents`): each role's dist-checkpoint directory, every
+       safetensors header, every JSON file, the split-placement state.
+    ``under`` (e.g. the role an export reads) limits the manifest's hashing to that sub-directory."""
     path = Path(path)
+    try:
+        on_disk = safe_files.scan_tree(path)
+    except safe_files.UnsafeFile as e:
+        raise CheckpointRefused(f"checkpoint {path} is unsafe to read: {e}", fix) from None
     manifest = _manifest(path, fix)
     if manifest is None:
         _say(f"{path} was saved without checksums (an older verl_lite): its files are not verified")
-        return 0
-    if under is not None:
-        manifest = {rel: rec for rel, rec in manifest.items() if rel.startswith(under.rstrip("/") + "/")}
-    problems = _damage(path, manifest)
-    if problems:
-        (rel, what), more = problems[0], len(problems) - 1
-        raise CheckpointRefused(f"checkpoint {path} is damaged: {rel} {what}"
-                                + (f" (and {more} more file{'s' * (more > 1)})" if more else ""), fix)
-    return len(manifest)
+    else:
+        strays = sorted(set(on_disk) - set(manifest) - {COMPLETE})
+        if strays:
+            raise CheckpointRefused(f"checkpoint {path} holds {strays[0]}, which its save did not write (not in the "
+                                    f"manifest{f'; and {len(strays) - 1} more' if len(strays) > 1 else ''})", fix)
+        if under is not None:
+            manifest = {rel: rec for rel, rec in manifest.items() if rel.startswith(under.rstrip("/") + "/")}
+        problems = _damage(path, manifest, on_disk)
+        if problems:
+            (rel, what), more = problems[0], len(problems) - 1
+            raise CheckpointRefused(f"checkpoint {path} is damaged: {rel} {what}"
+                                    + (f" (and {more} more file{'s' * (more > 1)})" if more else ""), fix)
+    check_contents(path, on_disk, fix)
+    return 0 if manifest is None else len(manifest)
 
 
-def check_dist_metadata(path: Path, roles, fix: str | None = None) -> None:
-    """Read each role's ``<role>/dist/.metadata`` through the restricted unpickler (the only pickle in a
-    checkpoint) before any process loads it; an index that refers to anything but dist-checkpoint
-    metadata, or does not parse, raises :class:`CheckpointRefused` naming the file."""
-    from verl_lite.engine.checkpoint import UnsafeCheckpointFile, read_dist_metadata
+CONFIG_FILE_LIMIT = 256 * safe_files.MIB  # a file of hf_config/ (config.json, tokenizer files)
 
-    for role in roles:
-        if (Path(path) / role / "dist").is_dir():
-            try:
-                read_dist_metadata(Path(path) / role / "dist")
-            except UnsafeCheckpointFile as e:
-                raise CheckpointRefused(str(e), fix) from None
+
+def check_contents(path: Path, on_disk: dict[str, int], fix: str | None = None) -> None:
+    """Every file of the checkpoint that a load parses, checked as its reader will trust it (see
+    :func:`verify_checkpoint`); :class:`CheckpointRefused` naming the file otherwise."""
+    from verl_lite.engine.checkpoint import UnsafeCheckpointFile, check_dist_dir, read_engine_description
+
+    try:
+        for role in ROLES:
+            if (path / role / "dist").is_dir():
+                check_dist_dir(path / role / "dist")
+                read_engine_description(path / role / "dist")
+        for rel, size in sorted(on_disk.items()):
+            model_files = rel.startswith(f"{HF_DIR}/") or "/hf_config/" in rel
+            if rel.endswith(".safetensors"):
+                safe_files.check_safetensors(path, rel)
+            elif rel.endswith(".json"):
+                safe_files.read_json(path, rel, CONFIG_FILE_LIMIT if model_files else safe_files.JSON_LIMIT)
+            elif model_files and size > CONFIG_FILE_LIMIT:
+                raise safe_files.UnsafeFile(f"{path / rel}: {size} bytes, more than a model config or tokenizer "
+                                            f"file may hold")
+    except (safe_files.UnsafeFile, UnsafeCheckpointFile, ValueError) as e:
+        raise CheckpointRefused(str(e), fix) from None
+
+
+def read_async_state(path: Path, fix: str | None = None) -> dict:
+    """``path/ASYNC_FILE`` (split placement: the policy version and the batches generated ahead), loaded with
+    ``weights_only=True`` and rebuilt into rollout items; :class:`CheckpointRefused` naming the file when it
+    does not hold that."""
+    import io
+
+    from verl_lite.controller.pipeline import RolloutItem
+
+    file = path / ASYNC_FILE
+    try:
+        saved = torch.load(io.BytesIO(safe_files.read_bounded(path, ASYNC_FILE, ASYNC_LIMIT)), map_location="cpu",
+                           weights_only=True)
+        if not isinstance(saved, dict) or type(saved.get("policy_version")) is not int or \
+                not isinstance(saved.get("in_flight"), list):
+            raise ValueError("not a dict with an int policy_version and a list in_flight")
+        return {**saved, "in_flight": [RolloutItem.from_state(item) for item in saved["in_flight"]]}
+    except safe_files.UnsafeFile as e:
+        raise CheckpointRefused(str(e), fix) from None
+    except Exception as e:  # weights_only and the rebuild refuse a crafted file in many ways
+        raise CheckpointRefused(f"{file} does not hold split placement's pipeline state "
+                                f"({type(e).__name__}: {e})", fix) from None
+
+
+ASYNC_LIMIT = 16 * safe_files.GIB  # the in-flight batches of split placement
 
 
 # ============================================================================ driver state
@@ -254,9 +308,9 @@ def read_driver_state(path: Path, fix: str | None = None) -> DriverState:
     """``path/driver_state.json``, parsed and type-checked; :class:`CheckpointRefused` naming the file otherwise."""
     file = path / DRIVER_STATE
     try:
-        raw = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointRefused(f"{file} is unreadable ({type(e).__name__}: {e})", fix) from None
+        raw = safe_files.read_json(path, DRIVER_STATE)
+    except safe_files.UnsafeFile as e:
+        raise CheckpointRefused(str(e), fix) from None
     if not isinstance(raw, dict) or (missing := [f.name for f in fields(DriverState) if f.name not in raw]):
         what = "is not a JSON object" if not isinstance(raw, dict) else f"lacks {missing}"
         raise CheckpointRefused(f"{file} {what}: not a driver state written by verl_lite", fix)
@@ -365,9 +419,31 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def fresh_dir_beside(final: Path) -> Path:
+    """A new, empty directory next to ``final`` (``.tmp-<name>-<id>``), made here: nothing in it can be a
+    link planted beforehand, so what is written into it lands in it."""
+    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def publish_dir(tmp: Path, final: Path) -> None:
+    """Put the finished directory ``tmp`` at ``final``: whatever is there (a directory, a file or a link) is
+    first renamed aside and then removed without following any link in it; nothing is written through it."""
+    if os.path.lexists(final):
+        old = final.parent / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
+        os.replace(final, old)
+        if old.is_symlink() or not old.is_dir():
+            old.unlink()
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w") as f:
+    with open(safe_files.create_new(tmp), "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -392,7 +468,7 @@ class CheckpointManager:
         self.resume_from = Path(tr.resume_from_path).expanduser().resolve() if tr.resume_from_path else None
         self.resumed_from: Path | None = None
         self.last_saved_step: int | None = None
-        self._checked: tuple[Path | None, DriverState | None, str] | None = None  # prepare_resume()'s result
+        self._checked: tuple | None = None  # prepare_resume()'s result: (path, driver state, async state, what was verified)
 
     # ---------------------------------------------------------------- resume
     def resume_path(self) -> Path | None:
@@ -425,13 +501,17 @@ class CheckpointManager:
         :meth:`resume` uses its result (and calls it itself when nothing did)."""
         path = self.resume_path()
         if path is None:
-            self._checked = (None, None, "")
+            self._checked = (None, None, None, "")
             return
         fix = self._refusal_fix(path)
         t0 = time.perf_counter()
         n = verify_checkpoint(path, fix)
-        check_dist_metadata(path, ROLES, fix)
+        self._check_roles(path, fix)
         state = read_driver_state(path, fix)
+        async_state = read_async_state(path, fix) if (path / ASYNC_FILE).is_file() else None
+        if async_state is not None and async_state["policy_version"] != state.global_step:
+            raise CheckpointRefused(f"{path / ASYNC_FILE} records policy version {async_state['policy_version']}, "
+                                    f"the checkpoint step {state.global_step}", fix)
         digest = _config_digest(self.cfg)
         changed = {k: (v, digest.get(k)) for k, v in state.config_digest.items() if digest.get(k) != v}
         if changed:
@@ -439,7 +519,21 @@ class CheckpointManager:
                 f"{k} (saved {a!r}, now {b!r})" for k, (a, b) in changed.items()),
                 "resume with the saved values, or start a new run (another trainer.default_local_dir)")
         self._check_fingerprint(path)
-        self._checked = (path, state, f"{n} files verified in {time.perf_counter() - t0:.1f}s" if n else "unverified")
+        self._checked = (path, state, async_state,
+                         f"{n} files verified in {time.perf_counter() - t0:.1f}s" if n else "unverified")
+
+    def _check_roles(self, path: Path, fix: str) -> None:
+        """The files a resume loads exist: the driver's RNG, the actor's state, and the critic's when this run
+        trains one (:class:`CheckpointRefused` naming what is missing)."""
+        from verl_lite.algorithms import estimator_needs
+
+        needed = [DRIVER_RNG, "actor/dist"]
+        if "critic" in estimator_needs(self.cfg.algorithm.adv_estimator):
+            needed.append("critic/dist")
+        missing = [rel for rel in needed if not (path / rel).exists()]
+        if missing:
+            raise CheckpointRefused(f"checkpoint {path} lacks {', '.join(missing)}, which this run resumes from"
+                                    + (" (this run trains a critic)" if "critic/dist" in missing else ""), fix)
 
     def fingerprint(self) -> dict:
         """This run's fingerprint (``verl_lite.trainer.fingerprint``), computed once."""
@@ -459,9 +553,9 @@ class CheckpointManager:
             _say(f"{path} was saved without a fingerprint (an older verl_lite): its model, data and keys are not compared")
             return
         try:
-            saved = json.loads(file.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointRefused(f"{file} is unreadable ({type(e).__name__}: {e})", self._refusal_fix(path)) from None
+            saved = safe_files.read_json(path, fp.FILE)
+        except safe_files.UnsafeFile as e:
+            raise CheckpointRefused(str(e), self._refusal_fix(path)) from None
         changed = fp.differences(saved, self.fingerprint()) if isinstance(saved, dict) else ["its fingerprint"]
         if changed and self.ignore_fingerprint:
             _say(f"resuming {path} although it differs ({fp.OVERRIDE_KEY}=true): " + "; ".join(changed))
@@ -477,7 +571,7 @@ class CheckpointManager:
         cursor = DataCursor(trainer.train_dataset, d.train_batch_size, d.shuffle, d.seed)
         if self._checked is None:
             self.prepare_resume()
-        (path, state, verified), self._checked = self._checked, None
+        (path, state, async_state, verified), self._checked = self._checked, None
         if path is None:
             return cursor
         from safetensors.torch import load_file
@@ -485,8 +579,6 @@ class CheckpointManager:
         t0 = time.perf_counter()
         infos = {"actor": trainer.actor.call_all("load_checkpoint", str(path / "actor"))}
         if getattr(trainer, "critic", None) is not None:
-            if not (path / "critic").is_dir():
-                raise ValueError(f"{path} holds no critic state but this run trains a critic")
             infos["critic"] = trainer.critic.call_all("load_checkpoint", str(path / "critic"))
         trainer.global_step = state.global_step
         if trainer.kl_ctrl is not None and state.kl_coef is not None:
@@ -494,15 +586,7 @@ class CheckpointManager:
         random.setstate(_python_state_from_json(state.python_random))
         _restore_global_rng(load_file(str(path / DRIVER_RNG)))
         cursor.epoch, cursor.batch = state.data_epoch, state.data_batch
-        if (path / ASYNC_FILE).is_file():  # a split-placement checkpoint: its in-flight rollout batches
-            from verl_lite.controller.pipeline import RolloutItem
-
-            saved = torch.load(path / ASYNC_FILE, map_location="cpu", weights_only=True)  # tensors + plain data only
-            saved["in_flight"] = [RolloutItem.from_state(item) for item in saved["in_flight"]]
-            trainer.resumed_async_state = saved
-            if trainer.resumed_async_state["policy_version"] != trainer.global_step:
-                raise ValueError(f"{path / ASYNC_FILE} records policy version "
-                                 f"{trainer.resumed_async_state['policy_version']}, the checkpoint step {trainer.global_step}")
+        trainer.resumed_async_state = async_state  # split placement: its in-flight rollout batches, or None
         self.resumed_from = path
         self.last_saved_step = trainer.global_step
         layout = infos["actor"][0]["layout"]
@@ -565,12 +649,7 @@ class CheckpointManager:
         _fsync_tree(tmp)
         _write_atomic(tmp / COMPLETE, json.dumps({"global_step": step, "time": time.time(),
                                                   MANIFEST_KEY: build_manifest(tmp)}))
-        if final.exists():  # the same step saved again (e.g. a resumed run that trained no further)
-            old = self.root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
-            os.replace(final, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.replace(tmp, final)
-        _fsync_dir(self.root)
+        publish_dir(tmp, final)  # the same step saved again (e.g. a resumed run that trained no further) is replaced
         _write_atomic(self.root / LATEST_FILE, str(step))
         self.last_saved_step = step
         self._retain()
@@ -590,14 +669,9 @@ class CheckpointManager:
     def export_final(self, trainer) -> Path:
         """The current policy as ``<root>/huggingface`` (replaced atomically), without a checkpoint."""
         self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / f".tmp-{HF_DIR}-{uuid.uuid4().hex[:8]}"
+        final = self.root / HF_DIR
+        tmp = fresh_dir_beside(final)
         trainer.actor.call_all("export_hf_dir", str(tmp))
         _fsync_tree(tmp)
-        final = self.root / HF_DIR
-        if final.exists():
-            old = self.root / f".old-{HF_DIR}-{uuid.uuid4().hex[:8]}"
-            os.replace(final, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.replace(tmp, final)
-        _fsync_dir(self.root)
+        publish_dir(tmp, final)
         return final

@@ -18,6 +18,9 @@ damaged or unsafe checkpoint is refused naming the file (exit 2).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -39,7 +42,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path | None = None, role: str = "actor") -> Path:
     """Write ``<checkpoint>/<role>`` as an HF directory; returns it. Initialises a 1-process gloo world."""
-    from verl_lite.trainer.checkpointing import check_dist_metadata, verify_checkpoint
+    from verl_lite.trainer.checkpointing import fresh_dir_beside, publish_dir, verify_checkpoint
 
     ckpt = resolve_checkpoint(checkpoint)
     role_dir = ckpt / role
@@ -47,22 +50,23 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path | None = None, rol
         raise ValueError(f"{ckpt} holds no {role} state ({role_dir / 'dist'} is missing)")
     fix = "export another checkpoint (its global_step_K directory), or restore this one from a copy"
     verify_checkpoint(ckpt, fix, under=role)  # before megatron or transformers read any of it
-    check_dist_metadata(ckpt, [role], fix)
 
     import torch
     from transformers import AutoConfig
 
     from verl_lite.engine.checkpoint import load_model_only, save_hf_pretrained
+    from verl_lite.engine.config import MegatronConfig
     from verl_lite.engine.distributed import destroy_distributed, init_distributed
-    from verl_lite.workers.from_config import parallel_config
     from verl_lite.engine.model import build_model_chunks, transformer_config_from_hf
     from verl_lite.utils.net import free_port
 
-    out = Path(out).expanduser().resolve() if out is not None else ckpt / "huggingface"
+    final = Path(os.path.abspath(Path(out).expanduser())) if out is not None else ckpt / "huggingface"
+    final.parent.mkdir(parents=True, exist_ok=True)
     config_dir = role_dir / "hf_config"
     hf_config = AutoConfig.from_pretrained(str(config_dir))
-    parallel = parallel_config()
+    parallel = MegatronConfig()
     init_distributed(0, 1, "127.0.0.1", free_port(), parallel)
+    out = fresh_dir_beside(final)  # written here, then put in place: never through what is at `final`
     try:
         tf_config = transformer_config_from_hf(hf_config, parallel, params_dtype=torch.float32)
         chunks = build_model_chunks(hf_config, tf_config)
@@ -81,23 +85,27 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path | None = None, rol
             merged = dict(merge_into(export_hf(chunks, hf_config), export_adapter_state(chunks), lora.scaling))
             save_hf_pretrained(merged, hf_config, out, tokenizer_path=str(config_dir))
             save_lora_adapter(chunks, lora, out / LORA_ADAPTER_DIR)
+        publish_dir(out, final)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
     finally:
         destroy_distributed()
-    return out
+    return final
 
 
 def _checkpoint_lora(role_dir: Path):
     """The engine's ``LoraConfig`` a LoRA run saved with its checkpoint (``lora.json``), or None."""
-    import json
-
     from verl_lite.engine.checkpoint import LORA_FILE
+    from verl_lite.utils import safe_files
 
-    path = role_dir / LORA_FILE
-    if not path.is_file():
+    if not (role_dir / LORA_FILE).is_file():
         return None
-    from verl_lite.engine.lora import LoraConfig
+    from verl_lite.engine.config import LoraConfig
 
-    fields = json.loads(path.read_text())
+    fields = safe_files.read_json(role_dir, LORA_FILE)
+    if not isinstance(fields, dict) or set(fields) - {f.name for f in dataclasses.fields(LoraConfig)}:
+        raise ValueError(f"{role_dir / LORA_FILE}: not the LoRA settings of a verl_lite checkpoint")
     fields.update(adapter_path=None)  # the checkpoint holds the trained factors
     return LoraConfig(**fields)
 
@@ -121,12 +129,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def saved_layout(role_dir: Path) -> str:
     """The parallel layout a role's shards were saved at (``<role>/dist/verl_lite_engine.json``), e.g. 'tp=2 pp=1 dp=2'."""
-    import json
-
-    from verl_lite.engine.checkpoint import FORMAT_FILE
+    from verl_lite.engine.checkpoint import read_engine_description
 
     try:
-        layout = json.loads((role_dir / "dist" / FORMAT_FILE).read_text())["layout"]
+        layout = read_engine_description(role_dir / "dist")["layout"]
         return " ".join(f"{k}={v}" for k, v in layout.items() if v is not None)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return "unknown (no readable layout record)"

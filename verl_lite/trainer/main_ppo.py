@@ -32,6 +32,11 @@ Also works under ``ray job submit --address ... -- python -m verl_lite.trainer.m
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # the CLI: a signal before the run's own handler ends it with one line, exit 128 + signal
+    from verl_lite.trainer.stop_signals import exit_on_early_signals
+
+    exit_on_early_signals()
+
 import os
 import sys
 import threading
@@ -179,15 +184,16 @@ def main(argv: list[str] | None = None) -> int:
     quiet_process(debug)  # library warnings / notices: hidden unless debugging (driver and workers)
     state = RunState()
     in_main_thread = threading.current_thread() is threading.main_thread()
-    if in_main_thread:
-        SIGNALS.received = None
-        SIGNALS.install()
     try:
+        if in_main_thread:
+            SIGNALS.received = None
+            SIGNALS.install()
         summary = run(expand_recipes(argv), state)
     except BaseException as err:  # noqa: BLE001 - every failure becomes one block and an exit code
+        err = SIGNALS.interruption(err)  # also a library's signal handler's SystemExit (stop_signals)
         if isinstance(err, SystemExit):
             raise
-        return _report(SIGNALS.interruption(err), state, debug)
+        return _report(err, state, debug)
     finally:
         from verl_lite.reward.sandbox import close_all
 

@@ -61,8 +61,8 @@ from verl_lite.trainer.callbacks import CallbackList
 from verl_lite.trainer.checkpointing import CheckpointManager
 from verl_lite.trainer.tracking import COMPLETIONS_KEY
 from verl_lite.workers import ActorRolloutRefWorker, CriticWorker
-from verl_lite.workers.from_config import (actor_loss_config, actor_worker_config, critic_worker_config,
-                                           reward_model_worker_config, rollout_worker_config)
+from verl_lite.workers.from_config import (actor_worker_config, critic_worker_config, reward_model_worker_config,
+                                           rollout_worker_config)
 
 ROLLOUT_COLUMNS = ["prompt_ids", "responses", "response_mask"]
 
@@ -198,7 +198,7 @@ class PPOTrainer:
         self.use_critic = "critic" in self.estimator_needs
         self.need_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         self.kl_ctrl = get_kl_controller(**vars(cfg.algorithm.kl_ctrl)) if cfg.algorithm.use_kl_in_reward else None
-        self.loss_cfg = actor_loss_config(arr.actor, rollout_correction=self._correction_in_update())
+        self.loss_correction = self._correction_in_update()  # the actor's loss: arr.actor with this
         self.actor: RoleGroup | None = None
         self.critic: RoleGroup | None = None
         self.rollout: RoleGroup | None = None  # split placement (hybrid_engine=false): the rollout pool
@@ -423,7 +423,7 @@ class PPOTrainer:
 
     def _correction_in_update(self) -> dict | None:
         """``algorithm.rollout_correction``'s settings for the actor's loss, where an off-policy step takes its
-        old log-probs from the update's forward (``ActorLossConfig.rollout_correction``); else None."""
+        old log-probs from the update's forward (``actor_loss``'s ``correction``); else None."""
         return self._correction_settings() if self.off_policy() and self.old_log_probs_from_update() else None
 
     def _correction_settings(self) -> dict:
@@ -666,14 +666,14 @@ class PPOTrainer:
         """ppo_epochs x mini-batches optimizer steps; returns per-step results merged over DP."""
         a = self.cfg.actor_rollout_ref.actor
         wanted = ("old_log_probs", "ref_log_probs", "is_weights") + (
-            ("rollout_log_probs",) if self.loss_cfg.rollout_correction is not None else ())
+            ("rollout_log_probs",) if self.loss_correction is not None else ())
         keys = ROLLOUT_COLUMNS + ["advantages"] + [k for k in wanted if k in batch]
         plans = self._plans(batch, keys, lambda epoch: self.mini_batches(len(batch), epoch), a.ppo_epochs,
                             a.loss_agg_mode, a.loss_scale_factor, "actor")
         if LOSS_NEEDS[a.policy_loss.loss_mode] & {"cov_mask"}:
             return self._update_actor_with_cov_selection(plans)
-        return self._train_role("actor", self.actor, "update_actor", plans, self._actor_update_sizing(), self.loss_cfg,
-                                self.cfg.actor_rollout_ref.rollout.temperature)
+        return self._train_role("actor", self.actor, "update_actor", plans, self._actor_update_sizing(), a,
+                                self.cfg.actor_rollout_ref.rollout.temperature, self.loss_correction)
 
     def _update_actor_with_cov_selection(self, plans) -> list[dict]:
         """clip_cov / kl_cov: verl's token selection over each WHOLE mini-batch, from the current policy's
@@ -685,12 +685,12 @@ class PPOTrainer:
         for k, (mini, plan) in enumerate(plans):
             current = mini["old_log_probs"] if k == 0 else self.compute_old_log_probs(mini)["log_probs"]
             selected = select_cov_tokens(a.policy_loss.loss_mode, mini["advantages"], mini["old_log_probs"],
-                                         mini["response_mask"], self.loss_cfg,
+                                         mini["response_mask"], a,
                                          seed=self.cfg.trainer.seed * 65_537 + self.global_step * 131 + k,
                                          log_probs=current)
             steps += self._train_role("actor", self.actor, "update_actor", [(mini.set("cov_mask", selected), plan)],
-                                      self._actor_update_sizing(), self.loss_cfg,
-                                      self.cfg.actor_rollout_ref.rollout.temperature)
+                                      self._actor_update_sizing(), a,
+                                      self.cfg.actor_rollout_ref.rollout.temperature, self.loss_correction)
         return steps
 
     def update_critic(self, batch: Batch) -> list[dict]:

@@ -18,14 +18,19 @@ The file itself stays (deleting a lock file lets two runs lock two different fil
 On NFS, Linux maps flock onto the server's byte-range locks, so runs on different hosts exclude each
 other too.
 
+The lock file is opened with ``O_NOFOLLOW`` and must be a regular file: a symbolic link (or a FIFO)
+planted at its name is refused, never followed, so no file outside the directory is truncated or written.
+
 A run with ``save_freq <= 0`` takes no lock: it only reads complete checkpoints (``resume_mode``).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
+import stat
 import socket
 import time
 from pathlib import Path
@@ -33,7 +38,8 @@ from pathlib import Path
 from verl_lite.errors import BadInput
 
 LOCK_NAME = ".verl_lite.lock"
-HOLDER_READ_TRIES = 20  # the holder writes its pid just after taking the lock: wait up to ~0.2 s for it
+HOLDER_LIMIT = 4096  # bytes of a holder record read at most
+HOLDER_READ_TRIES = 20  # the holder writes its pid just after taking the lock: read it up to this many times
 
 
 class CheckpointDirInUse(BadInput):
@@ -95,10 +101,16 @@ class RunLock:
         fix = f"set {self.key} to a directory you can write (it is created if missing)"
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
         except OSError as e:
-            raise BadInput(f"{self.key}={str(self.directory)!r}: cannot create the lock file {self.path} "
-                           f"({e.strerror or e})", fix) from None
+            why = "it is a symbolic link, which is never followed" if e.errno == errno.ELOOP else e.strerror or e
+            raise BadInput(f"{self.key}={str(self.directory)!r}: cannot create the lock file {self.path} ({why})",
+                           f"remove {self.path} and retry" if e.errno == errno.ELOOP else fix) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise BadInput(f"{self.key}={str(self.directory)!r}: the lock file {self.path} is not a regular file",
+                           f"remove {self.path} and retry")
+        return fd
 
     def _write_holder(self) -> None:
         record = {"pid": os.getpid(), "host": socket.gethostname(),
@@ -123,10 +135,12 @@ class RunLock:
 
 def read_holder(path: Path) -> dict:
     """The holder record of a lock file (``{}`` when empty, unreadable or not written yet)."""
+    from verl_lite.utils import safe_files
+
     for attempt in range(HOLDER_READ_TRIES):
         try:
-            text = Path(path).read_text()
-        except OSError:
+            text = safe_files.read_bounded(Path(path).parent, Path(path).name, HOLDER_LIMIT).decode("utf-8", "replace")
+        except (OSError, safe_files.UnsafeFile):
             return {}
         if text.strip():
             try:

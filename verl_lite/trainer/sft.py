@@ -125,8 +125,7 @@ def run_sft(cfg: SFTConfig) -> dict:
     from transformers import AutoTokenizer
 
     from verl_lite.data import RLDataset, iterate_batches
-    from verl_lite.engine import MegatronEngine, init_distributed
-    from verl_lite.workers.from_config import engine_config, optim_config, parallel_config
+    from verl_lite.engine import EngineConfig, MegatronConfig, MegatronEngine, OptimConfig, init_distributed
     from verl_lite.engine.distributed import destroy_distributed
     from verl_lite.rollout import HFRollout
 
@@ -135,11 +134,12 @@ def run_sft(cfg: SFTConfig) -> dict:
     val = RLDataset(cfg.val_files, tok, cfg.max_prompt_length, verbose=cfg.log) if cfg.val_files else None
     examples = sft_examples(train, tok, cfg.response_key)
 
-    init_distributed(0, 1, "127.0.0.1", _free_port(), parallel_config(), seed=cfg.seed)
+    init_distributed(0, 1, "127.0.0.1", _free_port(), MegatronConfig(), seed=cfg.seed)
     try:
-        optim = optim_config(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas, lr_warmup_steps=cfg.lr_warmup_steps,
-                             lr_decay_style=cfg.lr_decay_style, min_lr=cfg.min_lr, total_steps=max(cfg.steps, 1))
-        engine = MegatronEngine(engine_config(model_path=cfg.model_path, optim=optim, seed=cfg.seed))
+        optim = OptimConfig(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=list(cfg.betas),
+                            lr_warmup_steps=cfg.lr_warmup_steps, lr_decay_style=cfg.lr_decay_style, min_lr=cfg.min_lr)
+        engine = MegatronEngine(EngineConfig(model_path=cfg.model_path, optim=optim, total_steps=max(cfg.steps, 1),
+                                             seed=cfg.seed))
         rollout = HFRollout(cfg.model_path, tok) if val is not None else None
         history: list[dict] = []
         t0, step, epoch = time.time(), 0, 0

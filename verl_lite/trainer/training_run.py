@@ -25,7 +25,7 @@ def _warn(message: str) -> None:
 
 
 def _seconds_since_process_start() -> float:
-    """Wall seconds since this process started, to ~10 ms: on Linux from /proc (the start tick vs the
+    """Wall seconds since this process started, to a clock tick (``SC_CLK_TCK``): on Linux from /proc (the start tick vs the
     uptime clock); psutil's ``create_time`` adds the boot time, which /proc/stat rounds to a whole second."""
     try:
         with open("/proc/self/stat") as f:
@@ -63,10 +63,10 @@ PLOT_TIMEOUT_S = 60.0  # the longest the run's end waits for curves.png
 
 
 def _import_plotting_in_background(trainer, wait_s: float = 60.0) -> threading.Thread:
-    """matplotlib's import (~0.35 s of CPU) in a daemon thread while the driver waits for its workers to import and
-    build, so drawing curves.png at the end takes only the drawing. It waits until the workers are being created
+    """matplotlib's import in a daemon thread while the driver waits for its workers to import and build, so
+    drawing curves.png at the end takes only the drawing. It waits until the workers are being created
     (``trainer.actor`` is set): beside ``ray.init`` or the actors' creation it took the driver's CPU and Python's
-    lock from them (the first step started 0.17-0.24 s later: medians of two series of 6 alternating CLI runs)."""
+    lock from them, and the first step started later (docs/performance.md)."""
 
     def load():
         deadline = time.monotonic() + wait_s
@@ -84,7 +84,7 @@ def _import_plotting_in_background(trainer, wait_s: float = 60.0) -> threading.T
 
 
 def _draw_in_background(records: list[dict], path: Path) -> threading.Thread:
-    """``plot_curves`` in a daemon thread (matplotlib's import and the drawing, ~0.5 s, overlap the workers'
+    """``plot_curves`` in a daemon thread (matplotlib's import and the drawing overlap the workers'
     shutdown); a failure is a warning: a plot never hides the run's own result or error."""
     from verl_lite.trainer.metrics import plot_curves
 

@@ -1,8 +1,19 @@
-"""Stopping processes by pid (never by name: other users' and other runs' processes stay alone)."""
+"""Stopping processes by pid (never by name: other users' and other runs' processes stay alone), and
+starting user code (a reward file, a tool) as a guarded process tree that cannot outlive its starter."""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import psutil
+
+GUARD = Path(__file__).with_name("process_guard.py")
+GUARD_EXIT_S = 15.0  # the guard's kill loop is bounded by process_guard.KILL_WAIT_S; this waits past it
 
 
 def kill_and_wait(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
@@ -15,3 +26,62 @@ def kill_and_wait(procs: list[psutil.Process], timeout_s: float) -> list[psutil.
             pass
     _, alive = psutil.wait_procs(procs, timeout=timeout_s)
     return alive
+
+
+class GuardedProcess:
+    """``argv`` run under a guard (``process_guard.py``, see its docstring): every process the child starts,
+    also one that leaves its session, is SIGKILLed when the child exits, when :meth:`stop` is called, or
+    when this process dies (SIGKILL included); with ``memory_limit_bytes`` the tree's proportional set size
+    (shared memory included) is held under it. ``stdin`` / ``stdout`` are ``subprocess.Popen``'s arguments
+    and belong to the child; :attr:`proc` is the guard's ``Popen`` (its ``returncode`` is the child's)."""
+
+    def __init__(self, argv: list[str], stdin=None, stdout=None, env: dict | None = None,
+                 memory_limit_bytes: int | None = None):
+        ours, theirs = socket.socketpair()
+        limit = str(int(memory_limit_bytes)) if memory_limit_bytes else "-"
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-S", str(GUARD), str(theirs.fileno()), limit, "--", *argv],
+                                         stdin=stdin, stdout=stdout, env=env, pass_fds=(theirs.fileno(),),
+                                         close_fds=True, start_new_session=True)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._lifeline = ours
+        self._reports = b""
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def memory_used(self) -> int | None:
+        """The bytes the tree used when the guard stopped it for its memory limit (None: it did not)."""
+        if self._lifeline is not None:
+            self._lifeline.setblocking(False)
+            try:
+                while chunk := self._lifeline.recv(4096):
+                    self._reports += chunk
+            except (BlockingIOError, OSError):
+                pass
+        for line in self._reports.decode(errors="replace").splitlines():
+            if line.startswith("memory "):
+                return int(line.split()[1])
+        return None
+
+    def stop(self) -> int | None:
+        """End the whole tree (idempotent) and return the guard's exit status. The guard is SIGKILLed with its
+        process group only if it does not exit in :data:`GUARD_EXIT_S` (then descendants that left the group
+        could be left: the guard never hangs, so this is a last resort)."""
+        self.memory_used()  # keep a report that arrived before the end
+        if self._lifeline is not None:
+            self._lifeline.close()
+            self._lifeline = None
+        try:
+            return self.proc.wait(timeout=GUARD_EXIT_S)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            return self.proc.wait()

@@ -27,6 +27,8 @@ import logging
 import os
 import warnings
 
+from verl_lite.compat.ray_names import TOKEN_SETUP_LOGGER
+
 DEBUG_ENV = "VERL_LITE_DEBUG"
 
 # (message regex, category): megatron-core's warnings about optional accelerated kernels and
@@ -40,7 +42,7 @@ MEGATRON_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
 )
 MEGATRON_MODULE = r"megatron(\.|$)"
 
-RAY_TOKEN_LOGGER = "ray._private.authentication.authentication_token_setup"
+RAY_TOKEN_LOGGER = TOKEN_SETUP_LOGGER
 RAY_TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
 
 _OURS = {(msg, cat) for msg, cat in MEGATRON_WARNINGS}
@@ -63,9 +65,13 @@ _state = {"debug": None}
 
 
 def _remove_our_warning_filters() -> None:
-    warnings.filters[:] = [f for f in warnings.filters
-                           if not (f[0] == "ignore" and f[1] is not None and (f[1].pattern, f[2]) in _OURS)]
-    warnings._filters_mutated()  # noqa: SLF001 - what filterwarnings itself calls after a change
+    """Drop the filters :func:`quiet_process` added, through the public API only: ``resetwarnings`` empties the
+    list and tells the ``warnings`` machinery the filters changed (so warnings already seen under them can
+    show again), then the other filters go back in their order."""
+    kept = [f for f in warnings.filters
+            if not (f[0] == "ignore" and f[1] is not None and (f[1].pattern, f[2]) in _OURS)]
+    warnings.resetwarnings()
+    warnings.filters[:] = kept
 
 
 def quiet_process(debug: bool | None = None) -> bool:

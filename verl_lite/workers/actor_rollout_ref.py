@@ -38,11 +38,6 @@ class WorkerConfig(EngineWorkerConfig):
     rollout_kwargs: dict  # backend settings passed to make_rollout
 
 
-def _attention_override(overrides: dict) -> dict:
-    """The actor's attention-kernel choice, which the reference shares (its other overrides are training-only)."""
-    return {k: v for k, v in overrides.items() if k == "attention_backend"}
-
-
 class ActorRolloutRefWorker(EngineWorker):
     def __init__(self, rank: int, world_size: int, cfg: WorkerConfig):
         super().__init__(rank, world_size, cfg)
@@ -53,19 +48,16 @@ class ActorRolloutRefWorker(EngineWorker):
     def init_model(self) -> None:
         from transformers import AutoTokenizer
 
-        from verl_lite.engine.config import EngineConfig
         from verl_lite.engine.engine import MegatronEngine
         from verl_lite.rollout import make_rollout
 
         c = self.cfg
-        parallel = self._init_world()
-        self.actor = MegatronEngine(self._train_config(parallel))
-        if c.need_ref and c.lora is None:  # with LoRA the reference is the actor with its adapters off
-            self.ref = MegatronEngine(EngineConfig(model_path=c.model_path, parallel=parallel, forward_only=True,
-                                                   seed=c.seed, params_dtype=c.params_dtype,
-                                                   model_overrides=_attention_override(c.model_overrides)))
+        engine = self._init_world()
+        self.actor = MegatronEngine(engine)
+        if c.need_ref and engine.lora is None:  # with LoRA the reference is the actor with its adapters off
+            self.ref = MegatronEngine(engine.forward_only_twin())
         tokenizer = AutoTokenizer.from_pretrained(c.tokenizer_path)
-        self.rollout = make_rollout(c.rollout_name, c.model_path, tokenizer, **c.rollout_kwargs)
+        self.rollout = make_rollout(c.rollout_name, engine.model_path, tokenizer, **c.rollout_kwargs)
 
     def _owner_engine(self):
         return self.actor
@@ -77,7 +69,7 @@ class ActorRolloutRefWorker(EngineWorker):
             return None if engine is None else sum(p.numel() * p.element_size() for c in engine.chunks for p in c.parameters())
 
         return {"actor": size(self.actor), "ref": size(self.ref), "ref_is_actor_without_adapters":
-                bool(self.cfg.need_ref and self.cfg.lora is not None)}
+                bool(self.cfg.need_ref and self.actor.cfg.lora is not None)}
 
     # ------------------------------------------------------------------ rollout
     def generate(self, prompt_ids: list[list[int]], seeds: list[int] | None, sampling: dict) -> list[dict]:
@@ -92,7 +84,7 @@ class ActorRolloutRefWorker(EngineWorker):
         position) only, so the samples do not depend on how prompts were split over workers: one
         batched call where the rollout takes per-prompt ``seeds``, else one call per prompt.
         Without seeds (greedy) all prompts go in one call. ``log_probs`` come back as lists of
-        floats (exact fp32 values): a list pickles ~100x faster than a small tensor.
+        floats (exact fp32 values): a list pickles without torch's per-tensor cost (controller/wire.py).
         """
         import inspect
 
@@ -156,7 +148,7 @@ class ActorRolloutRefWorker(EngineWorker):
 
     def compute_ref_log_prob(self, piece: Batch, micro_batches: list[list[int]], temperature: float) -> dict | None:
         """Reference log-probs [n, W]: the reference engine's, or with LoRA the actor's with its adapters off."""
-        if self.cfg.need_ref and self.cfg.lora is not None:
+        if self.cfg.need_ref and self.actor.cfg.lora is not None:
             with self.actor.adapters_disabled():
                 out = self.actor.infer(sequence_batch(piece), micro_batches, temperature, outputs=("log_probs",))
             return None if out is None else {"ref_log_probs": out["log_probs"]}
@@ -166,14 +158,15 @@ class ActorRolloutRefWorker(EngineWorker):
         return None if out is None else {"ref_log_probs": out["log_probs"]}
 
     # ------------------------------------------------------------------ update
-    def update_actor(self, jobs: list[dict], loss_cfg, temperature: float) -> list[dict]:
-        """One optimizer step per job (see ``RoleGroup.train``), in order. Returns the engine's
-        step metrics per job (loss metrics on output owners only)."""
+    def update_actor(self, jobs: list[dict], loss_cfg, temperature: float, correction: dict | None = None) -> list[dict]:
+        """One optimizer step per job (see ``RoleGroup.train``), in order, of ``actor_loss`` with the actor section
+        ``loss_cfg`` (and ``correction``). Returns the engine's step metrics per job (loss metrics on output owners
+        only)."""
         from verl_lite.algorithms import actor_loss
 
         results = []
         for job in jobs:
-            loss_fn = partial(actor_loss, plan=job["plan"], cfg=loss_cfg)
+            loss_fn = partial(actor_loss, plan=job["plan"], cfg=loss_cfg, correction=correction)
             results.append(self.actor.train_step(
                 sequence_batch(job["piece"], ACTOR_LOSS_KEYS), job["micro_batches"], loss_fn,
                 temperature=temperature, global_token_count=job["global_token_count"],
@@ -188,7 +181,7 @@ class ActorRolloutRefWorker(EngineWorker):
         HF directory. Collective over the role. The reference policy is the initial model: not saved."""
         from verl_lite.engine.checkpoint import save_hf_pretrained, save_role_state
 
-        tokenizer = self.cfg.tokenizer_path or self.cfg.model_path
+        tokenizer = self.cfg.tokenizer_path or self.cfg.engine.model_path
         save_role_state(self.actor, path, tokenizer_path=tokenizer)
         if hf_dir is not None:
             save_hf_pretrained(self.actor, self.actor.hf_config, hf_dir, tokenizer_path=tokenizer)
@@ -206,4 +199,4 @@ class ActorRolloutRefWorker(EngineWorker):
         from verl_lite.engine.checkpoint import save_hf_pretrained
 
         save_hf_pretrained(self.actor, self.actor.hf_config, hf_dir,
-                           tokenizer_path=self.cfg.tokenizer_path or self.cfg.model_path)
+                           tokenizer_path=self.cfg.tokenizer_path or self.cfg.engine.model_path)

@@ -21,7 +21,7 @@ class CriticWorker(EngineWorker):
     def init_model(self) -> None:
         from verl_lite.engine.engine import MegatronEngine
 
-        self.critic = MegatronEngine(self._train_config(self._init_world(), value_head=True))
+        self.critic = MegatronEngine(self._init_world())
 
     def _owner_engine(self):
         return self.critic

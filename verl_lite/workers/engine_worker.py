@@ -12,29 +12,16 @@ from dataclasses import dataclass
 import torch
 
 from verl_lite.controller.worker_group import Worker
+from verl_lite.engine.config import EngineConfig
 from verl_lite.protocol import Batch, response_lengths
 
 
 @dataclass
 class EngineWorkerConfig:
-    """What an engine role builds (plain data, sent once by the controller; built by ``workers.from_config``)."""
+    """What an engine role builds: its ``EngineConfig`` (the role's config sections as they are; plain data,
+    sent once by the controller)."""
 
-    model_path: str
-    tp: int
-    pp: int
-    vpp: int | None
-    cp: int
-    sequence_parallel: bool
-    ep: int  # expert parallel (MoE models)
-    etp: int  # expert tensor parallel
-    timeout_s: float
-    optim: dict  # verl_lite.engine.config.OptimConfig fields
-    calculate_per_token_loss: bool
-    use_distributed_optimizer: bool
-    seed: int
-    model_overrides: dict  # megatron TransformerConfig fields (EngineConfig.model_overrides)
-    params_dtype: str  # megatron.dtype: float32 | bfloat16 (EngineConfig.params_dtype)
-    lora: dict | None  # engine.lora.LoraConfig fields, None = no LoRA (model.lora.rank 0)
+    engine: EngineConfig
 
 
 def sequence_batch(piece: Batch, loss_keys: tuple[str, ...] = ()):
@@ -63,37 +50,17 @@ class EngineWorker(Worker):
         super().__init__(rank, world_size)
         self.cfg = cfg
 
-    def _init_world(self):
-        """init_distributed with this role's layout; returns the ``ParallelConfig``."""
+    def _init_world(self) -> EngineConfig:
+        """init_distributed with this role's layout; returns the role's ``EngineConfig``."""
         from verl_lite.compat.lazy_compile import compile_decorators_deferred
 
-        with compile_decorators_deferred():  # megatron's import-time torch.compile + wandb: ~1 s per worker
+        with compile_decorators_deferred():  # megatron's import-time torch.compile + wandb: not paid per worker
             import megatron.core  # noqa: F401
-        from verl_lite.engine.distributed import ParallelConfig, init_distributed
+        from verl_lite.engine.distributed import init_distributed
 
-        c = self.cfg
-        parallel = ParallelConfig(tp=c.tp, pp=c.pp, vpp=c.vpp, cp=c.cp, sequence_parallel=c.sequence_parallel,
-                                  ep=c.ep, etp=c.etp, timeout_s=c.timeout_s)
-        init_distributed(self.rank, self.world_size, self.master_addr, self.master_port, parallel, seed=c.seed)
-        return parallel
-
-    def _train_config(self, parallel, **kwargs):
-        from verl_lite.engine.config import EngineConfig, OptimConfig
-
-        c = self.cfg
-        optim = OptimConfig(**c.optim, use_distributed_optimizer=c.use_distributed_optimizer)
-        return EngineConfig(model_path=c.model_path, parallel=parallel, optim=optim,
-                            calculate_per_token_loss=c.calculate_per_token_loss, seed=c.seed,
-                            model_overrides=dict(c.model_overrides), params_dtype=c.params_dtype,
-                            lora=self._lora_config(), **kwargs)
-
-    def _lora_config(self):
-        """The engine's ``LoraConfig`` of this role, or None."""
-        if self.cfg.lora is None:
-            return None
-        from verl_lite.engine.lora import LoraConfig
-
-        return LoraConfig(**self.cfg.lora)
+        engine = self.cfg.engine
+        init_distributed(self.rank, self.world_size, self.master_addr, self.master_port, engine.megatron, seed=engine.seed)
+        return engine
 
     def _owner_engine(self):
         raise NotImplementedError

@@ -22,13 +22,9 @@ class RewardModelWorker(EngineWorker):
         self.rm = None
 
     def init_model(self) -> None:
-        from verl_lite.engine.config import EngineConfig
         from verl_lite.engine.engine import MegatronEngine
 
-        c = self.cfg
-        self.rm = MegatronEngine(EngineConfig(model_path=c.model_path, parallel=self._init_world(), value_head=True,
-                                              forward_only=True, seed=c.seed, params_dtype=c.params_dtype,
-                                              model_overrides=dict(c.model_overrides)))
+        self.rm = MegatronEngine(self._init_world())
 
     def _owner_engine(self):
         return self.rm

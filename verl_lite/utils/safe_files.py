@@ -1,0 +1,214 @@
+"""Reading a directory someone else wrote (a downloaded checkpoint) without being turned against its reader.
+
+A checkpoint is shared like a model: everything in it is treated as hostile. The rules, for every
+file a run reads from such a directory:
+
+- the path is resolved inside the directory: a relative path of plain names (no ``..``, no absolute
+  path), opened one component at a time relative to the directory with ``O_NOFOLLOW``, so no symbolic
+  link, anywhere on the way, is followed (:func:`open_inside`);
+- it is a regular file (not a FIFO that blocks, not ``/dev/zero`` behind a link), opened non-blocking;
+- a file read whole (JSON, the dist-checkpoint index, ``common.pt``) has a size bound, checked with
+  ``fstat`` on the open descriptor before a byte is read (:func:`read_bounded`);
+- a safetensors file's header is bounded and every tensor's byte range lies inside the file, with its
+  length equal to shape x dtype size (:func:`check_safetensors`).
+
+:func:`scan_tree` walks a whole directory without following links and refuses any link or special file.
+Files a run writes are created in directories it has just made itself, with ``O_EXCL | O_NOFOLLOW``
+where the name is not fresh (:func:`create_new`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import struct
+from pathlib import Path, PurePosixPath
+
+KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
+JSON_LIMIT = 16 * MIB  # a metadata JSON file of a checkpoint (the largest, the manifest, is ~150 B per file)
+SAFETENSORS_HEADER_LIMIT = 100 * MIB  # the safetensors format's own bound on its JSON header
+SAFETENSORS_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
+                           "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
+_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+class UnsafeFile(ValueError):
+    """A file of an untrusted directory cannot be read safely; the message names it and says why."""
+
+
+def relative_parts(rel: str | os.PathLike) -> tuple[str, ...]:
+    """The components of ``rel``, refused unless it is a relative path of plain names (no ``..``, ``.``, empty
+    or absolute part)."""
+    text = os.fspath(rel)
+    parts = PurePosixPath(text).parts
+    if not parts or text.startswith("/") or "\\" in text or "\x00" in text or any(p in ("..", ".", "") for p in parts):
+        raise UnsafeFile(f"{text!r} is not a plain relative path (absolute, or with '..')")
+    return parts
+
+
+def open_inside(root: str | os.PathLike, rel: str | os.PathLike) -> int:
+    """A read-only descriptor of the regular file ``root/rel``, resolved inside ``root``: each directory on the
+    way and the file itself are opened with ``O_NOFOLLOW`` (a symbolic link anywhere is refused), the file
+    non-blocking, and checked to be a regular file. The caller closes it."""
+    parts = relative_parts(rel)
+    where = Path(root, *parts)
+    try:
+        fd = os.open(root, _OPEN_DIR)
+    except OSError as e:
+        raise UnsafeFile(f"{root}: cannot open the directory ({e.strerror or e}; a symbolic link is not followed)") from None
+    try:
+        for name in parts[:-1]:
+            try:
+                child = os.open(name, _OPEN_DIR, dir_fd=fd)
+            except OSError as e:
+                raise UnsafeFile(f"{where}: {name!r} on its path is not a directory inside {root} "
+                                 f"({e.strerror or e}; symbolic links are not followed)") from None
+            os.close(fd)
+            fd = child
+        try:
+            file_fd = os.open(parts[-1], _OPEN_FILE, dir_fd=fd)
+        except OSError as e:
+            raise UnsafeFile(f"{where}: cannot be opened as a file inside {root} ({e.strerror or e}; "
+                             f"symbolic links are not followed)") from None
+    finally:
+        os.close(fd)
+    mode = os.fstat(file_fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(file_fd)
+        raise UnsafeFile(f"{where}: not a regular file ({_kind(mode)})")
+    return file_fd
+
+
+def size_inside(root: str | os.PathLike, rel: str | os.PathLike) -> int:
+    """The size of the regular file ``root/rel`` (resolved as :func:`open_inside` does)."""
+    fd = open_inside(root, rel)
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def read_bounded(root: str | os.PathLike, rel: str | os.PathLike, limit: int) -> bytes:
+    """The bytes of ``root/rel`` (see :func:`open_inside`), refused when the file holds more than ``limit``."""
+    fd = open_inside(root, rel)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise UnsafeFile(f"{Path(root, rel)}: {size} bytes, more than the {limit} a file of this kind may hold")
+        chunks, left = [], size
+        while left > 0:
+            chunk = os.read(fd, min(left, 16 * MIB))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_json(root: str | os.PathLike, rel: str | os.PathLike, limit: int = JSON_LIMIT):
+    """The parsed JSON of ``root/rel`` (bounded, see :func:`read_bounded`); :class:`UnsafeFile` if it does not parse."""
+    data = read_bounded(root, rel, limit)
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise UnsafeFile(f"{Path(root, rel)} is unreadable ({type(e).__name__}: {e})") from None
+
+
+def check_safetensors(root: str | os.PathLike, rel: str | os.PathLike) -> dict:
+    """Check a safetensors file's header against the file before a reader trusts it: the header is bounded
+    JSON, each tensor's dtype is known, its byte range lies in the data section and holds shape x dtype-size
+    bytes, and the ranges cover the data section exactly. Returns the header."""
+    where = Path(root, rel)
+    fd = open_inside(root, rel)
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise UnsafeFile(f"{where}: {size} bytes, too short for a safetensors file")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > min(SAFETENSORS_HEADER_LIMIT, size - 8):
+            raise UnsafeFile(f"{where}: its header claims {header_len} bytes, more than the file "
+                             f"({size} bytes) or the format's bound holds")
+        raw = os.pread(fd, header_len, 8)
+    finally:
+        os.close(fd)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise UnsafeFile(f"{where}: its safetensors header is not valid JSON ({type(e).__name__})") from None
+    if not isinstance(header, dict):
+        raise UnsafeFile(f"{where}: its safetensors header is not a JSON object")
+    data_size = size - 8 - header_len
+    ranges = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+                raise UnsafeFile(f"{where}: its __metadata__ is not a map of strings")
+            continue
+        ranges.append(_tensor_range(where, name, info, data_size))
+    covered = 0
+    for begin, end in sorted(ranges):
+        if begin != covered:
+            raise UnsafeFile(f"{where}: tensor byte ranges overlap or leave a gap at byte {covered}")
+        covered = end
+    if covered != data_size:
+        raise UnsafeFile(f"{where}: the tensors cover {covered} of the {data_size} data bytes")
+    return header
+
+
+def _tensor_range(where: Path, name: str, info, data_size: int) -> tuple[int, int]:
+    ok = (isinstance(info, dict) and info.get("dtype") in SAFETENSORS_DTYPE_BYTES
+          and isinstance(info.get("shape"), list) and all(isinstance(d, int) and d >= 0 for d in info["shape"])
+          and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2
+          and all(isinstance(o, int) for o in info["data_offsets"]))
+    if not ok:
+        raise UnsafeFile(f"{where}: tensor {name!r} has a malformed header entry")
+    begin, end = info["data_offsets"]
+    numel = 1
+    for dim in info["shape"]:
+        numel *= dim
+    if not 0 <= begin <= end <= data_size or end - begin != numel * SAFETENSORS_DTYPE_BYTES[info["dtype"]]:
+        raise UnsafeFile(f"{where}: tensor {name!r} claims bytes {begin}..{end} for shape {info['shape']} "
+                         f"{info['dtype']}, outside or unlike the file's {data_size} data bytes")
+    return begin, end
+
+
+def scan_tree(root: str | os.PathLike) -> dict[str, int]:
+    """``{relative POSIX path: size}`` of every file under ``root``, walked without following links; a
+    symbolic link, FIFO, socket or device anywhere under it is refused (:class:`UnsafeFile` naming it)."""
+    root = Path(root)
+    found: dict[str, int] = {}
+    try:
+        if not stat.S_ISDIR(os.lstat(root).st_mode):
+            raise UnsafeFile(f"{root}: not a directory (a symbolic link is not followed)")
+    except FileNotFoundError:
+        raise UnsafeFile(f"{root}: does not exist") from None
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        for name in dirnames + filenames:
+            path = Path(dirpath, name)
+            mode = os.lstat(path).st_mode
+            if stat.S_ISDIR(mode):
+                continue
+            if not stat.S_ISREG(mode):
+                raise UnsafeFile(f"{path}: {_kind(mode)}; a checkpoint holds only regular files and directories")
+            found[path.relative_to(root).as_posix()] = os.lstat(path).st_size
+    return found
+
+
+def create_new(path: str | os.PathLike, mode: int = 0o644) -> int:
+    """A write descriptor of a new file at ``path``: ``O_EXCL | O_NOFOLLOW``, so an existing file or a planted
+    link at that name is never written through. The caller closes it."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a regular file"
