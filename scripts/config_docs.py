@@ -1,8 +1,8 @@
 """Generate docs/config.md's tables from the code: ``python scripts/config_docs.py [--check]``.
 
 docs/config.md holds hand-written prose down to ``MARKER``; everything below it is written here:
-one table per schema section (key and default from the dataclasses in ``schema.py``, the meaning
-from the field's trailing ``# comment`` or the section's docstring), the defaults that differ from
+one table per schema section (key and default from the section dataclasses ``schema.py`` composes, each in
+its owner's module, the meaning from the field's trailing ``# comment`` and the section's docstring), the defaults that differ from
 verl's (verl's value and the reason from docs/verl_defaults.json, ours from the schema) and the verl keys
 (``verl_keys.RULES``). ``tests/config`` fails when docs/config.md is not what this writes.
 """
@@ -19,7 +19,6 @@ import tokenize
 import typing
 from pathlib import Path
 
-from verl_lite.config import schema
 from verl_lite.config.schema import PPOConfig
 
 DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "config.md"
@@ -93,7 +92,7 @@ def _section_table(name: str, cls: type, fields) -> str:
     comments = _field_comments(cls)
     rows = [f"| `{k}` | {_show(v)} | {comments.get(k, '').replace('|', chr(92) + '|')} |" for k, v in fields]
     doc = inspect.getdoc(cls) if cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "(") else ""
-    return (f"## {name}\n\n" + (f"{doc}\n\n" if doc and cls.__module__ == schema.__name__ else "")
+    return (f"## {name}\n\n" + (f"{doc}\n\n" if doc else "")
             + "| key | default | meaning |\n|---|---|---|\n" + "\n".join(rows) + "\n")
 
 

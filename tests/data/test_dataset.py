@@ -70,19 +70,20 @@ def test_parquet_round_trip_and_items(tmp_path, tok):
 
 def test_overlong_filter_and_truncation(tmp_path, tok, capsys):
     f = _write(tmp_path / "d.parquet", [_row("x" * n) for n in (1, 5, 6, 10)])  # prompt = n + 2 tokens
-    ds = RLDataset(f, tok, max_prompt_length=7)
+    ds = RLDataset(f, tok, max_prompt_length=7, filter_overlong_prompts=True)
     assert len(ds) == 2 and ds.num_filtered == 2 and ds.num_rows == 4
     assert "dropped 2/4 prompts" in capsys.readouterr().out
     assert [it["index"] for it in ds] == [0, 1]
-    with pytest.raises(DataError, match=r"d\.parquet row 2: prompt has 8 tokens > data\.max_prompt_length=7"):
-        RLDataset(f, tok, max_prompt_length=7, filter_overlong_prompts=False)
+    for explicit in ({"filter_overlong_prompts": False}, {}):  # the default is the data section's: no filter
+        with pytest.raises(DataError, match=r"d\.parquet row 2: prompt has 8 tokens > data\.max_prompt_length=7"):
+            RLDataset(f, tok, max_prompt_length=7, **explicit)
     left = RLDataset(f, tok, max_prompt_length=7, filter_overlong_prompts=False, truncation="left")
     right = RLDataset(f, tok, max_prompt_length=7, filter_overlong_prompts=False, truncation="right")
     full = RLDataset(f, tok, max_prompt_length=100)
     assert left[3]["prompt_ids"] == full[3]["prompt_ids"][-7:]
     assert right[3]["prompt_ids"] == full[3]["prompt_ids"][:7]
     with pytest.raises(DataError, match="no prompts left"):
-        RLDataset(f, tok, max_prompt_length=2)
+        RLDataset(f, tok, max_prompt_length=2, filter_overlong_prompts=True)
 
 
 @pytest.mark.parametrize(

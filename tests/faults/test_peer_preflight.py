@@ -191,7 +191,7 @@ def test_a_lora_rank_that_cannot_fit_is_refused_with_the_numbers(tiny_assets, tm
     line = _one_line(_run(argv, capsys, tmp_path), rf"^{LORA}\.rank=100000: ")
     total = float(re.search(r"need an estimated ([\d.]+) GiB in all", line).group(1))
     assert total > 16, line
-    for part in ("LoRA factors 3.6", "gradients 3.6", "optimizer 10.9", "LoRA activations"):
+    for part in ("LoRA factors 3.6", "gradients 3.6", "optimizer 7.2", "LoRA activations"):
         assert part in line, line
     assert "more than this machine's 16.0 GiB of available RAM" in line and f"lower {LORA}.rank" in line, line
     assert "trainer.n_gpus_per_node" in line, line
@@ -208,7 +208,7 @@ def test_the_memory_refusal_counts_every_worker_process_of_the_machine(tiny_asse
         pytest.skip("on GPU each worker has a device of its own")
 
     def need(n: int) -> float:
-        cfg = load_config([f"{LORA}.rank=2000", f"trainer.n_gpus_per_node={n}",
+        cfg = load_config([f"{LORA}.rank=20000", f"trainer.n_gpus_per_node={n}",
                            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"])
         line = memory_problems(cfg, device=(1, "1 byte"))[0]
         return float(re.search(r"need an estimated ([\d.]+) GiB in all", line).group(1))

@@ -279,23 +279,23 @@ def test_zero_signal_warns_once_after_k_consecutive_steps():
 
 
 def test_the_reward_process_ends_its_helpers_when_its_input_ends(tmp_path):
-    """A driver SIGKILLed closes the reward process's input before the kernel sends it the death signal, so
-    the reward process may see the end of its input first: that alone must end the helpers its file started
-    (no driver left to kill its group)."""
+    """A driver SIGKILLed closes the reward process's input: the reward process exits, and its guard ends the
+    helpers its file started (no driver left to end them)."""
     import pickle
     import subprocess
     import sys
 
     from verl_lite.reward.sandbox import CHILD
     from verl_lite.reward.sandbox_child import HEADER
+    from verl_lite.utils.processes import GuardedProcess
 
     pids_file = tmp_path / "helpers"
     path = tmp_path / "import_helper.py"
     path.write_text(f"import subprocess\n_helper = subprocess.Popen(['sleep', '1000'])\n"
                     f"open({str(pids_file)!r}, 'w').write(str(_helper.pid))\n"
                     "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
-    proc = subprocess.Popen([sys.executable, "-u", str(CHILD)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            start_new_session=True)
+    guard = GuardedProcess([sys.executable, "-u", str(CHILD)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    proc = guard.proc
     try:
         data = pickle.dumps(("init", str(path), "compute_score", "naive", [], None))
         proc.stdin.write(HEADER.pack(len(data)) + data)
@@ -305,15 +305,10 @@ def test_the_reward_process_ends_its_helpers_when_its_input_ends(tmp_path):
         helper = int(pids_file.read_text())
         assert psutil.pid_exists(helper)
         proc.stdin.close()  # the end of its input, and nothing else
-        proc.wait(timeout=10)
+        proc.wait(timeout=30)
         deadline = time.monotonic() + 5.0
         while psutil.pid_exists(helper) and psutil.Process(helper).status() != psutil.STATUS_ZOMBIE:
             assert time.monotonic() < deadline, f"the reward file's helper {helper} outlived the reward process"
             time.sleep(0.1)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        guard.stop()

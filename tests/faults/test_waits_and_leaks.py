@@ -283,13 +283,14 @@ def test_stuck_tools_in_a_run_are_bounded_and_named(tmp_path):
     run = CliRun(["--recipe", "tool_agent", "trainer.total_training_steps=1", "trainer.val_before_train=false",
                   "trainer.test_freq=-1", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2",
                   "actor_rollout_ref.actor.ppo_mini_batch_size=2", f"{mt}.tool_timeout_s=2",
-                  f"{mt}.tool_config_path={config}", f"trainer.output_dir={out}", "trainer.logger=[jsonl]"],
+                  f"{mt}.tool_config_path={config}", f"trainer.output_dir={out}", "trainer.logger=[jsonl]",
+                  f"trainer.default_local_dir={tmp_path / 'ckpt'}"],
                  env={"PYTHONPATH": str(tmp_path), "STUCK_PIDS": str(pids)}).wait(timeout=400)
     assert run.code == 0, run.err[-4000:]
     assert re.search(r"warning: tool 'calculator' did not return within actor_rollout_ref\.rollout\.multi_turn\."
                      r"tool_timeout_s=2\.0s; its tool process was killed", run.err), run.err[-4000:]
     (step,) = [json.loads(line) for line in (out / "latest" / "metrics.jsonl").read_text().splitlines()]
-    assert step["agent/tool_timeouts"] >= 1 and step["agent/tool_timeouts"] == step["agent/tool_calls"], step
+    assert step["agent/tool_timeouts"] >= 1, step  # (tool_errors counts calls that could not run: malformed JSON)
     # a call's latency: its timeout, the kill, and the start-up of the process started for it
     assert 2.0 <= step["agent/tool_latency_s/calculator"] <= 2.0 + KILL_BOUND_S + 10.0, step
     helpers = [int(p.name) for p in pids.iterdir()]
@@ -310,7 +311,8 @@ def test_shared_memory_reward_stops_the_run_and_its_escaped_helper_goes(tiny_ass
         return 1.0'''), "    ")))
     run = CliRun(tiny_overrides(tiny_assets, **{"reward.custom_reward_function.path": str(reward),
                                                 "reward.max_memory_gb": 0.5, "trainer.val_before_train": "false",
-                                                "trainer.output_dir": str(tmp_path / "out")}),
+                                                "trainer.output_dir": str(tmp_path / "out"),
+                                                "trainer.default_local_dir": str(tmp_path / "ckpt")}),
                  env={"STUCK_PIDS": str(pids)}).wait(timeout=300)
     assert run.code == 1, run.err[-4000:]
     assert re.search(r"reward function .*shm_reward\.py:compute_score raised MemoryError: the reward process and what "
@@ -331,6 +333,9 @@ def _ray_started(run: CliRun) -> bool:
         return False
 
 
+# the stop's one line: the run unwound, or (a library's handler swallowed the signal) the watchdog ended it
+STOP_LINE = r"verl_lite: stopped by SIGTERM(; the run did not stop within \d+s, \d+ process\(es\) of the run were killed)?"
+INFO_LINES = ("verl_lite checkpoint: ",)  # what a run reports before Ray starts (resume: none to resume from)
 # "run_dir": pre-flight done, before Ray; "ray+S": S seconds after Ray's first process appeared (inside ray.init)
 STARTUP_MOMENTS = ["run_dir", "ray+0.0", "ray+1.0", "ray+2.0"]
 
@@ -341,10 +346,11 @@ def startup_sigterms(tiny_assets, tmp_path_factory):  # noqa: F811
 
     def launch(moment):
         out = tmp_path_factory.mktemp(moment.replace("+", "_"))
-        run = CliRun(tiny_overrides(tiny_assets, **{"trainer.output_dir": str(out), "trainer.val_before_train": "false"}))
+        run = CliRun(tiny_overrides(tiny_assets, **{"trainer.output_dir": str(out / "runs"), "trainer.val_before_train":
+                                                    "false", "trainer.default_local_dir": str(out / "ckpt")}))
         try:
             if moment == "run_dir":
-                wait_for_run(lambda: (out / "latest").exists(), run, 300, "the run directory")
+                wait_for_run(lambda: (out / "runs" / "latest").exists(), run, 300, "the run directory")
             else:
                 wait_for_run(lambda: _ray_started(run), run, 300, "Ray's first process")
                 time.sleep(float(moment.split("+")[1]))
@@ -364,13 +370,13 @@ def startup_sigterms(tiny_assets, tmp_path_factory):  # noqa: F811
 
 @pytest.mark.parametrize("moment", STARTUP_MOMENTS)
 def test_sigterm_during_start_up_exits_143_with_one_line(moment, startup_sigterms):
-    from verl_lite.trainer.stop_signals import STOP_GRACE_S
+    from verl_lite.trainer.stop_signals import STOP_GRACE_S, UNSEEN_GRACE_S
 
     got = startup_sigterms[moment]
     if isinstance(got, BaseException):
         raise got
     run, took = got
-    lines = [line for line in run.err.splitlines() if line.strip()]
-    assert run.code == 143 and lines == ["verl_lite: stopped by SIGTERM"], f"exit {run.code}:\n{run.err[-4000:]}"
-    assert took <= STOP_GRACE_S + KILL_BOUND_S, f"{took:.1f}s from SIGTERM to the exit"
+    lines = [line for line in run.err.splitlines() if line.strip() and not line.startswith(INFO_LINES)]
+    assert run.code == 143 and len(lines) == 1 and re.fullmatch(STOP_LINE, lines[0]), f"exit {run.code}:\n{run.err[-4000:]}"
+    assert took <= UNSEEN_GRACE_S + STOP_GRACE_S + KILL_BOUND_S, f"{took:.1f}s from SIGTERM to the exit"
     assert run.leftover() == [], "processes of the run left behind"

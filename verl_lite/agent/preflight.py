@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from verl_lite.agent.interaction import load_interaction_config
 from verl_lite.agent.loop import AGENT_LOOPS, AgentSpec, ChatGlue, load_agent_loop_config
 from verl_lite.agent.tools import ToolConfigError, build_tools
 
@@ -49,8 +50,6 @@ def agent_spec(cfg, tools=None, interactions=None, tokenizer=None) -> AgentSpec 
         if not callable(getattr(inst, "respond", None)):
             problems.append(f"interactions[{name!r}]: {type(inst).__name__} has no respond(state, messages) method")
     if mt.interaction_config_path:
-        from verl_lite.agent.interaction import load_interaction_config
-
         given.update(_collect(problems, load_interaction_config, mt.interaction_config_path) or {})
     loops = dict(AGENT_LOOPS)
     if ag.agent_loop_config_path:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from .advantages import ADVANTAGE_ESTIMATORS, ESTIMATOR_NEEDS
 from .aggregation import AGG_MODES
 from .kl import KL_CTRL_TYPES, KL_TYPES
+from .rollout_correction import IS_LEVELS, RS_LEVELS
 
 FILTER_GROUPS_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")  # DAPO's dynamic sampling signal
 
@@ -57,8 +58,6 @@ def algorithm_problems(alg, n: int | None, n_key: str) -> list[str]:
 def rollout_correction_problems(rc, tis_cap: float) -> list[str]:
     """``algorithm.rollout_correction``: the levels of its IS weights and rejection, their bounds, and that the
     actor's older ``tis_imp_ratio_cap`` is not also on (two weightings of the same ratio)."""
-    from .rollout_correction import IS_LEVELS, RS_LEVELS
-
     K = "algorithm.rollout_correction"
     out = []
     if rc.rollout_is is not None:

@@ -202,7 +202,7 @@ def plain_rotary(config) -> bool:
     return not config.apply_rope_fusion and not config.rotary_interleaved and not config.multi_latent_attention
 
 
-def use_rotary_kernel(rotary) -> None:
+def use_rotary_kernel(rotary=None) -> None:
     """Route megatron's unfused RoPE (``transformer/attention.py`` calls ``apply_rotary_pos_emb`` for q and
     for k in every layer) through ``rotary(t, cos, sin)`` (the engine passes
     :func:`verl_lite.engine.elementwise.rotary`: rotate-half RoPE of ``t`` with ``cos`` / ``sin`` broadcast over
@@ -211,12 +211,15 @@ def use_rotary_kernel(rotary) -> None:
     loop (``rope_utils._apply_rotary_pos_emb_thd``, its case 2), here computed in one pass, except in a
     pack with shared prompts (``cu_seqlens.shared_prompts``, ``engine/packing.py``), whose rows carry
     their positions. Everything else (CP > 1, fused RoPE, interleaved, MLA, per-token frequencies) goes
-    to megatron's own function; a pack with shared prompts there is refused. Idempotent."""
+    to megatron's own function; a pack with shared prompts there is refused. ``rotary`` None: only a pack with
+    shared prompts is taken, its per-row frequencies handed to megatron's own function (its bshd path); every
+    other call is megatron's. Idempotent for the same ``rotary``; another ``rotary`` replaces the routing."""
     import megatron.core.transformer.attention as attention_module
 
-    original = attention_module.apply_rotary_pos_emb
-    if getattr(original, "verl_lite_rotary", False):
+    current = attention_module.apply_rotary_pos_emb
+    if getattr(current, "verl_lite_rotary", current) is rotary:
         return
+    original = getattr(current, "verl_lite_original", current)
 
     def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None):
         plain = plain_rotary(config) and mscale == 1.0 and freqs.shape[-1] == t.shape[-1]
@@ -225,7 +228,11 @@ def use_rotary_kernel(rotary) -> None:
             if not plain or (cp_group is not None and cp_group.size() > 1):
                 raise NotImplementedError("a pack with shared prompts needs the plain RoPE case at CP=1")
             packed = freqs[shared.positions].reshape(t.shape[0], 1, t.shape[-1])
+            if rotary is None:
+                return original(t, packed, config, mscale=mscale, cp_group=cp_group)
             return rotary(t, torch.cos(packed).to(t.dtype), torch.sin(packed).to(t.dtype))
+        if rotary is None:
+            return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
         if plain and cu_seqlens is None:
             return rotary(t, torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype))
         if plain and cp_group is not None and cp_group.size() == 1:
@@ -239,7 +246,8 @@ def use_rotary_kernel(rotary) -> None:
                 return rotary(t, torch.cos(packed).to(t.dtype), torch.sin(packed).to(t.dtype))
         return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
 
-    apply_rotary_pos_emb.verl_lite_rotary = True
+    apply_rotary_pos_emb.verl_lite_rotary = rotary
+    apply_rotary_pos_emb.verl_lite_original = original
     attention_module.apply_rotary_pos_emb = apply_rotary_pos_emb
 
 

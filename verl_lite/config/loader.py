@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from verl_lite.config.schema import PPOConfig
+from verl_lite.engine.model_files import resolve_model_dir
 from verl_lite.errors import ConfigError, Problems  # noqa: F401 (the config's error and pre-flight's collector)
 
 CONFIG_DIR = str(Path(__file__).resolve().parent)
@@ -278,8 +279,6 @@ def _fill_builtin_defaults(cfg: PPOConfig) -> PPOConfig:
     split: own train data without val files has no validation); a single file path -> a one-element list;
     the run name and checkpoint dir derived from the files; HF hub ids -> their snapshot directory in the HF
     cache (``resolve_model_dir``); then every inherited null resolved (``resolve_inherited``)."""
-    from verl_lite.engine.model_files import resolve_model_dir
-
     model, default_job = cfg.actor_rollout_ref.model, cfg.data.train_files is None
     if model.path is None:
         model.path = default_model_path()

@@ -194,7 +194,8 @@ def _roles(cfg, cuda: bool) -> list[_Role]:
     A, M = "actor_rollout_ref.actor", "actor_rollout_ref.actor.megatron"
     lora_on = bool(arr.model.lora.rank)
     dyn_key = f"{A}.ppo_max_token_len_per_gpu={actor.ppo_max_token_len_per_gpu}"
-    micro_key = dyn_key if actor.use_dynamic_bsz else f"{A}.ppo_micro_batch_size_per_gpu={actor.ppo_micro_batch_size_per_gpu}"
+    micro_key = dyn_key if actor.use_dynamic_bsz else \
+        f"{A}.ppo_micro_batch_size_per_gpu={actor.ppo_micro_batch_size_per_gpu}"
     micro = _micro_batch(actor.use_dynamic_bsz, actor.ppo_micro_batch_size_per_gpu, actor.ppo_max_token_len_per_gpu,
                          mg.context_parallel_size, actor.ppo_mini_batch_size * n // dp, longest)
     hybrid = getattr(arr, "hybrid_engine", True)
@@ -280,13 +281,14 @@ def memory_problems(cfg, device=None) -> list[str]:
             continue
         role, estimate = max(group, key=lambda re: re[1].total)
         lead, fix = _fixes(role, estimate)
-        engines = "; ".join(e.describe() for _, e in group)
+        engines = "; ".join(f"per {process} worker: " +
+                            ", ".join(e.describe() for r, e in group if r.process == process) for process in count)
         if cuda:
             where = f"each GPU holds engines needing an estimated {gib(total)} GiB ({engines}), more than {what}"
         else:
             workers = ", ".join(f"{n} {name} worker(s)" for name, n in count.items())
             where = (f"the worker processes on this machine ({workers}) need an estimated {gib(total)} GiB in all "
-                     f"({engines}, per process), more than {what}")
+                     f"({engines}), more than {what}")
             fix += "; or run fewer worker processes on this machine (trainer.n_gpus_per_node)"
         out.append(f"{lead}: {where}; {fix} (how it is estimated: docs/memory.md)")
     return out

@@ -23,27 +23,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from verl_lite.data.config import DataConfig
+
 from verl_lite.algorithms.objective import ActorLossConfig
 from verl_lite.engine.config import LoraConfig, MegatronConfig, OptimConfig
 
 # trainer.logger's names (verl_lite.trainer.tracking builds one tracker per name)
 LOGGER_BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
-
-
-@dataclass
-class DataConfig:
-    train_files: Any = None  # str or list of parquet paths; None = built-in synthetic task (train split)
-    val_files: Any = None  # str or list of parquet paths; [] = no validation; None = the built-in val split with the built-in train files, else []
-    prompt_key: str = "prompt"  # column holding the chat messages
-    reward_fn_key: str = "data_source"  # column holding each row's data source, the reward's first argument
-    max_prompt_length: int = 16  # tokens, after the chat template
-    max_response_length: int = 12  # tokens generated at most (EOS included)
-    train_batch_size: int = 16  # prompts per RL step
-    val_batch_size: Optional[int] = None  # prompts per validation generate call; None = all at once
-    filter_overlong_prompts: bool = False  # drop prompts longer than max_prompt_length (else see truncation)
-    truncation: str = "error"  # overlong prompt when not filtered: error | left | right
-    shuffle: bool = True  # reshuffle the prompts every epoch (seeded by data.seed)
-    seed: int = 0  # data order seed
 
 
 @dataclass
@@ -242,7 +228,7 @@ class RewardConfig:
     reward_manager: str = "naive"  # naive (one call per sample) | batch (one call per batch)
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     timeout_s: float = 300.0  # bound on each batch call of the reward (a step's or a validation batch's scoring)
-    max_memory_gb: float = 4.0  # memory limit (GiB, RLIMIT_DATA) of a reward file's process; reaching it stops the run; <= 0: none
+    max_memory_gb: float = 4.0  # memory limit (GiB) of a reward file's process and everything it starts, shared memory included; reaching it stops the run; <= 0: none
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 

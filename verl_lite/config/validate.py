@@ -18,7 +18,9 @@ from verl_lite.config.loader import ConfigError
 from verl_lite.config.schema import LOGGER_BACKENDS, PPOConfig
 from verl_lite.engine import rules
 from verl_lite.engine.config import RECOMPUTE
-from verl_lite.engine.model_files import config_int, model_dir_problem, read_config
+from verl_lite.engine.model_files import config_int, lora_adapter_problems, model_dir_problem, read_config
+from verl_lite.reward.rules import reward_model_problems, reward_problems
+from verl_lite.rollout.rules import rollout_problems
 
 A, R, M = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.actor.megatron"
 RESUME_MODES = ("auto", "disable", "resume_path")
@@ -98,7 +100,6 @@ def validate_config(cfg: PPOConfig, world_size: int | None = None) -> Layout:
     critic_world = critic_dp = 0
     if "critic" in needs:
         critic_world, critic_dp = _check_critic(cfg, world, p)
-    from verl_lite.reward.rules import reward_model_problems
 
     p.extend(reward_model_problems(cfg.reward_model, world, _cuda_visible()))
     p.extend(_micro_batch_problems(cfg, "critic" in needs))
@@ -196,10 +197,6 @@ def _micro_batch_problems(cfg: PPOConfig, critic: bool) -> list[str]:
 def _section_problems(cfg: PPOConfig, needs, n: int | None) -> list[str]:
     """Each section's own rules, collected from its layer's ``rules.py``, and the cross-key rules of the trainer,
     the model files and LoRA; ``n`` = samples per prompt (None: not a valid size)."""
-    from verl_lite.data.rules import data_problems
-    from verl_lite.reward.rules import reward_problems
-    from verl_lite.rollout.rules import rollout_problems
-
     d, arr, alg, tr = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
     actor, rollout = arr.actor, arr.rollout
     p = actor.problems(A) + algorithm_rules.algorithm_problems(alg, n, f"{R}.n")
@@ -222,7 +219,7 @@ def _section_problems(cfg: PPOConfig, needs, n: int | None) -> list[str]:
                      f"the CUDA RNG state, so it runs on GPU only; set it false on CPU")
     max_pos = config_int(arr.model.path, "max_position_embeddings") if arr.model.path else None
     p.extend(rollout_problems(R, rollout, d.max_prompt_length + d.max_response_length, max_pos, _cuda_visible()))
-    p.extend(data_problems(d))
+    p.extend(d.problems())
     mpath, tpath = arr.model.path, arr.model.tokenizer_path
     p.extend(filter(None, [model_dir_problem("actor_rollout_ref.model.path", mpath)]))
     if tpath and tpath != mpath and not any((Path(tpath) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
@@ -242,8 +239,6 @@ def _section_problems(cfg: PPOConfig, needs, n: int | None) -> list[str]:
 def _adapter_problems(key: str, lora, used: bool) -> list[str]:
     """A LoRA section's ``adapter_path`` (rank > 0, on an engine the run builds) is a PEFT adapter with the
     section's settings (``engine.model_files.lora_adapter_problems``), checked here, before any worker loads it."""
-    from verl_lite.engine.model_files import lora_adapter_problems
-
     return lora_adapter_problems(key, lora) if used and lora.rank else []
 
 

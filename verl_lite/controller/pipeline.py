@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from verl_lite.errors import RunFailure
+from verl_lite.protocol import Batch
 
 
 class PipelineError(RunFailure):
@@ -62,8 +63,6 @@ class RolloutItem:
 
     @classmethod
     def from_state(cls, state: dict) -> "RolloutItem":
-        from verl_lite.protocol import Batch
-
         batch = state["batch"]
         if batch is not None:
             batch = Batch.from_dict(batch["tensors"], batch["non_tensors"])

@@ -37,7 +37,8 @@ import random
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-TRUNCATIONS = ("error", "left", "right")
+from verl_lite.data.config import TRUNCATIONS, DataConfig
+
 
 
 class DataError(ValueError):
@@ -165,17 +166,24 @@ def _check_rendered(messages: list[dict] | str, text: str, where: str, prompt_ke
 
 
 class RLDataset:
-    """Prompts from parquet files, tokenized (see module docstring)."""
+    """Prompts from parquet files, tokenized (see module docstring). Its defaults are the ``data`` section's."""
+
+    @classmethod
+    def from_config(cls, data: DataConfig, files, tokenizer, tools: list[dict] | None = None) -> RLDataset:
+        """The data set of ``files`` read as the ``data`` section says (keys, prompt length, overlong prompts)."""
+        return cls(files, tokenizer, data.max_prompt_length, prompt_key=data.prompt_key,
+                   data_source_key=data.reward_fn_key, filter_overlong_prompts=data.filter_overlong_prompts,
+                   truncation=data.truncation, tools=tools)
 
     def __init__(
         self,
         files: str | Sequence[str] | Sequence[dict],
         tokenizer,
         max_prompt_length: int,
-        prompt_key: str = "prompt",
-        data_source_key: str = "data_source",  # data.reward_fn_key: the column the reward dispatches on
-        filter_overlong_prompts: bool = True,
-        truncation: str = "error",
+        prompt_key: str = DataConfig.prompt_key,
+        data_source_key: str = DataConfig.reward_fn_key,  # the column the reward dispatches on
+        filter_overlong_prompts: bool = DataConfig.filter_overlong_prompts,
+        truncation: str = DataConfig.truncation,
         verbose: bool = True,
         tools: list[dict] | None = None,  # tool schemas rendered into every prompt (multi-turn rollouts)
     ):

@@ -18,7 +18,7 @@ The math per sequence is ``softmax(q k^T * scale + mask) v`` with ``scale = soft
 repeats K/V; SDPA's ``enable_gqa`` reads each group for its heads). No mask is ever built over the whole pack. At CP=1
 all sequences of a pack go through ONE causal call on ``[b, max_len]`` (each sequence
 zero-padded at its end, which causality hides from its real tokens): SDPA, or two matmuls for
-short sequences on the CPU (``SHORT_CAUSAL_MAX_LEN``); under CP the loop runs per
+short sequences on the CPU speed paths (``SHORT_CAUSAL_MAX_LEN``, ``engine/speed_paths.py``); under CP the loop runs per
 sequence and a sequence's mask is ``[L/cp, L]``.
 
 Context parallelism (zig-zag): every sequence of padded length L is cut into 2*cp chunks of
@@ -53,6 +53,8 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from verl_lite.engine import speed_paths
 
 # ------------------------------------------------------------------------------------------
 # CP communication
@@ -159,9 +161,10 @@ def causal_matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of ``[b, h, L, d]`` queries over ``[b, g, L, d]`` keys/values: ``causal_matmul_attention``
-    where it is the faster (short sequences and few scores, float32/64, the CPU), else SDPA."""
+    on the CPU speed paths (``speed_paths.cpu_speed_paths``) where it is the faster (short sequences and few
+    scores, float32/64), else SDPA."""
     b, heads, length, _ = q.shape
-    if (q.device.type == "cpu" and q.dtype in MATMUL_ATTENTION_DTYPES and length <= SHORT_CAUSAL_MAX_LEN
+    if (speed_paths.cpu_speed_paths() and q.dtype in MATMUL_ATTENTION_DTYPES and length <= SHORT_CAUSAL_MAX_LEN
             and b * heads * length * length <= MATMUL_ATTENTION_MAX_SCORES):
         return causal_matmul_attention(q, k, v, scale)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])

@@ -44,9 +44,12 @@ import torch
 
 from verl_lite.compat import megatron_internals, torch_dcp
 from verl_lite.compat.torch_dcp import RestrictedUnpickler, restricted_metadata_unpickling  # noqa: F401 (re-exported)
-from verl_lite.utils import safe_files
+from verl_lite.engine.hf_bridge import export_hf
+from verl_lite.engine.lora import export_adapter_state, save_peft_adapter
+from verl_lite.engine.model import unwrap_model
 from verl_lite.engine.rules import canonical_dtype
 from verl_lite.engine.vocab_parallel import padded_vocab_size
+from verl_lite.utils import safe_files
 
 # Reshardable in TP, PP, VPP, CP and DP, and readable by the regular optimizer.
 SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
@@ -205,8 +208,6 @@ def _drop_empty_extra_state(node):
 
 
 def _model_sharded_state_dict(engine) -> dict:
-    from verl_lite.engine.model import unwrap_model
-
     return {f"model{i}": _drop_empty_extra_state(unwrap_model(c).sharded_state_dict())
             for i, c in enumerate(engine.chunks)}
 
@@ -384,8 +385,6 @@ def load_engine_state(engine, directory: str | Path) -> dict:
         raise CheckpointLayoutError(f"{directory}: dist_checkpointing could not map the saved tensors onto this "
                                     f"engine: {err}") from err
     for i, chunk in enumerate(engine.chunks):
-        from verl_lite.engine.model import unwrap_model
-
         missing, unexpected = unwrap_model(chunk).load_state_dict(loaded[f"model{i}"], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
@@ -500,8 +499,6 @@ def save_hf_pretrained(engine_or_chunks, hf_config, directory: str | Path, token
     Collective (``export_hf`` gathers); rank 0 writes."""
     from safetensors.torch import save_file
 
-    from verl_lite.engine.hf_bridge import export_hf
-
     lora = None
     if hasattr(engine_or_chunks, "export_merged_hf"):  # an engine: a bf16 one exports its fp32 main params
         stream = engine_or_chunks.export_merged_hf()  # with LoRA: the adapters merged into the base
@@ -531,8 +528,6 @@ LORA_FILE = "lora.json"  # <role checkpoint>/lora.json: the engine's LoraConfig 
 def save_lora_adapter(chunks, lora, directory, base_model_path=None) -> None:
     """The chunks' adapters as a PEFT adapter directory (``peft.PeftModel.from_pretrained(base, directory)``).
     Collective (the factors are gathered); rank 0 writes."""
-    from verl_lite.engine.lora import export_adapter_state, save_peft_adapter
-
     state = export_adapter_state(chunks)
     if _rank() == 0:
         save_peft_adapter(directory, lora, state, base_model_path=base_model_path)
@@ -543,8 +538,6 @@ def load_model_only(chunks, directory: str | Path) -> None:
     the optimizer state in the checkpoint is not read. Collective."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
-
-    from verl_lite.engine.model import unwrap_model
 
     check_dist_dir(directory)
     state = {f"model{i}": _drop_empty_extra_state(unwrap_model(c).sharded_state_dict()) for i, c in enumerate(chunks)}

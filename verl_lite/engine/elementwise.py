@@ -6,8 +6,10 @@ primitive, each a full pass over ``[tokens, width]`` (on CPU, memory-bound). Wri
 passes (a concatenation, an expanded mean). The results equal autograd's to rounding
 (``tests/engine/test_elementwise.py`` checks both against float64).
 
-- :func:`rms_norm`: ``y = w * (x * r).to(dtype)``, ``r = 1 / sqrt(mean(x^2) + eps)`` per row, ``x``
-  taken in float32 (as HF's Qwen2/Llama RMSNorm). With ``x^ = x r`` and ``gy = g w`` (float32):
+Where they run, ``engine/speed_paths.py`` decides.
+
+- :func:`rms_norm` (and :class:`RMSNorm`, the module): ``y = w * (x * r).to(dtype)``,
+  ``r = 1 / sqrt(mean(x^2) + eps)`` per row, ``x`` taken in float32 (as HF's Qwen2/Llama RMSNorm). With ``x^ = x r`` and ``gy = g w`` (float32):
   ``dx = r (gy - x^ mean(gy x^))``, ``dw = sum over rows of g x^``, where ``mean(gy x^) = (g x^) . w / width``
   reuses ``g x^`` (one matrix-vector product instead of a pass). In low precision the backward keeps ``g w``
   and ``x^`` in float32 (autograd of the forward would round ``x^`` to the dtype for ``dw``). The norm as
@@ -58,6 +60,22 @@ class _RMSNorm(torch.autograd.Function):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x / sqrt(mean(x^2, -1) + eps))``, normalised in float32 and cast back before the weight."""
     return _RMSNorm.apply(x, weight, eps)
+
+
+class RMSNorm(torch.nn.Module):
+    """:func:`rms_norm` as the layer spec's norm module (same math as HF's), built by megatron as
+    ``RMSNorm(config=..., hidden_size=..., eps=...)``. The weight carries ``sequence_parallel =
+    config.sequence_parallel`` so that ``finalize_model_grads`` sums its gradient over TP when each TP rank saw
+    only a slice of the sequence."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
 
 
 class _SwiGLU(torch.autograd.Function):

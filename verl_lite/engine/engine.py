@@ -46,6 +46,9 @@ from typing import Callable
 
 import torch
 
+from verl_lite.compat import megatron_internals
+from verl_lite.compat.cpu_adapter import suspended
+from verl_lite.compat.megatron_internals import main_param_shard_range, plain_rotary
 from verl_lite.engine import moe
 from verl_lite.engine.config import EngineConfig
 from verl_lite.engine.packing import PackedMicroBatch, pack_micro_batch, pad_multiple, unpack_response
@@ -178,7 +181,6 @@ class MegatronEngine:
         from megatron.core import parallel_state as ps
         from transformers import AutoConfig
 
-        from verl_lite.compat.megatron_internals import plain_rotary
         from verl_lite.engine.hf_bridge import load_hf_weights
         from verl_lite.engine.model import build_model_chunks, transformer_config_from_hf
 
@@ -267,8 +269,6 @@ class MegatronEngine:
     def _main_param_shard_range(self, param) -> tuple[int, int]:
         """[start, end) of ``param``'s flattened elements whose fp32 main copy this DP rank holds
         (distributed optimizer)."""
-        from verl_lite.compat.megatron_internals import main_param_shard_range
-
         return main_param_shard_range(self.optimizer, param)
 
     def _load_main_params(self, source) -> None:
@@ -327,8 +327,6 @@ class MegatronEngine:
     def _build_optimizer(self):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-        from verl_lite.compat import megatron_internals
 
         o = self.cfg.optim
         dtype = self.cfg.megatron.torch_dtype
@@ -432,8 +430,6 @@ class MegatronEngine:
             )
 
     def _pack(self, batch: SequenceBatch, micro_batches: list[list[int]]) -> list[_MicroBatch]:
-        from verl_lite.compat.cpu_adapter import suspended
-
         with suspended():  # CPU-side index work only
             return self._pack_all(batch, micro_batches)
 
@@ -497,8 +493,6 @@ class MegatronEngine:
         return outputs
 
     def _forward_step(self, names, temperature, width, loss_func_factory, data_iterator, model):
-        from verl_lite.compat.cpu_adapter import suspended
-
         mb: _MicroBatch = next(data_iterator)
         moe.start_micro_batch(getattr(self, "_router_step", None), mb.packed)  # MoE router losses (moe.py)
         ids = mb.packed.input_ids.to(self.device)
@@ -600,8 +594,6 @@ class MegatronEngine:
         owner = self.is_output_owner
 
         def loss_func(mb, names, temperature, width, output):
-            from verl_lite.compat.cpu_adapter import suspended
-
             with suspended():  # outputs + the caller's loss: plain tensor math on the output's device
                 return _loss(mb, names, temperature, width, output)
 

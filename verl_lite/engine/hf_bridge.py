@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from verl_lite.engine.model import _get, head_dim, num_experts, unwrap_model
 from verl_lite.engine.lora import is_adapter_name
+from verl_lite.engine.model import _get, head_dim, is_moe, num_experts, unwrap_model
 from verl_lite.engine.vocab_parallel import padded_vocab_size
 
 # ------------------------------------------------------------------------------------------
@@ -92,8 +92,6 @@ def _moe_mlp_entries(m: str, hf: str, moe: _MoELayout) -> list[_Entry]:
 
 def _moe_layout(hf_config, global_view: bool = False) -> _MoELayout | None:
     """This rank's ``_MoELayout`` (None for a dense model); ``global_view``: as if it held every expert."""
-    from verl_lite.engine.model import is_moe
-
     if not is_moe(hf_config):
         return None
     n = num_experts(hf_config)

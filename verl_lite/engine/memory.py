@@ -12,8 +12,9 @@ What is counted, per device (one rank of the layout):
 - parameters: the rank's share of the weights (TP splits the linears and the vocabulary, PP the layers,
   EP the routed experts) in the parameter dtype;
 - gradients: megatron's gradient buffer, fp32 (``grad_reduce_in_fp32``), for what trains;
-- optimizer: Adam's two fp32 moments, the fp32 main copy of a bf16 run's trainable weights, and one fp32
-  temporary of the step's size (the fused step's scratch); sharded over DP x CP with the distributed optimizer;
+- optimizer: Adam's two fp32 moments and the fp32 main copy of a bf16 run's trainable weights, sharded over
+  DP x CP with the distributed optimizer; optimizer step: the step's fp32 scratch of the trainable size, which
+  comes after backward freed the activations, so only what exceeds them counts;
 - LoRA factors: ``rank x (in + out)`` per targeted projection and layer (TP splits one factor of each pair);
   they train, so their gradients and optimizer state are counted with the above;
 - activations: one micro-batch's saved tensors (see :func:`activation_bytes`), x PP micro-batches in
@@ -31,12 +32,14 @@ from dataclasses import dataclass, field
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2}
 FP32 = 4
-ADAM_STATE_FP32 = 3  # exp_avg, exp_avg_sq and the step's scratch of the same size (all fp32)
+ADAM_MOMENTS_FP32 = 2  # exp_avg, exp_avg_sq (fp32)
 LOGIT_COPIES = 3  # fp32 logits, their log-softmax, and the gradient
-# LoRA's HF projection -> (in features, out features) as functions of (h, q, kv, ffn): q = heads x head_dim, kv = kv heads x head_dim
+# LoRA's HF projection -> (in features, out features) as functions of (h, q, kv, ffn): q = heads x head_dim,
+# kv = kv heads x head_dim
 _PROJECTION_SHAPES = {
-    "q_proj": lambda h, q, kv, f: (h, q), "k_proj": lambda h, q, kv, f: (h, kv), "v_proj": lambda h, q, kv, f: (h, kv),
-    "o_proj": lambda h, q, kv, f: (q, h), "gate_proj": lambda h, q, kv, f: (h, f), "up_proj": lambda h, q, kv, f: (h, f),
+    "q_proj": lambda h, q, kv, f: (h, q), "k_proj": lambda h, q, kv, f: (h, kv),
+    "v_proj": lambda h, q, kv, f: (h, kv), "o_proj": lambda h, q, kv, f: (q, h),
+    "gate_proj": lambda h, q, kv, f: (h, f), "up_proj": lambda h, q, kv, f: (h, f),
     "down_proj": lambda h, q, kv, f: (f, h),
 }
 _COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # the output is split over TP
@@ -116,6 +119,8 @@ class _Dims:
     top_k: int
     shared_ffn: int
     tied: bool
+    qkv_bias: bool = False  # Qwen2 (or attention_bias)
+    qk_norm: bool = False  # Qwen3's per-head q/k norms
 
     @property
     def q(self) -> int:
@@ -130,13 +135,17 @@ def model_dims(model: dict) -> _Dims:
     """The sizes the estimate needs, from an HF config.json (Qwen2/Qwen3/Llama and their MoE variants)."""
     h, heads = _int(model, "hidden_size", 1), _int(model, "num_attention_heads", 1)
     experts = _int(model, "num_experts") or _int(model, "num_local_experts")
+    qwen2_moe = model.get("model_type") == "qwen2_moe"
     return _Dims(h=h, layers=_int(model, "num_hidden_layers", 1), heads=heads,
-                 kv_heads=_int(model, "num_key_value_heads", heads), head_dim=_int(model, "head_dim", max(1, h // heads)),
+                 kv_heads=_int(model, "num_key_value_heads", heads),
+                 head_dim=_int(model, "head_dim", max(1, h // heads)),
                  ffn=_int(model, "intermediate_size", 4 * h), vocab=_int(model, "vocab_size", 1), experts=experts,
                  expert_ffn=_int(model, "moe_intermediate_size", _int(model, "intermediate_size", 4 * h)),
                  top_k=_int(model, "num_experts_per_tok", 1) if experts else 0,
-                 shared_ffn=_int(model, "shared_expert_intermediate_size") if model.get("model_type") == "qwen2_moe" else 0,
-                 tied=bool(model.get("tie_word_embeddings", False)))
+                 shared_ffn=_int(model, "shared_expert_intermediate_size") if qwen2_moe else 0,
+                 tied=bool(model.get("tie_word_embeddings", False)),
+                 qkv_bias=model.get("model_type") in ("qwen2", "qwen2_moe") or bool(model.get("attention_bias")),
+                 qk_norm=model.get("model_type") in ("qwen3", "qwen3_moe"))
 
 
 def parameter_count(d: _Dims, tp: int = 1, pp: int = 1, ep: int = 1, value_head: bool = False) -> int:
@@ -144,15 +153,16 @@ def parameter_count(d: _Dims, tp: int = 1, pp: int = 1, ep: int = 1, value_head:
     embedding, and the last, with the output layer), the linears and vocabulary split over TP (KV heads
     replicated where TP exceeds them), the routed experts split over EP and kept whole (ETP = 1)."""
     kv_rows = max(1, d.kv_heads // tp) * d.head_dim
-    attention = d.h * d.q // tp + 2 * d.h * kv_rows + d.q * d.h // tp + 2 * d.h
+    attention = d.h * d.q // tp + 2 * d.h * kv_rows + d.q * d.h // tp + 2 * d.h  # q, k, v, o, the two norms
+    attention += (d.q // tp + 2 * kv_rows if d.qkv_bias else 0) + (2 * d.head_dim if d.qk_norm else 0)
     if d.experts:
         mlp = (d.experts // max(1, ep)) * 3 * d.h * d.expert_ffn + d.experts * d.h + 3 * d.h * d.shared_ffn // tp
     else:
         mlp = 3 * d.h * d.ffn // tp
     layers = -(-d.layers // pp) * (attention + mlp)
     embedding = -(-d.vocab // tp) * d.h
-    head = d.h if value_head else (0 if d.tied and pp == 1 else embedding)
-    return layers + (embedding + head if pp == 1 else max(embedding, head + d.h))
+    head = d.h + (d.h if value_head else (0 if d.tied and pp == 1 else embedding))  # the final norm and the head
+    return layers + (embedding + head if pp == 1 else max(embedding, head))
 
 
 def lora_factor_count(d: _Dims, rank: int, projections, tp: int = 1, pp: int = 1, ep: int = 1) -> int:
@@ -191,7 +201,8 @@ def activation_bytes(spec: EngineSpec, d: _Dims) -> int:
     if not spec.flash_attention and spec.longest_sequence:
         seq = spec.longest_sequence
         per_layer += 2 * spec.micro_batch_sequences * max(1, d.heads // tp) * -(-seq // max(1, spec.cp)) * seq * act
-    logits = tokens * (1 if spec.value_head else -(-d.vocab // tp)) * FP32 * LOGIT_COPIES
+    copies = LOGIT_COPIES if spec.trains else LOGIT_COPIES - 1  # no gradient without training
+    logits = tokens * (1 if spec.value_head else -(-d.vocab // tp)) * FP32 * copies
     return per_layer * _saved_layers(spec, d) + logits
 
 
@@ -229,10 +240,13 @@ def estimate_engine(spec: EngineSpec) -> Estimate:
         parts["LoRA factors"] = factors * param_bytes
     if trainable:
         parts["gradients"] = trainable * FP32
-        parts["optimizer"] = -(-trainable * (ADAM_STATE_FP32 * FP32 + master) // shards)
+        parts["optimizer"] = -(-trainable * (ADAM_MOMENTS_FP32 * FP32 + master) // shards)
     parts["activations"] = activation_bytes(spec, d)
     if factors:
         parts["LoRA activations"] = lora_activation_bytes(spec, d)
+    if trainable:  # the step's fp32 scratch comes after backward freed the activations: only its excess counts
+        scratch = -(-trainable * FP32 // shards)
+        parts["optimizer step"] = max(0, scratch - parts["activations"] - parts.get("LoRA activations", 0))
     if spec.rollout_dtype:
         parts["rollout weights"] = parameter_count(d, value_head=False) * DTYPE_BYTES.get(spec.rollout_dtype, 4)
     return Estimate(spec.name, parts)

@@ -7,7 +7,7 @@ a non-zero ``glu_linear_offset``, MoE's per-token scales, TE or fused-bias activ
 megatron's own forward unchanged.
 
 The layer spec keeps megatron's ``MLP``, so megatron's layer builds it with its own arguments (its TP
-group); ``compat.megatron_internals.use_swiglu_mlp`` then makes the built MLPs this class.
+group); on the CPU speed paths ``speed_paths.adapt_built_model`` then makes the built MLPs this class.
 """
 
 from __future__ import annotations

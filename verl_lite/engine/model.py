@@ -2,10 +2,9 @@
 
 - ``transformer_config_from_hf``: HF config + ``MegatronConfig`` -> megatron ``TransformerConfig``.
 - ``layer_spec``: megatron's local layer (``ColumnParallelLinear``/``RowParallelLinear``, ``SelfAttention``,
-  ``MLP``) with our ``PackedCoreAttention``, our ``RMSNorm`` (same math as HF's, and it marks its
-  weight for megatron's sequence-parallel gradient all-reduce); ``build_model_chunks`` makes its MLPs
-  ``SwiGLUMLP`` (``engine/mlp.py``). The norm and the activation have hand-written backwards
-  (``engine/elementwise.py``).
+  ``MLP``) with our ``PackedCoreAttention`` and the norm ``speed_paths.norm_class`` picks; on the CPU speed
+  paths ``build_model_chunks`` makes its MLPs ``SwiGLUMLP`` and routes megatron's RoPE through the engine's
+  (``engine/speed_paths.py`` decides all three).
 - ``build_model_chunks``: one ``GPTModel`` per virtual pipeline stage of this rank, with the right
   ``pre_process``/``post_process``; ``value_head=True`` swaps the LM head for a replicated
   ``[1, hidden]`` projection (a critic).
@@ -28,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from verl_lite.engine.attention import PackedCoreAttention
+from verl_lite.engine import speed_paths
 from verl_lite.engine.config import MegatronConfig
-from verl_lite.engine.elementwise import rms_norm, rotary
 from verl_lite.engine.moe import RouterLossCoefficients
 from verl_lite.engine.rules import MOE_MODEL_TYPES
 from verl_lite.engine.vocab_parallel import padded_vocab_size
@@ -50,24 +49,6 @@ def num_experts(hf_config) -> int:
 # ------------------------------------------------------------------------------------------
 # Modules
 # ------------------------------------------------------------------------------------------
-
-
-class RMSNorm(torch.nn.Module):
-    """y = weight * x / sqrt(mean(x^2) + eps), computed in float32 and cast back (as HF does).
-
-    Built by megatron as ``RMSNorm(config=..., hidden_size=..., eps=...)``. The weight carries
-    ``sequence_parallel = config.sequence_parallel`` so that ``finalize_model_grads`` sums its
-    gradient over TP when each TP rank saw only a slice of the sequence.
-    """
-
-    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
-        super().__init__()
-        self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
-        self.weight.sequence_parallel = bool(config.sequence_parallel)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
 
 
 VALUE_HEAD_SEED = 0
@@ -122,9 +103,9 @@ def moe_mlp_spec():
     )
 
 
-def layer_spec(qk_layernorm: bool, moe: bool = False):
-    """megatron's local GPT layer, with ``PackedCoreAttention`` and ``RMSNorm`` (and q/k-norm when asked);
-    ``moe=True``: the MLP is ``moe_mlp_spec()``. ``build_model_chunks`` makes the built MLPs ``SwiGLUMLP``."""
+def layer_spec(norm: type, qk_layernorm: bool, moe: bool = False):
+    """megatron's local GPT layer, with ``PackedCoreAttention`` and ``norm`` (also as q/k-norm when asked);
+    ``moe=True``: the MLP is ``moe_mlp_spec()``."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -137,7 +118,7 @@ def layer_spec(qk_layernorm: bool, moe: bool = False):
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=RMSNorm,
+            input_layernorm=norm,
             self_attention=ModuleSpec(
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
@@ -145,12 +126,12 @@ def layer_spec(qk_layernorm: bool, moe: bool = False):
                     linear_qkv=ColumnParallelLinear,
                     core_attention=PackedCoreAttention,
                     linear_proj=RowParallelLinear,
-                    q_layernorm=RMSNorm if qk_layernorm else IdentityOp,
-                    k_layernorm=RMSNorm if qk_layernorm else IdentityOp,
+                    q_layernorm=norm if qk_layernorm else IdentityOp,
+                    k_layernorm=norm if qk_layernorm else IdentityOp,
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=RMSNorm,
+            pre_mlp_layernorm=norm,
             mlp=moe_mlp_spec() if moe else ModuleSpec(
                 module=MLP,
                 submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
@@ -164,7 +145,9 @@ def _block_spec(config, vp_stage):
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec(config.qk_layernorm, moe=config.num_moe_experts is not None)] * n, layer_norm=RMSNorm)
+    norm = speed_paths.norm_class(config)
+    spec = layer_spec(norm, config.qk_layernorm, moe=config.num_moe_experts is not None)
+    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=norm)
 
 
 # ------------------------------------------------------------------------------------------
@@ -406,12 +389,11 @@ def build_model_chunks(hf_config, tf_config, value_head: bool = False) -> list:
     from megatron.core import parallel_state as ps
 
     from verl_lite.compat import cpu_adapter, megatron_internals
-    from verl_lite.engine.mlp import SwiGLUMLP  # engine.mlp imports megatron-core at its top
 
     cpu_adapter.install()  # no-op on GPU or when init_distributed already did it (RoPE needs it on CPU)
     GPTModel = _gpt_model_class()
     megatron_internals.prepare_host_dispatch()
-    megatron_internals.use_rotary_kernel(rotary)
+    speed_paths.route_rotary()
     vpp = tf_config.virtual_pipeline_model_parallel_size
     tied = bool(_get(hf_config, "tie_word_embeddings", False)) and not value_head
     chunks = []
@@ -434,7 +416,7 @@ def build_model_chunks(hf_config, tf_config, value_head: bool = False) -> list:
         )
         model.is_value_model = value_head  # read by hf_bridge on every stage
         megatron_internals.make_dispatchers_host_safe(model)
-        megatron_internals.use_swiglu_mlp(model, SwiGLUMLP)
+        speed_paths.adapt_built_model(model)
         if post and value_head:
             model.output_layer = ValueHead(tf_config, tf_config.hidden_size)
             model.output_layer.weight.is_embedding_or_output_parameter = True

@@ -16,6 +16,10 @@ import json
 import os
 from pathlib import Path
 
+from verl_lite.engine import lora as engine_lora
+from verl_lite.engine.hf_bridge import hf_shapes
+from verl_lite.engine.rules import lora_projections
+
 VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")  # [vocab_size, hidden] in an HF causal LM
 SAFETENSORS_MAX_HEADER = 100_000_000  # bytes; safetensors' own limit
 
@@ -233,8 +237,6 @@ def weight_shape_problems(key: str, model_path: str, headers: dict, head: str = 
     critic's ``score.weight`` (a fresh value head); a layer beyond ``num_hidden_layers`` means config.json
     describes a smaller model than the weights (the loader would drop those layers silently). One line for
     the first difference, with the count of the others. The vocabulary rows are ``model_weight_problems``'."""
-    from verl_lite.engine.hf_bridge import hf_shapes
-
     config = read_config(model_path) or {}
     try:
         expected = hf_shapes(config, value_head=head != "lm")
@@ -284,8 +286,9 @@ def tokenizer_id_problems(tok: tuple[str, str], tokenizer, models: list[tuple[st
             model = "the model's config.json" if (key, path) == tok else f"{key}={path!r}"
             problems.append(
                 f"{tok_key}={tok_path!r}: the tokenizer produces ids up to {top} ({len(ids)} tokens) but {model} "
-                f"has vocab_size {vocab}: ids >= {vocab} have no embedding row; give the tokenizer the model was trained "
-                f"with ({tok_key.rsplit('.', 1)[0]}.tokenizer_path), or a model with at least {top + 1} vocabulary rows")
+                f"has vocab_size {vocab}: ids >= {vocab} have no embedding row; give the tokenizer the model was "
+                f"trained with ({tok_key.rsplit('.', 1)[0]}.tokenizer_path), or a model with at least {top + 1} "
+                f"vocabulary rows")
     return problems
 
 
@@ -297,8 +300,6 @@ def lora_adapter_problems(key: str, lora) -> list[str]:
     PEFT adapter directory: ``adapter_config.json`` (size-bounded, a JSON object) and
     ``adapter_model.safetensors`` exist, and the adapter is plain LoRA with the section's rank, alpha and
     target projections (``engine.lora``'s own checks, the ones ``init_model`` applies on the workers)."""
-    from verl_lite.engine import lora as engine_lora
-
     path = lora.adapter_path
     if not path:
         return []
@@ -321,8 +322,6 @@ def lora_adapter_problems(key: str, lora) -> list[str]:
     except (OSError, ValueError) as e:
         return [f"{where}: {file} cannot be read ({e}); give a PEFT adapter directory"]
     from types import SimpleNamespace
-
-    from verl_lite.engine.rules import lora_projections
 
     engine_cfg = SimpleNamespace(rank=lora.rank, alpha=lora.alpha,  # what check_adapter_matches reads
                                  projections=lora_projections(lora.target_modules, lora.exclude_modules))

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from verl_lite.reward.sandbox_child import HEADER
+from verl_lite.reward.sandbox_child import HEADER, _signature_problem
 from verl_lite.utils.processes import GuardedProcess
 
 CHILD = Path(__file__).with_name("sandbox_child.py")
@@ -113,8 +113,6 @@ class InProcessReward:
         self.fn = fn
 
     def signature_problem(self, mode: str, kwarg_names: list[str]) -> str | None:
-        from verl_lite.reward.sandbox_child import _signature_problem
-
         return _signature_problem(self.fn, mode, kwarg_names)
 
     def __call__(self, mode, texts, data_sources, ground_truths, extra_infos, kwargs, timeout_s: float | None):

@@ -38,6 +38,7 @@ from verl_lite.compat.hf_attention import use_decode_attention
 from verl_lite.compat.kv_cache import reserved_cache
 from verl_lite.compat.torch_internals import torch_function_disabled
 from verl_lite.engine.attention import MATMUL_ATTENTION_DTYPES, grouped_matmul_attention
+from verl_lite.engine.hf_bridge import fused_expert_view
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
@@ -166,8 +167,6 @@ class HFRollout:
         Returns the number of tensors copied. An unknown name or a shape mismatch raises ValueError
         naming it; strict=True also requires every model parameter to be covered.
         """
-        from verl_lite.engine.hf_bridge import fused_expert_view
-
         targets = self.model.state_dict(keep_vars=True)
         loaded: set[str] = set()
         for name, tensor in named_tensors:

@@ -7,6 +7,7 @@ checks the Python API's ``generation_kwargs`` against what the chosen backend ca
 
 from __future__ import annotations
 
+from verl_lite.agent.rules import agent_config_problems
 from verl_lite.rollout import ROLLOUT_NAMES, VLLM_ENGINE_KEYS, vllm_unavailable_reason
 
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
@@ -72,7 +73,6 @@ def rollout_problems(R: str, rollout, longest: int, max_pos: int | None, cuda: b
         out.append(f"{R}.val_kwargs.n={rollout.val_kwargs.n} must be >= 1")
     if rollout.val_kwargs.n > 1 and not rollout.val_kwargs.do_sample:
         out.append(f"{R}.val_kwargs.n={rollout.val_kwargs.n} > 1 needs val_kwargs.do_sample=true (greedy samples repeat)")
-    from verl_lite.agent.rules import agent_config_problems
 
     out.extend(agent_config_problems(R, rollout))  # multi_turn.* and agent.*
     return out

@@ -24,14 +24,15 @@ Atomicity: a checkpoint is written into ``.tmp-global_step_K-<id>/``, every file
 resume ignores (and says so); a ``global_step_*`` directory without ``complete`` is skipped with a
 message and the previous complete checkpoint is used.
 
-Integrity: before anything reads a checkpoint (resume, before Ray starts; the export command), every
-file of the manifest is checked, sizes first, then sha256 (files hashed in parallel threads; hashlib
-releases the GIL), and each role's ``dist/.metadata`` is read through the restricted unpickler. A
-missing, truncated or changed file, an index that would unpickle anything but dist-checkpoint
-metadata, or a ``driver_state.json`` that does not parse is refused with one message naming the file
+Integrity and safety: a checkpoint is treated as hostile. Before anything reads one (resume, before Ray
+starts; the export command), :func:`verify_checkpoint` refuses any link or special file in it, any file
+outside its manifest, any file whose size or sha256 differs from what the save recorded, and any file a
+load parses that is not what its reader trusts (bounded JSON, safetensors headers inside their files, the
+dist-checkpoint index through the restricted unpickler with every storage entry inside its directory,
+``common.pt`` and the split-placement state as plain data). Each refusal is one message naming the file
 (:class:`CheckpointRefused`, exit 2). Nothing falls back on its own: the message names the previous
-complete checkpoint, which the user resumes from with ``trainer.resume_mode=resume_path``. A
-checkpoint written before manifests existed is loaded unverified, and resume says so.
+complete checkpoint, which the user resumes from with ``trainer.resume_mode=resume_path``. A checkpoint
+written before manifests skips only the manifest comparison, and resume says so.
 
 What the run draws random numbers from, and how each is restored:
 

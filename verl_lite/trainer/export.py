@@ -24,6 +24,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from verl_lite.errors import UserError
+
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """A global_step_K directory (complete) from a checkpoint or a checkpoint root."""
@@ -115,7 +117,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", help="a global_step_K directory or a trainer.default_local_dir")
     parser.add_argument("--out", default=None, help="output directory (default: <checkpoint>/huggingface)")
     args = parser.parse_args(argv)
-    from verl_lite.errors import UserError
 
     try:
         ckpt = resolve_checkpoint(args.checkpoint)

@@ -30,6 +30,8 @@ import json
 from operator import attrgetter
 from pathlib import Path
 
+from verl_lite.data.dataset import IN_MEMORY
+
 FILE = "fingerprint.json"
 OVERRIDE_KEY = "trainer.resume_ignore_fingerprint"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -85,8 +87,6 @@ def model_fingerprint(model_path: str, tokenizer_path: str | None = None) -> dic
 
 def data_fingerprint(files, dataset=None) -> dict:
     """``{"files": [names], "sha256": [...]}``: each train file hashed, or the in-memory rows themselves."""
-    from verl_lite.data.dataset import IN_MEMORY
-
     names = [files] if isinstance(files, str) else [str(f) for f in (files or [])]
     if names == [IN_MEMORY] or not names:
         items = getattr(dataset, "items", [])

@@ -38,6 +38,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from verl_lite.agent.loop import agent_rows
+from verl_lite.agent.metrics import agent_metrics, tool_call_rate
+from verl_lite.agent.preflight import agent_spec, enable_for_python_tools, pickle_user_code_by_value
 from verl_lite.algorithms import (
     LOSS_NEEDS,
     NormalizationPlan,
@@ -52,17 +55,41 @@ from verl_lite.algorithms import (
     select_cov_tokens,
     truncated_is_weights,
 )
-from verl_lite.errors import NonFiniteTraining, RunFailure
+from verl_lite.config import validate_config
+from verl_lite.config.loader import ConfigError, Problems, names_follow, use_train_data
+from verl_lite.config.preflight import check_model_files, preflight
 from verl_lite.controller import MicroBatching, ResourcePool, RoleGroup, start_ray, start_roles, stop_ray
+from verl_lite.controller.pipeline import PipelineError, RolloutPipeline
+from verl_lite.controller.wire import wire
+from verl_lite.controller.worker_group import WorkerError
+from verl_lite.data import RLDataset, iterate_batches
+from verl_lite.data.dataset import IN_MEMORY
+from verl_lite.engine.engine import NonFiniteStepError
+from verl_lite.engine.model_files import resolve_model_dir
+from verl_lite.errors import NonFiniteTraining, RunFailure
 from verl_lite.protocol import Batch, response_lengths
 from verl_lite.reward import RewardError, RewardManager
+from verl_lite.reward.functions import RewardFunctions
+from verl_lite.reward.judge import JudgeReward
+from verl_lite.reward.model_reward import ModelReward, combine_scores
+from verl_lite.reward.rules import judge_input_problems, reward_input_problems
+from verl_lite.rollout.rules import CONFIG_SAMPLING_KWARGS, generation_kwargs_problems
 from verl_lite.trainer import metrics as M
 from verl_lite.trainer.callbacks import CallbackList
 from verl_lite.trainer.checkpointing import CheckpointManager
+from verl_lite.trainer.run_lock import lock_checkpoint_dir
 from verl_lite.trainer.tracking import COMPLETIONS_KEY
+from verl_lite.trainer.training_run import train_in_run_dir
 from verl_lite.workers import ActorRolloutRefWorker, CriticWorker
-from verl_lite.workers.from_config import (actor_worker_config, critic_worker_config, reward_model_worker_config,
-                                           rollout_worker_config)
+from verl_lite.workers.from_config import (
+    actor_worker_config,
+    critic_worker_config,
+    judge_worker_config,
+    reward_model_worker_config,
+    rollout_worker_config,
+)
+from verl_lite.workers.reward_model import RewardModelWorker
+from verl_lite.workers.rollout_worker import RolloutWorker
 
 ROLLOUT_COLUMNS = ["prompt_ids", "responses", "response_mask"]
 
@@ -89,9 +116,6 @@ def _use_model(cfg, model, processing_class) -> None:
             saved.mkdir(parents=True, exist_ok=True)
         obj.save_pretrained(saved)
         return str(saved)
-
-    from verl_lite.config.loader import ConfigError, names_follow
-    from verl_lite.engine.model_files import resolve_model_dir
 
     if model is not None:
         with names_follow(cfg):  # a run name derived from the model follows it
@@ -156,11 +180,6 @@ class PPOTrainer:
         reward and the data, in one error.
         ``tools`` (Python functions) / ``interactions`` (name -> ``verl_lite.agent.Interaction``) turn on
         multi-turn rollouts (docs/agents.md); the agent's files are checked with the rest."""
-        from verl_lite.agent.preflight import agent_spec, enable_for_python_tools
-        from verl_lite.config import validate_config
-        from verl_lite.config.loader import Problems
-        from verl_lite.config.preflight import check_model_files, preflight
-
         self.cfg, self.reward_manager, self.agent = cfg, None, None
         if tools or interactions:
             enable_for_python_tools(cfg)
@@ -219,9 +238,6 @@ class PPOTrainer:
     def _use_api_arguments(self, model, processing_class, generation_kwargs: dict, push_to_hub: bool) -> dict:
         """TRL's constructor arguments into the config (see the class docstring); returns the
         generation_kwargs the backend receives. Raises ConfigError listing every problem."""
-        from verl_lite.config.loader import ConfigError
-        from verl_lite.rollout.rules import CONFIG_SAMPLING_KWARGS, generation_kwargs_problems
-
         r = self.cfg.actor_rollout_ref.rollout
         p = generation_kwargs_problems(r.name, generation_kwargs)
         if push_to_hub:
@@ -238,9 +254,6 @@ class PPOTrainer:
 
     def _check_reward_inputs(self) -> None:
         """Every row field the reward needs (``ground_truth``, a column a reward function names) exists."""
-        from verl_lite.config.loader import ConfigError
-        from verl_lite.reward.rules import judge_input_problems, reward_input_problems
-
         datasets = {"data.train_files": self.train_dataset, "data.val_files": self.val_dataset}
         p = reward_input_problems(self.reward_manager, datasets) + judge_input_problems(self.cfg.reward_model, datasets)
         if p:
@@ -254,8 +267,6 @@ class PPOTrainer:
     def _make_reward(self, reward_fn, reward_funcs, reward_weights):
         """TRL-style ``reward_funcs``, or verl's ``reward_fn``, or the configured reward (the tokenizer is
         set once it is loaded)."""
-        from verl_lite.reward.functions import RewardFunctions
-
         if reward_funcs is not None and reward_fn is not None:
             raise ValueError("give reward_funcs (TRL-style) or reward_fn (verl's signature), not both")
         if reward_funcs is not None:
@@ -267,22 +278,15 @@ class PPOTrainer:
         """From the given sources (Python API), else ``data.train_files`` / ``val_files``; a given
         in-memory source is recorded in the config as ``<in-memory dataset>`` (``loader.use_train_data``: the
         names derived from the data follow a given train set). No val files: no validation set (None)."""
-        from verl_lite.config.loader import use_train_data
-        from verl_lite.data import RLDataset
-        from verl_lite.data.dataset import IN_MEMORY
-
         d = self.cfg.data
-        kw = dict(tokenizer=self.tokenizer, prompt_key=d.prompt_key, data_source_key=d.reward_fn_key,
-                  max_prompt_length=d.max_prompt_length,
-                  filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
-                  tools=(self.agent.tool_schemas or None) if self.agent is not None else None)
+        tools = (self.agent.tool_schemas or None) if self.agent is not None else None
         datasets = []
         for key, given in (("train_files", train), ("val_files", val)):
             if given is not None:
                 name = str(given) if isinstance(given, (str, os.PathLike)) else IN_MEMORY
                 use_train_data(self.cfg, name) if key == "train_files" else setattr(d, key, name)
             files = given if given is not None else getattr(d, key)
-            datasets.append(RLDataset(files, **kw) if given is not None or files else None)
+            datasets.append(RLDataset.from_config(d, files, self.tokenizer, tools) if given is not None or files else None)
         return tuple(datasets)
 
     def start(self) -> None:
@@ -290,7 +294,6 @@ class PPOTrainer:
         roles, build engines and rollouts."""
         if self.actor is not None:
             return
-        from verl_lite.trainer.run_lock import lock_checkpoint_dir
 
         self._checkpoint_lock = self._checkpoint_lock or lock_checkpoint_dir(self.cfg.trainer)  # before Ray starts
         try:
@@ -320,8 +323,6 @@ class PPOTrainer:
             if self.cfg.reward_model.enable:  # colocated on the actor's workers, a layout of its own
                 self.reward_model = self._start_reward_model(colocated_share)
             if split:
-                from verl_lite.workers.rollout_worker import RolloutWorker
-
                 # the trainer's roles are the critical path (they never wait on a rollout running ahead) and keep
                 # the cores; the rollout pool, idle between policy versions, takes its share of them
                 self.rollout = RoleGroup("rollout", RolloutWorker, split, rollout_worker_config(self.cfg), self.pool,
@@ -329,7 +330,6 @@ class PPOTrainer:
                                          concurrent_ranks=self.world_size + split)
             start_roles(self.actor, self.critic, self.reward_model and self.reward_model.group, self.rollout)
             if self.agent is not None:  # multi-turn rollouts: each worker builds its agent runner (tools, loops)
-                from verl_lite.agent.preflight import pickle_user_code_by_value
 
                 pickle_user_code_by_value(self.agent)
                 self.actor.call_all("init_agent", self.agent)
@@ -348,15 +348,8 @@ class PPOTrainer:
         own next to the actor's rank 0 (verl_lite.reward.judge)."""
         from transformers import AutoTokenizer
 
-        from verl_lite.reward.model_reward import ModelReward
-        from verl_lite.workers.reward_model import RewardModelWorker
-
         rm = self.cfg.reward_model
         if rm.generative:
-            from verl_lite.reward.judge import JudgeReward
-            from verl_lite.workers.from_config import judge_worker_config
-            from verl_lite.workers.rollout_worker import RolloutWorker
-
             group = RoleGroup("reward_model", RolloutWorker, 1, judge_worker_config(self.cfg), self.pool,
                               self.worker_timeout_s, share=share)
             return JudgeReward(group, self.tokenizer, AutoTokenizer.from_pretrained(rm.model.tokenizer_path), rm)
@@ -460,8 +453,6 @@ class PPOTrainer:
     # ================================================================ data
     def _train_batches(self) -> Iterator[list[dict]]:
         """Prompt batches (lists of dataset rows) forever, one epoch after another."""
-        from verl_lite.data import iterate_batches
-
         d = self.cfg.data
         epoch = 0
         while True:
@@ -477,7 +468,6 @@ class PPOTrainer:
         prompts = [list(r["prompt_ids"]) for r in rows]
         seeds = None if seed is None else [seed + p for p in range(len(prompts))]
         if self.agent is not None:  # multi-turn: the workers' agent loops (verl_lite.agent.loop)
-            from verl_lite.agent.loop import agent_rows
 
             outs = self.actor.generate(agent_rows(rows), seeds, dict(sampling, n=n), method="generate_agent")
         else:
@@ -531,7 +521,6 @@ class PPOTrainer:
         :meth:`score`."""
         if self.reward_model is None:
             return self.score(batch)
-        from verl_lite.reward.model_reward import combine_scores
 
         rm_scores, rm_metrics = self.reward_model.score(batch, self.rollout_seed(self.global_step))
         m.update(rm_metrics)
@@ -708,9 +697,6 @@ class PPOTrainer:
         """``group.train(method, plans, *args)`` merged per optimizer step. A NaN / inf gradient norm (the
         engine raises it on every rank) or loss (checked here, from the output owners) stops the run
         with :class:`NonFiniteTraining` naming the step and the role."""
-        from verl_lite.controller.worker_group import WorkerError
-        from verl_lite.engine.engine import NonFiniteStepError
-
         try:
             steps = M.merge_owner_steps(group.train(method, plans, *args))
         except WorkerError as err:
@@ -747,8 +733,6 @@ class PPOTrainer:
         resolve), bounded by ``async_training.weight_sync_timeout_s``."""
         import ray
 
-        from verl_lite.controller.wire import wire
-
         exported = self._weight_sync(self.actor, f"step {self.global_step + 1}: exporting the actor's weights for "
                                      "the rollout pool", "export_rollout_weights")
         return ray.put(wire(exported[0]))  # tensors as raw bytes, as WorkerGroup.broadcast sends them
@@ -761,9 +745,6 @@ class PPOTrainer:
     def _weight_sync(self, role: RoleGroup, what: str, method: str, *args) -> list:
         """``role.call_all(method, *args)`` bounded by ``async_training.weight_sync_timeout_s``; a worker's
         failure or the bound passing becomes one PipelineError saying ``what`` did not finish."""
-        from verl_lite.controller.pipeline import PipelineError
-        from verl_lite.controller.worker_group import WorkerError
-
         bound = self.cfg.async_training.weight_sync_timeout_s
         try:
             return role.call_all(method, *args, timeout_s=bound)
@@ -775,8 +756,6 @@ class PPOTrainer:
     def start_pipeline(self, batches) -> None:
         """Split placement: the rollout pipeline over the data cursor ``batches`` (resumed: the checkpoint's
         in-flight batches first, and the rollout pool loads the checkpoint's policy)."""
-        from verl_lite.controller.pipeline import RolloutPipeline
-
         saved = self.resumed_async_state or {}
         resumed = self.global_step > 0
         self.pipeline = RolloutPipeline(
@@ -814,7 +793,6 @@ class PPOTrainer:
                     scores, reward_extra = self.shaped_scores(batch, m)
                     m.update(rollout.metrics)
             if "agent_stats" in batch:  # multi-turn: turns, tool calls / errors / timeouts / latency, token kinds
-                from verl_lite.agent.metrics import agent_metrics
 
                 m.update(agent_metrics(batch["agent_stats"], batch["turn_scores"]))
             if self.log_completions and self._is_logging_step(self.global_step + 1):
@@ -940,7 +918,6 @@ class PPOTrainer:
         scores, correct = torch.cat(all_scores), torch.cat(all_correct)
         out = {"val/reward_mean": float(scores.mean()), "val/accuracy": float(correct.float().mean())}
         if agent_stats:  # multi-turn: how often the policy calls a tool on held-out prompts
-            from verl_lite.agent.metrics import tool_call_rate
 
             out["val/tool_call_rate"] = tool_call_rate(agent_stats)
         return out
@@ -978,8 +955,6 @@ class PPOTrainer:
         metrics.jsonl, the trainer.logger backends, curves.png, summary.json, config.json, and the
         final policy as ``huggingface/``); returns every step's metrics. ``on_step(record)`` sees
         each record as it is logged."""
-        from verl_lite.trainer.training_run import train_in_run_dir
-
         history: list[dict] = []
 
         def record_step(record: dict) -> None:

@@ -25,6 +25,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from verl_lite.algorithms import NormalizationPlan
+from verl_lite.data import RLDataset, iterate_batches
+from verl_lite.reward import default_compute_score
 from verl_lite.utils.net import free_port as _free_port
 
 
@@ -97,8 +100,6 @@ def nll_loss_fn(plan):
 
 def sft_step(engine, examples, micro_batch_size: int) -> dict:
     """One optimizer step of token-mean NLL over `examples` (one process, DP = 1)."""
-    from verl_lite.algorithms import NormalizationPlan
-
     batch = make_sequence_batch(examples)
     plan = NormalizationPlan.from_mask(batch.data["response_mask"], "token-mean")
     idx = list(range(len(examples)))
@@ -108,8 +109,6 @@ def sft_step(engine, examples, micro_batch_size: int) -> dict:
 
 def greedy_accuracy(rollout, dataset, max_new_tokens: int, batch_size: int = 256) -> float:
     """Mean built-in reward of greedy responses over the dataset."""
-    from verl_lite.reward import default_compute_score
-
     total = 0.0
     for s in range(0, len(dataset), batch_size):
         items = [dataset[j] for j in range(s, min(s + batch_size, len(dataset)))]
@@ -124,7 +123,6 @@ def run_sft(cfg: SFTConfig) -> dict:
     """Train, validate, write the final HF model + tokenizer to cfg.out_dir; return the history."""
     from transformers import AutoTokenizer
 
-    from verl_lite.data import RLDataset, iterate_batches
     from verl_lite.engine import EngineConfig, MegatronConfig, MegatronEngine, OptimConfig, init_distributed
     from verl_lite.engine.distributed import destroy_distributed
     from verl_lite.rollout import HFRollout

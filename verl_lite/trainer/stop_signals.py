@@ -9,7 +9,12 @@ middle of a metrics line, and a watchdog that force-stops the run if its teardow
 A library may install its own handler for a while: ``ray.init`` installs one for SIGTERM that calls
 ``sys.exit(signum)`` for the whole of its start-up. :meth:`Signals.interruption` therefore takes a
 ``SystemExit`` carrying SIGINT's or SIGTERM's number for that signal, so SIGTERM at any moment of
-start-up ends the run as :class:`RunInterrupted` (exit 143, one line), as later.
+start-up ends the run as :class:`RunInterrupted` (exit 143, one line), as later. Where such a handler's
+``SystemExit`` is swallowed (raised inside an at-fork callback or a finalizer, where Python only prints
+"Exception ignored", which this module silences for stop signals), the signal is still seen:
+:meth:`Signals.install` also sets a wakeup fd, and a signal that reached no handler of this module within
+:data:`UNSEEN_GRACE_S` starts the watchdog and is sent again once this module's handler is back (after
+``ray.init``), so the run unwinds as for any stop; the watchdog bounds it as always.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from verl_lite.errors import RunInterrupted
 
 STOP_GRACE_S = 10.0  # after SIGINT/SIGTERM the run is force-stopped if its teardown takes longer
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+UNSEEN_GRACE_S = 1.0  # a stop signal no handler of this module saw by then was swallowed by a library's handler
 
 
 def _exit_at_once(signum, frame) -> None:
@@ -59,17 +65,75 @@ class Signals:
         self._deferring = 0
         self._pending: int | None = None
         self._previous: dict = {}
+        self._raised = False  # this module's handler raised RunInterrupted once
+        self._wakeup: tuple[int, int] | None = None  # (write end, the wakeup fd it replaced)
+        self._unraisable_hook = None  # sys.unraisablehook before install()
 
     def install(self) -> None:
+        self._raised = False
         for s in STOP_SIGNALS:
             self._previous[s] = signal.getsignal(s)
             signal.signal(s, self._handle)
+        self._watch_deliveries()
+        self._unraisable_hook = sys.unraisablehook
+        sys.unraisablehook = self._silence_swallowed_stops
+
+    def _silence_swallowed_stops(self, unraisable) -> None:
+        """A stop signal's exception that Python could not raise (module docstring) is no traceback on stderr."""
+        exc = unraisable.exc_value
+        if isinstance(exc, RunInterrupted) or (isinstance(exc, SystemExit) and _signal_exit(exc) is not None):
+            return
+        (self._unraisable_hook or sys.__unraisablehook__)(unraisable)
 
     def restore(self) -> None:
         for s, h in self._previous.items():
             signal.signal(s, h)
         self._previous = {}
         self.received = None
+        if self._unraisable_hook is not None:
+            sys.unraisablehook, self._unraisable_hook = self._unraisable_hook, None
+        if self._wakeup is not None:
+            write_end, previous = self._wakeup
+            self._wakeup = None
+            try:
+                signal.set_wakeup_fd(previous)
+            except ValueError:
+                pass
+            os.close(write_end)  # the watcher reads the end and exits
+
+    def _watch_deliveries(self) -> None:
+        """Every delivered signal also lands on a wakeup fd, whichever Python handler is installed then; a
+        watcher thread notices a stop signal that no handler of this module saw (module docstring)."""
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)
+        try:
+            previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        except ValueError:  # not the main thread
+            os.close(read_end)
+            os.close(write_end)
+            return
+        self._wakeup = (write_end, previous)
+        threading.Thread(target=self._notice_unseen, args=(read_end,), name="verl_lite-signal-watch",
+                         daemon=True).start()
+
+    def _notice_unseen(self, read_end: int) -> None:
+        with os.fdopen(read_end, "rb", buffering=0) as f:
+            while data := f.read(64):
+                for signum in data:
+                    if signum in tuple(int(s) for s in STOP_SIGNALS) and self.received is None:
+                        time.sleep(UNSEEN_GRACE_S)
+                        if self.received is None:
+                            self._stop_in(signum)
+                            self._send_again_when_handled(signum)
+
+    def _send_again_when_handled(self, signum: int) -> None:
+        """Signal this process again as soon as this module's handler is installed again (a library's was)."""
+        deadline = time.monotonic() + STOP_GRACE_S
+        while time.monotonic() < deadline and not self._raised:
+            if signal.getsignal(signum) == self._handle:
+                os.kill(os.getpid(), signum)
+                return
+            time.sleep(0.05)
 
     def interruption(self, err: BaseException) -> BaseException:
         """What ``err`` means for the run: once a signal has arrived, :class:`RunInterrupted` (chained
@@ -87,9 +151,11 @@ class Signals:
         return stop
 
     def _handle(self, signum, frame) -> None:
-        if self.received is not None:
+        if self._raised:
             return  # a repeated signal: the first one is being handled, the watchdog bounds it
-        self._stop_in(signum)
+        self._raised = True
+        if self.received is None:
+            self._stop_in(signum)
         if self._deferring:
             self._pending = signum
             return
@@ -109,7 +175,7 @@ class Signals:
 
         procs = psutil.Process().children(recursive=True)
         kill_and_wait(procs, timeout_s=3.0)
-        print(f"verl_lite: stopped by {signal.Signals(signum).name}; teardown overran {STOP_GRACE_S:.0f}s, "
+        print(f"verl_lite: stopped by {signal.Signals(signum).name}; the run did not stop within {STOP_GRACE_S:.0f}s, "
               f"{len(procs)} process(es) of the run were killed", file=sys.stderr, flush=True)
         os._exit(128 + signum)
 

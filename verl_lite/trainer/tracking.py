@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 
 from verl_lite.config.schema import LOGGER_BACKENDS
+from verl_lite.errors import BadInput
+from verl_lite.trainer.metrics import JsonlWriter
 
 # the key numbers of a console line: (metric, label)
 SHOWN = (
@@ -163,8 +165,6 @@ class ConsoleLogger:
 
 class JsonlLogger:
     def __init__(self, path: Path):
-        from verl_lite.trainer.metrics import JsonlWriter
-
         self.writer = JsonlWriter(path)
         self.path = self.writer.path
 
@@ -206,7 +206,6 @@ class WandbLogger:
         try:
             self.run = wandb.init(project=project, name=name, dir=str(directory), config=config or {})
         except Exception as e:  # no API key / no network: say what to do instead of a traceback
-            from verl_lite.errors import BadInput
 
             raise BadInput(f"trainer.logger=wandb could not start a W&B run ({type(e).__name__}: {e})",
                            "log in with `wandb login`, or set WANDB_MODE=offline (no network needed), or drop "

@@ -17,7 +17,11 @@ from pathlib import Path
 
 from verl_lite.config import config_to_dict
 from verl_lite.errors import RunFailure, RunInterrupted
+from verl_lite.trainer.metrics import plot_curves
+from verl_lite.trainer.run_dir import make_run_dir
+from verl_lite.trainer.signal_watch import ZeroSignalWatch
 from verl_lite.trainer.stop_signals import SIGNALS
+from verl_lite.trainer.tracking import Tracking
 
 
 def _warn(message: str) -> None:
@@ -86,8 +90,6 @@ def _import_plotting_in_background(trainer, wait_s: float = 60.0) -> threading.T
 def _draw_in_background(records: list[dict], path: Path) -> threading.Thread:
     """``plot_curves`` in a daemon thread (matplotlib's import and the drawing overlap the workers'
     shutdown); a failure is a warning: a plot never hides the run's own result or error."""
-    from verl_lite.trainer.metrics import plot_curves
-
     def draw():
         try:
             plot_curves(records, path)
@@ -102,8 +104,6 @@ def _draw_in_background(records: list[dict], path: Path) -> threading.Thread:
 def train_in_run_dir(trainer, on_step=None) -> dict:
     """What the CLI does after the config is loaded, for a built ``PPOTrainer`` (the Python API's
     ``fit()``): a fresh run directory, trackers, curves, summary. Returns the summary."""
-    from verl_lite.trainer.run_dir import make_run_dir
-
     out = make_run_dir(trainer.cfg.trainer.output_dir, trainer.cfg.trainer.experiment_name)
     trainer.run_dir = out
     return train_and_summarize(trainer.cfg, trainer, out, user_on_step=on_step)
@@ -111,10 +111,7 @@ def train_in_run_dir(trainer, on_step=None) -> dict:
 
 def train_and_summarize(cfg, trainer, out: Path, user_on_step=None) -> dict:
     """Train ``trainer`` (``start`` + ``run_loop``) writing the run's files into ``out``; returns the summary."""
-    from verl_lite.trainer.signal_watch import ZeroSignalWatch
-
     (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=1, default=str))
-    from verl_lite.trainer.tracking import Tracking
 
     # trainer.logger backends; metrics.jsonl always (the summary points at it)
     tracking = Tracking(cfg, out, trainer.total_steps(), config_dict=config_to_dict(cfg), always_jsonl=True)

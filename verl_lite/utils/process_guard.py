@@ -34,7 +34,7 @@ import sys
 import time
 
 PR_SET_CHILD_SUBREAPER = 36
-POLL_S = 0.05  # how often the child's exit and the tree's memory are checked between lifeline events
+POLL_S = 0.1  # how often the child's exit and the tree's memory are checked between lifeline events
 KILL_WAIT_S = 10.0  # the kill loop ends as soon as no descendant is left; the bound only matters under load
 _stop_signal: list = []
 

@@ -21,7 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
+from verl_lite.agent.loop import AgentRunner
+from verl_lite.algorithms import actor_loss
+from verl_lite.compat.cpu_adapter import suspended
+from verl_lite.engine.engine import MegatronEngine
 from verl_lite.protocol import Batch
+from verl_lite.rollout import make_rollout
 from verl_lite.workers.engine_worker import EngineWorker, EngineWorkerConfig, sequence_batch
 
 ACTOR_LOSS_KEYS = ("response_mask", "old_log_probs", "advantages", "ref_log_probs", "is_weights", "cov_mask",
@@ -47,9 +52,6 @@ class ActorRolloutRefWorker(EngineWorker):
     # ------------------------------------------------------------------ set-up
     def init_model(self) -> None:
         from transformers import AutoTokenizer
-
-        from verl_lite.engine.engine import MegatronEngine
-        from verl_lite.rollout import make_rollout
 
         c = self.cfg
         engine = self._init_world()
@@ -103,8 +105,6 @@ class ActorRolloutRefWorker(EngineWorker):
         """Build this worker's agent runner (multi-turn rollouts) from a ``verl_lite.agent.AgentSpec``."""
         from transformers import AutoTokenizer
 
-        from verl_lite.agent.loop import AgentRunner
-
         self.agent = AgentRunner(self.rollout, AutoTokenizer.from_pretrained(self.cfg.tokenizer_path), spec)
 
     def generate_agent(self, rows: list[dict], seeds: list[int] | None, sampling: dict) -> list[dict]:
@@ -118,8 +118,6 @@ class ActorRolloutRefWorker(EngineWorker):
     def sync_rollout_weights(self) -> int:
         """Copy the actor's current weights (LoRA: merged into the base) into the rollout model (every rank
         takes part: export gathers)."""
-        from verl_lite.compat.cpu_adapter import suspended
-
         self.rollout_behind = False
         with suspended():  # reading, gathering and copying tensors: no CUDA->CPU rewriting on the way
             return self.rollout.load_weights(self.actor.export_merged_hf())
@@ -135,8 +133,6 @@ class ActorRolloutRefWorker(EngineWorker):
     def export_rollout_weights(self) -> list | None:
         """Split placement: the actor's current weights (LoRA merged) as [(hf_name, tensor)] on rank 0, None on
         the other ranks (every rank takes part: export gathers). The driver hands them to the rollout pool."""
-        from verl_lite.compat.cpu_adapter import suspended
-
         with suspended():  # reading, gathering and copying tensors: no CUDA->CPU rewriting on the way
             weights = [(name, t.detach().cpu().clone()) for name, t in self.actor.export_merged_hf()]
         return weights if self.rank == 0 else None
@@ -162,8 +158,6 @@ class ActorRolloutRefWorker(EngineWorker):
         """One optimizer step per job (see ``RoleGroup.train``), in order, of ``actor_loss`` with the actor section
         ``loss_cfg`` (and ``correction``). Returns the engine's step metrics per job (loss metrics on output owners
         only)."""
-        from verl_lite.algorithms import actor_loss
-
         results = []
         for job in jobs:
             loss_fn = partial(actor_loss, plan=job["plan"], cfg=loss_cfg, correction=correction)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from functools import partial
 
+from verl_lite.algorithms import critic_loss
+from verl_lite.engine.engine import MegatronEngine
 from verl_lite.workers.engine_worker import EngineWorker, sequence_batch
 
 CRITIC_LOSS_KEYS = ("response_mask", "old_values", "returns")
@@ -19,8 +21,6 @@ CRITIC_LOSS_KEYS = ("response_mask", "old_values", "returns")
 
 class CriticWorker(EngineWorker):
     def init_model(self) -> None:
-        from verl_lite.engine.engine import MegatronEngine
-
         self.critic = MegatronEngine(self._init_world())
 
     def _owner_engine(self):
@@ -32,8 +32,6 @@ class CriticWorker(EngineWorker):
 
     def update_critic(self, jobs: list[dict], cliprange_value: float) -> list[dict]:
         """One optimizer step per job (see ``RoleGroup.train``); loss metrics on output owners only."""
-        from verl_lite.algorithms import critic_loss
-
         results = []
         for job in jobs:
             loss_fn = partial(critic_loss, plan=job["plan"], cliprange_value=cliprange_value)

@@ -11,8 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
+from verl_lite.compat.lazy_compile import compile_decorators_deferred
 from verl_lite.controller.worker_group import Worker
 from verl_lite.engine.config import EngineConfig
+from verl_lite.engine.distributed import data_parallel_rank, data_parallel_size, destroy_distributed, init_distributed
+from verl_lite.engine.engine import SequenceBatch
 from verl_lite.protocol import Batch, response_lengths
 
 
@@ -30,8 +33,6 @@ def sequence_batch(piece: Batch, loss_keys: tuple[str, ...] = ()):
     The response length of a row is its last valid position + 1 (``response_lengths``): a mask
     may have holes, whose tokens stay in the sequence. ``loss_keys`` present in the piece travel
     to the loss as per-token data."""
-    from verl_lite.engine.engine import SequenceBatch
-
     mask = piece["response_mask"]
     lengths = response_lengths(mask)
     responses = piece["responses"]
@@ -52,11 +53,8 @@ class EngineWorker(Worker):
 
     def _init_world(self) -> EngineConfig:
         """init_distributed with this role's layout; returns the role's ``EngineConfig``."""
-        from verl_lite.compat.lazy_compile import compile_decorators_deferred
-
         with compile_decorators_deferred():  # megatron's import-time torch.compile + wandb: not paid per worker
             import megatron.core  # noqa: F401
-        from verl_lite.engine.distributed import init_distributed
 
         engine = self.cfg.engine
         init_distributed(self.rank, self.world_size, self.master_addr, self.master_port, engine.megatron, seed=engine.seed)
@@ -66,13 +64,9 @@ class EngineWorker(Worker):
         raise NotImplementedError
 
     def layout(self) -> dict:
-        from verl_lite.engine.distributed import data_parallel_rank, data_parallel_size
-
         engine = self._owner_engine()
         return {"dp_rank": data_parallel_rank(), "dp_size": data_parallel_size(),
                 "is_output_owner": bool(engine.is_output_owner), "shares_prompts": bool(engine.share_prompts)}
 
     def shutdown(self) -> None:
-        from verl_lite.engine.distributed import destroy_distributed
-
         destroy_distributed()

@@ -13,6 +13,7 @@ logit (``model.*`` body + ``score.weight [1, hidden]``, loaded as the engine's v
 
 from __future__ import annotations
 
+from verl_lite.engine.engine import MegatronEngine
 from verl_lite.workers.engine_worker import EngineWorker, EngineWorkerConfig, sequence_batch
 
 
@@ -22,8 +23,6 @@ class RewardModelWorker(EngineWorker):
         self.rm = None
 
     def init_model(self) -> None:
-        from verl_lite.engine.engine import MegatronEngine
-
         self.rm = MegatronEngine(self._init_world())
 
     def _owner_engine(self):

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from verl_lite.controller.worker_group import Worker
+from verl_lite.rollout import make_rollout
 from verl_lite.workers.actor_rollout_ref import ActorRolloutRefWorker
 
 
@@ -30,8 +31,6 @@ class RolloutWorker(Worker):
 
     def init_model(self) -> None:
         from transformers import AutoTokenizer
-
-        from verl_lite.rollout import make_rollout
 
         c = self.cfg
         self.rollout = make_rollout(c.rollout_name, c.model_path, AutoTokenizer.from_pretrained(c.tokenizer_path),
