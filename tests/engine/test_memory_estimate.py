@@ -48,7 +48,8 @@ def test_lora_factors_are_rank_times_in_plus_out_of_each_projection(name):
 
     cfg = _config(ASSETS / name)
     shapes = hf_shapes(cfg)
-    expected = sum(16 * (s[0] + s[1]) for k, s in shapes.items() if k.endswith(tuple(f"{p}.weight" for p in ALL_LINEAR)))
+    linears = tuple(f"{p}.weight" for p in ALL_LINEAR)
+    expected = sum(16 * (s[0] + s[1]) for k, s in shapes.items() if k.endswith(linears))
     assert memory.lora_factor_count(memory.model_dims(cfg), 16, ALL_LINEAR) == expected
 
 

@@ -100,7 +100,8 @@ GAE = {"algorithm.adv_estimator": "gae"}
 CASES = [
     ("rm_tokenizer_beyond_vocab", lambda m: _rm(m["rm_small_vocab"]),
      r"^reward_model\.model\.path='.*rm_small_vocab': the tokenizer produces ids up to 102 \(103 tokens\) but the "
-     r"model's config\.json has vocab_size 64: .* \(reward_model\.model\.tokenizer_path\), or a model with at least 103"),
+     r"model's config\.json has vocab_size 64: .* \(reward_model\.model\.tokenizer_path\), or a model with at "
+     r"least 103"),
     ("judge_tokenizer_beyond_vocab", lambda m: {**_rm(m["judge_small_vocab"]), **JUDGE},
      r"^reward_model\.model\.path='.*judge_small_vocab': the tokenizer produces ids up to 102 .* vocab_size 64"),
     ("rm_config_fewer_layers_than_weights", lambda m: _rm(m["rm_fewer_layers"]),
@@ -180,7 +181,8 @@ def test_the_planted_dirs_differ_from_a_valid_rm_only_where_planted(models, tiny
     assert tokenizer_problems(cfg, None) == []
 
 
-def test_a_lora_rank_that_cannot_fit_is_refused_with_the_numbers(tiny_assets, tmp_path, capsys, monkeypatch):  # noqa: F811
+def test_a_lora_rank_that_cannot_fit_is_refused_with_the_numbers(tiny_assets, tmp_path, capsys,  # noqa: F811
+                                                                  monkeypatch):
     """Issue 47's case: rank 100000 on a hidden-128 model (the shipped tiny model) grew a worker to 19.7 GB
     before Ray's OOM killer; on a machine of the reviewer's size (16 GiB available, planted as the device)
     it is refused before start, naming the key, the estimate per part and the knob."""

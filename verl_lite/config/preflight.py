@@ -289,7 +289,7 @@ def memory_problems(cfg, device=None) -> list[str]:
             workers = ", ".join(f"{n} {name} worker(s)" for name, n in count.items())
             where = (f"the worker processes on this machine ({workers}) need an estimated {gib(total)} GiB in all "
                      f"({engines}), more than {what}")
-            fix += "; or run fewer worker processes on this machine (trainer.n_gpus_per_node)"
+            fix += "; or run fewer worker processes on this machine (fewer workers per node, the layout still dividing them)"
         out.append(f"{lead}: {where}; {fix} (how it is estimated: docs/memory.md)")
     return out
 

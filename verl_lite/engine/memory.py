@@ -1,6 +1,7 @@
 """A per-device memory estimate of one engine, from the model's config.json and the run's layout, before
-anything is built (stdlib only: no torch, nothing allocated). docs/memory.md states the formula and its
-calibration against measured resident memory.
+anything is built (the estimate is arithmetic on the config: nothing is imported or allocated; only
+``device_memory`` asks torch or psutil). docs/memory.md states the formula and its calibration against
+measured resident memory.
 
     spec = EngineSpec(name="actor", model=config_json_dict, dtype="bfloat16", trains=True, tp=2, dp=4,
                       lora_rank=16, lora_projections=("q_proj", ...), micro_batch_tokens=8192, ...)
