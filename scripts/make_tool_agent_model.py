@@ -95,7 +95,7 @@ def init_model(out: Path, args) -> Path:
 
 def multi_turn_settings(tool_config: Path) -> dict:
     """The agent loop's multi_turn values: the schema's defaults with the recipe's tool config and turn limit."""
-    from verl_lite.config.schema import MultiTurnConfig
+    from verl_lite.agent.config import MultiTurnConfig
 
     return dict(asdict(MultiTurnConfig()), enable=True, tool_config_path=str(tool_config), max_assistant_turns=3)
 

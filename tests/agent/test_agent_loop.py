@@ -15,7 +15,7 @@ from verl_lite.agent import (AgentLoop, AgentRunner, AgentSpec, Interaction, Int
 from verl_lite.agent.hermes import ToolCall
 from verl_lite.agent.preflight import multi_turn_values
 from verl_lite.agent.tools import FunctionTool, ToolExecutor, truncate_response
-from verl_lite.config.schema import MultiTurnConfig
+from verl_lite.agent.config import MultiTurnConfig
 
 
 def add(a: int, b: int) -> int:

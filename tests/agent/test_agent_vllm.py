@@ -20,7 +20,7 @@ def test_three_turns_on_vllm():
     from verl_lite.agent import AgentRunner, AgentSpec, ChatGlue
     from verl_lite.agent.preflight import multi_turn_values
     from verl_lite.config.loader import default_model_path
-    from verl_lite.config.schema import MultiTurnConfig
+    from verl_lite.agent.config import MultiTurnConfig
     from verl_lite.data.dataset import encode_prompt
     from verl_lite.rollout import make_rollout
 

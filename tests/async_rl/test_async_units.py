@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from verl_lite.algorithms.rollout_correction import rollout_correction
-from verl_lite.config.schema import RolloutCorrectionConfig
+from verl_lite.algorithms.config import RolloutCorrectionConfig
 from verl_lite.controller.pipeline import PipelineError, RolloutPipeline
 
 

@@ -124,3 +124,25 @@ def test_every_shipped_recipe_and_the_default_run_fit_comfortably():
         except Exception as e:  # noqa: BLE001 - a recipe this environment cannot load (e.g. vllm) is not sized here
             pytest.fail(f"{overrides}: {e}")
         assert memory_problems(cfg, device=(4 * memory.GIB, "4 GiB")) == [], overrides
+
+
+def test_gpu_memory_is_read_without_a_cuda_context_in_the_driver(monkeypatch):
+    """On a GPU machine the budget comes from nvidia-smi (or a child process), never from torch in the driver,
+    which would hold a CUDA context on GPU 0 for the whole run."""
+    import subprocess
+
+    import torch
+
+    from verl_lite.engine import memory
+
+    calls = []
+
+    def fake_run(argv, **kw):
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 0, stdout="81559, NVIDIA H100 80GB HBM3\n", stderr="")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *_: pytest.fail("CUDA queried in-process"))
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    total, what = memory.device_memory()
+    assert total == 81559 << 20 and "H100" in what and calls[0][0] == "nvidia-smi"

@@ -23,7 +23,7 @@ def _hf(arch, **kw):
 @pytest.mark.parametrize(
     "kwargs,world,match",
     [
-        (dict(tp=2), 3, "the 3 processes must divide by tp\\*pp\\*cp = 2\\*1\\*1"),  # engine/rules.layout_problems
+        (dict(tp=2), 3, "the 3 processes must divide by tp\\*pp\\*cp = 2\\*1\\*1"),  # MegatronConfig.problems
         (dict(vpp=2), 2, "megatron.virtual_pipeline_model_parallel_size=2 needs pipeline_model_parallel_size > 1"),
         (dict(pp=2, vpp=1), 2, "megatron.virtual_pipeline_model_parallel_size=1 must be >= 2"),
         (dict(sequence_parallel=True), 1, "needs tensor_model_parallel_size > 1"),

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from verl_lite.config.schema import CustomRewardFunctionConfig, RewardConfig
+from verl_lite.reward.config import CustomRewardFunctionConfig, RewardConfig
 from verl_lite.data.char_tokenizer import build_char_tokenizer
 from verl_lite.errors import BadInput, RayStartError
 from verl_lite.reward import RewardConfigError, RewardError, RewardManager

@@ -242,7 +242,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 @pytest.mark.parametrize("kind", ["shared_anonymous", "subprocesses"])
 def test_memory_limit_holds_for_shared_memory_and_subprocesses(kind, tmp_path):
-    from verl_lite.config.schema import CustomRewardFunctionConfig, RewardConfig
+    from verl_lite.reward.config import CustomRewardFunctionConfig, RewardConfig
     from verl_lite.data.char_tokenizer import build_char_tokenizer
     from verl_lite.reward import RewardError, RewardManager
 

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from verl_lite.config.schema import CustomRewardFunctionConfig, RewardConfig
+from verl_lite.reward.config import CustomRewardFunctionConfig, RewardConfig
 from verl_lite.data.char_tokenizer import build_char_tokenizer
 from verl_lite.reward import (
     RewardError,

@@ -4,7 +4,7 @@
   (the documented ``judge.unparsable_score``, counted in ``reward_model/judge_unparsable_rate``);
 - the template: one-pass filling (a placeholder inside the response is not filled), the question from
   the chat messages, the reference, the judge's chat template;
-- the pre-start rules (reward/rules.py) and verl's ``reward_model.rollout.*`` keys;
+- the pre-start rules (reward/config.py) and verl's ``reward_model.rollout.*`` keys;
 - the timeout: a judge worker that hangs is stopped after ``judge.timeout_s`` and the step fails with
   ``JudgeTimeout`` in bounded time;
 - a 3-step run through the real trainer with an HF judge (the shipped tiny policy as the judge, on a
@@ -24,7 +24,7 @@ import torch
 
 from tests.e2e.conftest import shared_ray, tiny_assets, tiny_overrides  # noqa: F401  (fixtures)
 from verl_lite.config import ConfigError, default_model_path, load_config, validate_config
-from verl_lite.config.schema import JudgeConfig, RewardModelConfig
+from verl_lite.reward.config import JudgeConfig, RewardModelConfig
 from verl_lite.protocol import Batch
 from verl_lite.reward.judge import (JudgeReward, JudgeTimeout, judge_prompt_ids, judgement_scores, parse_score,
                                     question_text, render_prompt)
@@ -179,7 +179,7 @@ def test_judge_keys_on_a_discriminative_rm_are_rejected():
 
 
 def test_a_reference_template_needs_ground_truth_in_every_training_row():
-    from verl_lite.reward.rules import judge_input_problems
+    from verl_lite.reward.config import judge_input_problems
 
     cfg = load_config([f"{k}={v}" for k, v in SHORT.items()]
                       + ["reward_model.judge.prompt_template='{question}{response}{reference}'"])

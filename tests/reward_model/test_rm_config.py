@@ -1,4 +1,4 @@
-"""reward_model.*: what is checked before start (reward/rules.py) and what verl's keys mean here."""
+"""reward_model.*: what is checked before start (reward/config.py) and what verl's keys mean here."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from verl_lite.agent.hermes import parse_tool_calls
-from verl_lite.agent.interaction import Interaction, maybe_await
+from verl_lite.agent.interaction import Interaction, load_interaction_config, maybe_await
 from verl_lite.agent.tools import ToolConfigError, ToolExecutor, _import_class, build_tools
 
 AGENT_LOOPS: dict[str, type] = {}
@@ -376,8 +376,6 @@ class AgentRunner:
         self.glue = ChatGlue(tokenizer, [t.schema for t in tools])
         self.interactions = dict(spec.interactions)
         if mt.get("interaction_config_path"):
-            from verl_lite.agent.interaction import load_interaction_config
-
             self.interactions.update(load_interaction_config(mt["interaction_config_path"]))
         self.loops = dict(AGENT_LOOPS)
         if spec.agent_loop_config_path:

@@ -82,7 +82,7 @@ class ToolProcess:
     """One guarded tool process; :meth:`receive` waits for its next reply in the running event loop."""
 
     def __init__(self, payload: bytes):
-        from verl_lite.utils.processes import GuardedProcess
+        from verl_lite.utils.processes import GuardedProcess  # psutil: only when a tool process starts
 
         self.guard = GuardedProcess([sys.executable, "-u", "-m", "verl_lite.agent.tool_process"],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_child_env())

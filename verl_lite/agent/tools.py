@@ -41,6 +41,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from verl_lite.agent.tool_process import (
+    ToolCallTimeout,
+    ToolProcessDied,
+    ToolProcessPool,
+    ToolProcessStartError,
+    pickled_tools,
+)
 from verl_lite.errors import BadInput, RunFailure
 
 TRUNCATE_SIDES = ("left", "right", "middle")
@@ -287,8 +294,6 @@ def build_tools(functions=None, tool_config_path: str | None = None) -> list[Too
 
 def _pickling_problem(tool: Tool) -> str | None:
     """Why ``tool`` cannot travel to a tool process (None: it can)."""
-    from verl_lite.agent.tool_process import pickled_tools
-
     try:
         pickled_tools([tool])
     except Exception as e:
@@ -328,8 +333,6 @@ class ToolExecutor:
 
     def __init__(self, tools: list[Tool], timeout_s: float, max_response_length: int, truncate_side: str,
                  on_error: str = "text"):
-        from verl_lite.agent.tool_process import ToolProcessPool
-
         self.tools = {t.name: t for t in tools}
         self.timeout_s, self.limit, self.side, self.on_error = timeout_s, max_response_length, truncate_side, on_error
         self.pool = ToolProcessPool(tools) if tools else None
@@ -350,7 +353,6 @@ class ToolExecutor:
     async def _one(self, call) -> ToolOutcome:
         if call.error is not None:
             return ToolOutcome(call.name or "<invalid>", call.error, "invalid")
-        from verl_lite.agent.tool_process import ToolCallTimeout, ToolProcessDied, ToolProcessStartError
 
         start = time.perf_counter()
         try:

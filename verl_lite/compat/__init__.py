@@ -1,10 +1,11 @@
 """Everything verl_lite does to another library's internals, in one place, pinned.
 
-Each module here reaches into a private API or patches behaviour of one library version, and
-calls :func:`require` when it is imported, so a different installed version fails at once, with
-one line naming the package and the version the shim was written for, instead of failing (or
-silently misbehaving) somewhere deep in a run. ``pyproject.toml`` pins the same versions
-(``tests/test_packaging.py`` checks that the two agree).
+Each module here reaches into a private API or patches behaviour of one library version, behind small
+named functions, and checks the installed version when it is imported (:func:`require`), so a different
+version fails at once, with one line naming the package and the versions the shim was written for,
+instead of failing (or silently misbehaving) somewhere deep in a run. Nothing outside this package
+touches another library's private names (``tests/test_import_layers.py``); this package imports nothing of
+the engine's or the rollout's (what it needs of them, such as the engine's RoPE, is passed in).
 
 - :mod:`.cpu_adapter`: megatron-core on a CPU-only torch (CUDA device queries, synchronize,
   hard-coded ``device="cuda"``).
@@ -12,9 +13,10 @@ silently misbehaving) somewhere deep in a run. ``pyproject.toml`` pins the same 
   ``torch.compile`` preparation and wandb.
 - :mod:`.megatron_internals`: megatron-core's expert-DP gloo groups without a timeout, the MoE
   alltoall dispatcher's CUDA streams on a CPU-only torch, the distributed optimizer's Adam
-  ``step`` on load, torch's fused Adam kernel for megatron's torch AdamW, megatron's dense MLPs re-classed as
-  the engine's ``SwiGLUMLP``, megatron's unfused RoPE routed through the engine's.
-- :mod:`.ray_local`: Ray's private node hooks for a loopback-only, minimal local Ray.
+  ``step`` on load, torch's fused Adam kernel for megatron's torch AdamW, the distributed optimizer's shard of a
+  parameter's main copy, megatron's dense MLPs re-classed as a given subclass (the engine's ``SwiGLUMLP``),
+  megatron's unfused RoPE routed through a given one (the engine's).
+- :mod:`.ray_local`: Ray's private node hooks and ``ray.init`` arguments for a loopback-only, minimal local Ray.
 - :mod:`.fast_exit`: CPython's ``atexit._run_exitfuncs``, to end the CLI without the interpreter's
   teardown (falls back to ``sys.exit`` where it is missing).
 - :mod:`.kv_cache`: a KV cache layer on transformers' ``DynamicLayer`` whose decode steps write in

@@ -10,7 +10,7 @@ The index is the one pickle in a checkpoint. It is read through :class:`Restrict
   itself has just created: an enum member, a class or any other object that existed before the load
   cannot be changed (a crafted index once set ``WriteItemType.SHARD._value_`` process-wide).
 
-Private parts of torch and CPython used here, for the versions in :data:`TORCH_VERSIONS`:
+Private parts of torch and CPython used here, for the torch versions of ``compat.TESTED_VERSIONS``:
 ``pickle._Unpickler`` (the pure-Python unpickler, whose opcode table can be guarded; the C one cannot),
 torch's ``filesystem.pickle`` (the module its reader unpickles the index with, swapped while loading)
 and ``filesystem._StorageInfo`` (where each tensor's bytes are: file, offset, length).
@@ -26,14 +26,10 @@ import pickle
 import torch
 from torch.distributed.checkpoint import filesystem, metadata, planner
 
-TORCH_VERSIONS = ("2.13.",)  # torch releases this module was written and tested for (prefixes)
+from verl_lite.compat import require
+
+require("torch", "verl_lite.compat.torch_dcp")
 _DCP = "torch.distributed.checkpoint"
-
-if not torch.__version__.startswith(TORCH_VERSIONS):  # pragma: no cover - depends on the install
-    from verl_lite.compat import IncompatibleVersion
-
-    raise IncompatibleVersion(f"verl_lite.compat.torch_dcp was written for torch {TORCH_VERSIONS}, "
-                              f"but torch {torch.__version__} is installed", "install torch==2.13.0")
 
 _CLASSES = {
     f"{_DCP}.metadata": ("Metadata", "StorageMeta", "MetadataIndex", "ChunkStorageMetadata", "TensorProperties",

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from verl_lite.config.schema import PPOConfig
+from verl_lite.config.verl_keys import decide, render
 from verl_lite.engine.model_files import resolve_model_dir
 from verl_lite.errors import ConfigError, Problems  # noqa: F401 (the config's error and pre-flight's collector)
 
@@ -129,8 +130,6 @@ def translate_overrides(overrides: list[str], problems: list[str], aliases: dict
     ``aliases`` gets each verl key's target (target -> verl key). ``hydra.*`` overrides (Hydra's own
     settings, not the config's) are passed over."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    from verl_lite.config.verl_keys import decide
 
     keys, parser = schema_keys(), OverridesParser.create()
     out, equal = [], []
@@ -359,8 +358,6 @@ def _schema_type(key: str) -> tuple[Any, bool, Any]:
 def _type_problem(key: str, text: str) -> str:
     """One line for an override whose value does not fit the schema's type: the key, the type expected,
     an example (the default)."""
-    from verl_lite.config.verl_keys import render
-
     base, nullable, default = _schema_type(key)
     words, example = {int: ("an integer", 16), float: ("a number", 0.5), bool: ("true or false", True),
                       str: ("a string", "..."), list: ("a list", ["a", "b"]), tuple: ("a list", ["a", "b"]),

@@ -45,12 +45,10 @@ def engine_models(cfg) -> list[EngineModel]:
     """Every model the run loads: the actor's (the reference and the rollout load the same one), a critic's
     own when the estimator runs a critic (it reads the actor's token ids), and the reward model or
     generative judge when ``reward_model.enable`` (with its own tokenizer)."""
-    from verl_lite.algorithms.rules import needs
-
     m, critic, rm = cfg.actor_rollout_ref.model, cfg.critic.model, cfg.reward_model
     actor_tok = _tokenizer_of(m, MODEL_KEY)
     out = [EngineModel(MODEL_KEY, m.path, "lm", actor_tok)]
-    if critic.path and critic.path != m.path and "critic" in needs(cfg.algorithm.adv_estimator):
+    if critic.path and critic.path != m.path and "critic" in cfg.algorithm.needs:
         out.append(EngineModel("critic.model.path", critic.path, "value", actor_tok))
     if rm.enable and rm.model.path:
         key = "reward_model.model.path"
@@ -167,7 +165,7 @@ def _spec(name: str, model_path: str, mg, world: int, micro: tuple[int, int], lo
           trains: bool, lora=None, value_head: bool = False, rollout_dtype: str | None = None):
     from verl_lite.engine.memory import EngineSpec
     from verl_lite.engine.model_files import read_config
-    from verl_lite.engine.rules import canonical_dtype, lora_projections
+    from verl_lite.engine.config import canonical_dtype, lora_projections
 
     tp, pp, cp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size, mg.context_parallel_size
     rank = int(lora.rank) if lora is not None and lora.rank else 0
@@ -185,8 +183,6 @@ def _spec(name: str, model_path: str, mg, world: int, micro: tuple[int, int], lo
 def _roles(cfg, cuda: bool) -> list[_Role]:
     """The engines of the run (actor with the reference and the rollout in its process, a critic, the reward
     model or judge), each sized at its largest micro-batch."""
-    from verl_lite.algorithms.rules import needs
-
     d, arr, c, rm, tr = cfg.data, cfg.actor_rollout_ref, cfg.critic, cfg.reward_model, cfg.trainer
     actor, rollout, mg, n = arr.actor, arr.rollout, arr.actor.megatron, arr.rollout.n
     world, longest = tr.n_gpus_per_node * tr.nnodes, d.max_prompt_length + d.max_response_length
@@ -210,7 +206,7 @@ def _roles(cfg, cuda: bool) -> list[_Role]:
         roles.append(_Role(_spec("reference", arr.model.path, mg, world, ref_micro, longest, cuda, trains=False),
                            M, None, f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu="
                                     f"{ref.log_prob_micro_batch_size_per_gpu}", "actor"))
-    if "critic" in needs(cfg.algorithm.adv_estimator):
+    if "critic" in cfg.algorithm.needs:
         cw = world if c.num_workers is None else c.num_workers
         cmg = c.megatron
         cdp = max(1, cw // (cmg.tensor_model_parallel_size * cmg.pipeline_model_parallel_size *

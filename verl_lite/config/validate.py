@@ -3,8 +3,9 @@
 `validate_config(cfg, world_size=None)` collects ALL problems and raises one `ConfigError`
 listing them; each names the key(s) and the fix. It returns a small `Layout` summary
 (world size, DP, trajectories per step / per mini-batch / per DP rank) the controller can use.
-A layer's own rules live in its ``rules.py`` (engine, rollout, reward, data, algorithms, controller);
-this module states the ranges of the config's counts, the batch arithmetic between sections, and collects.
+Each section's own rules are its owner's ``problems`` (engine, rollout, agent, reward, data, algorithms,
+controller); this module states the ranges of the config's counts, the batch arithmetic between sections, and
+collects.
 """
 
 from __future__ import annotations
@@ -13,14 +14,12 @@ from dataclasses import dataclass
 from operator import attrgetter
 from pathlib import Path
 
-from verl_lite.algorithms import rules as algorithm_rules
 from verl_lite.config.loader import ConfigError
 from verl_lite.config.schema import LOGGER_BACKENDS, PPOConfig
-from verl_lite.engine import rules
-from verl_lite.engine.config import RECOMPUTE
+from verl_lite.controller.config import placement_problems
+from verl_lite.engine.config import (MEGATRON_NAMES, RECOMPUTE, router_loss_recompute_problems,
+                                     transformer_override_problems)
 from verl_lite.engine.model_files import config_int, lora_adapter_problems, model_dir_problem, read_config
-from verl_lite.reward.rules import reward_model_problems, reward_problems
-from verl_lite.rollout.rules import rollout_problems
 
 A, R, M = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.actor.megatron"
 RESUME_MODES = ("auto", "disable", "resume_path")
@@ -29,8 +28,7 @@ BOUNDS = tuple((key, 1, True) for key in (
     "data.train_batch_size", f"{A}.ppo_mini_batch_size", f"{R}.n", "data.max_prompt_length", "data.max_response_length",
     f"{A}.ppo_epochs", "data.val_batch_size", "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.total_epochs",
     "trainer.total_training_steps", "trainer.log_freq", "trainer.max_actor_ckpt_to_keep")) + (
-    ("trainer.log_val_generations", 0, True), ("trainer.critic_warmup", 0, True), ("trainer.worker_timeout_s", 0, False),
-    ("reward.timeout_s", 0, False))
+    ("trainer.log_val_generations", 0, True), ("trainer.critic_warmup", 0, True), ("trainer.worker_timeout_s", 0, False))
 CRITIC_BOUNDS = (("critic.num_workers", 1, True), ("critic.ppo_mini_batch_size", 1, True),
                  ("critic.ppo_epochs", 1, True), ("critic.cliprange_value", 0, True))
 
@@ -87,21 +85,21 @@ def validate_config(cfg: PPOConfig, world_size: int | None = None) -> Layout:
     model_cfg = read_config(arr.model.path) if arr.model.path else None
     dp = _check_layout(M, mg, world, "the {world} workers (trainer.n_gpus_per_node x trainer.nnodes)", model_cfg, p)
     recompute = RECOMPUTE if arr.model.enable_gradient_checkpointing else {}
-    p.extend(rules.router_loss_recompute_problems(f"{M}.override_transformer_config", model_cfg,
-                                                  {**recompute, **mg.override_transformer_config},
-                                                  "actor_rollout_ref.model.enable_gradient_checkpointing"))
+    p.extend(router_loss_recompute_problems(f"{M}.override_transformer_config", model_cfg,
+                                            {**recompute, **mg.override_transformer_config},
+                                            "actor_rollout_ref.model.enable_gradient_checkpointing"))
     traj_mini = actor.ppo_mini_batch_size * rollout.n if ok_sizes else 0
     if dp and traj_mini and traj_mini % dp:
         p.append(
             f"trajectories per mini-batch = {A}.ppo_mini_batch_size x {R}.n = {actor.ppo_mini_batch_size} x "
             f"{rollout.n} = {traj_mini} must divide by DP = {dp}; change ppo_mini_batch_size, rollout.n or the layout"
         )
-    needs = algorithm_rules.needs(alg.adv_estimator)
+    needs = alg.needs
     critic_world = critic_dp = 0
     if "critic" in needs:
         critic_world, critic_dp = _check_critic(cfg, world, p)
 
-    p.extend(reward_model_problems(cfg.reward_model, world, _cuda_visible()))
+    p.extend(cfg.reward_model.problems(world, _cuda_visible()))
     p.extend(_micro_batch_problems(cfg, "critic" in needs))
     p.extend(_section_problems(cfg, needs, rollout.n if ok_sizes else None))
     if p:
@@ -135,11 +133,11 @@ def _check_layout(key: str, mg, world: int, workers: str, model_cfg: dict | None
     """TP/PP/VPP/CP of one engine role (``key`` = its megatron section) over ``world`` workers; returns DP (0 if bad)."""
     before = len(p)
     p.extend(mg.problems(key, world, workers, model_cfg))
-    p.extend(rules.transformer_override_problems(f"{key}.override_transformer_config", mg.override_transformer_config,
-                                                 dtype=mg.dtype, cuda=_cuda_visible()))
-    sizes_ok = not any(f"{key}.{rules.MEGATRON_NAMES[f]}=" in line for line in p[before:] for f in ("tp", "pp", "cp"))
+    p.extend(transformer_override_problems(f"{key}.override_transformer_config", mg.override_transformer_config,
+                                           dtype=mg.dtype, cuda=_cuda_visible()))
+    sizes_ok = not any(f"{key}.{MEGATRON_NAMES[f]}=" in line for line in p[before:] for f in ("tp", "pp", "cp"))
     if sizes_ok:
-        p.extend(rules.moe_layout_problems(key, mg, world, model_cfg))
+        p.extend(mg.moe_problems(key, world, model_cfg))
     model_parallel = mg.tensor_model_parallel_size * mg.pipeline_model_parallel_size * mg.context_parallel_size
     return world // model_parallel if sizes_ok and world >= 1 and not world % model_parallel else 0
 
@@ -165,8 +163,7 @@ def _check_critic(cfg: PPOConfig, actor_world: int, p: list[str]) -> tuple[int, 
     if dp and mini and (mini * n) % dp:
         p.append(f"critic trajectories per mini-batch = {mini} x rollout.n {n} = {mini * n} must divide by the "
                  f"critic's DP = {dp}; change critic.ppo_mini_batch_size or critic.megatron.*")
-    p.extend(algorithm_rules.choice_problem("critic.loss_agg_mode", c.loss_agg_mode, algorithm_rules.AGG_MODES))
-    p.extend(c.optim.problems("critic.optim"))
+    p.extend(c.problems())
     return world, dp
 
 
@@ -195,19 +192,14 @@ def _micro_batch_problems(cfg: PPOConfig, critic: bool) -> list[str]:
 
 
 def _section_problems(cfg: PPOConfig, needs, n: int | None) -> list[str]:
-    """Each section's own rules, collected from its layer's ``rules.py``, and the cross-key rules of the trainer,
+    """Each section's own rules, collected from its owner's ``problems``, and the cross-key rules of the trainer,
     the model files and LoRA; ``n`` = samples per prompt (None: not a valid size)."""
     d, arr, alg, tr = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
     actor, rollout = arr.actor, arr.rollout
-    p = actor.problems(A) + algorithm_rules.algorithm_problems(alg, n, f"{R}.n")
+    p = actor.problems(A) + alg.problems(n, f"{R}.n", actor.tis_imp_ratio_cap)
     if tr.critic_warmup > 0 and "critic" not in needs:
         p.append(f"trainer.critic_warmup={tr.critic_warmup} needs a critic, but algorithm.adv_estimator="
                  f"{alg.adv_estimator!r} runs none; set it to 0 or use adv_estimator=gae")
-    ob = cfg.reward.overlong_buffer
-    if ob.enable and not 0 < ob.len <= d.max_response_length:
-        p.append(f"reward.overlong_buffer.len={ob.len} must lie in (0, data.max_response_length={d.max_response_length}]")
-    if ob.enable and not ob.penalty_factor >= 0:
-        p.append(f"reward.overlong_buffer.penalty_factor={ob.penalty_factor} must be >= 0")
     p.extend(actor.optim.problems(f"{A}.optim"))
     for key, lora in (("actor_rollout_ref.model.lora", arr.model.lora), ("critic.model.lora", cfg.critic.model.lora)):
         p.extend(lora.problems(key) or _adapter_problems(key, lora, key == "actor_rollout_ref.model.lora" or
@@ -218,18 +210,15 @@ def _section_problems(cfg: PPOConfig, needs, n: int | None) -> list[str]:
             p.append(f"{key}.enable_gradient_checkpointing=true: megatron's activation recompute saves and restores "
                      f"the CUDA RNG state, so it runs on GPU only; set it false on CPU")
     max_pos = config_int(arr.model.path, "max_position_embeddings") if arr.model.path else None
-    p.extend(rollout_problems(R, rollout, d.max_prompt_length + d.max_response_length, max_pos, _cuda_visible()))
+    p.extend(rollout.problems(R, d.max_prompt_length + d.max_response_length, max_pos, _cuda_visible()))
     p.extend(d.problems())
     mpath, tpath = arr.model.path, arr.model.tokenizer_path
     p.extend(filter(None, [model_dir_problem("actor_rollout_ref.model.path", mpath)]))
     if tpath and tpath != mpath and not any((Path(tpath) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         p.append(f"actor_rollout_ref.model.tokenizer_path={tpath!r} holds no tokenizer.json/tokenizer_config.json")
-    p.extend(reward_problems(cfg.reward))
-    from verl_lite.controller.rules import async_problems, placement_problems
-
-    p.extend(async_problems(cfg))
-    p.extend(placement_problems(cfg))
-    p.extend(algorithm_rules.rollout_correction_problems(alg.rollout_correction, actor.tis_imp_ratio_cap))
+    p.extend(cfg.reward.problems(d.max_response_length))
+    p.extend(cfg.async_training.problems(arr, alg))
+    p.extend(placement_problems(tr.nnodes))
     p.extend(_checkpoint_key_problems(tr))
     p.extend(f"trainer.logger entry {lg!r} is unknown; choose from {list(LOGGER_BACKENDS)}"
              for lg in tr.logger if lg not in LOGGER_BACKENDS)

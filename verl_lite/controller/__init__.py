@@ -1,13 +1,25 @@
-"""Single controller: Ray resource pools, worker groups, dispatch/collect, micro-batch planning."""
+"""Single controller: Ray resource pools, worker groups, dispatch/collect, micro-batch planning.
 
-from verl_lite.controller.dispatch import RankLayout, Shards, collect_from_owners, make_layouts, per_rank_args, shard_by_plan, shard_evenly
-from verl_lite.controller.planning import plan_micro_batches
-from verl_lite.controller.local_ray import start_ray, stop_ray
-from verl_lite.controller.resource_pool import ResourcePool
-from verl_lite.controller.role_group import MicroBatching, RoleGroup, start_roles
-from verl_lite.controller.worker_group import NodeLostError, Worker, WorkerError, WorkerGroup
+The names below load on first use (PEP 562), so importing ``verl_lite.controller.config`` (a section the
+config composes) does not import Ray.
+"""
 
-__all__ = [
-    "RankLayout", "Shards", "collect_from_owners", "make_layouts", "per_rank_args", "shard_by_plan", "shard_evenly",
-    "plan_micro_batches", "MicroBatching", "ResourcePool", "RoleGroup", "start_roles", "start_ray", "stop_ray", "NodeLostError", "Worker", "WorkerError", "WorkerGroup",
-]
+from importlib import import_module
+
+_EXPORTS = {
+    "dispatch": ("RankLayout", "Shards", "collect_from_owners", "make_layouts", "per_rank_args", "shard_by_plan",
+                 "shard_evenly"),
+    "planning": ("plan_micro_batches",),
+    "local_ray": ("start_ray", "stop_ray"),
+    "resource_pool": ("ResourcePool",),
+    "role_group": ("MicroBatching", "RoleGroup", "start_roles"),
+    "worker_group": ("NodeLostError", "Worker", "WorkerError", "WorkerGroup"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_MODULE_OF[name]}"), name)

@@ -47,7 +47,7 @@ from verl_lite.compat.torch_dcp import RestrictedUnpickler, restricted_metadata_
 from verl_lite.engine.hf_bridge import export_hf
 from verl_lite.engine.lora import export_adapter_state, save_peft_adapter
 from verl_lite.engine.model import unwrap_model
-from verl_lite.engine.rules import canonical_dtype
+from verl_lite.engine.config import canonical_dtype
 from verl_lite.engine.vocab_parallel import padded_vocab_size
 from verl_lite.utils import safe_files
 

@@ -49,9 +49,13 @@ import torch
 from verl_lite.compat import megatron_internals
 from verl_lite.compat.cpu_adapter import suspended
 from verl_lite.compat.megatron_internals import main_param_shard_range, plain_rotary
-from verl_lite.engine import moe
+from verl_lite.engine import lora, moe
 from verl_lite.engine.config import EngineConfig
+from verl_lite.engine.hf_bridge import _tensor_of, export_hf, load_hf_weights
+from verl_lite.engine.lora import adapters_disabled, add_adapters, merge_into
+from verl_lite.engine.model import build_model_chunks, transformer_config_from_hf
 from verl_lite.engine.packing import PackedMicroBatch, pack_micro_batch, pad_multiple, unpack_response
+from verl_lite.engine.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
 from verl_lite.utils.metric_reduce import combine_all
 
 logger = logging.getLogger(__name__)
@@ -181,9 +185,6 @@ class MegatronEngine:
         from megatron.core import parallel_state as ps
         from transformers import AutoConfig
 
-        from verl_lite.engine.hf_bridge import load_hf_weights
-        from verl_lite.engine.model import build_model_chunks, transformer_config_from_hf
-
         if not ps.model_parallel_is_initialized():
             raise RuntimeError("MegatronEngine: call verl_lite.engine.distributed.init_distributed(...) first")
         self.cfg = cfg
@@ -225,7 +226,6 @@ class MegatronEngine:
             for chunk in self.chunks:
                 chunk.requires_grad_(False)
         if cfg.lora is not None:  # freeze the base, attach the adapters (engine/lora.py)
-            from verl_lite.engine.lora import add_adapters
 
             add_adapters(self.chunks, self.hf_config, cfg.lora, cfg.seed)
         load_hf_weights(self.chunks, cfg.model_path, self.hf_config)
@@ -274,8 +274,6 @@ class MegatronEngine:
     def _load_main_params(self, source) -> None:
         """Write the HF weights (fp32 as stored, not rounded to bf16) into the optimizer's fp32 main
         parameters; the bf16 model parameters already hold their rounding."""
-        from verl_lite.engine.hf_bridge import load_hf_weights
-
         def into_main(param, full: torch.Tensor) -> None:
             if not param.requires_grad:  # frozen (a LoRA base): no main copy, its bf16 weight is used as is
                 return
@@ -471,8 +469,6 @@ class MegatronEngine:
         self, output: torch.Tensor, mb: _MicroBatch, names: tuple[str, ...], temperature: float, width: int
     ) -> dict[str, torch.Tensor]:
         """Last-stage model output on the local pack -> {name: [b, W]} full rows (CP-gathered)."""
-        from verl_lite.engine.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
-
         per_token: dict[str, torch.Tensor] = {}
         if self.cfg.value_head:
             per_token["values"] = output.reshape(-1).float()
@@ -661,16 +657,12 @@ class MegatronEngine:
         a forward-only bf16 engine has none and exports its bf16 weights. Gradients are float32
         (megatron accumulates and reduces them in fp32). With the distributed optimizer,
         ``main_grad`` is only valid on each rank's own shard."""
-        from verl_lite.engine.hf_bridge import export_hf
-
         main = self._full_main_param if (attr == "param" and self.mixed_precision and self.optimizer) else None
         return export_hf(self.chunks, self.hf_config, attr=attr, main_params=main)
 
     def load_hf(self, state_dict_or_dir, reset_optimizer: bool = True) -> None:
         """Overwrite the weights (an HF state dict or directory); rebuild optimizer + schedule state.
         A trainable bf16 engine also loads them, unrounded, into its fp32 main parameters."""
-        from verl_lite.engine.hf_bridge import load_hf_weights
-
         with torch.no_grad():
             load_hf_weights(self.chunks, state_dict_or_dir, self.hf_config)
         if self.optimizer is not None and reset_optimizer:
@@ -685,7 +677,6 @@ class MegatronEngine:
         """The adapters' starting factors (PEFT-named, full): ``lora.adapter_path``'s, or the fresh draw."""
         if self.cfg.lora is None:
             return None
-        from verl_lite.engine import lora
 
         if self.cfg.lora.adapter_path:
             config, tensors = lora.read_peft_adapter(self.cfg.lora.adapter_path)
@@ -697,8 +688,6 @@ class MegatronEngine:
         """Overwrite the LoRA factors from PEFT-named full tensors or a PEFT adapter directory (a trainable
         bf16 engine also writes them, unrounded, into its fp32 main parameters); ``reset_optimizer``: fresh
         Adam state. An empty dict keeps the current factors."""
-        from verl_lite.engine import lora
-
         if self.cfg.lora is None:
             raise RuntimeError("load_adapter on an engine without LoRA (EngineConfig.lora is None)")
         state = state_or_dir if isinstance(state_or_dir, dict) else lora.read_peft_adapter(state_or_dir)[1]
@@ -725,9 +714,6 @@ class MegatronEngine:
     def export_adapter(self, attr: str = "param") -> dict:
         """The LoRA factors as full PEFT-named float32 tensors on every rank (``attr="main_grad"``: their
         reduced gradients; with the distributed optimizer only valid on each rank's shard). Collective."""
-        from verl_lite.engine import lora
-        from verl_lite.engine.hf_bridge import _tensor_of
-
         if self.cfg.lora is None:
             raise RuntimeError("export_adapter on an engine without LoRA (EngineConfig.lora is None)")
         if attr == "param" and self.mixed_precision and self.optimizer is not None:
@@ -742,7 +728,6 @@ class MegatronEngine:
         if self.cfg.lora is None:
             yield from self.export_hf()
             return
-        from verl_lite.engine.lora import merge_into
 
         adapter = self.export_adapter()
         yield from merge_into(self.export_hf(), adapter, self.cfg.lora.scaling)
@@ -751,20 +736,18 @@ class MegatronEngine:
         """Context manager: inside, the engine computes its base model (LoRA's KL reference); a no-op without LoRA."""
         import contextlib
 
-        from verl_lite.engine.lora import adapters_disabled
-
         return adapters_disabled(self.chunks) if self.cfg.lora is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory) -> None:
         """Model + optimizer + LR schedule into ``directory`` (megatron dist_checkpointing; collective)."""
-        from verl_lite.engine.checkpoint import save_engine_state
+        from verl_lite.engine.checkpoint import save_engine_state  # megatron's dist_checkpointing: on the first save
 
         save_engine_state(self, directory)
 
     def load_checkpoint(self, directory) -> dict:
         """Load a :meth:`save_checkpoint` directory, resharding into this engine's layout (collective).
         Returns the saver's description; raises ``CheckpointLayoutError`` for an unsupported change."""
-        from verl_lite.engine.checkpoint import load_engine_state
+        from verl_lite.engine.checkpoint import load_engine_state  # megatron's dist_checkpointing: on the first load
 
         return load_engine_state(self, directory)

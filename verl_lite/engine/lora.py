@@ -57,14 +57,8 @@ import torch
 import torch.nn.functional as F
 
 from verl_lite.engine.model import _get, head_dim, unwrap_model
-from verl_lite.engine.rules import (
-    LORA_ALL_LINEAR,
-    LORA_ATTENTION,
-    LORA_MLP,
-    LORA_TARGETS,
-    as_names as _as_names,
-)
-from verl_lite.engine.config import LoraConfig
+from verl_lite.engine.config import LORA_ALL_LINEAR, LORA_ATTENTION, LORA_MLP, LORA_TARGETS, LoraConfig
+from verl_lite.engine.config import as_names as _as_names
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -255,13 +255,36 @@ def estimate_engine(spec: EngineSpec) -> Estimate:
 
 def device_memory() -> tuple[int, str]:
     """(bytes, what they are) of the device a worker runs on: GPU 0's total memory where CUDA is visible,
-    else the RAM available now (``psutil``), which every worker process of this machine shares."""
+    else the RAM available now (``psutil``), which every worker process of this machine shares. The GPU is
+    asked without a CUDA context in this process (the driver must not hold one on a worker's GPU)."""
     import torch
 
     if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        return int(props.total_memory), f"the GPU's {gib(props.total_memory)} GiB ({props.name})"
+        total, name = _gpu0_total_memory()
+        return total, f"the GPU's {gib(total)} GiB ({name})"
     import psutil
 
     available = int(psutil.virtual_memory().available)
     return available, f"this machine's {gib(available)} GiB of available RAM"
+
+
+GPU_QUERY_TIMEOUT_S = 60.0
+
+
+def _gpu0_total_memory() -> tuple[int, str]:
+    """GPU 0's total memory and name from ``nvidia-smi``, else from torch in a child process (whose CUDA context
+    ends with it)."""
+    import subprocess
+    import sys
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--id=0", "--query-gpu=memory.total,name", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=GPU_QUERY_TIMEOUT_S, check=True).stdout
+        mib, name = out.strip().splitlines()[0].split(",", 1)
+        return int(float(mib)) << 20, name.strip()
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        pass
+    probe = ("import torch; p = torch.cuda.get_device_properties(0); print(p.total_memory); print(p.name)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=GPU_QUERY_TIMEOUT_S,
+                         check=True).stdout.splitlines()
+    return int(out[0]), out[1]

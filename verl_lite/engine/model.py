@@ -30,7 +30,7 @@ from verl_lite.engine.attention import PackedCoreAttention
 from verl_lite.engine import speed_paths
 from verl_lite.engine.config import MegatronConfig
 from verl_lite.engine.moe import RouterLossCoefficients
-from verl_lite.engine.rules import MOE_MODEL_TYPES
+from verl_lite.engine.config import MOE_MODEL_TYPES
 from verl_lite.engine.vocab_parallel import padded_vocab_size
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from verl_lite.engine import lora as engine_lora
 from verl_lite.engine.hf_bridge import hf_shapes
-from verl_lite.engine.rules import lora_projections
+from verl_lite.engine.config import lora_projections
 
 VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")  # [vocab_size, hidden] in an HF causal LM
 SAFETENSORS_MAX_HEADER = 100_000_000  # bytes; safetensors' own limit

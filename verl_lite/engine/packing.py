@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
+from verl_lite.engine.regather import gather_rows, invert_index
+
 
 def pad_multiple(cp_size: int, tp_size: int = 1, sequence_parallel: bool = False) -> int:
     """Multiple each sequence is padded to: 2*CP (x TP with SP) under CP; TP with SP; else 1."""
@@ -333,8 +335,6 @@ def unpack_response(
 def _gather_responses(local: torch.Tensor, packed: PackedMicroBatch, width: int) -> torch.Tensor:
     """CP = 1: ``assemble_response`` as one gather (with a gather backward). Response token t of
     sequence i is scored at pack position start_i + L_i - R_i - 1 + t; entries t >= R_i are 0."""
-    from verl_lite.engine.regather import gather_rows, invert_index
-
     responses = torch.tensor(packed.response_lengths, dtype=torch.long)
     if int(responses.max()) > width:
         raise ValueError(f"response length {int(responses.max())} exceeds the output width {width}")

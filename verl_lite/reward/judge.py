@@ -117,7 +117,7 @@ class JudgeReward:
 
     def prompts(self, batch) -> list[str]:
         """The rendered judge prompt (text) of every trajectory."""
-        from verl_lite.protocol import response_lengths
+        from verl_lite.protocol import response_lengths  # tensordict: on use
 
         lengths = response_lengths(batch["response_mask"]).tolist()
         messages = batch["messages"] if "messages" in batch.non_tensors else [None] * len(batch)
@@ -151,7 +151,7 @@ class JudgeReward:
 
     def generate(self, inputs: list[list[int]], seed: int | None) -> list[dict]:
         """ONE generate call for every input, bounded by ``reward_model.judge.timeout_s``."""
-        from verl_lite.controller.worker_group import WorkerTimeout
+        from verl_lite.controller.worker_group import WorkerTimeout  # Ray: on use
 
         base = int(seed or 0) * 31 + 17  # not the policy's own per-prompt seeds: the judge's draws are its own
         seeds = [(base + i) % (2**31 - 1) for i in range(len(inputs))] if self.rollout.do_sample else None

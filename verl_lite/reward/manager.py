@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 
 from verl_lite.errors import ConfigError
-from verl_lite.reward.rules import REWARD_MANAGERS
+from verl_lite.reward.config import REWARD_MANAGERS
 from verl_lite.reward.scorers import default_compute_score
 
 KEY = "reward.custom_reward_function"

@@ -15,7 +15,7 @@ import importlib.util
 
 from verl_lite.rollout.base import Rollout
 from verl_lite.rollout.hf_rollout import HFRollout
-from verl_lite.rollout.vllm_rollout import VLLM_INSTALL_HINT
+from verl_lite.rollout.vllm_rollout import VLLM_INSTALL_HINT, VLLMRollout
 
 ROLLOUT_NAMES = ("hf", "vllm")
 
@@ -56,7 +56,7 @@ def vllm_engine_args(rollout_cfg) -> dict:
 
 def rollout_kwargs(rollout_cfg, max_model_len: int | None = None) -> dict:
     """The backend constructor kwargs from an ``actor_rollout_ref.rollout`` section
-    (``verl_lite.config.schema.RolloutConfig``); ``max_model_len`` = longest prompt + response."""
+    (``verl_lite.rollout.config.RolloutConfig``); ``max_model_len`` = longest prompt + response."""
     if rollout_cfg.name == "hf":
         import torch
 
@@ -79,8 +79,6 @@ def make_rollout(name: str, model_path: str, tokenizer, **kwargs) -> Rollout:
     if name == "hf":
         return HFRollout(model_path, tokenizer, **kwargs)
     if name == "vllm":
-        from verl_lite.rollout.vllm_rollout import VLLMRollout
-
         return VLLMRollout(model_path, tokenizer, **kwargs)
     raise ValueError(f"unknown rollout name {name!r}; choose one of {list(ROLLOUT_NAMES)}")
 

@@ -137,7 +137,7 @@ class VLLMRollout:
         engine_args = dict(engine_args or {})
         if not _on_cuda() and engine_args.get("enable_chunked_prefill") is None:
             # vLLM's CPU sampler cannot resume a seeded request across a split prefill ("CPU Generator does not
-            # use offset"): a step admits whole prompts only (rollout/rules.py rejects the settings that need it)
+            # use offset"): a step admits whole prompts only (rollout/config.py rejects the settings that need it)
             engine_args["enable_chunked_prefill"] = False
         self.llm = LLM(
             model=model_path,

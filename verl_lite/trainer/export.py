@@ -25,11 +25,13 @@ import sys
 from pathlib import Path
 
 from verl_lite.errors import UserError
+from verl_lite.utils import safe_files
+from verl_lite.utils.net import free_port
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """A global_step_K directory (complete) from a checkpoint or a checkpoint root."""
-    from verl_lite.trainer.checkpointing import is_complete, latest_checkpoint
+    from verl_lite.trainer.checkpointing import is_complete, latest_checkpoint  # checkpointing imports torch: on use
 
     path = Path(path).expanduser().resolve()
     if is_complete(path):
@@ -60,7 +62,6 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path | None = None, rol
     from verl_lite.engine.config import MegatronConfig
     from verl_lite.engine.distributed import destroy_distributed, init_distributed
     from verl_lite.engine.model import build_model_chunks, transformer_config_from_hf
-    from verl_lite.utils.net import free_port
 
     final = Path(os.path.abspath(Path(out).expanduser())) if out is not None else ckpt / "huggingface"
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -98,8 +99,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path | None = None, rol
 
 def _checkpoint_lora(role_dir: Path):
     """The engine's ``LoraConfig`` a LoRA run saved with its checkpoint (``lora.json``), or None."""
-    from verl_lite.engine.checkpoint import LORA_FILE
-    from verl_lite.utils import safe_files
+    from verl_lite.engine.checkpoint import LORA_FILE  # megatron's dist_checkpointing: on use
 
     if not (role_dir / LORA_FILE).is_file():
         return None
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def saved_layout(role_dir: Path) -> str:
     """The parallel layout a role's shards were saved at (``<role>/dist/verl_lite_engine.json``), e.g. 'tp=2 pp=1 dp=2'."""
-    from verl_lite.engine.checkpoint import read_engine_description
+    from verl_lite.engine.checkpoint import read_engine_description  # megatron's dist_checkpointing: on use
 
     try:
         layout = read_engine_description(role_dir / "dist")["layout"]
@@ -141,7 +141,7 @@ def saved_layout(role_dir: Path) -> str:
 
 def export_line(ckpt: Path, out: Path, role: str = "actor") -> str:
     """What was exported: the step, the layout its shards were saved at, and the HF files written."""
-    from verl_lite.trainer.checkpointing import step_of
+    from verl_lite.trainer.checkpointing import step_of  # checkpointing imports torch: on use
 
     files = ", ".join(sorted(p.name for p in Path(out).iterdir() if p.is_file()))
     return (f"exported step {step_of(ckpt)} ({ckpt}, {role} saved at {saved_layout(ckpt / role)}) as one HF model "

@@ -66,7 +66,7 @@ def _file_sha256(path: Path) -> str:
 def model_fingerprint(model_path: str, tokenizer_path: str | None = None) -> dict:
     """``{"path", "config", "weights": {file: {"size", "header"}}, "tokenizer": {file: sha256}}`` of an HF model
     directory (missing files are simply absent: pre-flight has already named them)."""
-    from verl_lite.engine.model_files import safetensors_header
+    from verl_lite.engine.model_files import safetensors_header  # the engine package (torch, version checks): on use
 
     model = Path(model_path)
     out: dict = {"path": str(model_path), "weights": {}, "tokenizer": {}}

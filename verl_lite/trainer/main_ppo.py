@@ -43,7 +43,7 @@ import threading
 import traceback
 from pathlib import Path
 
-from verl_lite.errors import RunInterrupted, describe
+from verl_lite.errors import ConfigError, RunInterrupted, describe
 from verl_lite.trainer.stop_signals import SIGNALS, STOP_GRACE_S  # noqa: F401 (STOP_GRACE_S: part of the CLI's API)
 from verl_lite.utils.quiet import quiet_process
 
@@ -94,8 +94,6 @@ def resolve_recipe(name_or_path: str) -> Path:
     for candidate in candidates:
         if candidate.is_file():
             return candidate
-    from verl_lite.config import ConfigError
-
     shipped = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
     raise ConfigError([f"--recipe {name_or_path}: no such file, and no shipped recipe of that name; give a YAML "
                        f"path or one of {shipped}"])
@@ -108,8 +106,6 @@ def _check_verl_config_name(value: str) -> None:
     """verl's Hydra head, ``--config-path=config --config-name=ppo_megatron_trainer``, names the one config verl_lite
     has (verl's trainer config, in its vocabulary): passed over. A config of the user's own is refused with the fix:
     it is a Hydra composition (``defaults:``), which is not read; its settings go in as overrides or a recipe."""
-    from verl_lite.config import ConfigError
-
     if Path(value.strip("'\"")).stem not in VERL_TRAINER_CONFIGS:
         raise ConfigError([f"--config-name={value}: verl_lite has one config, verl's trainer config "
                            f"({' / '.join(VERL_TRAINER_CONFIGS)}); give your settings as key=value overrides or as a "
@@ -127,8 +123,6 @@ def _flag_at(argv: list[str], i: int) -> tuple[str, str, int] | None:
             return flag, a.split("=", 1)[1], i + 1
         if a == flag:
             if i + 1 >= len(argv):
-                from verl_lite.config import ConfigError
-
                 raise ConfigError([f"{flag} needs {what}"])
             return flag, argv[i + 1], i + 2
     return None
@@ -195,12 +189,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return _report(err, state, debug)
     finally:
-        from verl_lite.reward.sandbox import close_all
-
-        close_all()  # the reward process, also when the trainer was never fully built
+        # the reward process, also when the trainer was never fully built; a run that failed before it loaded the
+        # reward's module started none (and importing it here could fail the way the run did)
+        sandbox = sys.modules.get("verl_lite.reward.sandbox")
+        if sandbox is not None:
+            sandbox.close_all()
         if in_main_thread:
             SIGNALS.restore()
-    from verl_lite.trainer.training_run import accuracy_line
+    from verl_lite.trainer.training_run import accuracy_line  # loaded by run(): not at the CLI's start
 
     print(f"\nsummary: {summary['steps']} steps; {accuracy_line(summary)}; start-up {summary['startup_s']} s")
     print(f"metrics: {summary['metrics']}\ncurve:   {summary['curve']}")

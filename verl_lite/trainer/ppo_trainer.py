@@ -72,8 +72,8 @@ from verl_lite.reward import RewardError, RewardManager
 from verl_lite.reward.functions import RewardFunctions
 from verl_lite.reward.judge import JudgeReward
 from verl_lite.reward.model_reward import ModelReward, combine_scores
-from verl_lite.reward.rules import judge_input_problems, reward_input_problems
-from verl_lite.rollout.rules import CONFIG_SAMPLING_KWARGS, generation_kwargs_problems
+from verl_lite.reward.config import judge_input_problems, reward_input_problems
+from verl_lite.rollout.config import CONFIG_SAMPLING_KWARGS, generation_kwargs_problems
 from verl_lite.trainer import metrics as M
 from verl_lite.trainer.callbacks import CallbackList
 from verl_lite.trainer.checkpointing import CheckpointManager
@@ -165,7 +165,7 @@ class PPOTrainer:
     ``processing_class`` (the tokenizer, saved next to it: ``model.tokenizer_path``), ``callbacks``
     (``verl_lite.trainer.callbacks``), ``generation_kwargs`` (passed to the rollout backend;
     ``temperature``/``top_p``/``top_k`` set the rollout config's keys; what the backend cannot do is
-    refused before start: ``verl_lite.rollout.rules.GENERATION_KWARGS``), ``log_completions`` (every
+    refused before start: ``verl_lite.rollout.config.GENERATION_KWARGS``), ``log_completions`` (every
     logging step's prompts, completions and rewards as a W&B table / TensorBoard text). ``push_to_hub``
     is refused: nothing here uploads.
     """

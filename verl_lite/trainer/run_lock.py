@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from verl_lite.errors import BadInput
+from verl_lite.utils import safe_files
 
 LOCK_NAME = ".verl_lite.lock"
 HOLDER_LIMIT = 4096  # bytes of a holder record read at most
@@ -135,8 +136,6 @@ class RunLock:
 
 def read_holder(path: Path) -> dict:
     """The holder record of a lock file (``{}`` when empty, unreadable or not written yet)."""
-    from verl_lite.utils import safe_files
-
     for attempt in range(HOLDER_READ_TRIES):
         try:
             text = safe_files.read_bounded(Path(path).parent, Path(path).name, HOLDER_LIMIT).decode("utf-8", "replace")
@@ -156,7 +155,7 @@ def read_holder(path: Path) -> dict:
 def lock_checkpoint_dir(trainer_cfg) -> RunLock | None:
     """Take the lock of ``trainer.default_local_dir`` when the run saves checkpoints (``save_freq > 0``);
     ``None`` otherwise. Raises :class:`CheckpointDirInUse` while another run holds it."""
-    from verl_lite.trainer.checkpointing import checkpoint_root
+    from verl_lite.trainer.checkpointing import checkpoint_root  # checkpointing imports torch: not at the CLI's start
 
     if trainer_cfg.save_freq <= 0:
         return None

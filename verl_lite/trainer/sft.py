@@ -25,9 +25,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
 from verl_lite.algorithms import NormalizationPlan
 from verl_lite.data import RLDataset, iterate_batches
+from verl_lite.engine import EngineConfig, MegatronConfig, MegatronEngine, OptimConfig, SequenceBatch, init_distributed
+from verl_lite.engine.distributed import destroy_distributed
 from verl_lite.reward import default_compute_score
+from verl_lite.rollout import HFRollout
 from verl_lite.utils.net import free_port as _free_port
 
 
@@ -73,8 +77,6 @@ def sft_examples(dataset, tokenizer, response_key: str | None = None) -> list[tu
 
 def make_sequence_batch(examples: list[tuple[list[int], list[int]]]):
     """SequenceBatch of prompt+response with data["response_mask"] [n, W] (W = longest response)."""
-    from verl_lite.engine import SequenceBatch
-
     width = max(len(r) for _, r in examples)
     mask = torch.zeros(len(examples), width)
     for i, (_, r) in enumerate(examples):
@@ -122,10 +124,6 @@ def greedy_accuracy(rollout, dataset, max_new_tokens: int, batch_size: int = 256
 def run_sft(cfg: SFTConfig) -> dict:
     """Train, validate, write the final HF model + tokenizer to cfg.out_dir; return the history."""
     from transformers import AutoTokenizer
-
-    from verl_lite.engine import EngineConfig, MegatronConfig, MegatronEngine, OptimConfig, init_distributed
-    from verl_lite.engine.distributed import destroy_distributed
-    from verl_lite.rollout import HFRollout
 
     tok = AutoTokenizer.from_pretrained(cfg.model_path)
     train = RLDataset(cfg.train_files, tok, cfg.max_prompt_length, verbose=cfg.log)

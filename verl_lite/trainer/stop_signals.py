@@ -171,7 +171,7 @@ class Signals:
         time.sleep(STOP_GRACE_S)
         import psutil
 
-        from verl_lite.utils.processes import kill_and_wait
+        from verl_lite.utils.processes import kill_and_wait  # psutil: only when the watchdog acts
 
         procs = psutil.Process().children(recursive=True)
         kill_and_wait(procs, timeout_s=3.0)

@@ -1,5 +1,15 @@
-"""Small helpers shared by tests, examples and benchmarks (no RL, no parallelism)."""
+"""Small helpers shared by tests, examples and benchmarks (no RL, no parallelism).
 
-from verl_lite.utils.tiny_model import make_tiny_hf_model
+``make_tiny_hf_model`` is loaded on first use: importing a helper module of this package (``utils.quiet``,
+``utils.safe_files``, ...) does not import torch.
+"""
 
 __all__ = ["make_tiny_hf_model"]
+
+
+def __getattr__(name: str):
+    if name == "make_tiny_hf_model":
+        from verl_lite.utils.tiny_model import make_tiny_hf_model  # torch and transformers: on first use
+
+        return make_tiny_hf_model
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -173,6 +173,7 @@ class ActorRolloutRefWorker(EngineWorker):
     def save_checkpoint(self, path: str, hf_dir: str | None = None) -> None:
         """The actor's engine state (+ this rank's RNG) into ``path``; with ``hf_dir`` also the policy as an
         HF directory. Collective over the role. The reference policy is the initial model: not saved."""
+        # megatron's dist_checkpointing: on use
         from verl_lite.engine.checkpoint import save_hf_pretrained, save_role_state
 
         tokenizer = self.cfg.tokenizer_path or self.cfg.engine.model_path
@@ -182,7 +183,7 @@ class ActorRolloutRefWorker(EngineWorker):
 
     def load_checkpoint(self, path: str) -> dict:
         """Load a :meth:`save_checkpoint` directory (any layout) and refresh the rollout's weights. Collective."""
-        from verl_lite.engine.checkpoint import load_role_state
+        from verl_lite.engine.checkpoint import load_role_state  # megatron's dist_checkpointing: on use
 
         info = load_role_state(self.actor, path)
         self.sync_rollout_weights()
@@ -190,7 +191,7 @@ class ActorRolloutRefWorker(EngineWorker):
 
     def export_hf_dir(self, hf_dir: str) -> None:
         """The current policy as an HF directory (safetensors + config + tokenizer). Collective."""
-        from verl_lite.engine.checkpoint import save_hf_pretrained
+        from verl_lite.engine.checkpoint import save_hf_pretrained  # megatron's dist_checkpointing: on use
 
         save_hf_pretrained(self.actor, self.actor.hf_config, hf_dir,
                            tokenizer_path=self.cfg.tokenizer_path or self.cfg.engine.model_path)

@@ -44,12 +44,12 @@ class CriticWorker(EngineWorker):
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str) -> None:
         """The critic's engine state (+ this rank's RNG) into ``path``. Collective over the role."""
-        from verl_lite.engine.checkpoint import save_role_state
+        from verl_lite.engine.checkpoint import save_role_state  # megatron's dist_checkpointing: on use
 
         save_role_state(self.critic, path)
 
     def load_checkpoint(self, path: str) -> dict:
         """Load a :meth:`save_checkpoint` directory (any layout). Collective."""
-        from verl_lite.engine.checkpoint import load_role_state
+        from verl_lite.engine.checkpoint import load_role_state  # megatron's dist_checkpointing: on use
 
         return load_role_state(self.critic, path)
