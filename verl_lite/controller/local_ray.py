@@ -19,9 +19,9 @@ local Ray that:
   autoscaler monitor (a fixed one-node cluster). On a small machine these lengthen ``ray.init``
   and take CPU from the run's own start;
 - has its raylet try to connect to its own object store at a short interval, many times (the
-  ``raylet_client_connect_*`` settings below; Ray's default: once a second, up to 10 times; the store starts in a
-  thread of the raylet, and when its socket is not there at the first try the raylet slept a whole second, which
-  happened in about half of the starts on the 2-core machine);
+  ``raylet_client_connect_*`` settings of ``compat.ray_local.LOCAL_SYSTEM_CONFIG``; Ray's default: once a
+  second, up to 10 times; the store starts in a thread of the raylet, and when its socket is not there at the
+  first try the raylet slept a whole second, which happened in about half of the starts on the 2-core machine);
 - reports no task events (``task_events_report_interval_ms: 0``: the state API's task list and timeline, which
   nothing of a local run reads; flushing them at the end lengthened ``ray.shutdown``);
 - is retried a bounded number of times (``ray.init`` times out under load: "The current node

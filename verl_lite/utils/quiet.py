@@ -66,8 +66,8 @@ _state = {"debug": None}
 
 def _remove_our_warning_filters() -> None:
     """Drop the filters :func:`quiet_process` added, through the public API only: ``resetwarnings`` empties the
-    list and tells the ``warnings`` machinery the filters changed (so warnings already seen under them can
-    show again), then the other filters go back in their order."""
+    list and marks the filters changed (as ``filterwarnings`` does after a change), then the other filters go back
+    in their order."""
     kept = [f for f in warnings.filters
             if not (f[0] == "ignore" and f[1] is not None and (f[1].pattern, f[2]) in _OURS)]
     warnings.resetwarnings()
