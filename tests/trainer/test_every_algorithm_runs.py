@@ -105,7 +105,7 @@ class TestOnStartedRoles:
         for loss, extra in variants:
             trainer = self.take_over(PPOTrainer(load_config(pair_overrides(tiny_assets, estimator, loss, **extra))),
                                      roles)
-            assert trainer.loss_cfg.policy_loss == loss
+            assert trainer.cfg.actor_rollout_ref.actor.policy_loss.loss_mode == loss
             assert (trainer.critic is not None) == (estimator == "gae")
             batches = trainer._train_batches()
             history = [trainer.step(next(batches), more_rows=lambda: next(batches)) for _ in range(2)]
