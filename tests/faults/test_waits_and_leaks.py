@@ -264,7 +264,7 @@ def test_memory_limit_holds_for_shared_memory_and_subprocesses(kind, tmp_path):
                          r"memory limit reward\.max_memory_gb=0\.5 GiB; free what the function keeps between calls or "
                          r"raise reward\.max_memory_gb on sample 0 \(data_source='src'\) of a batch of 1", message)
     assert match, message
-    assert 0.5 < float(match.group(1)) < 1.2, "stopped far from the limit"  # the plants reach 1.2 and 2 GiB
+    assert 0.5 <= float(match.group(1)) < 1.2, "stopped far from the limit"  # over 0.5 (printed to 2 places); the plants reach 1.2 and 2 GiB
     assert _gone(tree) == []
 
 
