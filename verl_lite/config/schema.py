@@ -39,6 +39,9 @@ from verl_lite.rollout.config import RolloutConfig
 LOGGER_BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
 
 
+ACTOR_KEY, ROLLOUT_KEY = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+
+
 @dataclass
 class ModelConfig:
     path: Optional[str] = None  # HF model dir (config.json, safetensors, tokenizer) or HF hub id (fetched into the HF cache); None = shipped tiny model
@@ -148,3 +151,30 @@ class PPOConfig:
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+
+    def micro_batch_problems(self, critic: bool) -> list[str]:
+        """How each role cuts a DP rank's share for memory (it never changes the math, but must be well defined): a
+        token budget (x CP) that holds the longest sequence, or a micro-batch size >= 1."""
+        arr, c, p = self.actor_rollout_ref, self.critic, []
+        actor, mg = arr.actor, arr.actor.megatron
+        longest = self.data.max_prompt_length + self.data.max_response_length
+        roles = [(ACTOR_KEY, actor, "use_dynamic_bsz", "ppo", mg),
+                 ("actor_rollout_ref.ref", arr.ref, "log_prob_use_dynamic_bsz",
+                 "log_prob", mg), (ROLLOUT_KEY, arr.rollout, "log_prob_use_dynamic_bsz", "log_prob", mg)]
+        roles += [("critic", c, "use_dynamic_bsz", stem, c.megatron) for stem in ("ppo", "forward")] if critic else []
+        for key, section, dynamic, stem, megatron in roles:
+            micro_key, budget_key = f"{stem}_micro_batch_size_per_gpu", f"{stem}_max_token_len_per_gpu"
+            micro, budget, cp = getattr(section, micro_key), getattr(section, budget_key), megatron.context_parallel_size
+            cp = cp if isinstance(cp, int) and cp >= 1 else 1
+            if getattr(section, dynamic):
+                if budget * cp < longest:
+                    p.append(f"{key}.{budget_key}={budget} (x cp={cp}) is below the longest sequence data.max_prompt_length"
+                             f" + data.max_response_length = {longest}; raise it to at least {-(-longest // cp)}")
+            elif micro is not None and micro < 1:
+                p.append(f"{key}.{micro_key}={micro} must be >= 1"
+                         + ("" if key == ACTOR_KEY else " (or null to use the actor's)"))
+            elif micro is None and key == ACTOR_KEY:  # the others' null is the actor's (inherited when the config loads)
+                p.append(f"{ACTOR_KEY}: set ppo_micro_batch_size_per_gpu (trajectories per micro-batch) or "
+                         f"use_dynamic_bsz=true")
+        return p
+

@@ -15,13 +15,14 @@ from operator import attrgetter
 from pathlib import Path
 
 from verl_lite.config.loader import ConfigError
-from verl_lite.config.schema import LOGGER_BACKENDS, PPOConfig
+from verl_lite.config.schema import ACTOR_KEY, LOGGER_BACKENDS, ROLLOUT_KEY, PPOConfig
 from verl_lite.controller.config import placement_problems
 from verl_lite.engine.config import (MEGATRON_NAMES, RECOMPUTE, router_loss_recompute_problems,
                                      transformer_override_problems)
 from verl_lite.engine.model_files import config_int, lora_adapter_problems, model_dir_problem, read_config
 
-A, R, M = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.actor.megatron"
+A, R = ACTOR_KEY, ROLLOUT_KEY
+M = f"{A}.megatron"
 RESUME_MODES = ("auto", "disable", "resume_path")
 # (key, lower bound, bound included): the counts, sizes and bounds of the config; a null (where allowed) passes
 BOUNDS = tuple((key, 1, True) for key in (
@@ -100,7 +101,7 @@ def validate_config(cfg: PPOConfig, world_size: int | None = None) -> Layout:
         critic_world, critic_dp = _check_critic(cfg, world, p)
 
     p.extend(cfg.reward_model.problems(world, _cuda_visible()))
-    p.extend(_micro_batch_problems(cfg, "critic" in needs))
+    p.extend(cfg.micro_batch_problems("critic" in needs))
     p.extend(_section_problems(cfg, needs, rollout.n if ok_sizes else None))
     if p:
         raise ConfigError(_without_echoes(cfg, p))
@@ -165,30 +166,6 @@ def _check_critic(cfg: PPOConfig, actor_world: int, p: list[str]) -> tuple[int, 
                  f"critic's DP = {dp}; change critic.ppo_mini_batch_size or critic.megatron.*")
     p.extend(c.problems())
     return world, dp
-
-
-def _micro_batch_problems(cfg: PPOConfig, critic: bool) -> list[str]:
-    """How each role cuts a DP rank's share for memory (it never changes the math, but must be well defined): a
-    token budget (x CP) that holds the longest sequence, or a micro-batch size >= 1."""
-    arr, c, p = cfg.actor_rollout_ref, cfg.critic, []
-    actor, mg = arr.actor, arr.actor.megatron
-    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
-    roles = [(A, actor, "use_dynamic_bsz", "ppo", mg), ("actor_rollout_ref.ref", arr.ref, "log_prob_use_dynamic_bsz",
-             "log_prob", mg), (R, arr.rollout, "log_prob_use_dynamic_bsz", "log_prob", mg)]
-    roles += [("critic", c, "use_dynamic_bsz", stem, c.megatron) for stem in ("ppo", "forward")] if critic else []
-    for key, section, dynamic, stem, megatron in roles:
-        micro_key, budget_key = f"{stem}_micro_batch_size_per_gpu", f"{stem}_max_token_len_per_gpu"
-        micro, budget, cp = getattr(section, micro_key), getattr(section, budget_key), megatron.context_parallel_size
-        cp = cp if isinstance(cp, int) and cp >= 1 else 1
-        if getattr(section, dynamic):
-            if budget * cp < longest:
-                p.append(f"{key}.{budget_key}={budget} (x cp={cp}) is below the longest sequence data.max_prompt_length"
-                         f" + data.max_response_length = {longest}; raise it to at least {-(-longest // cp)}")
-        elif micro is not None and micro < 1:
-            p.append(f"{key}.{micro_key}={micro} must be >= 1" + ("" if key == A else " (or null to use the actor's)"))
-        elif micro is None and key == A:  # the others' null is the actor's (inherited when the config loads)
-            p.append(f"{A}: set ppo_micro_batch_size_per_gpu (trajectories per micro-batch) or use_dynamic_bsz=true")
-    return p
 
 
 def _section_problems(cfg: PPOConfig, needs, n: int | None) -> list[str]:
