@@ -70,7 +70,7 @@ class UnsafeCheckpointFile(ValueError):
 METADATA_FILE = ".metadata"
 INDEX_LIMIT = 1 << 30  # the dist-checkpoint index's size bound (one record per saved shard piece)
 COMMON_LIMIT = 64 << 20  # common.pt: optimizer hyper-parameters, step counters, the LR schedule
-JSON_FILES = ("metadata.json", FORMAT_FILE)  # megatron's format marker and the saver's description
+MEGATRON_FORMAT_FILE = "metadata.json"  # megatron's format marker
 
 
 def read_dist_metadata(directory: str | Path):
@@ -96,13 +96,15 @@ def read_dist_metadata(directory: str | Path):
     return metadata
 
 
-def check_dist_dir(directory: str | Path) -> None:
-    """Everything a load of ``directory`` (a ``dist/`` of :func:`save_engine_state`) will read, checked first:
-    the index through the restricted unpickler; every storage entry it holds names a plain file of the
-    directory (no path, no ``..``, no link) and a byte range inside that file; the JSON files are regular
-    files within their size bound; ``common.pt`` loads as plain data (:func:`read_common_state`). Raises :class:`UnsafeCheckpointFile` naming
-    the file. Reads no tensor data."""
+def check_dist_dir(directory: str | Path) -> dict:
+    """Everything a load of ``directory`` (a ``dist/`` of :func:`save_engine_state`) will read, checked first;
+    returns the saver's description (:func:`read_engine_description`, its fields type-checked). The index goes
+    through the restricted unpickler; every storage entry it holds names a plain file of the directory (no
+    path, no ``..``, no link) and a byte range inside that file; megatron's ``metadata.json`` is bounded JSON;
+    ``common.pt`` loads as plain data (:func:`read_common_state`). Raises :class:`UnsafeCheckpointFile` (or
+    :class:`CheckpointLayoutError` for the description) naming the file. Reads no tensor data."""
     directory = Path(directory)
+    saved = read_engine_description(directory)
     index = read_dist_metadata(directory)
     try:
         entries = torch_dcp.storage_entries(index)
@@ -111,7 +113,7 @@ def check_dist_dir(directory: str | Path) -> None:
     sizes: dict[str, int] = {}
     try:
         for name, offset, length in entries:
-            if not _plain_file_name(name):
+            if not safe_files.is_plain_relative(name, depth=1):
                 raise safe_files.UnsafeFile(f"{directory / METADATA_FILE}: storage entry {name!r} is not a file "
                                             f"name of this directory (a path, or with '..')")
             if name not in sizes:
@@ -119,18 +121,11 @@ def check_dist_dir(directory: str | Path) -> None:
             if offset < 0 or length < 0 or offset + length > sizes[name]:
                 raise safe_files.UnsafeFile(f"{directory / METADATA_FILE}: places {length} bytes at offset {offset} "
                                             f"of {name}, which holds {sizes[name]}")
-        for name in JSON_FILES:
-            safe_files.read_json(directory, name)
+        safe_files.read_json(directory, MEGATRON_FORMAT_FILE)
     except safe_files.UnsafeFile as err:
         raise UnsafeCheckpointFile(str(err)) from None
     read_common_state(directory)
-
-
-def _plain_file_name(name: str) -> bool:
-    try:
-        return len(safe_files.relative_parts(name)) == 1
-    except safe_files.UnsafeFile:
-        return False
+    return saved
 
 
 def read_common_state(directory: str | Path) -> dict:
@@ -370,9 +365,8 @@ def load_engine_state(engine, directory: str | Path) -> dict:
     from megatron.core.dist_checkpointing.mapping import CheckpointingException
 
     directory = Path(directory)
-    saved = read_engine_description(directory)
+    saved = check_dist_dir(directory)
     check_compatible(engine, saved)
-    check_dist_dir(directory)
     with_optimizer = engine.optimizer is not None
     state = _engine_sharded_state_dict(engine, is_loading=True, with_optimizer=with_optimizer)
     _reject_sharded_objects(state)

@@ -53,6 +53,7 @@ Never unpickled: the driver state is JSON + safetensors; the engine side is desc
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import random
@@ -176,20 +177,12 @@ def _manifest(path: Path, fix: str | None) -> dict[str, dict] | None:
     if files is None:
         return None
     ok = isinstance(files, dict) and all(
-        isinstance(rel, str) and _plain_relative(rel)
+        isinstance(rel, str) and safe_files.is_plain_relative(rel)
         and isinstance(rec, dict) and type(rec.get("size")) is int and isinstance(rec.get(HASH_NAME), str)
         for rel, rec in files.items())
     if not ok:
         raise CheckpointRefused(f"the manifest in {path / COMPLETE} is malformed (not written by verl_lite)", fix)
     return files
-
-
-def _plain_relative(rel: str) -> bool:
-    try:
-        safe_files.relative_parts(rel)
-        return True
-    except safe_files.UnsafeFile:
-        return False
 
 
 def _damage(path: Path, manifest: dict[str, dict], on_disk: dict[str, int]) -> list[tuple[str, str]]:
@@ -247,13 +240,12 @@ CONFIG_FILE_LIMIT = 256 * safe_files.MIB  # a file of hf_config/ (config.json, t
 def check_contents(path: Path, on_disk: dict[str, int], fix: str | None = None) -> None:
     """Every file of the checkpoint that a load parses, checked as its reader will trust it (see
     :func:`verify_checkpoint`); :class:`CheckpointRefused` naming the file otherwise."""
-    from verl_lite.engine.checkpoint import UnsafeCheckpointFile, check_dist_dir, read_engine_description
+    from verl_lite.engine.checkpoint import UnsafeCheckpointFile, check_dist_dir
 
     try:
         for role in ROLES:
             if (path / role / "dist").is_dir():
                 check_dist_dir(path / role / "dist")
-                read_engine_description(path / role / "dist")
         for rel, size in sorted(on_disk.items()):
             model_files = rel.startswith(f"{HF_DIR}/") or "/hf_config/" in rel
             if rel.endswith(".safetensors"):
@@ -271,8 +263,6 @@ def read_async_state(path: Path, fix: str | None = None) -> dict:
     """``path/ASYNC_FILE`` (split placement: the policy version and the batches generated ahead), loaded with
     ``weights_only=True`` and rebuilt into rollout items; :class:`CheckpointRefused` naming the file when it
     does not hold that."""
-    import io
-
     from verl_lite.controller.pipeline import RolloutItem
 
     file = path / ASYNC_FILE

@@ -48,6 +48,15 @@ def relative_parts(rel: str | os.PathLike) -> tuple[str, ...]:
     return parts
 
 
+def is_plain_relative(rel: str, depth: int | None = None) -> bool:
+    """Whether ``rel`` passes :func:`relative_parts` (and, with ``depth``, has exactly that many components)."""
+    try:
+        parts = relative_parts(rel)
+    except UnsafeFile:
+        return False
+    return depth is None or len(parts) == depth
+
+
 def open_inside(root: str | os.PathLike, rel: str | os.PathLike) -> int:
     """A read-only descriptor of the regular file ``root/rel``, resolved inside ``root``: each directory on the
     way and the file itself are opened with ``O_NOFOLLOW`` (a symbolic link anywhere is refused), the file
