@@ -16,7 +16,8 @@ directory (their logs) together with this interpreter as executable. Other Ray i
 machine, other runs and the driver's later children are left alone.
 
 The driver holds the write end of the reaper's stdin. A line ``session DIR`` names the session
-directory; a line ``stop`` says the driver stopped Ray itself. When stdin reaches EOF (the driver
+directory (until it does, the reaper reads it from the ``--session-dir`` of a marked GCS or raylet, so a
+driver stopped inside ``ray.init`` leaves no agent behind either); a line ``stop`` says the driver stopped Ray itself. When stdin reaches EOF (the driver
 exited, however it died, or it closed the pipe after its own clean stop) or the reaper's parent
 is no longer the driver, the reaper SIGKILLs every marked process, waits for them to go
 (bounded), removes DIR unless the driver said ``stop`` (or ``VERL_LITE_KEEP_RAY_SESSION`` is
@@ -80,6 +81,25 @@ def session_pids(needle: bytes, session_dir: str | None, driver_pid: int) -> lis
     return found
 
 
+SESSION_ARGS = ("--session-dir=", "--session_dir=")  # how Ray passes the session directory to GCS and raylet
+
+
+def find_session_dir(needle: bytes, driver_pid: int) -> str | None:
+    """The session directory, read from a marked process's command line (the GCS's or the raylet's), so the
+    session's Python processes can be found before the driver names the directory (a driver stopped inside
+    ``ray.init`` never does)."""
+    for pid in session_pids(needle, None, driver_pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        for arg in args:
+            if arg.startswith(SESSION_ARGS):
+                return arg.split("=", 1)[1]
+    return None
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -107,8 +127,9 @@ def kill_session(needle: bytes, session_dir: str | None, driver_pid: int) -> int
     return len(seen)
 
 
-def wait_for_driver(driver_pid: int) -> tuple[str | None, bool]:
-    """Block until the driver is gone or closes the pipe; returns (session dir, whether the driver died)."""
+def wait_for_driver(driver_pid: int, needle: bytes) -> tuple[str | None, bool]:
+    """Block until the driver is gone or closes the pipe; returns (session dir, whether the driver died). The
+    session dir is the one the driver names, or, until it does, the one its Ray's first processes were given."""
     session_dir, stopped, buffer = None, False, b""
     fd = sys.stdin.fileno()
     while True:
@@ -116,6 +137,7 @@ def wait_for_driver(driver_pid: int) -> tuple[str | None, bool]:
             return session_dir, True
         ready, _, _ = select.select([fd], [], [], POLL_S)
         if not ready:
+            session_dir = session_dir or find_session_dir(needle, driver_pid)
             continue
         chunk = os.read(fd, 4096)
         if not chunk:
@@ -133,7 +155,8 @@ def main() -> None:
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, signal.SIG_IGN)
     driver_pid, needle = int(sys.argv[1]), sys.argv[2].encode()
-    session_dir, driver_died = wait_for_driver(driver_pid)
+    session_dir, driver_died = wait_for_driver(driver_pid, needle)
+    session_dir = session_dir or find_session_dir(needle, driver_pid)
     kill_session(needle, session_dir, driver_pid)
     if driver_died and session_dir and not os.environ.get("VERL_LITE_KEEP_RAY_SESSION"):
         shutil.rmtree(session_dir, ignore_errors=True)
