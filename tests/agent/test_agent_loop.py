@@ -288,3 +288,44 @@ def test_a_custom_loop_is_chosen_by_the_rows_agent_name(tool_tokenizer):
     rows[0]["agent_name"] = "missing_loop"
     with pytest.raises(ToolConfigError, match="missing_loop"):
         AgentRunner(rollout, tok, _spec()).run(rows, None, {"n": 1, "do_sample": False})
+
+
+def nap(seconds: float) -> str:
+    """Sleep, then answer (a tool with a latency of its own).
+
+    Args:
+        seconds: how long to sleep
+    """
+    time.sleep(seconds)
+    return "done"
+
+
+@pytest.mark.parametrize("batch_wait_s", [None, 0.2])
+def test_a_slow_tool_holds_no_other_trajectory(tool_tokenizer, batch_wait_s):
+    """Prompt 0's tool call takes 4 s, the others' return at once. Lockstep (batch_wait_s=None): every second turn
+    waits for it (two backend calls of 6). Without the barrier: the fast trajectories' second turns go after
+    batch_wait_s, while prompt 0's tool still runs, and prompt 0's turn goes alone when its tool returns; the
+    trajectories are the same either way."""
+    tok = tool_tokenizer
+    slow = 4.0
+
+    def script(turn, text):
+        if turn == 0:
+            return call("nap", seconds=slow if "0+0=" in text else 0.0)
+        return "5"
+
+    spec = _spec(batch_wait_s=batch_wait_s, max_parallel_calls=1)
+    spec.functions = [nap]
+    rollout = ScriptedRollout(tok, script)
+    began = time.monotonic()
+    outs = AgentRunner(rollout, tok, spec).run(_rows(tok, 3), seeds=[1, 2, 3],
+                                               sampling={"n": 2, "do_sample": True, "temperature": 1.0})
+    assert all(o["agent_stats"]["stop_reason"] == "no_tool_call" for o in outs)
+    assert len({tuple(o["response_ids"]) for o in outs[2:]}) == 1
+    batches = [c["batch"] for c in rollout.calls]
+    if batch_wait_s is None:
+        assert batches == [6, 6]
+    else:
+        # the fast four's second turns went (in one call, or more on a loaded machine) before the 4 s tool returned
+        assert batches[0] == 6 and batches[-1] == 2 and sum(batches[1:-1]) == 4, batches
+    assert time.monotonic() - began >= slow

@@ -32,6 +32,7 @@ class MultiTurnConfig:
     format: str = "hermes"  # tool-call format of the model's text: <tool_call>{json}</tool_call>
     tool_timeout_s: float = 30.0  # bound on one tool call (seconds); past it the call is a timeout
     tool_error: str = "text"  # a tool that raises or times out: text (its error goes to the model) | fail (the run stops)
+    batch_wait_s: Optional[float] = 1.0  # a model turn waits at most this long for other trajectories' turns to share its backend call; null = lockstep
 
     def problems(self, M: str) -> list[str]:
         """The section's own keys (``M`` names it); the paths' other rule is ``AgentLoopConfig.problems``'."""
@@ -51,6 +52,9 @@ class MultiTurnConfig:
             out.append(f"{M}.format={self.format!r}: only the {list(FORMATS)} tool-call format is built")
         if not (isinstance(self.tool_timeout_s, (int, float)) and self.tool_timeout_s > 0):
             out.append(f"{M}.tool_timeout_s={self.tool_timeout_s} must be > 0 seconds (the bound on one tool call)")
+        if self.batch_wait_s is not None and not (isinstance(self.batch_wait_s, (int, float)) and self.batch_wait_s >= 0):
+            out.append(f"{M}.batch_wait_s={self.batch_wait_s} must be >= 0 seconds, or null (lockstep: every model "
+                       f"turn waits for all live trajectories)")
         if self.tool_error not in TOOL_ERROR_MODES:
             out.append(f"{M}.tool_error={self.tool_error!r} is unknown; choose text (the error goes to the model) or "
                        f"fail (the run stops)")

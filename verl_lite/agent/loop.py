@@ -14,11 +14,12 @@ environment tokens included (verl's meaning): a model turn gets at most the room
 an environment segment that does not fit ends the trajectory without being added (as verl does).
 
 Batching: every trajectory of a worker's share runs as an asyncio task of its agent loop; a loop
-asks for a model turn with ``await ctx.generate(traj)``. When every live trajectory is waiting for
-its model turn (the others finished; tools and interactions of this turn done), the waiting turns
-go to the backend in ONE batched ``Rollout.generate`` call (HF or vLLM: the loop only uses the
-backend contract), each with its own seed ``turn_seed(seed of the prompt, sample k, turn)``, so
-samples do not depend on the worker layout.
+asks for a model turn with ``await ctx.model_turn(traj)``. There is no barrier across trajectories:
+the backend runs in a thread while tools and interactions go on, and whenever it is free the waiting
+turns go to it in ONE batched ``Rollout.generate`` call (HF or vLLM: the loop only uses the backend
+contract) once every live trajectory waits or the oldest has waited ``multi_turn.batch_wait_s``
+(:class:`_TurnBatcher`). Each turn has its own seed ``turn_seed(seed of the prompt, sample k, turn)``,
+so samples depend neither on the worker layout nor on which turns share a call.
 
 Agent loops register by name (``@register_agent_loop("name")`` or verl's
 ``agent.agent_loop_config_path`` YAML: ``- {name: my_agent, _target_: pkg.module.MyLoop}``); a
@@ -270,16 +271,28 @@ def turn_seed(prompt_seed: int, sample: int, turn: int) -> int:
 
 
 class _TurnBatcher:
-    """Collects the model turns the live trajectories ask for; when all of them wait, ONE backend call."""
+    """Sends the model turns the live trajectories ask for to the backend, without a barrier across trajectories.
 
-    def __init__(self, rollout, sampling: dict, live: int):
-        self.rollout, self.sampling, self.live = rollout, sampling, live
+    The backend is called from a thread, so tools, interactions and the agent loops go on while it generates.
+    When it is free, the waiting turns go out as ONE batched call as soon as either every live trajectory is
+    waiting for its model turn, or the oldest waiting turn has waited ``batch_wait_s`` (the others are busy with
+    tools or interactions). A trajectory whose tool is slow therefore never holds the others' next turns for
+    longer than ``batch_wait_s``, and turns of trajectories whose tools all return within it form the same
+    batches as a lockstep loop would (so a run with fast tools batches the same way every time).
+    ``batch_wait_s=None`` is lockstep: wait for every live trajectory."""
+
+    def __init__(self, rollout, sampling: dict, live: int, batch_wait_s: float | None):
+        self.rollout, self.sampling, self.live, self.batch_wait_s = rollout, sampling, live, batch_wait_s
         self.waiting: list[tuple[list[int], int, int | None, asyncio.Future]] = []
+        self.oldest_since: float | None = None  # when the oldest waiting turn arrived
         self.wake = asyncio.Event()
-        self.calls = 0  # backend calls made (one per turn of the batch)
+        self.calls = 0  # backend calls made
 
     async def generate(self, ids: list[int], max_new: int, seed: int | None) -> tuple[list[int], list[float]]:
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if not self.waiting:
+            self.oldest_since = loop.time()
         self.waiting.append((ids, max_new, seed, future))
         self.wake.set()
         return await future
@@ -288,21 +301,37 @@ class _TurnBatcher:
         self.live -= 1
         self.wake.set()
 
-    async def serve(self) -> None:
-        while self.live > 0:
-            await self.wake.wait()
-            self.wake.clear()
-            if self.waiting and len(self.waiting) >= self.live:
-                batch, self.waiting = self.waiting, []
-                self._flush(batch)
+    def _wait_left(self, now: float) -> float | None:
+        """0 when the waiting turns should go now, else how long to wait at most (None: until woken)."""
+        if not self.waiting:
+            return None
+        if len(self.waiting) >= self.live:
+            return 0.0
+        if self.batch_wait_s is None:
+            return None
+        return max(0.0, self.oldest_since + self.batch_wait_s - now)
 
-    def _flush(self, batch) -> None:
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.live > 0:
+            left = self._wait_left(loop.time())
+            if left != 0.0:
+                self.wake.clear()
+                try:
+                    await asyncio.wait_for(self.wake.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            batch, self.waiting = self.waiting, []
+            await self._flush(batch)
+
+    async def _flush(self, batch) -> None:
         seeds = [s for _, _, s, _ in batch]
         kw = dict(self.sampling, n=1, max_new_tokens=max(m for _, m, _, _ in batch))
         if all(s is not None for s in seeds):
             kw["seeds"] = seeds
         try:
-            outs = self.rollout.generate([ids for ids, _, _, _ in batch], **kw)
+            outs = await asyncio.to_thread(self.rollout.generate, [ids for ids, _, _, _ in batch], **kw)
             self.calls += 1
         except BaseException as e:
             for *_, future in batch:
@@ -405,7 +434,7 @@ class AgentRunner:
 
     async def _run_all(self, rows, seeds, n, sampling) -> list[dict]:
         jobs = [(p, k) for p in range(len(rows)) for k in range(n)]
-        batcher = _TurnBatcher(self.rollout, sampling, len(jobs))
+        batcher = _TurnBatcher(self.rollout, sampling, len(jobs), self.spec.multi_turn.get("batch_wait_s"))
         errors: list[BaseException] = []
 
         async def one(p: int, k: int) -> Trajectory | None:
@@ -422,6 +451,7 @@ class AgentRunner:
             finally:
                 batcher.finished()
 
+        await self.executor.warm()
         tasks = [asyncio.create_task(one(p, k)) for p, k in jobs]
         await batcher.serve()
         trajectories = await asyncio.gather(*tasks)

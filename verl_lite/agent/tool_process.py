@@ -168,6 +168,15 @@ class ToolProcessPool:
         self.idle.clear()
         self._finalizer()
 
+    async def warm(self) -> None:
+        """Start every process the pool may hold, concurrently, before the first calls need them: calls then
+        never wait on a start-up (and a tool module that cannot load is reported before any rollout)."""
+        missing = self.size - len(self.processes)
+        if missing > 0:
+            started = await asyncio.gather(*(self._start() for _ in range(missing)))
+            for proc in started:
+                self._handover(proc)
+
     async def call(self, name: str, arguments: dict, timeout_s: float) -> dict:
         """The tool process's reply to one call (see module docstring); raises :class:`ToolCallTimeout`,
         :class:`ToolProcessDied` or :class:`ToolProcessStartError`."""

@@ -346,6 +346,15 @@ class ToolExecutor:
     def names(self) -> set[str]:
         return set(self.tools)
 
+    async def warm(self) -> None:
+        """Start the tool processes now (see ``ToolProcessPool.warm``); a start-up failure is a ToolFailure."""
+        if self.pool is not None:
+            try:
+                await self.pool.warm()
+            except ToolProcessStartError as e:
+                raise ToolFailure(f"tools: {e}", "make the tool importable and picklable in a fresh process "
+                                  "(docs/agents.md, Tools)") from None
+
     async def run(self, calls) -> list[ToolOutcome]:
         """One outcome per call (``verl_lite.agent.hermes.ToolCall``), in order."""
         return list(await asyncio.gather(*(self._one(c) for c in calls)))

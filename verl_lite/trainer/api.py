@@ -1,0 +1,112 @@
+"""The Python API's translation, run by ``PPOTrainer.__init__`` before anything starts: TRL's constructor
+arguments into the config, the tokenizer, the reward and the datasets (see ``PPOTrainer``'s docstring). Each
+function raises ConfigError listing every problem it found, so the pre-flight reports them together."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from verl_lite.config.loader import ConfigError, names_follow, use_train_data
+from verl_lite.data import RLDataset
+from verl_lite.data.dataset import IN_MEMORY
+from verl_lite.engine.model_files import resolve_model_dir
+from verl_lite.reward import RewardManager
+from verl_lite.reward.config import judge_input_problems, reward_input_problems
+from verl_lite.reward.functions import RewardFunctions
+from verl_lite.rollout.config import CONFIG_SAMPLING_KWARGS, generation_kwargs_problems
+
+
+def use_api_arguments(cfg, model, processing_class, generation_kwargs: dict, push_to_hub: bool) -> dict:
+    """TRL's constructor arguments into ``cfg``; returns the generation_kwargs the backend receives."""
+    r = cfg.actor_rollout_ref.rollout
+    p = generation_kwargs_problems(r.name, generation_kwargs)
+    if push_to_hub:
+        p.append("push_to_hub=True: uploading to the Hugging Face Hub is not built here (no hub access); "
+                 "train, then trainer.save_pretrained(dir) and upload dir with `huggingface-cli upload`")
+    if p:
+        raise ConfigError(p)
+    for key in CONFIG_SAMPLING_KWARGS:
+        if key in generation_kwargs:
+            setattr(r, key, generation_kwargs.pop(key))
+    if model is not None or processing_class is not None:
+        use_model(cfg, model, processing_class)
+    return generation_kwargs
+
+
+def use_model(cfg, model, processing_class) -> None:
+    """``model=`` / ``processing_class=`` of the Python API into ``actor_rollout_ref.model.path`` /
+    ``tokenizer_path`` (and the critic's, where they followed the actor's). A model or tokenizer
+    object is saved (``save_pretrained``) into a fresh ``<trainer.output_dir>/api_model-<time>/`` and
+    used from there, since every worker loads the model from a directory."""
+    m, critic = cfg.actor_rollout_ref.model, cfg.critic.model
+    old = (m.path, m.tokenizer_path)
+    saved = None
+
+    def save(obj) -> str:
+        nonlocal saved
+        if saved is None:
+            saved = Path(cfg.trainer.output_dir) / f"api_model-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+            saved.mkdir(parents=True, exist_ok=True)
+        obj.save_pretrained(saved)
+        return str(saved)
+
+    if model is not None:
+        with names_follow(cfg):  # a run name derived from the model follows it
+            m.path = save(model) if hasattr(model, "save_pretrained") else resolve_model_dir(str(model))
+        m.tokenizer_path = m.path
+        if processing_class is None and hasattr(model, "save_pretrained"):
+            source = getattr(model, "name_or_path", None)
+            if not source or not Path(source, "tokenizer_config.json").is_file():
+                raise ConfigError([f"model= is a model object whose tokenizer cannot be found (name_or_path="
+                                   f"{source!r}); pass processing_class=<its tokenizer>"])
+            m.tokenizer_path = source
+    if processing_class is not None:
+        m.tokenizer_path = save(processing_class) if hasattr(processing_class, "save_pretrained") \
+            else resolve_model_dir(str(processing_class))
+    if critic.path in old:
+        critic.path = m.path
+    if critic.tokenizer_path in old:
+        critic.tokenizer_path = m.tokenizer_path
+
+
+def load_tokenizer(cfg):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.tokenizer_path)
+
+
+def make_reward(cfg, tokenizer, reward_fn, reward_funcs, reward_weights):
+    """TRL-style ``reward_funcs``, or verl's ``reward_fn``, or the configured reward (``tokenizer`` None: set
+    once it is loaded)."""
+    if reward_funcs is not None and reward_fn is not None:
+        raise ValueError("give reward_funcs (TRL-style) or reward_fn (verl's signature), not both")
+    if reward_funcs is not None:
+        return RewardFunctions(reward_funcs, tokenizer, reward_weights, timeout_s=getattr(cfg.reward, "timeout_s", None))
+    return RewardManager(cfg.reward, tokenizer, compute_score=reward_fn)
+
+
+def make_datasets(cfg, tokenizer, agent, train=None, val=None):
+    """(train, val) from the given sources (Python API), else ``data.train_files`` / ``val_files``; a given
+    in-memory source is recorded in the config as ``<in-memory dataset>`` (``loader.use_train_data``: the
+    names derived from the data follow a given train set). No val files: no validation set (None).
+    ``agent`` (an AgentSpec or None): its tool schemas go into the chat template."""
+    d = cfg.data
+    tools = (agent.tool_schemas or None) if agent is not None else None
+    datasets = []
+    for key, given in (("train_files", train), ("val_files", val)):
+        if given is not None:
+            name = str(given) if isinstance(given, (str, os.PathLike)) else IN_MEMORY
+            use_train_data(cfg, name) if key == "train_files" else setattr(d, key, name)
+        files = given if given is not None else getattr(d, key)
+        datasets.append(RLDataset.from_config(d, files, tokenizer, tools) if given is not None or files else None)
+    return tuple(datasets)
+
+
+def check_reward_inputs(cfg, reward_manager, train_dataset, val_dataset) -> None:
+    """Every row field the reward needs (``ground_truth``, a column a reward function names) exists."""
+    datasets = {"data.train_files": train_dataset, "data.val_files": val_dataset}
+    p = reward_input_problems(reward_manager, datasets) + judge_input_problems(cfg.reward_model, datasets)
+    if p:
+        raise ConfigError(p)
