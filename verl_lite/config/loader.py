@@ -25,6 +25,7 @@ from typing import Any
 
 from verl_lite.config.schema import PPOConfig
 from verl_lite.config.verl_keys import decide, render
+from verl_lite.controller.config import resolve_placement
 from verl_lite.engine.model_files import resolve_model_dir
 from verl_lite.errors import ConfigError, Problems  # noqa: F401 (the config's error and pre-flight's collector)
 
@@ -296,6 +297,7 @@ def _fill_builtin_defaults(cfg: PPOConfig) -> PPOConfig:
         for key in ("path", "tokenizer_path"):
             if getattr(section, key):
                 setattr(section, key, resolve_model_dir(getattr(section, key)))
+    resolve_placement(cfg)
     return resolve_inherited(cfg)
 
 

@@ -29,7 +29,7 @@ from typing import List, Optional
 from verl_lite.algorithms.aggregation import AGG_MODES
 from verl_lite.algorithms.config import AlgorithmConfig
 from verl_lite.algorithms.objective import ActorLossConfig
-from verl_lite.controller.config import AsyncTrainingConfig
+from verl_lite.controller.config import AsyncTrainingConfig, V1Config
 from verl_lite.data.config import DataConfig
 from verl_lite.engine.config import LoraConfig, MegatronConfig, OptimConfig
 from verl_lite.reward.config import RewardConfig, RewardModelConfig
@@ -139,6 +139,8 @@ class TrainerConfig:
     resume_ignore_fingerprint: bool = False  # true: resume even from a checkpoint of another model, train data or math keys (trainer/fingerprint.py)
     max_actor_ckpt_to_keep: Optional[int] = None  # newest global_step_* checkpoints kept; None = all
     worker_timeout_s: float = 1800.0  # the driver waits this long for any worker call, then tears the group down
+    use_v1: bool = True  # verl's v1 trainer (true) or its legacy one (false): one trainer here, the same run either way
+    v1: V1Config = field(default_factory=V1Config)  # verl's v1 trainer modes and sampler (controller/config.py)
 
 
 @dataclass

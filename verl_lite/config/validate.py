@@ -16,7 +16,7 @@ from pathlib import Path
 
 from verl_lite.config.loader import ConfigError
 from verl_lite.config.schema import ACTOR_KEY, LOGGER_BACKENDS, ROLLOUT_KEY, PPOConfig
-from verl_lite.controller.config import placement_problems
+from verl_lite.controller.config import placement_problems, resolve_placement
 from verl_lite.engine.config import (MEGATRON_NAMES, RECOMPUTE, router_loss_recompute_problems,
                                      transformer_override_problems)
 from verl_lite.engine.model_files import config_int, lora_adapter_problems, model_dir_problem, read_config
@@ -67,8 +67,10 @@ def _out_of_bounds(cfg: PPOConfig, bounds) -> dict[str, str]:
 def validate_config(cfg: PPOConfig, world_size: int | None = None) -> Layout:
     """Check cfg against every rule below; raise ConfigError listing all problems, else return the Layout.
 
-    world_size defaults to trainer.n_gpus_per_node * trainer.nnodes (the number of workers).
+    world_size defaults to trainer.n_gpus_per_node * trainer.nnodes (the number of workers). The placement and
+    policy lag a config leaves to be derived are resolved first (``controller.config.resolve_placement``).
     """
+    resolve_placement(cfg)
     d, arr, alg, tr = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
     actor, rollout, mg = arr.actor, arr.rollout, arr.actor.megatron
     bad = _out_of_bounds(cfg, BOUNDS)
@@ -194,6 +196,7 @@ def _section_problems(cfg: PPOConfig, needs, n: int | None) -> list[str]:
     if tpath and tpath != mpath and not any((Path(tpath) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         p.append(f"actor_rollout_ref.model.tokenizer_path={tpath!r} holds no tokenizer.json/tokenizer_config.json")
     p.extend(cfg.reward.problems(d.max_response_length))
+    p.extend(tr.v1.problems(cfg.data, arr.actor))
     p.extend(cfg.async_training.problems(arr, alg))
     p.extend(placement_problems(tr.nnodes))
     p.extend(_checkpoint_key_problems(tr))

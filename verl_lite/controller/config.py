@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
+
+TRAINER_MODES = ("sync", "separate_async")  # verl's trainer.v1.trainer_mode values built here
+OFF_POLICY_STRATEGIES = ("drop", "wait")
 
 
 def placement_problems(nnodes) -> list[str]:
@@ -22,10 +26,87 @@ def placement_problems(nnodes) -> list[str]:
 
 
 @dataclass
+class V1SamplerConfig:
+    """``trainer.v1.sampler`` (verl's v1 trainer). A trajectory's age at training is the steps since its prompt was
+    submitted, plus one; here the schedule never submits a prompt that would pass the bound, so ``drop`` evicts
+    nothing and ``wait`` never waits beyond the schedule (both accepted, the bound enforced either way)."""
+
+    max_off_policy_threshold: int = 8  # policy versions a trained trajectory may span since its prompt was submitted
+    max_off_policy_strategy: str = "drop"  # drop | wait (verl's meanings; see the class docstring)
+
+
+@dataclass
+class SeparateAsyncConfig:
+    """``trainer.v1.separate_async``: rollout workers of their own, running ``num_warmup_batches`` ahead."""
+
+    num_warmup_batches: int = 1  # batches generated ahead of the trainer: the policy lag (async_training.staleness_threshold)
+    parameter_sync_step: Optional[int] = None  # mini-batches per step (one weight sync per step); null = train_batch_size / ppo_mini_batch_size
+
+
+@dataclass
+class V1Config:
+    """verl's ``trainer.v1`` section: which of the pipeline's settings a verl v1 script asks for."""
+
+    trainer_mode: str = "sync"  # sync (rollout and training take turns) | separate_async (a rollout pool running ahead)
+    sampler: V1SamplerConfig = field(default_factory=V1SamplerConfig)
+    separate_async: SeparateAsyncConfig = field(default_factory=SeparateAsyncConfig)
+
+    def problems(self, data, actor) -> list[str]:
+        K, out = "trainer.v1", []
+        if self.trainer_mode == "colocate_async":
+            out.append(f"{K}.trainer_mode=colocate_async is not built: rollout and training on the same workers take "
+                       f"turns here (no abort/resume of a colocated engine); use {K}.trainer_mode=separate_async with "
+                       f"a rollout pool (actor_rollout_ref.rollout.n_gpus_per_node), or sync")
+        elif self.trainer_mode not in TRAINER_MODES:
+            out.append(f"{K}.trainer_mode={self.trainer_mode!r} is unknown; choose one of {list(TRAINER_MODES)}")
+        sampler = self.sampler
+        if not (isinstance(sampler.max_off_policy_threshold, int) and sampler.max_off_policy_threshold > 0):
+            out.append(f"{K}.sampler.max_off_policy_threshold={sampler.max_off_policy_threshold} must be an integer > 0")
+        if sampler.max_off_policy_strategy not in OFF_POLICY_STRATEGIES:
+            out.append(f"{K}.sampler.max_off_policy_strategy={sampler.max_off_policy_strategy!r} is unknown; choose "
+                       f"one of {list(OFF_POLICY_STRATEGIES)}")
+        if self.trainer_mode != "separate_async":
+            return out
+        sa, S = self.separate_async, f"{K}.separate_async"
+        if not (isinstance(sa.num_warmup_batches, int) and sa.num_warmup_batches >= 0):
+            out.append(f"{S}.num_warmup_batches={sa.num_warmup_batches} must be an integer >= 0")
+        elif isinstance(sampler.max_off_policy_threshold, int) and sa.num_warmup_batches + 1 > sampler.max_off_policy_threshold:
+            out.append(f"{S}.num_warmup_batches={sa.num_warmup_batches}: batches that far ahead are trained "
+                       f"{sa.num_warmup_batches + 1} versions after their prompts were submitted, past "
+                       f"{K}.sampler.max_off_policy_threshold={sampler.max_off_policy_threshold}; lower the first or "
+                       f"raise the second")
+        step = sa.parameter_sync_step
+        if step is not None and data.train_batch_size != step * actor.ppo_mini_batch_size:
+            out.append(f"{S}.parameter_sync_step={step}: data.train_batch_size={data.train_batch_size} must equal "
+                       f"parameter_sync_step x actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} "
+                       f"(verl's rule: one weight sync per step of parameter_sync_step mini-batches)")
+        return out
+
+
+def resolve_placement(cfg) -> None:
+    """The placement and the policy lag a config asks for, set in place (idempotent); the one rule for both:
+
+    - ``trainer.v1.trainer_mode=separate_async``: rollout workers of their own (``hybrid_engine=false``), the lag
+      ``trainer.v1.separate_async.num_warmup_batches``;
+    - ``actor_rollout_ref.hybrid_engine=false`` alone: verl's one-step-off recipe, whose lag of one step comes from
+      its entry point: lag 1;
+    - otherwise colocated and synchronous: lag 0.
+    ``async_training.staleness_threshold`` given explicitly wins over the derived lag."""
+    v1, at = cfg.trainer.v1, cfg.async_training
+    if v1.trainer_mode == "separate_async":
+        cfg.actor_rollout_ref.hybrid_engine = False
+    if at.staleness_threshold is None:
+        if v1.trainer_mode == "separate_async":
+            at.staleness_threshold = v1.separate_async.num_warmup_batches
+        else:
+            at.staleness_threshold = 0 if cfg.actor_rollout_ref.hybrid_engine else 1
+
+
+@dataclass
 class AsyncTrainingConfig:
     """The rollout/training pipeline of split placement (hybrid_engine=false; docs/async.md)."""
 
-    staleness_threshold: int = 0  # policy versions a trained batch may lag: 0 = synchronous, 1 = one-step-off, k bounds the lag
+    staleness_threshold: Optional[int] = None  # policy versions a trained batch lags: 0 = synchronous, 1 = one-step-off; null = from the placement (resolve_placement)
     weight_sync_timeout_s: float = 120.0  # bound on one actor -> rollout weight sync (export + load on every rollout worker)
     queue_timeout_s: float = 1800.0  # bound on the trainer's wait for the next rollout batch (a starving queue stops the run)
     partial_rollout: bool = False  # continue generations interrupted by a weight update: not built (true is rejected)
@@ -38,7 +119,13 @@ class AsyncTrainingConfig:
         if self.partial_rollout:
             out.append(f"{K}.partial_rollout=true: continuing a generation interrupted by a weight update is not "
                        f"built; every batch is generated whole by one policy version (set it false)")
-        if not isinstance(self.staleness_threshold, int) or self.staleness_threshold < 0:
+        if isinstance(self.staleness_threshold, float) and 0 < self.staleness_threshold < 1:
+            out.append(f"{K}.staleness_threshold={self.staleness_threshold}: here it counts policy versions (an integer "
+                       f">= 0: 0 = synchronous, 1 = one-step-off); verl's fully_async recipe uses this key for a share of "
+                       f"extra samples, a different meaning: use trainer.v1.trainer_mode=separate_async with "
+                       f"trainer.v1.sampler.max_off_policy_threshold, or an integer lag")
+        elif self.staleness_threshold is not None and (not isinstance(self.staleness_threshold, int)
+                                                       or self.staleness_threshold < 0):
             out.append(f"{K}.staleness_threshold={self.staleness_threshold} must be an integer >= 0 (0 = synchronous, "
                        f"1 = one-step-off)")
         for key in ("weight_sync_timeout_s", "queue_timeout_s"):
@@ -55,9 +142,6 @@ class AsyncTrainingConfig:
         if arr.rollout.nnodes > 1:
             out.append(f"{R}.nnodes={arr.rollout.nnodes}: a rollout pool spanning nodes is not built; use 1")
         why = "is not built with split placement (actor_rollout_ref.hybrid_engine=false)"
-        if arr.rollout.multi_turn.enable:
-            out.append(f"{R}.multi_turn.enable=true {why}: agent loops run on the colocated rollout; set "
-                       f"hybrid_engine=true")
         if alg.filter_groups.enable:
             out.append(f"algorithm.filter_groups.enable=true (DAPO dynamic sampling) {why}: its extra generation "
                        f"rounds depend on the step's scores; set hybrid_engine=true")

@@ -42,6 +42,15 @@ class RolloutWorker(Worker):
         """``ActorRolloutRefWorker.sample``'s outputs, each tagged with the policy version that sampled it."""
         return [dict(o, policy_version=self.version) for o in self._generate(prompt_ids, seeds, sampling)]
 
+    init_agent = ActorRolloutRefWorker.init_agent  # multi-turn: the same agent runner over this worker's rollout
+
+    def generate_agent(self, rows: list[dict], seeds: list[int] | None, sampling: dict) -> list[dict]:
+        """Multi-turn trajectories (``ActorRolloutRefWorker.generate_agent``'s contract), each tagged with the policy
+        version that sampled every one of its turns (a load never runs while the agent loops do)."""
+        if getattr(self, "agent", None) is None:
+            raise RuntimeError("generate_agent: init_agent was not called (multi_turn.enable needs it)")
+        return [dict(o, policy_version=self.version) for o in (self.agent.run(rows, seeds, sampling) if rows else [])]
+
     def load_weights(self, named_tensors: list, version: int) -> int:
         """The policy of ``version`` (the actor's whole export, as the colocated sync copies it), then the version."""
         n = self.rollout.load_weights(named_tensors)
