@@ -32,6 +32,7 @@ class MultiTurnConfig:
     format: str = "hermes"  # tool-call format of the model's text: <tool_call>{json}</tool_call>
     tool_timeout_s: float = 30.0  # bound on one tool call (seconds); past it the call is a timeout
     tool_error: str = "text"  # a tool that raises or times out: text (its error goes to the model) | fail (the run stops)
+    tool_processes: Optional[int] = None  # tool processes per rollout worker (calls beyond them wait for one); null = 4 to 16 by CPU count
     batch_wait_s: Optional[float] = 1.0  # a model turn waits at most this long for other trajectories' turns to share its backend call; null = lockstep
 
     def problems(self, M: str) -> list[str]:
@@ -52,6 +53,8 @@ class MultiTurnConfig:
             out.append(f"{M}.format={self.format!r}: only the {list(FORMATS)} tool-call format is built")
         if not (isinstance(self.tool_timeout_s, (int, float)) and self.tool_timeout_s > 0):
             out.append(f"{M}.tool_timeout_s={self.tool_timeout_s} must be > 0 seconds (the bound on one tool call)")
+        if self.tool_processes is not None and not (_is_int(self.tool_processes) and self.tool_processes >= 1):
+            out.append(f"{M}.tool_processes={self.tool_processes} must be >= 1 (or null: 4 to 16 by CPU count)")
         if self.batch_wait_s is not None and not (isinstance(self.batch_wait_s, (int, float)) and self.batch_wait_s >= 0):
             out.append(f"{M}.batch_wait_s={self.batch_wait_s} must be >= 0 seconds, or null (lockstep: every model "
                        f"turn waits for all live trajectories)")

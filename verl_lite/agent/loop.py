@@ -401,7 +401,7 @@ class AgentRunner:
         self.rollout, self.tokenizer, self.spec = rollout, tokenizer, spec
         tools = build_tools(spec.functions, mt.get("tool_config_path"))
         self.executor = ToolExecutor(tools, mt["tool_timeout_s"], mt["max_tool_response_length"],
-                                     mt["tool_response_truncate_side"], mt["tool_error"])
+                                     mt["tool_response_truncate_side"], mt["tool_error"], mt.get("tool_processes"))
         self.glue = ChatGlue(tokenizer, [t.schema for t in tools])
         self.interactions = dict(spec.interactions)
         if mt.get("interaction_config_path"):

@@ -332,10 +332,10 @@ class ToolExecutor:
     docstring); :meth:`close` kills the tool processes (also done when it is collected, or its process dies)."""
 
     def __init__(self, tools: list[Tool], timeout_s: float, max_response_length: int, truncate_side: str,
-                 on_error: str = "text"):
+                 on_error: str = "text", processes: int | None = None):
         self.tools = {t.name: t for t in tools}
         self.timeout_s, self.limit, self.side, self.on_error = timeout_s, max_response_length, truncate_side, on_error
-        self.pool = ToolProcessPool(tools) if tools else None
+        self.pool = (ToolProcessPool(tools) if processes is None else ToolProcessPool(tools, processes)) if tools else None
         self.warned: set[str] = set()  # tools whose first timeout was reported on stderr
 
     def close(self) -> None:
