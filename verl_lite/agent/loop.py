@@ -39,6 +39,7 @@ from typing import Any, Callable
 from verl_lite.agent.hermes import parse_tool_calls
 from verl_lite.agent.interaction import Interaction, load_interaction_config, maybe_await
 from verl_lite.agent.tools import ToolConfigError, ToolExecutor, _import_class, build_tools
+from verl_lite.rollout.base import VersionedRollout
 
 AGENT_LOOPS: dict[str, type] = {}
 
@@ -98,6 +99,7 @@ class Trajectory:
     response_ids: list[int] = field(default_factory=list)
     response_mask: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    segment_versions: list = field(default_factory=list)  # the policy version of each model segment, in order
     assistant_turns: int = 0
     user_turns: int = 0  # environment turns: tool-response rounds and interaction (user) turns, as verl counts
     tool_calls: int = 0  # calls run or answered (invalid ones included)
@@ -114,7 +116,7 @@ class Trajectory:
         """Response tokens still allowed (model and environment together)."""
         return self.budget - len(self.response_ids)
 
-    def add_model(self, ids: list[int], log_probs: list[float]) -> None:
+    def add_model(self, ids: list[int], log_probs: list[float], version: int | None = None) -> None:
         if len(ids) != len(log_probs):
             raise ValueError(f"model segment: {len(ids)} tokens but {len(log_probs)} log-probs")
         if len(ids) > self.room():
@@ -122,6 +124,7 @@ class Trajectory:
         self.response_ids += list(ids)
         self.response_mask += [1] * len(ids)
         self.log_probs += [float(x) for x in log_probs]
+        self.segment_versions.append(version)
 
     def add_env(self, ids: list[int]) -> bool:
         """Append environment tokens (mask 0). False (nothing added) when they do not fit the response."""
@@ -138,6 +141,7 @@ class Trajectory:
         return {
             "response_ids": self.response_ids, "response_mask": self.response_mask, "log_probs": self.log_probs,
             "turn_scores": list(self.turn_scores), "tool_rewards": list(self.tool_rewards),
+            "segment_versions": list(self.segment_versions),
             "agent_stats": {
                 "assistant_turns": self.assistant_turns, "user_turns": self.user_turns,
                 "tool_calls": self.tool_calls, "tool_errors": self.tool_errors, "tool_timeouts": self.tool_timeouts,
@@ -288,7 +292,8 @@ class _TurnBatcher:
         self.wake = asyncio.Event()
         self.calls = 0  # backend calls made
 
-    async def generate(self, ids: list[int], max_new: int, seed: int | None) -> tuple[list[int], list[float]]:
+    async def generate(self, ids: list[int], max_new: int, seed: int | None) -> tuple[list[int], list[float], int | None]:
+        """The turn's tokens, their log-probs and the policy version that generated them."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         if not self.waiting:
@@ -296,6 +301,10 @@ class _TurnBatcher:
         self.waiting.append((ids, max_new, seed, future))
         self.wake.set()
         return await future
+
+    def started(self, count: int) -> None:
+        self.live += count
+        self.wake.set()
 
     def finished(self) -> None:
         self.live -= 1
@@ -311,9 +320,10 @@ class _TurnBatcher:
             return None
         return max(0.0, self.oldest_since + self.batch_wait_s - now)
 
-    async def serve(self) -> None:
+    async def serve(self, forever: bool = False) -> None:
+        """Until no trajectory is live (``forever``: until cancelled, for a stream that is fed new ones)."""
         loop = asyncio.get_running_loop()
-        while self.live > 0:
+        while self.live > 0 or forever:
             left = self._wait_left(loop.time())
             if left != 0.0:
                 self.wake.clear()
@@ -331,7 +341,7 @@ class _TurnBatcher:
         if all(s is not None for s in seeds):
             kw["seeds"] = seeds
         try:
-            outs = await asyncio.to_thread(self.rollout.generate, [ids for ids, _, _, _ in batch], **kw)
+            outs, version = await asyncio.to_thread(self.rollout.generate_versioned, [ids for ids, _, _, _ in batch], **kw)
             self.calls += 1
         except BaseException as e:
             for *_, future in batch:
@@ -340,7 +350,7 @@ class _TurnBatcher:
         for (_, max_new, _, future), o in zip(batch, outs):
             lp = o["log_probs"]
             lp = lp.tolist() if hasattr(lp, "tolist") else list(lp)
-            future.set_result((list(o["response_ids"])[:max_new], lp[:max_new]))
+            future.set_result((list(o["response_ids"])[:max_new], lp[:max_new], version))
 
 
 @dataclass
@@ -370,8 +380,8 @@ class AgentContext:
         if traj.room() <= 0:
             return ""
         seed = None if self.seed is None else turn_seed(self.seed, self.sample, traj.assistant_turns)
-        ids, lps = await self.batcher.generate(traj.prompt_ids + traj.response_ids, traj.room(), seed)
-        traj.add_model(ids, lps)
+        ids, lps, version = await self.batcher.generate(traj.prompt_ids + traj.response_ids, traj.room(), seed)
+        traj.add_model(ids, lps, version)
         traj.assistant_turns += 1
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
@@ -397,8 +407,11 @@ class AgentRunner:
     prompt-major (``sampling['n']`` per row), as ``Rollout.generate`` orders them."""
 
     def __init__(self, rollout, tokenizer, spec: AgentSpec):
+        """``rollout``: a backend (``rollout.base.Rollout``), or a ``VersionedRollout`` when weights are loaded
+        while trajectories run (a stream: ``verl_lite.agent.stream``)."""
         mt = spec.multi_turn
-        self.rollout, self.tokenizer, self.spec = rollout, tokenizer, spec
+        self.rollout = rollout if isinstance(rollout, VersionedRollout) else VersionedRollout(rollout)
+        self.tokenizer, self.spec = tokenizer, spec
         tools = build_tools(spec.functions, mt.get("tool_config_path"))
         self.executor = ToolExecutor(tools, mt["tool_timeout_s"], mt["max_tool_response_length"],
                                      mt["tool_response_truncate_side"], mt["tool_error"], mt.get("tool_processes"))
@@ -427,37 +440,42 @@ class AgentRunner:
         return self.loops[name]()
 
     def run(self, rows: list[dict], seeds: list[int] | None, sampling: dict) -> list[dict]:
-        sampling = dict(sampling)
-        n = int(sampling.pop("n", 1))
-        sampling.pop("max_new_tokens", None)  # the response bound is data.max_response_length (spec)
-        return asyncio.run(self._run_all(rows, seeds, n, sampling))
+        return asyncio.run(self._run_all(rows, seeds, *split_sampling(sampling)))
+
+    def batcher(self, sampling: dict, live: int = 0) -> _TurnBatcher:
+        return _TurnBatcher(self.rollout, sampling, live, self.spec.multi_turn.get("batch_wait_s"))
+
+    async def run_one(self, row: dict, seed: int | None, sample: int, batcher: _TurnBatcher) -> Trajectory:
+        """Sample ``sample`` of ``row`` through its agent loop (the batcher counts it live until it ends)."""
+        try:
+            given = row.get("messages") or []
+            messages = [{"role": "user", "content": given}] if isinstance(given, str) else [dict(m) for m in given]
+            traj = Trajectory(list(row["prompt_ids"]), messages, row, self.spec.max_response_length)
+            ctx = AgentContext(self, batcher, seed, sample, self._interaction_of(row))
+            return await self._loop_of(row).run(traj, ctx)
+        finally:
+            batcher.finished()
 
     async def _run_all(self, rows, seeds, n, sampling) -> list[dict]:
-        jobs = [(p, k) for p in range(len(rows)) for k in range(n)]
-        batcher = _TurnBatcher(self.rollout, sampling, len(jobs), self.spec.multi_turn.get("batch_wait_s"))
-        errors: list[BaseException] = []
-
-        async def one(p: int, k: int) -> Trajectory | None:
-            row = rows[p]
-            try:
-                given = row.get("messages") or []
-                messages = [{"role": "user", "content": given}] if isinstance(given, str) else [dict(m) for m in given]
-                traj = Trajectory(list(row["prompt_ids"]), messages, row, self.spec.max_response_length)
-                ctx = AgentContext(self, batcher, None if seeds is None else seeds[p], k, self._interaction_of(row))
-                return await self._loop_of(row).run(traj, ctx)
-            except BaseException as e:
-                errors.append(e)
-                return None
-            finally:
-                batcher.finished()
-
+        batcher = self.batcher(sampling, live=len(rows) * n)
         await self.executor.warm()
-        tasks = [asyncio.create_task(one(p, k)) for p, k in jobs]
+        tasks = [asyncio.create_task(self.run_one(rows[p], None if seeds is None else seeds[p], k, batcher))
+                 for p in range(len(rows)) for k in range(n)]
         await batcher.serve()
-        trajectories = await asyncio.gather(*tasks)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
-        return [t.output() for t in trajectories]
+        return [t.output() for t in results]
+
+
+def split_sampling(sampling: dict) -> tuple[int, dict]:
+    """``(n, the per-turn sampling)`` of a generate call's settings: the response bound is
+    ``data.max_response_length`` (the spec's), not the call's ``max_new_tokens``."""
+    sampling = dict(sampling)
+    n = int(sampling.pop("n", 1))
+    sampling.pop("max_new_tokens", None)
+    return n, sampling
 
 
 AGENT_ROW_KEYS = ("prompt_ids", "messages", "data_source", "ground_truth", "extra_info")
