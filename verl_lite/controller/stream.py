@@ -1,0 +1,165 @@
+"""verl's ``separate_async`` on the rollout pool: prompt groups stream through the rollout workers' trajectory
+streams (``verl_lite.agent.stream``), and each RL step trains on complete groups as soon as there are enough.
+
+Versions: version v is the policy after v RL steps; step s (1-based) trains the policy of version s - 1 and then
+publishes version s, which every rollout worker loads between its backend calls: trajectories running then go
+on with the new weights (partial rollouts), each model turn tagged with the version that generated it.
+
+Schedule (verl's v1 sampler, in its units): a group's *age* at step s is ``s - submit_step + 1``, where
+``submit_step`` is the step during which its prompt was submitted (a prompt submitted and trained in the same
+step has age 1). The pipeline keeps ``(1 + num_warmup_batches) x train_batch_size`` groups outstanding
+(submitted and not yet trained). Step s takes the ``train_batch_size`` complete groups submitted first (oldest
+first, then in submission order) whose age is at most ``max_off_policy_threshold``:
+
+- ``drop``: a complete group older than the bound is evicted (its prompt is not trained; a new prompt takes
+  its place);
+- ``wait``: no new prompt is submitted while an outstanding group that is not complete has reached the bound,
+  so it finishes and is trained.
+
+    pipe = StreamingPipeline(role, next_rows, n, batch_groups, warmup_batches, threshold, strategy, seed_of,
+                             queue_timeout_s)
+    rows, outputs, metrics = pipe.next(step)     # step (0-based index): the groups' rows and samples, prompt-major
+    ...train...
+    pipe.publish(version, weights)               # every rollout worker loads it (bounded by load_timeout_s)
+    pipe.outstanding_rows()                      # what a checkpoint saves: re-submitted on resume
+
+Every wait is bounded: the wait for enough complete groups (``queue_timeout_s``), each worker call (the worker
+group's bound), a load (``load_timeout_s``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from verl_lite.controller.pipeline import PipelineError
+
+POLL_S = 0.05  # how often the driver asks the rollout workers for finished trajectories while it waits
+
+
+@dataclass
+class Group:
+    gid: int
+    row: dict
+    submit_step: int  # 1-based: the step during which it was submitted
+    worker: int
+    samples: dict = field(default_factory=dict)  # sample index -> the trajectory's output
+
+
+class StreamingPipeline:
+    def __init__(self, role, next_rows: Callable[[], list[dict]], n: int, batch_groups: int, warmup_batches: int,
+                 threshold: int, strategy: str, seed_of: Callable[[int], int], queue_timeout_s: float,
+                 load_timeout_s: float, resubmit: list[dict] = (), first_gid: int = 0):
+        self.role, self.next_rows, self.n, self.batch_groups = role, next_rows, n, batch_groups
+        self.capacity = (1 + warmup_batches) * batch_groups
+        self.threshold, self.strategy, self.seed_of = threshold, strategy, seed_of
+        self.queue_timeout_s, self.load_timeout_s = queue_timeout_s, load_timeout_s
+        self.pending_rows: list[dict] = list(resubmit)  # pulled from the data, not yet submitted (in order)
+        self.groups: dict[int, Group] = {}  # outstanding, by gid (submission order)
+        self.next_gid = first_gid
+        self.load = [0] * role.world_size  # outstanding trajectories per worker
+        self.evicted = 0
+
+    # ------------------------------------------------------------------ the step's side
+    def next(self, index: int) -> tuple[list[dict], list[dict], dict]:
+        """The groups step ``index + 1`` trains on: their rows, their ``n`` samples each (prompt-major), and the
+        schedule's metrics. Raises :class:`PipelineError` when not enough groups complete within
+        ``queue_timeout_s``."""
+        step = index + 1
+        started = time.monotonic()
+        while True:
+            self._submit(step)
+            self._collect()
+            chosen, stale = self._choose(step)
+            if self.strategy == "drop":
+                for group in stale:
+                    del self.groups[group.gid]
+                self.evicted += len(stale)
+            if len(chosen) == self.batch_groups and not self._must_wait(step):
+                break
+            if time.monotonic() - started > self.queue_timeout_s:
+                complete = sum(len(g.samples) == self.n for g in self.groups.values())
+                raise PipelineError(
+                    f"step {step}: {complete} of the {self.batch_groups} prompt groups it needs were complete after "
+                    f"async_training.queue_timeout_s={self.queue_timeout_s:g}s ({len(self.groups)} outstanding)",
+                    "raise async_training.queue_timeout_s, or give the rollout pool more workers "
+                    "(actor_rollout_ref.rollout.n_gpus_per_node)")
+            time.sleep(POLL_S)
+        for group in chosen:
+            del self.groups[group.gid]
+        rows = [g.row for g in chosen]
+        outputs = [g.samples[k] for g in chosen for k in range(self.n)]
+        metrics = {"timing_s/wait_rollout": time.monotonic() - started, "async/queue_size": len(self.groups),
+                   "training/off_policy/evicted_samples": self.evicted,
+                   **off_policy_metrics([o["segment_versions"] for o in outputs], step)}
+        self.evicted = 0
+        return rows, outputs, metrics
+
+    def publish(self, version: int, weights: Any) -> None:
+        """Policy ``version`` into every rollout worker (each loads it between two backend calls)."""
+        self.role.call_all("load_weights", weights, version, timeout_s=self.load_timeout_s)
+
+    def outstanding_rows(self) -> list[dict]:
+        """The prompt rows pulled from the data and not yet trained, in submission order: a checkpoint saves them
+        and a resumed run submits them again first (their samples so far are generated again)."""
+        return [g.row for g in sorted(self.groups.values(), key=lambda g: g.gid)] + list(self.pending_rows)
+
+    # ------------------------------------------------------------------ scheduling
+    def _age(self, group: Group, step: int) -> int:
+        return step - group.submit_step + 1
+
+    def _choose(self, step: int) -> tuple[list[Group], list[Group]]:
+        """(the first ``batch_groups`` complete groups within the bound, oldest first; the complete ones past it)."""
+        complete = sorted((g for g in self.groups.values() if len(g.samples) == self.n),
+                          key=lambda g: (g.submit_step, g.gid))
+        stale = [g for g in complete if self._age(g, step) > self.threshold]
+        fresh = [g for g in complete if self._age(g, step) <= self.threshold]
+        return fresh[:self.batch_groups], stale
+
+    def _must_wait(self, step: int) -> bool:
+        """``wait``: an outstanding group still generating has reached the bound (it is trained this step, so
+        the step waits for it and no new prompt is submitted meanwhile)."""
+        return self.strategy == "wait" and any(
+            len(g.samples) < self.n and self._age(g, step) >= self.threshold for g in self.groups.values())
+
+    def _submit(self, step: int) -> None:
+        jobs: list[list[dict]] = [[] for _ in range(self.role.world_size)]
+        while len(self.groups) < self.capacity and not self._must_wait(step):
+            if not self.pending_rows:
+                self.pending_rows = list(self.next_rows())
+            row = self.pending_rows.pop(0)
+            worker = min(range(len(self.load)), key=lambda w: self.load[w])
+            group = Group(self.next_gid, row, step, worker)
+            self.groups[group.gid] = group
+            self.next_gid += 1
+            self.load[worker] += self.n
+            jobs[worker].append({"group": group.gid, "row": row, "seed": self.seed_of(group.gid), "n": self.n})
+        if any(jobs):
+            self.role.group.call_per_rank("stream_submit", [[j] for j in jobs])
+
+    def _collect(self) -> None:
+        for worker, finished in enumerate(self.role.call_all("stream_collect")):
+            for out in finished:
+                self.load[worker] -= 1
+                group = self.groups.get(out["group"])
+                if group is not None:  # an evicted group's late samples are dropped
+                    group.samples[out["sample"]] = out
+
+
+def off_policy_metrics(segment_versions: list[list[int]], step: int) -> dict[str, float]:
+    """verl's ``training/off_policy/*`` over a step's trajectories (``segment_versions``: each trajectory's model
+    turns' policy versions; step s trains version s - 1): ``trajectory_staleness`` = (s - 1) - the newest version
+    a trajectory used, ``trajectory_staleness_worst`` = (s - 1) - the oldest, ``trajectory_spans`` = newest -
+    oldest + 1 (1: one version generated all of it); each as mean, max and min."""
+    current = step - 1
+    used = [[v for v in versions if v is not None] or [current] for versions in segment_versions]
+    spans = {"trajectory_staleness": [current - max(v) for v in used],
+             "trajectory_staleness_worst": [current - min(v) for v in used],
+             "trajectory_spans": [max(v) - min(v) + 1 for v in used]}
+    out: dict[str, float] = {}
+    for name, values in spans.items():
+        out[f"training/off_policy/{name}/mean"] = sum(values) / len(values)
+        out[f"training/off_policy/{name}/max"] = max(values)
+        out[f"training/off_policy/{name}/min"] = min(values)
+    return out
