@@ -14,10 +14,9 @@ import torch
 from verl_lite.agent import AgentLoop, AgentSpec, register_agent_loop
 from verl_lite.agent.config import MultiTurnConfig
 from verl_lite.agent.preflight import multi_turn_values
-from verl_lite.agent.loop import AgentRunner
+from verl_lite.agent.loop import AgentRunner, VersionedRollout
 from verl_lite.agent.stream import TrajectoryStream
 from verl_lite.config.loader import default_model_path
-from verl_lite.rollout.base import VersionedRollout
 
 RELEASE = threading.Event()  # the two-turn loop's environment step waits for it (set by the test)
 

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from transformers import AutoTokenizer
+
+from verl_lite.agent.loop import AgentRunner, VersionedRollout
+from verl_lite.agent.stream import TrajectoryStream
 from verl_lite.controller.worker_group import Worker
 from verl_lite.rollout import make_rollout
 from verl_lite.workers.actor_rollout_ref import ActorRolloutRefWorker
@@ -52,10 +56,26 @@ class RolloutWorker(Worker):
         return [dict(o, policy_version=self.version) for o in (self.agent.run(rows, seeds, sampling) if rows else [])]
 
     def load_weights(self, named_tensors: list, version: int) -> int:
-        """The policy of ``version`` (the actor's whole export, as the colocated sync copies it), then the version."""
-        n = self.rollout.load_weights(named_tensors)
+        """The policy of ``version`` (the actor's whole export, as the colocated sync copies it), then the version.
+        With a stream running, applied between two of its backend calls (``agent.loop.VersionedRollout``)."""
+        stream = getattr(self, "stream", None)
+        n = stream.runner.rollout.load(named_tensors, version) if stream else self.rollout.load_weights(named_tensors)
         self.version = int(version)
         return n
+
+    # ------------------------------------------------------------------ streaming (trainer.v1 separate_async)
+    def stream_start(self, spec, sampling: dict) -> None:
+        """Start this worker's trajectory stream (``verl_lite.agent.stream``) with an agent spec (single-turn rows
+        run the single-turn loop) and the training sampling."""
+        runner = AgentRunner(VersionedRollout(self.rollout, self.version),
+                             AutoTokenizer.from_pretrained(self.cfg.tokenizer_path), spec)
+        self.stream = TrajectoryStream(runner, sampling)
+
+    def stream_submit(self, jobs: list[dict]) -> None:
+        self.stream.submit(jobs)
+
+    def stream_collect(self) -> list[dict]:
+        return self.stream.collect()
 
     def policy_version(self) -> int:
         return self.version
