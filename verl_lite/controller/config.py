@@ -109,7 +109,7 @@ class AsyncTrainingConfig:
     staleness_threshold: Optional[int] = None  # policy versions a trained batch lags: 0 = synchronous, 1 = one-step-off; null = from the placement (resolve_placement)
     weight_sync_timeout_s: float = 120.0  # bound on one actor -> rollout weight sync (export + load on every rollout worker)
     queue_timeout_s: float = 1800.0  # bound on the trainer's wait for the next rollout batch (a starving queue stops the run)
-    partial_rollout: bool = False  # continue generations interrupted by a weight update: not built (true is rejected)
+    partial_rollout: bool = False  # true is refused: partial rollouts are trainer.v1.trainer_mode=separate_async's (docs/async.md)
 
     def problems(self, arr, alg) -> list[str]:
         """This section with the placement it needs: ``arr`` = the ``actor_rollout_ref`` section, ``alg`` = the
@@ -117,8 +117,9 @@ class AsyncTrainingConfig:
         R, K = "actor_rollout_ref.rollout", "async_training"
         out: list[str] = []
         if self.partial_rollout:
-            out.append(f"{K}.partial_rollout=true: continuing a generation interrupted by a weight update is not "
-                       f"built; every batch is generated whole by one policy version (set it false)")
+            out.append(f"{K}.partial_rollout=true: the one-step-off schedule generates every batch whole by one policy "
+                       f"version; partial rollouts (weights landing between a trajectory's model turns) are "
+                       f"trainer.v1.trainer_mode=separate_async's: use that and set this false")
         if isinstance(self.staleness_threshold, float) and 0 < self.staleness_threshold < 1:
             out.append(f"{K}.staleness_threshold={self.staleness_threshold}: here it counts policy versions (an integer "
                        f">= 0: 0 = synchronous, 1 = one-step-off); verl's fully_async recipe uses this key for a share of "
