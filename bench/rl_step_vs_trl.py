@@ -142,11 +142,11 @@ def build_compute_model(out_dir: Path) -> Path:
 # ====================================================================== verl_lite side
 def run_verl(configs, steps: int, warmup: int, model_dir: Path, workload: str, rollout: str = "hf") -> list[dict]:
     from verl_lite.config import load_config
-    from verl_lite.trainer import ppo_trainer
+    from verl_lite.trainer import placement
     from verl_lite.trainer.ppo_trainer import PPOTrainer
 
     t_imported = time.perf_counter()
-    start_ray, ray_s = ppo_trainer.start_ray, []
+    start_ray, ray_s = placement.start_ray, []
 
     def timed_start_ray(*a, **kw):
         t = time.perf_counter()
@@ -155,7 +155,7 @@ def run_verl(configs, steps: int, warmup: int, model_dir: Path, workload: str, r
         finally:
             ray_s.append(time.perf_counter() - t)
 
-    ppo_trainer.start_ray = timed_start_ray  # the trainer's own call, timed
+    placement.start_ray = timed_start_ray  # the trainer's own call, timed
 
     results = []
     for n, length in configs:

@@ -72,7 +72,7 @@ def _wrap(owner, name: str, stamps: dict, key: str, first_exit: bool = False) ->
 
 def child(argv: list[str]) -> int:
     stamps = {"script": T_SCRIPT}
-    from verl_lite.trainer import main_ppo, ppo_trainer, training_run  # noqa: F401 (what main's run() imports)
+    from verl_lite.trainer import main_ppo, placement, ppo_trainer, training_run  # noqa: F401 (what main's run() imports)
     from verl_lite.config import loader
     from verl_lite.controller import worker_group
 
@@ -80,12 +80,10 @@ def child(argv: list[str]) -> int:
     _wrap(loader, "load_config", stamps, "config")
     _wrap(ppo_trainer.PPOTrainer, "__init__", stamps, "trainer_init")
     _wrap(ppo_trainer.PPOTrainer, "start", stamps, "start")
-    start_ray = getattr(ppo_trainer, "start_ray", None)
-    if start_ray is not None:
-        _wrap(ppo_trainer, "start_ray", stamps, "ray_start")
+    _wrap(placement, "start_ray", stamps, "ray_start")
     _wrap(worker_group.WorkerGroup, "__init__", stamps, "workers")
     _wrap(worker_group.WorkerGroup, "connect", stamps, "connect", first_exit=True)  # every call connects
-    _wrap(ppo_trainer, "start_roles", stamps, "roles")
+    _wrap(placement, "start_roles", stamps, "roles")
     _wrap(ppo_trainer.PPOTrainer, "step", stamps, "step")
     _wrap(ppo_trainer.PPOTrainer, "close", stamps, "close")
     try:

@@ -53,8 +53,8 @@ def test_three_turn_trajectories_are_exact_end_to_end(shared_ray):  # noqa: F811
     sampling = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=40)
     try:
         trainer.start()
-        batch = trainer.generate(rows, 2, sampling, seed=1234)
-        old = trainer.compute_old_log_probs(batch)["log_probs"]
+        batch = trainer.rollouts.generate(rows, 2, sampling, seed=1234, step=0)
+        old = trainer.updates.compute_old_log_probs(batch)["log_probs"]
         mask, responses, rollout_lp = batch["response_mask"], batch["responses"], batch["rollout_log_probs"]
         for i in range(len(batch)):
             stats = batch["agent_stats"][i]
@@ -72,7 +72,7 @@ def test_three_turn_trajectories_are_exact_end_to_end(shared_ray):  # noqa: F811
         on_model = mask != 0
         gap = (rollout_lp.double() - old.double()).abs()[on_model]
         assert gap.numel() > 0 and float(gap.max()) < 1e-5, float(gap.max())
-        m = trainer.step(rows)  # an RL step over the masks with holes
+        m = trainer.step(iter([rows]))  # an RL step over the masks with holes
     finally:
         trainer.close()
     assert m["agent/turns_mean"] == 3.0 and m["agent/turns_max"] == 3.0 and m["agent/env_tokens_mean"] > 0

@@ -26,7 +26,7 @@ def test_lora_run_uses_the_actor_as_reference_and_exports_a_peft_adapter(tmp_pat
     assert cfg.actor_rollout_ref.model.lora.rank == 8 and cfg.actor_rollout_ref.model.lora.alpha == 16
     with PPOTrainer(cfg) as trainer:
         rows = next(iter(trainer._train_batches()))
-        metrics = [trainer.step(rows), trainer.step(rows)]
+        metrics = [trainer.step(iter([rows])) for _ in range(2)]
         engines = trainer.actor.call_all("engines")
         trainer.save_pretrained(tmp_path / "hf")
     assert engines and all(e["ref"] is None and e["ref_is_actor_without_adapters"] and e["actor"] > 0 for e in engines)

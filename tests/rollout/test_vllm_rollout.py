@@ -275,7 +275,7 @@ def test_grpo_with_vllm_rollout_syncs_weights_every_step(tmp_path, model_path, t
     try:
         trainer.start()
         for step in range(3):
-            m = trainer.step(next(batches))
+            m = trainer.step(batches)
             assert m["actor/num_updates"] >= 1
             assert m["rollout/logprob_diff_max"] < 1e-4, f"step {step}: vLLM vs engine log-probs {m}"
             weights = ray.get(trainer.actor.group.actors[0].__ray_call__.remote(exported_weights))

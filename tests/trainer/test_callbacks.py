@@ -96,11 +96,11 @@ ROWS = [{"prompt": f"reverse {w}", "answer": w[::-1]} for w in ("abc", "hello", 
 
 def _count_ray_starts(monkeypatch) -> list:
     """Every start_ray call the trainer makes from here on (another test's Ray may already be up)."""
-    from verl_lite.trainer import ppo_trainer
+    from verl_lite.trainer import placement
 
     calls: list = []
-    real = ppo_trainer.start_ray
-    monkeypatch.setattr(ppo_trainer, "start_ray", lambda *a, **kw: (calls.append(a), real(*a, **kw))[1])
+    real = placement.start_ray
+    monkeypatch.setattr(placement, "start_ray", lambda *a, **kw: (calls.append(a), real(*a, **kw))[1])
     return calls
 
 
@@ -188,7 +188,9 @@ def test_stop_string_cuts_the_same_draws_where_it_first_completes(hf_rollout):
         ends = [k for k in range(1, len(ids) + 1) if any(s in tok.decode(ids[:k]) for s in ("1", "=2"))]
         expected = ids[:ends[0]] if ends else ids  # draws are keyed by (seed, sample, position): a prefix
         assert b["response_ids"] == expected
-        assert torch.equal(b["log_probs"], a["log_probs"][:len(expected)])
+        # the same draws; the log-probs to float rounding (rows that stop leave the batch, and a batch of another
+        # size may sum in another order with several threads)
+        torch.testing.assert_close(b["log_probs"], a["log_probs"][:len(expected)], atol=1e-5, rtol=0)
         cut += len(expected) < len(ids)
     assert cut > 0  # the stop strings did stop some responses early
 

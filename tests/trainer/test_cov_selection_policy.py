@@ -10,16 +10,17 @@ from tests.e2e.conftest import shared_ray, tiny_assets, tiny_overrides  # noqa: 
 
 def test_later_mini_batches_select_from_the_moved_policy(tiny_assets, shared_ray, monkeypatch):
     import verl_lite.trainer.ppo_trainer as ppo_trainer
+    import verl_lite.trainer.update_stage as update_stage
     from verl_lite.config import load_config
 
     calls = []
-    real = ppo_trainer.select_cov_tokens
+    real = update_stage.select_cov_tokens
 
     def spy(name, advantages, old_log_probs, response_mask, cfg, seed=0, log_probs=None):
         calls.append((old_log_probs.clone(), log_probs.clone(), response_mask.clone()))
         return real(name, advantages, old_log_probs, response_mask, cfg, seed=seed, log_probs=log_probs)
 
-    monkeypatch.setattr(ppo_trainer, "select_cov_tokens", spy)
+    monkeypatch.setattr(update_stage, "select_cov_tokens", spy)
     cfg = load_config(tiny_overrides(tiny_assets, **{
         "data.train_batch_size": 4, "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
         "data.max_response_length": 4, "trainer.total_training_steps": 1, "trainer.test_freq": 0,
@@ -29,7 +30,7 @@ def test_later_mini_batches_select_from_the_moved_policy(tiny_assets, shared_ray
     trainer.start()
     try:
         batches = trainer._train_batches()
-        record = trainer.step(next(batches), more_rows=lambda: next(batches))
+        record = trainer.step(batches)
     finally:
         trainer.close()
     assert record["actor/num_updates"] == 2 and len(calls) == 2

@@ -108,7 +108,7 @@ class TestOnStartedRoles:
             assert trainer.cfg.actor_rollout_ref.actor.policy_loss.loss_mode == loss
             assert (trainer.critic is not None) == (estimator == "gae")
             batches = trainer._train_batches()
-            history = [trainer.step(next(batches), more_rows=lambda: next(batches)) for _ in range(2)]
+            history = [trainer.step(batches) for _ in range(2)]
             for record in history:
                 assert not _finite(record), (estimator, loss, _finite(record))
                 assert record["actor/num_updates"] == 1
@@ -127,13 +127,14 @@ class TestOnStartedRoles:
         group and the bound (max_num_gen_batches) ends the step with an error naming the key."""
         from verl_lite.config import load_config
         from verl_lite.errors import RunFailure, describe
-        from verl_lite.trainer.ppo_trainer import DynamicSamplingError, PPOTrainer
+        from verl_lite.trainer.ppo_trainer import PPOTrainer
+        from verl_lite.trainer.rollout_stage import DynamicSamplingError
 
         trainer = self.take_over(PPOTrainer(load_config(pair_overrides(tiny_assets, "grpo", "vanilla", **{
             "algorithm.filter_groups.enable": "true", "algorithm.filter_groups.max_num_gen_batches": 2}))), roles)
         batches = trainer._train_batches()
         with pytest.raises(DynamicSamplingError, match="max_num_gen_batches") as info:
-            trainer.step(next(batches), more_rows=lambda: next(batches))
+            trainer.step(batches)
         assert isinstance(info.value, RunFailure) and describe(info.value)[0] == 1
         assert "found only 0 of 2 prompt groups" in str(info.value)
 

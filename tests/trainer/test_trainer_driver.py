@@ -16,7 +16,7 @@ def trainer(tiny_assets):
 
 
 def test_mini_batches_hold_whole_prompt_groups(trainer):
-    mbs = trainer.mini_batches(16, epoch=0)
+    mbs = trainer.updates.mini_batches(16, epoch=0, step=0)
     assert mbs == [list(range(8)), list(range(8, 16))]
 
 
@@ -31,4 +31,4 @@ def test_mini_batch_without_response_tokens_is_rejected_before_dispatch(trainer)
     )
     assert trainer.actor is None  # nothing started: the check runs on the driver before any dispatch
     with pytest.raises(ValueError, match=r"actor mini-batch 1 of epoch 0 .* no valid response token \(N = 0\)"):
-        trainer.update_actor(batch)
+        trainer.updates.update_actor(batch, step=0)

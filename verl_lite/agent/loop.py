@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 from verl_lite.agent.hermes import parse_tool_calls
 from verl_lite.agent.interaction import Interaction, load_interaction_config, maybe_await

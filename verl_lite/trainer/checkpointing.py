@@ -36,7 +36,7 @@ written before manifests skips only the manifest comparison, and resume says so.
 
 What the run draws random numbers from, and how each is restored:
 
-- rollout sampling: seeds derived from ``trainer.seed`` and the step (``PPOTrainer.generate_and_score``),
+- rollout sampling: seeds derived from ``trainer.seed`` and the step (``verl_lite.utils.seeds``),
   validation seeds from ``trainer.seed``; mini-batch shuffling from ``trainer.seed`` and the step:
   all restored by restoring ``global_step``;
 - data order: ``data.seed`` and the epoch (``verl_lite.data.iterate_batches``): restored by the data
@@ -633,7 +633,7 @@ class CheckpointManager:
 
         (tmp / FINGERPRINT).write_text(json.dumps(self.fingerprint(), indent=1))
         save_file(_global_rng_tensors(), str(tmp / DRIVER_RNG))
-        async_state = trainer.async_checkpoint_state() if hasattr(trainer, "async_checkpoint_state") else None
+        async_state = trainer.source.checkpoint_state(step)  # rollout_stage's sources
         if async_state is not None:  # split placement: the policy version and the batches generated ahead
             torch.save({**async_state, "in_flight": [item.to_state() for item in async_state["in_flight"]]},
                        tmp / ASYNC_FILE)

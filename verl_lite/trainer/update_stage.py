@@ -1,0 +1,186 @@
+"""The forward passes and optimizer steps of an RL step, on the placement's actor and critic: old / ref
+log-probs, values, and the updates. The driver cuts each update into mini-batches and builds every
+mini-batch's NormalizationPlan from the WHOLE mini-batch (and clip_cov / kl_cov's token selection); the role
+plans micro-batches per DP rank and its workers take one optimizer step per mini-batch. ``step``: the RL step
+(0-based); it seeds the shuffles and the token selection (``utils.seeds``) and names the step in errors."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from verl_lite.algorithms import LOSS_NEEDS, NormalizationPlan, select_cov_tokens
+from verl_lite.controller import MicroBatching, RoleGroup
+from verl_lite.controller.worker_group import WorkerError
+from verl_lite.engine.engine import NonFiniteStepError
+from verl_lite.errors import NonFiniteTraining
+from verl_lite.protocol import Batch
+from verl_lite.trainer import metrics as M
+from verl_lite.utils.seeds import cov_selection_seed, shuffle_seed
+
+ROLLOUT_COLUMNS = ["prompt_ids", "responses", "response_mask"]
+
+
+def old_log_probs_from_update(cfg) -> bool:
+    """True when the old log-probs provably equal the current policy's at the update: one
+    epoch, one mini-batch per step, and nothing before the update reads them (no in-reward
+    KL, no clip_cov/kl_cov selection, no tis_imp_ratio_cap). An off-policy step's proximal
+    policy is then the update's own forward too, and its rollout correction is computed there."""
+    a = cfg.actor_rollout_ref.actor
+    return (a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.data.train_batch_size
+            and not cfg.algorithm.use_kl_in_reward and not LOSS_NEEDS[a.policy_loss.loss_mode]
+            and a.tis_imp_ratio_cap <= 0)
+
+
+def off_policy(cfg) -> bool:
+    """Whether the behaviour policy may differ from the policy at the update: a staleness bound > 0 (the
+    old log-probs are then the proximal policy recomputed by the trainer, decoupled PPO) or a rollout
+    correction asked for (its ratio needs them)."""
+    rc = cfg.algorithm.rollout_correction
+    return cfg.async_training.staleness_threshold > 0 or rc.rollout_is is not None or rc.rollout_rs is not None
+
+
+def correction_settings(cfg) -> dict:
+    """``algorithm.rollout_correction`` as ``algorithms.rollout_correction``'s keyword arguments."""
+    rc = cfg.algorithm.rollout_correction
+    return {k: getattr(rc, k) for k in ("rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_threshold",
+                                        "rollout_rs_threshold_lower")}
+
+
+class Updates:
+    """Forward passes and updates of the placement's ``actor`` / ``critic`` (read when called)."""
+
+    def __init__(self, cfg, placement):
+        self.cfg, self.placement = cfg, placement
+        # the actor's loss takes the rollout correction where an off-policy step's old log-probs come from the
+        # update's own forward (``actor_loss``'s ``correction``); else None
+        self.loss_correction = correction_settings(cfg) if off_policy(cfg) and old_log_probs_from_update(cfg) else None
+
+    # ------------------------------------------------------------ forward passes (micro-batching: verl's keys)
+    @staticmethod
+    def _log_prob_sizing(section) -> MicroBatching:
+        """``section`` holds ``log_prob_*`` keys (rollout: old log-probs, ref)."""
+        return MicroBatching.of(section.log_prob_use_dynamic_bsz, section.log_prob_micro_batch_size_per_gpu,
+                                section.log_prob_max_token_len_per_gpu)
+
+    def compute_old_log_probs(self, batch: Batch) -> dict:
+        arr = self.cfg.actor_rollout_ref
+        return self.placement.actor.infer("compute_log_prob", batch.columns(ROLLOUT_COLUMNS),
+                                          self._log_prob_sizing(arr.rollout), arr.rollout.temperature)
+
+    def compute_ref_log_probs(self, batch: Batch) -> dict:
+        arr = self.cfg.actor_rollout_ref
+        return self.placement.actor.infer("compute_ref_log_prob", batch.columns(ROLLOUT_COLUMNS),
+                                          self._log_prob_sizing(arr.ref), arr.rollout.temperature)
+
+    def compute_values(self, batch: Batch):
+        c = self.cfg.critic
+        sizing = MicroBatching.of(c.use_dynamic_bsz, c.forward_micro_batch_size_per_gpu, c.forward_max_token_len_per_gpu)
+        return self.placement.critic.infer("compute_values", batch.columns(ROLLOUT_COLUMNS), sizing)["values"]
+
+    # ------------------------------------------------------------ mini-batches
+    def _mini_batch_rows(self, num_trajectories: int, prompts_per_mini_batch: int, shuffle: bool,
+                         epoch: int, salt: int, step: int) -> list[list[int]]:
+        size = prompts_per_mini_batch * self.cfg.actor_rollout_ref.rollout.n
+        order = list(range(num_trajectories))
+        if shuffle:
+            random.Random(shuffle_seed(self.cfg.trainer.seed, step, epoch, salt)).shuffle(order)
+        return [order[k:k + size] for k in range(0, num_trajectories, size)]
+
+    def mini_batches(self, num_trajectories: int, epoch: int, step: int) -> list[list[int]]:
+        """Trajectory indices of each actor mini-batch of one epoch (whole prompt groups unless shuffled)."""
+        a = self.cfg.actor_rollout_ref.actor
+        return self._mini_batch_rows(num_trajectories, a.ppo_mini_batch_size, a.shuffle, epoch, 0, step)
+
+    @staticmethod
+    def _plans(batch: Batch, keys: list[str], rows_per_epoch, epochs: int, mode: str, horizon: float,
+               role: str, step: int) -> list[tuple[Batch, NormalizationPlan]]:
+        """(mini-batch, NormalizationPlan of the WHOLE mini-batch) for every optimizer step, in order.
+        A mini-batch with no valid token (N = 0) is rejected here, before any dispatch."""
+        out = []
+        for epoch in range(epochs):
+            for k, rows in enumerate(rows_per_epoch(epoch)):
+                mini = batch.select(rows).columns(keys)
+                if not bool((mini["response_mask"] != 0).any()):
+                    raise ValueError(
+                        f"{role} mini-batch {k} of epoch {epoch} at step {step} has no valid response "
+                        f"token (N = 0): the loss is undefined; check the rollout (max_response_length) and the data"
+                    )
+                out.append((mini, NormalizationPlan.from_mask(mini["response_mask"], mode, horizon=horizon)))
+        return out
+
+    # ------------------------------------------------------------ updates
+    def update_actor(self, batch: Batch, step: int) -> list[dict]:
+        """ppo_epochs x mini-batches optimizer steps; returns per-step results merged over DP."""
+        a = self.cfg.actor_rollout_ref.actor
+        wanted = ("old_log_probs", "ref_log_probs", "is_weights") + (
+            ("rollout_log_probs",) if self.loss_correction is not None else ())
+        keys = ROLLOUT_COLUMNS + ["advantages"] + [k for k in wanted if k in batch]
+        plans = self._plans(batch, keys, lambda epoch: self.mini_batches(len(batch), epoch, step), a.ppo_epochs,
+                            a.loss_agg_mode, a.loss_scale_factor, "actor", step)
+        if LOSS_NEEDS[a.policy_loss.loss_mode] & {"cov_mask"}:
+            return self._update_actor_with_cov_selection(plans, step)
+        return self._train_actor(plans, step)
+
+    def _train_actor(self, plans, step: int) -> list[dict]:
+        arr = self.cfg.actor_rollout_ref
+        sizing = MicroBatching.of(arr.actor.use_dynamic_bsz, arr.actor.ppo_micro_batch_size_per_gpu,
+                                  arr.actor.ppo_max_token_len_per_gpu)
+        return self._train_role("actor", self.placement.actor, "update_actor", plans, step, sizing, arr.actor,
+                                arr.rollout.temperature, self.loss_correction)
+
+    def _update_actor_with_cov_selection(self, plans, step: int) -> list[dict]:
+        """clip_cov / kl_cov: verl's token selection over each WHOLE mini-batch, from the current policy's
+        log-probs (the parameters that mini-batch's optimizer step starts from). The first mini-batch is
+        on-policy (its old log-probs are the current ones); each later one gets a no-grad log-prob pass
+        right before its step, so these steps go to the workers one mini-batch at a time."""
+        a = self.cfg.actor_rollout_ref.actor
+        steps: list[dict] = []
+        for k, (mini, plan) in enumerate(plans):
+            current = mini["old_log_probs"] if k == 0 else self.compute_old_log_probs(mini)["log_probs"]
+            selected = select_cov_tokens(a.policy_loss.loss_mode, mini["advantages"], mini["old_log_probs"],
+                                         mini["response_mask"], a,
+                                         seed=cov_selection_seed(self.cfg.trainer.seed, step, k), log_probs=current)
+            steps += self._train_actor([(mini.set("cov_mask", selected), plan)], step)
+        return steps
+
+    def update_critic(self, batch: Batch, step: int) -> list[dict]:
+        """Critic epochs x mini-batches optimizer steps of the clipped value loss."""
+        c = self.cfg.critic
+        rows = lambda epoch: self._mini_batch_rows(len(batch), c.ppo_mini_batch_size, c.shuffle,  # noqa: E731
+                                                   epoch, 1, step)
+        plans = self._plans(batch, ROLLOUT_COLUMNS + ["old_values", "returns"], rows, c.ppo_epochs, c.loss_agg_mode,
+                            self.cfg.actor_rollout_ref.actor.loss_scale_factor, "critic", step)
+        sizing = MicroBatching.of(c.use_dynamic_bsz, c.ppo_micro_batch_size_per_gpu, c.ppo_max_token_len_per_gpu)
+        return self._train_role("critic", self.placement.critic, "update_critic", plans, step, sizing,
+                                c.cliprange_value)
+
+    @staticmethod
+    def _train_role(role: str, group: RoleGroup, method: str, plans, step: int, *args) -> list[dict]:
+        """``group.train(method, plans, *args)`` merged per optimizer step. A NaN / inf gradient norm (the
+        engine raises it on every rank) or loss (checked here, from the output owners) stops the run
+        with :class:`NonFiniteTraining` naming the step and the role."""
+        try:
+            steps = M.merge_owner_steps(group.train(method, plans, *args))
+        except WorkerError as err:
+            e = err.__cause__
+            if not isinstance(e, NonFiniteStepError):
+                raise
+            loss = "" if e.loss is None else f" (loss {e.loss})"
+            raise _non_finite(role, step, f"gradient norm is {e.grad_norm} at its optimizer step "
+                                          f"{e.optimizer_step}{loss}") from err
+        for k, s in enumerate(steps):
+            bad = {key: s[key] for key in ("loss", "grad_norm") if key in s and not math.isfinite(s[key])}
+            if bad:
+                what = " and ".join(f"{key.replace('_', ' ')} is {v}" for key, v in bad.items())
+                raise _non_finite(role, step, f"{what} in update {k + 1} of {len(steps)} of this step")
+        return steps
+
+
+def _non_finite(role: str, step: int, detail: str) -> NonFiniteTraining:
+    section = "actor_rollout_ref.actor" if role == "actor" else "critic"
+    return NonFiniteTraining(
+        f"step {step + 1}: the {role}'s {detail}, not finite; the run stopped there (the step is "
+        f"not logged, checkpointed or exported)",
+        f"check the reward's scale, {section}.optim.lr and the model weights, then resume from the last "
+        f"checkpoint")
