@@ -3,8 +3,10 @@
 - ``lockstep``: synchronous, every model turn waits for every trajectory's tool call
   (``multi_turn.batch_wait_s=null``: the agent loop as it was before the barrier went);
 - ``sync``: synchronous (staleness 0, colocated), no barrier across trajectories (the default agent loop);
-- ``async``: ``trainer.v1.trainer_mode=separate_async``: a rollout worker of its own generating one step ahead
-  (staleness 1), no barrier across trajectories.
+- ``async``: ``trainer.v1.trainer_mode=separate_async``: a rollout worker of its own streaming trajectories, one
+  batch of prompt groups ahead (verl's default ``num_warmup_batches=1``), each step taking the oldest complete
+  groups, weights landing between model turns;
+- ``async_w2``: the same, two batches ahead (``num_warmup_batches=2``).
 
 Every side runs ``python -m verl_lite.trainer.main_ppo --recipe tool_agent`` with the recipe's calculator replaced
 by ``bench/slow_tool.py``'s (each call sleeps a lognormal time: median 1 s, sigma 1, capped at 10 s) and
@@ -29,9 +31,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SIDES = ("lockstep", "sync", "async")
+SIDES = ("lockstep", "sync", "async", "async_w2")
 SIDE_KEYS = {"lockstep": ["actor_rollout_ref.rollout.multi_turn.batch_wait_s=null"], "sync": [],
-             "async": ["trainer.v1.trainer_mode=separate_async"]}
+             "async": ["trainer.v1.trainer_mode=separate_async"],
+             "async_w2": ["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.num_warmup_batches=2"]}
 TOOL_CONFIG = """tools:
 - class_name: bench.slow_tool.SlowCalculator
   config: {type: native, median_s: %(median)s, sigma: %(sigma)s, cap_s: %(cap)s}
@@ -66,12 +69,13 @@ def run_side(side: str, out: Path, a, tool_config: Path) -> dict:
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
         raise RuntimeError(f"the {side} side failed (exit {proc.returncode}):\n{tail}")
-    records = [json.loads(line) for path in out.glob("*/metrics.jsonl") for line in path.read_text().splitlines()]
-    steps = [r for r in records if r.get("step", 0) >= 1 and "timing_s/step" in r]
+    (run_dir,) = [path.parent for path in out.glob("*/metrics.jsonl") if not path.parent.is_symlink()]  # not latest/
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = list({r["step"]: r for r in records if r.get("step", 0) >= 1 and "timing_s/step" in r}.values())
     vals = [r for r in records if "val/accuracy" in r]
     return {"whole_s": whole, "train_s": sum(r["timing_s/step"] for r in steps), "steps": len(steps),
             "before": vals[0]["val/accuracy"], "after": vals[-1]["val/accuracy"],
-            "staleness": max(r.get("async/staleness", 0) for r in steps)}
+            "staleness": max(r.get("training/off_policy/trajectory_staleness_worst/max", 0) for r in steps)}
 
 
 def main() -> None:
@@ -88,7 +92,7 @@ def main() -> None:
     tool_config.write_text(TOOL_CONFIG % {"median": a.median, "sigma": a.sigma, "cap": a.cap})
     runs: dict[str, list[dict]] = {s: [] for s in SIDES}
     for r in range(a.rounds):
-        for side in SIDES[r % 3:] + SIDES[:r % 3]:
+        for side in SIDES[r % len(SIDES):] + SIDES[:r % len(SIDES)]:
             result = run_side(side, root / f"{side}-{r}", a, tool_config)
             runs[side].append(result)
             print(f"round {r + 1}/{a.rounds} {side}: training {result['train_s']:.1f} s, whole {result['whole_s']:.1f} s, "
@@ -107,7 +111,7 @@ def main() -> None:
               f"whole process {statistics.median(x['whole_s'] for x in rs):.0f} s, max staleness "
               f"{max(x['staleness'] for x in rs)}")
     base = summary["sync"]
-    for side in ("lockstep", "async"):
+    for side in ("lockstep", "async", "async_w2"):
         s = summary[side]
         points = f"{s[1] / base[1]:.2f}x" if base[1] > 0 else "n/a (sync gained no points)"
         print(f"{side} / sync: steps per minute {s[0] / base[0]:.2f}x, points per minute {points}")
