@@ -32,7 +32,7 @@ class FakeWorkers:
                     self.running.append((self.polls + self.latency(job["group"], k), rank, job, k, self.version))
         return [None] * self.world_size
 
-    def call_all(self, method, *args, timeout_s=None):
+    def call_all(self, method, *args, timeout_s=None):  # noqa: ARG002
         if method == "load_weights":
             self.version = args[1]
             return [None] * self.world_size

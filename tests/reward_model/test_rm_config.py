@@ -112,3 +112,22 @@ def test_verl_reward_model_keys(override, accepted, says):
     assert (not found) == accepted, found
     if says:
         assert says in found[0], found
+
+
+def test_reward_funcs_beside_a_reward_model_at_weight_zero_are_refused_before_start(rm_dirs):
+    """They would never be called (the RM's score is the reward): one line at pre-flight, not a crash at step 1."""
+    from verl_lite.trainer.ppo_trainer import PPOTrainer
+
+    def exact(completions, **kwargs):
+        return [1.0 for _ in completions]
+
+    cfg = load_config(["reward_model.enable=true", f"reward_model.model.path={rm_dirs['rm']}",
+                       "trainer.n_gpus_per_node=2"])
+    with pytest.raises(ConfigError) as err:
+        PPOTrainer(cfg, reward_funcs=[exact])
+    lines = [p for p in err.value.problems if "reward_funcs=" in p]
+    assert len(lines) == 1 and "rule_reward_weight" in lines[0] and "never be called" in lines[0], err.value.problems
+    cfg.reward_model.rule_reward_weight = 0.5
+    with pytest.raises(ConfigError) as err:  # other problems may remain (this RM has no weights), not this one
+        PPOTrainer(cfg, reward_funcs=[exact])
+    assert not [p for p in err.value.problems if "reward_funcs=" in p]

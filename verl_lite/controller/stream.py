@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from verl_lite.controller.pipeline import PipelineError
+from verl_lite.controller.worker_group import WorkerError, WorkerTimeout
 
 POLL_S = 0.05  # how often the driver asks the rollout workers for finished trajectories while it waits
 
@@ -70,7 +71,7 @@ class StreamingPipeline:
         started = time.monotonic()
         while True:
             self._submit(step)
-            self._collect()
+            self._collect(step, started)
             chosen, stale = self._choose(step)
             if self.strategy == "drop":
                 for group in stale:
@@ -79,12 +80,7 @@ class StreamingPipeline:
             if len(chosen) == self.batch_groups and not self._must_wait(step):
                 break
             if time.monotonic() - started > self.queue_timeout_s:
-                complete = sum(len(g.samples) == self.n for g in self.groups.values())
-                raise PipelineError(
-                    f"step {step}: {complete} of the {self.batch_groups} prompt groups it needs were complete after "
-                    f"async_training.queue_timeout_s={self.queue_timeout_s:g}s ({len(self.groups)} outstanding)",
-                    "raise async_training.queue_timeout_s, or give the rollout pool more workers "
-                    "(actor_rollout_ref.rollout.n_gpus_per_node)")
+                raise self._starving(step, "")
             time.sleep(POLL_S)
         for group in chosen:
             del self.groups[group.gid]
@@ -97,8 +93,16 @@ class StreamingPipeline:
         return rows, outputs, metrics
 
     def publish(self, version: int, weights: Any) -> None:
-        """Policy ``version`` into every rollout worker (each loads it between two backend calls)."""
-        self.role.call_all("load_weights", weights, version, timeout_s=self.load_timeout_s)
+        """Policy ``version`` into every rollout worker (each loads it once its running backend call returns),
+        bounded by ``load_timeout_s`` (``async_training.weight_sync_timeout_s``)."""
+        try:
+            self.role.call_all("load_weights", weights, version, timeout_s=self.load_timeout_s)
+        except WorkerTimeout:
+            raise PipelineError(f"the weight sync of policy version {version} to the rollout pool did not finish "
+                                f"within async_training.weight_sync_timeout_s={self.load_timeout_s:g}s",
+                                "raise async_training.weight_sync_timeout_s, or check the rollout workers") from None
+        except WorkerError as err:
+            raise self._failed(err) from err
 
     def outstanding_rows(self) -> list[dict]:
         """The prompt rows pulled from the data and not yet trained, in submission order: a checkpoint saves them
@@ -136,10 +140,35 @@ class StreamingPipeline:
             self.load[worker] += self.n
             jobs[worker].append({"group": group.gid, "row": row, "seed": self.seed_of(group.gid), "n": self.n})
         if any(jobs):
-            self.role.group.call_per_rank("stream_submit", [[j] for j in jobs])
+            try:
+                self.role.group.call_per_rank("stream_submit", [[j] for j in jobs])
+            except WorkerError as err:
+                raise self._failed(err) from err
 
-    def _collect(self) -> None:
-        for worker, finished in enumerate(self.role.call_all("stream_collect")):
+    @staticmethod
+    def _failed(err: WorkerError) -> PipelineError:
+        return PipelineError(f"the rollout pool failed: {err}",
+                             "see the worker's traceback above; the run's workers were stopped")
+
+    def _starving(self, step: int, why: str) -> PipelineError:
+        complete = sum(len(g.samples) == self.n for g in self.groups.values())
+        return PipelineError(
+            f"step {step}: {complete} of the {self.batch_groups} prompt groups it needs were complete after "
+            f"async_training.queue_timeout_s={self.queue_timeout_s:g}s ({len(self.groups)} outstanding{why})",
+            "raise async_training.queue_timeout_s, or give the rollout pool more workers "
+            "(actor_rollout_ref.rollout.n_gpus_per_node)")
+
+    def _collect(self, step: int, started: float) -> None:
+        """Every worker's finished trajectories; a worker that does not answer within what is left of the step's
+        ``queue_timeout_s`` ends the wait as a starving queue."""
+        left = max(1.0, self.queue_timeout_s - (time.monotonic() - started))
+        try:
+            answers = self.role.call_all("stream_collect", timeout_s=left)
+        except WorkerTimeout:
+            raise self._starving(step, "; a rollout worker stopped answering") from None
+        except WorkerError as err:
+            raise self._failed(err) from err
+        for worker, finished in enumerate(answers):
             for out in finished:
                 self.load[worker] -= 1
                 group = self.groups.get(out["group"])

@@ -82,6 +82,13 @@ def make_reward(cfg, tokenizer, reward_fn, reward_funcs, reward_weights):
     once it is loaded)."""
     if reward_funcs is not None and reward_fn is not None:
         raise ValueError("give reward_funcs (TRL-style) or reward_fn (verl's signature), not both")
+    rm = cfg.reward_model
+    if (reward_funcs is not None or reward_fn is not None) and rm.enable and rm.rule_reward_weight == 0:
+        given = "reward_funcs" if reward_funcs is not None else "reward_fn"
+        raise ConfigError([f"{given}= with reward_model.enable=true at reward_model.rule_reward_weight=0: the reward "
+                           f"model's score is the reward and {given} would never be called; set "
+                           f"reward_model.rule_reward_weight (reward = RM score + weight x {given}'s), or drop "
+                           f"{given}"])
     if reward_funcs is not None:
         return RewardFunctions(reward_funcs, tokenizer, reward_weights, timeout_s=getattr(cfg.reward, "timeout_s", None))
     return RewardManager(cfg.reward, tokenizer, compute_score=reward_fn)

@@ -118,8 +118,9 @@ class Rollouts:
     def shaped_scores(self, batch: Batch, m: dict, step: int) -> tuple[torch.Tensor, dict]:
         """Training scores plus DAPO's overlong penalty when ``reward.overlong_buffer.enable``."""
         scores, extra = self.training_scores(batch, m, step)
-        for name in getattr(self.reward_manager, "names", ()):  # each reward function of the Python API
-            m[f"reward/{name}/mean"] = float(torch.tensor(extra[name], dtype=torch.float64).mean())
+        for name in getattr(self.reward_manager, "names", ()):  # each reward function of the Python API, if called
+            if name in extra:
+                m[f"reward/{name}/mean"] = float(torch.tensor(extra[name], dtype=torch.float64).mean())
         ob = self.cfg.reward.overlong_buffer
         if ob.enable:
             penalty = overlong_penalty(response_lengths(batch["response_mask"]), self.cfg.data.max_response_length,
