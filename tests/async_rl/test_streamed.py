@@ -76,6 +76,13 @@ def test_a_resumed_stream_repeats_no_step_and_trains_what_it_had_pulled(tiny_ass
     assert state["policy_version"] == 2
     pulled = [row for item in state["in_flight"] for row in item["rows"]]
     assert len(pulled) >= BATCH  # at least the next step's prompts were outstanding
+    # the saved prompts are a stream's: resuming them as one-step-off batches is refused before any worker starts
+    from verl_lite.trainer.checkpointing import CheckpointRefused
+
+    with pytest.raises(CheckpointRefused, match="streamed run's prompts"):
+        _fit(tiny_assets, tmp_path / "refused", **keys, **{"trainer.v1.trainer_mode": "sync",
+                                                           "actor_rollout_ref.hybrid_engine": "false",
+                                                           "trainer.resume_mode": "auto"})
     second = _Prompts()
     resumed = _fit(tiny_assets, tmp_path / "second", [second], **keys, **{"trainer.resume_mode": "auto"})
     assert [r["step"] for r in resumed] == [3, 4, 5]

@@ -503,6 +503,11 @@ class CheckpointManager:
         if async_state is not None and async_state["policy_version"] != state.global_step:
             raise CheckpointRefused(f"{path / ASYNC_FILE} records policy version {async_state['policy_version']}, "
                                     f"the checkpoint step {state.global_step}", fix)
+        streamed = self.cfg.trainer.v1.trainer_mode == "separate_async"
+        if async_state is not None and not streamed and any(i.batch is None for i in async_state["in_flight"]):
+            raise CheckpointRefused(f"{path / ASYNC_FILE} holds a streamed run's prompts (trainer.v1.trainer_mode="
+                                    f"separate_async), not generated batches", "resume with "
+                                    "trainer.v1.trainer_mode=separate_async, or start a new run")
         digest = _config_digest(self.cfg)
         changed = {k: (v, digest.get(k)) for k, v in state.config_digest.items() if digest.get(k) != v}
         if changed:
