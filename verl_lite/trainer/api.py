@@ -11,20 +11,30 @@ from pathlib import Path
 from verl_lite.config.loader import ConfigError, names_follow, use_train_data
 from verl_lite.data import RLDataset
 from verl_lite.data.dataset import IN_MEMORY
-from verl_lite.engine.model_files import resolve_model_dir
+from verl_lite.engine.model_files import read_config, resolve_model_dir
 from verl_lite.reward import RewardManager
 from verl_lite.reward.config import judge_input_problems, reward_input_problems
 from verl_lite.reward.functions import RewardFunctions
 from verl_lite.rollout.config import CONFIG_SAMPLING_KWARGS, generation_kwargs_problems
 
 
-def use_api_arguments(cfg, model, processing_class, generation_kwargs: dict, push_to_hub: bool) -> dict:
+NOT_BUILT_API = {
+    "rollout_func": "rollout_func= (a custom generation function) is not built: rollouts come from the rollout "
+                    "backend; a custom multi-turn rollout is an agent loop (verl_lite.agent.AgentLoop, docs/agents.md)",
+    "environment_factory": "environment_factory= is not built: an environment is an interaction "
+                           "(interactions={name: verl_lite.agent.Interaction}) or tools (tools=[...]), docs/agents.md",
+}
+
+
+def use_api_arguments(cfg, model, processing_class, generation_kwargs: dict, push_to_hub: bool,
+                      peft_config=None, **not_built) -> dict:
     """TRL's constructor arguments into ``cfg``; returns the generation_kwargs the backend receives."""
     r = cfg.actor_rollout_ref.rollout
     p = generation_kwargs_problems(r.name, generation_kwargs)
     if push_to_hub:
         p.append("push_to_hub=True: uploading to the Hugging Face Hub is not built here (no hub access); "
                  "train, then trainer.save_pretrained(dir) and upload dir with `huggingface-cli upload`")
+    p += [NOT_BUILT_API[name] for name, value in not_built.items() if value is not None]
     if p:
         raise ConfigError(p)
     for key in CONFIG_SAMPLING_KWARGS:
@@ -32,7 +42,37 @@ def use_api_arguments(cfg, model, processing_class, generation_kwargs: dict, pus
             setattr(r, key, generation_kwargs.pop(key))
     if model is not None or processing_class is not None:
         use_model(cfg, model, processing_class)
+    if peft_config is not None and (p := use_peft_config(cfg, peft_config)):
+        raise ConfigError(p)
     return generation_kwargs
+
+
+def use_peft_config(cfg, peft_config) -> list[str]:
+    """TRL's ``peft_config=`` (a ``peft.LoraConfig``) into ``actor_rollout_ref.model.lora``: r -> rank,
+    lora_alpha -> alpha, lora_dropout -> dropout, target_modules (None: PEFT's default for the model type) and
+    exclude_modules as given. What the engine's LoRA does not build is returned as problems (nothing is dropped)."""
+    lora, problems = cfg.actor_rollout_ref.model.lora, []
+    for name, default, why in (("use_dora", False, "DoRA"), ("use_rslora", False, "rank-stabilized scaling"),
+                               ("bias", "none", "trainable biases"), ("modules_to_save", None, "extra trained modules"),
+                               ("layers_to_transform", None, "a subset of layers")):
+        value = getattr(peft_config, name, default)
+        if value not in (default, [], ()):
+            problems.append(f"peft_config.{name}={value!r}: {why} is not built in the engine's LoRA (docs/lora.md)")
+    targets = getattr(peft_config, "target_modules", None)
+    if targets is None:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
+
+        model_type = (read_config(cfg.actor_rollout_ref.model.path) or {}).get("model_type")
+        targets = defaults.get(model_type)
+        if targets is None:
+            problems.append(f"peft_config.target_modules=None: PEFT has no default for model type {model_type!r}; "
+                            f"name the modules")
+    lora.rank, lora.alpha, lora.dropout = int(peft_config.r), float(peft_config.lora_alpha), \
+        float(getattr(peft_config, "lora_dropout", 0.0))
+    if targets is not None:
+        lora.target_modules = "all-linear" if targets == "all-linear" else sorted(targets)
+    lora.exclude_modules = sorted(getattr(peft_config, "exclude_modules", None) or [])
+    return problems
 
 
 def use_model(cfg, model, processing_class) -> None:

@@ -99,7 +99,8 @@ class PPOTrainer:
                  worker_timeout_s: float | None = None, reward_funcs=None, reward_weights=None,
                  train_dataset=None, val_dataset=None, problems=None,
                  model=None, processing_class=None, callbacks=None, generation_kwargs: dict | None = None,
-                 log_completions: bool = False, push_to_hub: bool = False, tools=None, interactions=None):
+                 log_completions: bool = False, push_to_hub: bool = False, tools=None, interactions=None,
+                 eval_dataset=None, peft_config=None, rollout_func=None, environment_factory=None):
         """Pre-flight, before anything starts: every problem of the config (``problems``: the
         ``config.loader.Problems`` that ``load_config`` filled), the model files, the tokenizer, the
         reward and the data, in one error.
@@ -110,8 +111,13 @@ class PPOTrainer:
             enable_for_python_tools(cfg)
         problems = problems if problems is not None else Problems()
         self.callbacks, self.log_completions = CallbackList(callbacks), bool(log_completions)
+        if eval_dataset is not None:  # TRL's name of the held-out set
+            if val_dataset is not None:
+                raise ValueError("give val_dataset or eval_dataset (TRL's name of the same thing), not both")
+            val_dataset = eval_dataset
         self.generation_kwargs = problems.check(use_api_arguments, cfg, model, processing_class,
-                                                dict(generation_kwargs or {}), push_to_hub) or {}
+                                                dict(generation_kwargs or {}), push_to_hub, peft_config,
+                                                rollout_func=rollout_func, environment_factory=environment_factory) or {}
         self.layout = problems.check(validate_config, cfg, world_size=world_size)
         # a broken config.json, or a policy path already refused (a hub id that cannot be fetched: the tokenizer's
         # loader would retry the hub for a minute), before the tokenizer reads it
