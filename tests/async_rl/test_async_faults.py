@@ -9,6 +9,7 @@ import signal
 import time
 
 import psutil
+import pytest
 
 from tests.faults.conftest import (CliRun, check_clean_exit, tiny_assets, tiny_overrides,  # noqa: F401
                                    wait_for_run)
@@ -43,8 +44,12 @@ def _rollout_worker(run: CliRun) -> psutil.Process | None:
     return None
 
 
-def test_a_dead_rollout_worker_stops_the_run(tiny_assets, tmp_path):  # noqa: F811
-    run, out = _start(tiny_assets, tmp_path)
+STREAMED = {"trainer.v1.trainer_mode": "separate_async"}
+
+
+@pytest.mark.parametrize("mode", [{}, STREAMED], ids=["one_step_off", "streamed"])
+def test_a_dead_rollout_worker_stops_the_run(mode, tiny_assets, tmp_path):  # noqa: F811
+    run, out = _start(tiny_assets, tmp_path, **mode)
     wait_for_run(lambda: _steps_done(out) >= 1, run, 300, "the first RL step")
     victim = wait_for_run(lambda: _rollout_worker(run), run, 10, "finding the rollout worker")
     killed_at = time.time()
@@ -62,12 +67,24 @@ def test_a_weight_sync_past_its_bound_stops_the_run(tiny_assets, tmp_path):  # n
     assert _steps_done(out) <= 1
 
 
-def test_a_starving_queue_stops_the_run(tiny_assets, tmp_path):  # noqa: F811
-    """The rollout worker stops answering (SIGSTOP) with the weight sync's bound far away: the trainer's wait
-    for its next batch is what ends the run, after ``queue_timeout_s``, naming what the pool was busy with."""
+STARVING = {  # mode: (its keys, what ends the run)
+    "one_step_off": ({"async_training.weight_sync_timeout_s": 600},
+                     r"no rollout batch arrived within async_training\.queue_timeout_s=5s \(the queue starved; "
+                     r"the rollout pool has been busy with"),
+    # the stream's weight sync runs on the trainer's thread: whichever bound comes first ends the run
+    "streamed": ({**STREAMED, "async_training.weight_sync_timeout_s": 5},
+                 r"(prompt groups it needs were complete after async_training\.queue_timeout_s=5s|"
+                 r"did not finish within async_training\.weight_sync_timeout_s=5s)"),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(STARVING))
+def test_a_starving_queue_stops_the_run(mode, tiny_assets, tmp_path):  # noqa: F811
+    """The rollout worker stops answering (SIGSTOP): the trainer's wait for its next batch (bounded by
+    ``queue_timeout_s``) ends the run, naming what the pool was busy with; the stream's weight sync may come first."""
     bound = 5.0
-    run, out = _start(tiny_assets, tmp_path, **{"async_training.queue_timeout_s": bound,
-                                                "async_training.weight_sync_timeout_s": 600})
+    keys, expected = STARVING[mode]
+    run, out = _start(tiny_assets, tmp_path, **{"async_training.queue_timeout_s": bound, **keys})
     wait_for_run(lambda: _steps_done(out) >= 1, run, 300, "the first RL step")
     victim = wait_for_run(lambda: _rollout_worker(run), run, 10, "finding the rollout worker")
     stopped_at = time.time()
@@ -77,40 +94,6 @@ def test_a_starving_queue_stops_the_run(tiny_assets, tmp_path):  # noqa: F811
     finally:
         if victim.is_running():
             victim.send_signal(signal.SIGCONT)
-    check_clean_exit(run, 1, r"no rollout batch arrived within async_training\.queue_timeout_s=5s \(the queue starved; "
-                             r"the rollout pool has been busy with")
+    check_clean_exit(run, 1, expected)
     assert run.ended - stopped_at <= bound + SLACK_S
 
-
-STREAMED = {"trainer.v1.trainer_mode": "separate_async"}
-
-
-def test_a_dead_rollout_worker_stops_a_streamed_run(tiny_assets, tmp_path):  # noqa: F811
-    run, out = _start(tiny_assets, tmp_path, **STREAMED)
-    wait_for_run(lambda: _steps_done(out) >= 1, run, 300, "the first RL step")
-    victim = wait_for_run(lambda: _rollout_worker(run), run, 10, "finding the rollout worker")
-    killed_at = time.time()
-    victim.kill()
-    run.wait(timeout=300)
-    check_clean_exit(run, 1, r"rollout.* died")
-    assert run.ended - killed_at <= SLACK_S
-
-
-def test_a_stream_that_stops_answering_ends_within_its_bound(tiny_assets, tmp_path):  # noqa: F811
-    """The streamed rollout worker stops answering (SIGSTOP): the step's wait for its groups or the weight sync
-    to it, whichever comes first (both bounded at 5 s), ends the run, naming the bound."""
-    bound = 5.0
-    run, out = _start(tiny_assets, tmp_path, **STREAMED, **{"async_training.queue_timeout_s": bound,
-                                                             "async_training.weight_sync_timeout_s": bound})
-    wait_for_run(lambda: _steps_done(out) >= 1, run, 300, "the first RL step")
-    victim = wait_for_run(lambda: _rollout_worker(run), run, 10, "finding the rollout worker")
-    stopped_at = time.time()
-    victim.send_signal(signal.SIGSTOP)
-    try:
-        run.wait(timeout=300)
-    finally:
-        if victim.is_running():
-            victim.send_signal(signal.SIGCONT)
-    check_clean_exit(run, 1, r"(prompt groups it needs were complete after async_training\.queue_timeout_s=5s|"
-                             r"did not finish within async_training\.weight_sync_timeout_s=5s)")
-    assert run.ended - stopped_at <= bound + SLACK_S
