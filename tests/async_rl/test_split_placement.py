@@ -1,8 +1,6 @@
-"""Split placement through the real trainer (one local Ray shared by the three runs, 5 steps each):
+"""Split placement through the real trainer (one local Ray, 5 steps per run; staleness 0 against the
+colocated run, bit for bit: ``test_staleness_zero_exact.py``):
 
-- staleness 0 (``hybrid_engine=false``, rollout workers of their own): every step's metrics equal the
-  colocated synchronous run's at the same seeds (scores, losses, grad norms, KL; within 1e-6), so
-  moving the rollout off the actor's workers changes nothing but where it runs;
 - staleness 1 (one-step-off): batch b is sampled by policy version max(0, b - 1), no batch trains
   more than one version behind, and the run's losses stay finite;
 - resume: a one-step-off run stopped right after its step-2 checkpoint (the pipeline one batch ahead,
@@ -35,19 +33,7 @@ def _fit(assets, tmp_path, **extra) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tiny_assets, shared_ray, tmp_path_factory):  # noqa: F811
     out = tmp_path_factory.mktemp("split")
-    return {"colocated": _fit(tiny_assets, out / "colocated"),
-            "split0": _fit(tiny_assets, out / "split0", **SPLIT, **{"async_training.staleness_threshold": 0}),
-            "split1": _fit(tiny_assets, out / "split1", **SPLIT, **{"async_training.staleness_threshold": 1})}
-
-
-def test_staleness_zero_split_equals_colocated(runs):
-    colocated, split = runs["colocated"], runs["split0"]
-    assert [r["step"] for r in colocated] == [r["step"] for r in split] == list(range(1, STEPS + 1))
-    for a, b in zip(colocated, split):
-        assert set(COMPARED) <= set(a) and set(COMPARED) <= set(b), sorted(a)
-        for key in COMPARED:
-            assert math.isclose(a[key], b[key], rel_tol=1e-6, abs_tol=1e-6), (a["step"], key, a[key], b[key])
-        assert b["async/staleness"] == 0 and b["async/policy_version"] == a["step"] - 1
+    return {"split1": _fit(tiny_assets, out / "split1", **SPLIT, **{"async_training.staleness_threshold": 1})}
 
 
 def test_one_step_off_trains_no_batch_older_than_the_bound(runs):
