@@ -265,14 +265,11 @@ def shard_factor(style: str, factor: str, full: torch.Tensor, tp: int, rank: int
 
 
 def _check_model(hf_config, cfg: LoraConfig, tp: int) -> None:
+    """``LoraConfig.layout_problems`` (pre-flight checks the same before any worker starts)."""
     n_kv = _get(hf_config, "num_key_value_heads") or _get(hf_config, "num_attention_heads")
-    if n_kv % tp:
-        raise ValueError(f"LoRA on linear_qkv needs num_key_value_heads={n_kv} divisible by tp={tp}")
-    if tp > 1 and cfg.dropout > 0:
-        raise ValueError(
-            f"LoRA dropout={cfg.dropout} with tp={tp}: the column-parallel inputs are replicated over TP and "
-            "each rank would draw a different mask; use dropout 0 with tensor parallelism"
-        )
+    problems = cfg.layout_problems("lora", n_kv, tp)
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def add_adapters(chunks, hf_config, cfg: LoraConfig, seed: int) -> int:
