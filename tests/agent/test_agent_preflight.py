@@ -65,3 +65,25 @@ def test_verl_defaults_and_the_shipped_template(tool_tokenizer):
     assert "does not render 'tool' messages" in shipped.problem("tool")  # its template has no tool role
     assert shipped.problem("user") is None
     assert ChatGlue(tool_tokenizer).problem("tool") is None
+
+
+def test_tools_with_rows_that_run_single_turn_are_said_before_start(capsys):
+    """verl's default loop (single_turn_agent) with tools configured: every row without agent_name would run one
+    model turn and never see a tool. The run starts (verl does the same) with one warning line saying so."""
+    from verl_lite.config import load_config
+    from verl_lite.config.loader import package_path
+    from verl_lite.trainer.ppo_trainer import PPOTrainer
+
+    data = package_path("assets/tool-agent-data")
+    overrides = [f"actor_rollout_ref.model.path={package_path('assets/tool-agent')}",
+                 f"data.train_files={data}/train.parquet", f"data.val_files={data}/val.parquet",
+                 "data.max_prompt_length=48", "data.max_response_length=144",
+                 "actor_rollout_ref.rollout.multi_turn.enable=true",
+                 f"actor_rollout_ref.rollout.multi_turn.tool_config_path={data}/tool_config.yaml",
+                 f"reward.custom_reward_function.path={package_path('data/tool_task.py')}",
+                 "reward.custom_reward_function.name=compute_score"]
+    PPOTrainer(load_config(overrides))
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "have no agent_name" in line]
+    assert len(warnings) == 1 and "default_agent_loop=single_turn_agent" in warnings[0]
+    PPOTrainer(load_config(overrides + ["actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"]))
+    assert "have no agent_name" not in capsys.readouterr().err

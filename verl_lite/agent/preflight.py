@@ -72,6 +72,21 @@ def agent_spec(cfg, tools=None, interactions=None, tokenizer=None) -> AgentSpec 
                      tool_schemas=[t.schema for t in built])
 
 
+def single_turn_rows_warning(spec: AgentSpec | None, rows) -> str | None:
+    """The warning for a multi-turn run with tools or interactions whose rows mostly run single-turn: rows without
+    ``agent_name`` take ``agent.default_agent_loop``, and verl's default (single_turn_agent) never offers a tool."""
+    if spec is None or spec.default_agent_loop != "single_turn_agent" or not (spec.tool_schemas or spec.interactions):
+        return None
+    count = sum(1 for i in range(len(rows)) if not (rows[i].get("agent_name")
+                                                    or (rows[i].get("extra_info") or {}).get("agent_name")))
+    if not count:
+        return None
+    return (f"{count} of the {len(rows)} training rows have no agent_name, so they run "
+            f"actor_rollout_ref.rollout.agent.default_agent_loop=single_turn_agent: one model turn, the configured "
+            f"tools and interactions never used (verl does the same); set agent.default_agent_loop=tool_agent, or give "
+            f"the rows an agent_name")
+
+
 def enable_for_python_tools(cfg) -> None:
     """``PPOTrainer(tools=...)``: multi-turn rollouts on, and the tool loop for rows without ``agent_name``
     when the config still names verl's default ``single_turn_agent``."""

@@ -33,6 +33,8 @@ scores and the rollout sources), ``update_stage`` (forward passes and updates), 
 
 from __future__ import annotations
 
+import sys
+
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -40,7 +42,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from verl_lite.agent.metrics import agent_metrics
-from verl_lite.agent.preflight import agent_spec, enable_for_python_tools
+from verl_lite.agent.preflight import single_turn_rows_warning, agent_spec, enable_for_python_tools
 from verl_lite.algorithms import (apply_kl_penalty, compute_advantage, estimator_needs, explained_variance,
                                   get_kl_controller, rollout_correction, truncated_is_weights)
 from verl_lite.config import validate_config
@@ -143,6 +145,8 @@ class PPOTrainer:
             if self.reward_manager is not None:
                 self.reward_manager.close()
             raise
+        if (warning := single_turn_rows_warning(self.agent, self.train_dataset)) is not None:
+            print(f"verl_lite: warning: {warning}", file=sys.stderr, flush=True)
         self.world_size = self.layout.world_size
         self.estimator_needs = estimator_needs(cfg.algorithm.adv_estimator)
         self.use_critic = "critic" in self.estimator_needs
