@@ -281,3 +281,36 @@ def test_model_object_and_tokenizer_are_saved_and_used_by_path(tmp_path, monkeyp
     cfg = load_config(["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4"])
     PPOTrainer(cfg, model=default_model_path(), reward_funcs=_exact, train_dataset=ROWS)  # a path: used as it is
     assert cfg.actor_rollout_ref.model.path == default_model_path() == cfg.actor_rollout_ref.model.tokenizer_path
+
+
+def test_a_transformers_trainer_callback_is_called_as_transformers_calls_it(tmp_path):
+    """TRL's callbacks are ``transformers.TrainerCallback`` subclasses: hooks take (args, state, control, ...);
+    ``control.should_training_stop`` asks the run to end after that record."""
+    from transformers import TrainerCallback
+
+    from verl_lite.trainer.callbacks import CallbackList
+
+    events: list = []
+
+    class StopAtTwo(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            events.append(("on_step_end", state.global_step, state.max_steps, args.output_dir))
+            control.should_training_stop = state.global_step >= 2
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            events.append(("on_log", state.global_step, sorted(logs), len(state.log_history)))
+
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            events.append(("on_evaluate", state.global_step, sorted(metrics)))
+
+    trainer = SimpleNamespace(checkpoints=SimpleNamespace(root=tmp_path), total_steps=lambda: 5,
+                              cfg=SimpleNamespace(trainer=SimpleNamespace(output_dir="out", seed=0)))
+    callbacks = CallbackList([StopAtTwo()])
+    callbacks.dispatch(trainer, {"step": 0, "val/accuracy": 0.5})
+    callbacks.dispatch(trainer, {"step": 1, "reward/mean": 0.2})
+    assert not callbacks.stop_requested
+    callbacks.dispatch(trainer, {"step": 2, "reward/mean": 0.3})
+    assert callbacks.stop_requested
+    assert events == [("on_evaluate", 0, ["val/accuracy"]), ("on_log", 0, ["step", "val/accuracy"], 1),
+                      ("on_step_end", 1, 5, "out"), ("on_log", 1, ["reward/mean", "step"], 2),
+                      ("on_step_end", 2, 5, "out"), ("on_log", 2, ["reward/mean", "step"], 3)]

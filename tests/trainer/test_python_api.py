@@ -76,3 +76,33 @@ def test_reward_function_errors_name_the_function(tmp_path):
         RewardFunctions(needs_answer, Tok())([[0]], ["d"], ["x"])
     scores, extra = RewardFunctions(needs_answer, Tok())([[0]], ["d"], ["x"], [{"answer": "a"}])
     assert scores.tolist() == [0.0] and extra["needs_answer"] == [0.0]
+
+
+def test_a_transformers_callback_stops_the_run(tmp_path, shared_ray):  # noqa: F811
+    """``control.should_training_stop`` (TRL's and transformers' way to stop early) ends fit() after that step,
+    with the final policy exported."""
+    from transformers import TrainerCallback
+
+    from tests.e2e.conftest import REWARD_SRC, tiny_overrides
+    from verl_lite.config import load_config
+    from verl_lite.data import make_synthetic_task, save_char_tokenizer
+    from verl_lite.trainer.ppo_trainer import PPOTrainer
+    from verl_lite.utils import make_tiny_hf_model
+
+    class StopAtTwo(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step >= 2
+
+    model = make_tiny_hf_model(tmp_path / "model", vocab_size=104, hidden_size=32, num_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, seed=0)
+    save_char_tokenizer(model)
+    train, val = make_synthetic_task(tmp_path / "data", n_train=64, n_val=8, seed=0)
+    (tmp_path / "reward.py").write_text(REWARD_SRC)
+    assets = {"model": str(model), "train": str(train), "val": str(val), "reward": str(tmp_path / "reward.py")}
+    cfg = load_config(tiny_overrides(assets, **{"trainer.total_training_steps": 4, "trainer.test_freq": 0,
+                                                "trainer.val_before_train": "false", "trainer.logger": "[jsonl]",
+                                                "trainer.output_dir": str(tmp_path / "out")}))
+    trainer = PPOTrainer(cfg, callbacks=[StopAtTwo()])
+    history = trainer.fit()
+    assert [r["step"] for r in history] == [1, 2]
+    assert (trainer.run_dir / "huggingface" / "model.safetensors").is_file()

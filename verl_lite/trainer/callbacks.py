@@ -18,12 +18,20 @@ receives all of them); none has to be declared. Per record of the run, in this o
 ``step`` is the RL step the record belongs to (``trainer.global_step`` after it). The callbacks see
 the record after the trainer has finished it (``fit()`` calls them before the trackers log it).
 A callback that raises stops the run with :class:`CallbackError` naming it.
+
+A ``transformers.TrainerCallback`` (what TRL's trainers take) is called as transformers calls it:
+``event(args, state, control, **kwargs)`` with ``state.global_step`` = the step, ``state.max_steps``,
+``state.log_history`` (every record so far), ``metrics=`` / ``logs=`` where transformers passes them, and ``args``
+a namespace of ``output_dir``, ``seed``, ``max_steps``. ``control.should_training_stop = True`` ends the run after
+that record (the final policy is exported; a checkpoint is written only where ``trainer.save_freq`` falls).
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Iterable
+from types import SimpleNamespace
 from pathlib import Path
 from typing import Any
 
@@ -54,14 +62,41 @@ def _call(cb, event: str, kwargs: dict[str, Any]) -> None:
                             "fix the callback") from e
 
 
+def is_transformers_callback(cb) -> bool:
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(cb, transformers.TrainerCallback)
+
+
 class CallbackList:
-    """The ``callbacks=`` of ``PPOTrainer``: ``dispatch(trainer, record)`` calls their events for one record."""
+    """The ``callbacks=`` of ``PPOTrainer``: ``dispatch(trainer, record)`` calls their events for one record;
+    ``stop_requested`` turns true when a transformers callback set ``control.should_training_stop``."""
 
     def __init__(self, callbacks: Iterable | None = None):
         self.callbacks = [] if callbacks is None else list(callbacks)
         for cb in self.callbacks:
             if not any(callable(getattr(cb, e, None)) for e in EVENTS):
                 raise ValueError(f"callbacks: {_name(cb)} has none of the methods {list(EVENTS)}")
+        self.state = self.control = None
+        if any(is_transformers_callback(cb) for cb in self.callbacks):
+            from transformers import TrainerControl, TrainerState
+
+            self.state, self.control = TrainerState(), TrainerControl()
+
+    @property
+    def stop_requested(self) -> bool:
+        return self.control is not None and bool(self.control.should_training_stop)
+
+    def _call_transformers(self, cb, event: str, trainer, step: int, kwargs: dict) -> None:
+        """``event(args, state, control, ...)`` as transformers' Trainer calls it."""
+        self.state.global_step, self.state.max_steps = step, trainer.total_steps()
+        args = SimpleNamespace(output_dir=trainer.cfg.trainer.output_dir, seed=trainer.cfg.trainer.seed,
+                               max_steps=trainer.total_steps())
+        passed = {k: v for k, v in kwargs.items() if k in ("metrics", "logs")}
+        try:
+            getattr(cb, event)(args, self.state, self.control, **passed)
+        except Exception as e:
+            raise CallbackError(f"callback {_name(cb)}.{event} raised {type(e).__name__}: {e} at step {step}",
+                                "fix the callback") from e
 
     def dispatch(self, trainer, record: dict) -> None:
         if not self.callbacks:
@@ -76,6 +111,11 @@ class CallbackList:
         if "timing_s/save_checkpoint" in record:
             events.append(("on_save", {"checkpoint_dir": Path(trainer.checkpoints.root) / f"global_step_{step}"}))
         events.append(("on_log", {"logs": record}))
+        if self.state is not None:
+            self.state.log_history.append(record)
         for event, kwargs in events:
             for cb in self.callbacks:
-                _call(cb, event, {"trainer": trainer, "step": step, **kwargs})
+                if is_transformers_callback(cb):
+                    self._call_transformers(cb, event, trainer, step, kwargs)
+                else:
+                    _call(cb, event, {"trainer": trainer, "step": step, **kwargs})

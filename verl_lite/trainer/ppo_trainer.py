@@ -394,6 +394,8 @@ class PPOTrainer:
                 history.append(record)
                 if on_step:
                     on_step(record)
+                if self.callbacks.stop_requested:  # a transformers callback's control.should_training_stop
+                    break
             if self.run_dir is not None:  # keep the trained policy before the workers go
                 self.final_hf_dir = self.save_pretrained(self.run_dir / "huggingface")
         finally:
