@@ -312,3 +312,25 @@ def test_the_reward_process_ends_its_helpers_when_its_input_ends(tmp_path):
             time.sleep(0.1)
     finally:
         guard.stop()
+
+
+def test_a_reward_function_returning_none_adds_nothing_for_that_sample(capsys):
+    """TRL's meaning: None = the function does not apply to the sample; the others' weighted scores are its reward
+    (a sample no function scores gets 0, said once on stderr); the function's mean is over what it scored."""
+    from verl_lite.reward.functions import RewardFunctions
+
+    def only_odd(completions, **kwargs):
+        return [1.0 if i % 2 else None for i in range(len(completions))]
+
+    def format_ok(completions, **kwargs):
+        return [0.5, None, 0.5, None]
+
+    scorer = RewardFunctions([only_odd, format_ok], build_char_tokenizer(), [1.0, 2.0], timeout_s=5.0)
+    scores, extra = scorer([[1]] * 4, ["d"] * 4, ["x"] * 4)
+    assert scores.tolist() == [1.0, 1.0, 1.0, 1.0]  # 2 x 0.5, 1.0, 2 x 0.5, 1.0
+    assert [x != x for x in extra["only_odd"]] == [True, False, True, False]  # NaN where it did not apply
+    assert "returned None" not in capsys.readouterr().err
+    nothing = RewardFunctions([lambda completions, **k: [None, 1.0]], build_char_tokenizer(), timeout_s=5.0)
+    assert nothing([[1]] * 2, ["d"] * 2, ["x"] * 2)[0].tolist() == [0.0, 1.0]
+    nothing([[1]] * 2, ["d"] * 2, ["x"] * 2)
+    assert capsys.readouterr().err.count("returned None for 1 of 2 samples") == 1

@@ -25,8 +25,10 @@ are reported too (``reward/<name>/mean`` in the metrics). The whole batch call i
 from __future__ import annotations
 
 import asyncio
+import math
 import concurrent.futures
 import inspect
+import sys
 from typing import Any, Callable, Sequence
 
 import torch
@@ -70,6 +72,7 @@ class RewardFunctions:
         if not self.funcs or not all(callable(f) for f in self.funcs):
             raise ValueError("reward_funcs must be a callable or a non-empty list of callables")
         self.weights = [1.0] * len(self.funcs) if weights is None else [float(w) for w in weights]
+        self.warned_unscored = False
         if len(self.weights) != len(self.funcs):
             raise ValueError(f"reward_weights has {len(self.weights)} entries for {len(self.funcs)} reward_funcs")
         names = [_name(f) for f in self.funcs]
@@ -134,12 +137,20 @@ class RewardFunctions:
                               f"samples") from e
         all_results = future.result()
         total = torch.zeros(n, dtype=torch.float64)
+        scored = torch.zeros(n, dtype=torch.bool)
         extra: dict[str, list] = {}
         for name, weight, results in zip(self.names, self.weights, all_results):
             results = as_score_list(results, n, f"reward function {name}")
-            scores = [_finite(r, f"reward function {name} on sample {i}") for i, r in enumerate(results)]
-            extra[name] = scores
-            total += weight * torch.tensor(scores, dtype=torch.float64)
+            # None: the function does not apply to that sample (TRL's meaning): it adds nothing there
+            scores = [None if r is None else _finite(r, f"reward function {name} on sample {i}")
+                      for i, r in enumerate(results)]
+            extra[name] = [math.nan if x is None else x for x in scores]
+            total += weight * torch.tensor([0.0 if x is None else x for x in scores], dtype=torch.float64)
+            scored |= torch.tensor([x is not None for x in scores])
             if all(isinstance(r, dict) and "acc" in r for r in results) and len(self.funcs) == 1:
                 extra["acc"] = [r["acc"] for r in results]
+        if not bool(scored.all()) and not self.warned_unscored:
+            self.warned_unscored = True
+            print(f"verl_lite: warning: every reward function returned None for {int((~scored).sum())} of {n} samples; "
+                  f"their reward is 0 (as TRL sums what the functions return); said once", file=sys.stderr, flush=True)
         return total.float(), extra

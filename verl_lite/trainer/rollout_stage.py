@@ -119,8 +119,8 @@ class Rollouts:
         """Training scores plus DAPO's overlong penalty when ``reward.overlong_buffer.enable``."""
         scores, extra = self.training_scores(batch, m, step)
         for name in getattr(self.reward_manager, "names", ()):  # each reward function of the Python API, if called
-            if name in extra:
-                m[f"reward/{name}/mean"] = float(torch.tensor(extra[name], dtype=torch.float64).mean())
+            if name in extra:  # over the samples it scored (a function returns None where it does not apply)
+                m[f"reward/{name}/mean"] = float(torch.tensor(extra[name], dtype=torch.float64).nanmean())
         ob = self.cfg.reward.overlong_buffer
         if ob.enable:
             penalty = overlong_penalty(response_lengths(batch["response_mask"]), self.cfg.data.max_response_length,
