@@ -21,7 +21,8 @@ def lines(overrides, words) -> list[str]:
 def test_lora_on_qkv_past_the_kv_heads_is_refused_before_start():
     # the shipped model: 4 attention heads, 2 KV heads
     found = lines([*TP4, "actor_rollout_ref.model.lora.rank=8"], "num_key_value_heads=2")
-    assert len(found) == 1 and "actor_rollout_ref.model.lora" in found[0] and "tensor_model_parallel_size=4" in found[0]
+    assert len(found) == 1 and "actor_rollout_ref.model.lora.rank=8" in found[0]
+    assert "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4" in found[0]
     assert not lines([*TP4, "actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.target_modules=[o_proj]"],
                      "num_key_value_heads")  # no adapter on q/k/v: nothing to split by KV group
     assert not lines(TP4, "num_key_value_heads")  # no LoRA

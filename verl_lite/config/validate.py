@@ -180,14 +180,15 @@ def _section_problems(cfg: PPOConfig, needs, n: int | None) -> list[str]:
         p.append(f"trainer.critic_warmup={tr.critic_warmup} needs a critic, but algorithm.adv_estimator="
                  f"{alg.adv_estimator!r} runs none; set it to 0 or use adv_estimator=gae")
     p.extend(actor.optim.problems(f"{A}.optim"))
-    for key, lora, model, mg_section in (("actor_rollout_ref.model.lora", arr.model.lora, arr.model, actor.megatron),
-                                         ("critic.model.lora", cfg.critic.model.lora, cfg.critic.model,
-                                          cfg.critic.megatron)):
+    for key, lora, model, mg_section, mg_key in (
+            ("actor_rollout_ref.model.lora", arr.model.lora, arr.model, actor.megatron, M),
+            ("critic.model.lora", cfg.critic.model.lora, cfg.critic.model, cfg.critic.megatron, "critic.megatron")):
         used = key == "actor_rollout_ref.model.lora" or "critic" in needs
         p.extend(lora.problems(key) or _adapter_problems(key, lora, used))
         if used and model.path:
             kv = config_int(model.path, "num_key_value_heads") or config_int(model.path, "num_attention_heads")
-            p.extend(lora.layout_problems(key, kv, mg_section.tensor_model_parallel_size))
+            p.extend(lora.layout_problems(key, kv, mg_section.tensor_model_parallel_size,
+                                          f"{mg_key}.tensor_model_parallel_size"))
     for key, enabled in (("actor_rollout_ref.model", arr.model.enable_gradient_checkpointing),
                          ("critic.model", cfg.critic.model.enable_gradient_checkpointing and "critic" in needs)):
         if enabled and not _cuda_visible():

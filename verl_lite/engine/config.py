@@ -418,19 +418,20 @@ class LoraConfig:
         """The HF projections that get an adapter, in ``LORA_ALL_LINEAR`` order."""
         return lora_projections(self.target_modules, self.exclude_modules)
 
-    def layout_problems(self, key: str, num_kv_heads: int | None, tp: int) -> list[str]:
+    def layout_problems(self, key: str, num_kv_heads: int | None, tp: int,
+                        tp_key: str = "tensor_model_parallel_size") -> list[str]:
         """What this LoRA (rank > 0) cannot do at tensor parallelism ``tp`` for a model of ``num_kv_heads`` KV heads:
         adapters on q/k/v are split by KV head group over TP ranks, and dropout masks must agree across TP ranks."""
         if not self.rank or tp <= 1:
             return []
         out = []
         if num_kv_heads and num_kv_heads % tp and set(self.projections) & {"q_proj", "k_proj", "v_proj"}:
-            out.append(f"{key}: LoRA on q/k/v projections with tensor_model_parallel_size={tp} needs the model's "
-                       f"num_key_value_heads={num_kv_heads} divisible by it (each TP rank holds whole KV groups); "
-                       f"use a TP that divides {num_kv_heads}, or target other modules")
+            out.append(f"{key}.rank={self.rank} with {tp_key}={tp}: LoRA on the q/k/v projections needs the model's "
+                       f"num_key_value_heads={num_kv_heads} divisible by the TP size (each TP rank holds whole KV "
+                       f"groups); use a TP that divides {num_kv_heads}, or {key}.target_modules without q/k/v")
         if self.dropout > 0:
-            out.append(f"{key}.dropout={self.dropout} with tensor_model_parallel_size={tp}: the column-parallel inputs "
-                       f"are replicated over TP and each rank would draw a different mask; use dropout 0 with TP")
+            out.append(f"{key}.dropout={self.dropout} with {tp_key}={tp}: the column-parallel inputs are replicated "
+                       f"over TP and each rank would draw a different mask; use dropout 0 with TP")
         return out
 
 
