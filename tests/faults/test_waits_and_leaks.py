@@ -30,7 +30,7 @@ import pytest
 from tests.faults.conftest import CliRun, alive, tiny_assets, tiny_overrides, wait_for_run  # noqa: F401
 
 KILL_BOUND_S = 5.0  # a timed-out call: detecting the deadline and killing a process tree, on a loaded machine
-GONE_BOUND_S = 10.0  # a killed tree's processes leave the process table (the guard's kill loop, then reaping)
+GONE_BOUND_S = 30.0  # a killed tree's processes leave the process table: the guard's kill loop (up to its KILL_WAIT_S) and reaping, on a loaded machine
 REPO = Path(__file__).resolve().parents[2]
 
 
