@@ -60,7 +60,8 @@ def rows_source():
 def make(workers, strategy="drop", threshold=3, warmup=1, batch_groups=4, n=2, resubmit=(), timeout=30.0):
     return StreamingPipeline(workers, rows_source(), n=n, batch_groups=batch_groups, warmup_batches=warmup,
                              threshold=threshold, strategy=strategy, seed_of=lambda gid: 1000 + gid,
-                             queue_timeout_s=timeout, load_timeout_s=5.0, resubmit=resubmit)
+                             queue_timeout_s=timeout, resubmit=resubmit,
+                             load=lambda weights, version: workers.call_all("load_weights", weights, version))
 
 
 def train(pipe, workers, steps):

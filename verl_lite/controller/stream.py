@@ -17,14 +17,14 @@ first, then in submission order) whose age is at most ``max_off_policy_threshold
   so it finishes and is trained.
 
     pipe = StreamingPipeline(role, next_rows, n, batch_groups, warmup_batches, threshold, strategy, seed_of,
-                             queue_timeout_s)
+                             queue_timeout_s, load)
     rows, outputs, metrics = pipe.next(step)     # step (0-based index): the groups' rows and samples, prompt-major
     ...train...
-    pipe.publish(version, weights)               # every rollout worker loads it (bounded by load_timeout_s)
+    pipe.publish(version, weights)               # every rollout worker loads it (through load, bounded)
     pipe.outstanding_rows()                      # what a checkpoint saves: re-submitted on resume
 
 Every wait is bounded: the wait for enough complete groups (``queue_timeout_s``), each worker call (the worker
-group's bound), a load (``load_timeout_s``).
+group's bound), a load (the ``load`` callable's own bound, ``weight_sync_timeout_s``).
 """
 
 from __future__ import annotations
@@ -51,11 +51,11 @@ class Group:
 class StreamingPipeline:
     def __init__(self, role, next_rows: Callable[[], list[dict]], n: int, batch_groups: int, warmup_batches: int,
                  threshold: int, strategy: str, seed_of: Callable[[int], int], queue_timeout_s: float,
-                 load_timeout_s: float, resubmit: list[dict] = (), first_gid: int = 0):
+                 load: Callable[[Any, int], None], resubmit: list[dict] = (), first_gid: int = 0):
         self.role, self.next_rows, self.n, self.batch_groups = role, next_rows, n, batch_groups
         self.capacity = (1 + warmup_batches) * batch_groups
         self.threshold, self.strategy, self.seed_of = threshold, strategy, seed_of
-        self.queue_timeout_s, self.load_timeout_s = queue_timeout_s, load_timeout_s
+        self.queue_timeout_s, self.load_fn = queue_timeout_s, load
         self.pending_rows: list[dict] = list(resubmit)  # pulled from the data, not yet submitted (in order)
         self.groups: dict[int, Group] = {}  # outstanding, by gid (submission order)
         self.next_gid = first_gid
@@ -94,15 +94,8 @@ class StreamingPipeline:
 
     def publish(self, version: int, weights: Any) -> None:
         """Policy ``version`` into every rollout worker (each loads it once its running backend call returns),
-        bounded by ``load_timeout_s`` (``async_training.weight_sync_timeout_s``)."""
-        try:
-            self.role.call_all("load_weights", weights, version, timeout_s=self.load_timeout_s)
-        except WorkerTimeout:
-            raise PipelineError(f"the weight sync of policy version {version} to the rollout pool did not finish "
-                                f"within async_training.weight_sync_timeout_s={self.load_timeout_s:g}s",
-                                "raise async_training.weight_sync_timeout_s, or check the rollout workers") from None
-        except WorkerError as err:
-            raise self._failed(err) from err
+        through ``load`` (bounded by its own timeout, as the one-step-off pipeline's)."""
+        self.load_fn(weights, version)
 
     def outstanding_rows(self) -> list[dict]:
         """The prompt rows pulled from the data and not yet trained, in submission order: a checkpoint saves them

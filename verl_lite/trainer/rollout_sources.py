@@ -149,7 +149,7 @@ class StreamedRollouts:
             role, lambda: agent_rows(next(batches)), self.n, cfg.data.train_batch_size,
             v1.separate_async.num_warmup_batches, v1.sampler.max_off_policy_threshold,
             v1.sampler.max_off_policy_strategy, lambda gid: stream_group_seed(cfg.trainer.seed, step, gid),
-            a.queue_timeout_s, a.weight_sync_timeout_s, resubmit=resubmit)
+            a.queue_timeout_s, self.weights.load, resubmit=resubmit)
         if step > 0:
             self.pipe.publish(step, self.weights.export(step))
 
