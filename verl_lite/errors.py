@@ -15,8 +15,7 @@ import signal
 
 EXIT_RUNTIME = 1
 EXIT_BAD_INPUT = 2
-EXIT_SIGINT = 128 + signal.SIGINT  # 130
-EXIT_SIGTERM = 128 + signal.SIGTERM  # 143
+EXIT_SIGINT = 128 + signal.SIGINT
 
 
 class UserError(Exception):
@@ -47,11 +46,9 @@ class ConfigError(ValueError):
 
 
 class Problems:
-    """Pre-flight's collector, so one run reports every problem: ``check(fn, ...)`` runs one stage and
-    returns its result, or None when it failed on bad input (any error with exit code 2), keeping its
-    lines. A stage that fails otherwise after earlier problems were found is put down to them.
-    ``raise_if_any()`` raises the one error (as it was), or one ConfigError listing every line; a line
-    naming a key the user set through one of verl's aliases (``aliases``: key -> verl's key) names both."""
+    """Pre-flight's collector, so one run reports every problem. ``check(fn, ...)`` runs one stage: its result,
+    or None when it failed on bad input (exit 2; another failure after earlier problems is put down to them).
+    ``raise_if_any()`` raises the one error as it was, or one ConfigError listing every line."""
 
     def __init__(self, lines=()):
         self.lines, self.errors, self.aliases = list(lines), [], {}
@@ -73,7 +70,7 @@ class Problems:
         return any(key in line for line in self.lines for key in keys)
 
     def passes(self, fn, *args, **kwargs) -> bool:
-        """``check`` for a stage that returns nothing: whether it found no problem."""
+        """:meth:`check` for a stage that returns nothing: whether it found no problem."""
         before = len(self.lines)
         self.check(fn, *args, **kwargs)
         return len(self.lines) == before
@@ -89,8 +86,6 @@ class Problems:
 
 class RunFailure(UserError):
     """The run started and then failed (exit 1)."""
-
-    exit_code = EXIT_RUNTIME
 
 
 class RayStartError(RunFailure):
@@ -115,10 +110,8 @@ class RunInterrupted(BaseException):
 
 
 def describe(err: BaseException) -> tuple[int, str]:
-    """(exit code, the one readable block without the traceback hint) for any exception.
-
-    An error class of verl_lite states its ``exit_code`` (and optionally a ``describe_prefix``); a
-    worker's traceback (after ``--- worker rank``) goes to the run log only."""
+    """(exit code, the readable block without the traceback hint) for any exception; an error class states its
+    ``exit_code`` (and a ``describe_prefix``); a worker's traceback (``--- worker rank``) goes to the log."""
     if isinstance(err, RunInterrupted):
         return err.exit_code, f"verl_lite: {err}"
     code = getattr(err, "exit_code", None)

@@ -244,7 +244,7 @@ def test_parallel_calls_up_to_max_parallel_calls_and_invalid_calls_answered(tool
     bad = lambda turn, text: call("nope", a=1) if turn == 0 else "ok"  # noqa: E731
     o = AgentRunner(ScriptedRollout(tok, bad), tok, _spec()).run(_rows(tok, 1), None, {"n": 1, "do_sample": False})[0]
     env = tok.decode([t for t, m in zip(o["response_ids"], o["response_mask"]) if m == 0])
-    assert "Unknownfunction'nope'" in env and o["agent_stats"]["tool_errors"] == 1  # (the tiny vocabulary has no space)
+    assert "Unknown function 'nope'" in env and o["agent_stats"]["tool_errors"] == 1
 
 
 class CountDown(Interaction):

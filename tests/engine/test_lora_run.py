@@ -1,7 +1,8 @@
 """A LoRA PPO run through the Python API (the same trainer as the CLI): with the KL loss and the KL in
 reward on, no reference engine exists on any actor worker (its reference log-probs come from the actor
 with the adapters off, so no second copy of the weights is held), the KL metrics are finite, and the
-exported policy's PEFT adapter loaded onto the base model gives the merged model's logits."""
+exported policy's PEFT adapter loaded onto the base model gives the merged model's logits, as does the offline
+export's adapter through ``AutoPeftModelForCausalLM`` (its config names the base model)."""
 
 from __future__ import annotations
 
@@ -25,10 +26,12 @@ def test_lora_run_uses_the_actor_as_reference_and_exports_a_peft_adapter(tmp_pat
                        f"trainer.default_local_dir={tmp_path / 'ckpt'}"])
     assert cfg.actor_rollout_ref.model.lora.rank == 8 and cfg.actor_rollout_ref.model.lora.alpha == 16
     with PPOTrainer(cfg) as trainer:
-        rows = next(iter(trainer._train_batches()))
+        cursor = trainer._train_batches()
+        rows = next(iter(cursor))
         metrics = [trainer.step(iter([rows])) for _ in range(2)]
         engines = trainer.actor.call_all("engines")
         trainer.save_pretrained(tmp_path / "hf")
+        checkpoint = trainer.checkpoints.save(trainer, cursor)
     assert engines and all(e["ref"] is None and e["ref_is_actor_without_adapters"] and e["actor"] > 0 for e in engines)
     kl = {k: v for k, v in metrics[1].items() if "kl" in k.lower() and isinstance(v, float)}
     assert kl and all(math.isfinite(v) for v in kl.values()), kl
@@ -43,3 +46,11 @@ def test_lora_run_uses_the_actor_as_reference_and_exports_a_peft_adapter(tmp_pat
         want = merged(ids).logits
     assert float((adapted - want).abs().max()) < 1e-5
     assert float((before - want).abs().max()) > 1e-4
+
+    # the offline export's adapter names its base: AutoPeftModelForCausalLM loads it with nothing else given
+    from verl_lite.trainer.export import export_checkpoint
+
+    exported = export_checkpoint(checkpoint, tmp_path / "export")
+    auto = peft.AutoPeftModelForCausalLM.from_pretrained(str(exported / "lora_adapter"), dtype=torch.float64)
+    with torch.no_grad():
+        assert float((auto(ids).logits - want).abs().max()) < 1e-5

@@ -284,7 +284,7 @@ SIGNAL_MOMENTS = [(signal.SIGTERM, "init_model"), (signal.SIGINT, 0.0), (signal.
 
 @pytest.mark.parametrize("signum,moment", SIGNAL_MOMENTS, ids=[f"{s.name}-{m}" for s, m in SIGNAL_MOMENTS])
 def test_signal_stops_the_run_cleanly(signum, moment, tiny_assets, tmp_path):  # noqa: F811
-    from verl_lite.trainer.main_ppo import STOP_GRACE_S
+    from verl_lite.trainer.stop_signals import STOP_GRACE_S
 
     out = tmp_path / "out"
     overrides = {**_reward(tmp_path, "plain"), "trainer.total_training_steps": 200, "trainer.test_freq": -1,

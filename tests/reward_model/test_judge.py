@@ -239,7 +239,9 @@ def test_a_hanging_judge_fails_the_step_in_bounded_time(shared_ray):  # noqa: F8
 # ---------------------------------------------------------------- through the trainer
 
 
-def _judge_run(tiny_assets, tmp_path, **extra):  # noqa: F811
+def _judge_run(tiny_assets, tmp_path, via_reward_funcs=False, **extra):  # noqa: F811
+    """A three-step judge run; ``via_reward_funcs``: the judge given as TRL's ``reward_funcs=[path]`` (the Python
+    API) instead of ``reward_model.enable/generative/model.path``."""
     from verl_lite.trainer.ppo_trainer import PPOTrainer
 
     overrides = tiny_overrides(tiny_assets, **{
@@ -249,7 +251,11 @@ def _judge_run(tiny_assets, tmp_path, **extra):  # noqa: F811
         "data.train_batch_size": 4, "actor_rollout_ref.rollout.n": 2, "data.max_response_length": 8,
         "actor_rollout_ref.actor.ppo_mini_batch_size": 4, "trainer.total_training_steps": 3, "trainer.test_freq": 0,
         "trainer.val_before_train": "false", "trainer.logger": "[jsonl]", "trainer.output_dir": str(tmp_path), **extra})
-    trainer = PPOTrainer(load_config(overrides))
+    api = {}
+    if via_reward_funcs:
+        given = ("reward_model.enable=", "reward_model.generative=", "reward_model.model.path=")
+        overrides, api = [o for o in overrides if not o.startswith(given)], {"reward_funcs": [JUDGE]}
+    trainer = PPOTrainer(load_config(overrides), **api)
     return trainer, trainer.fit()
 
 
@@ -266,8 +272,9 @@ def _check_judge_history(history):
     assert any(r["reward_model/judge_unparsable_rate"] < 1.0 for r in history), history
 
 
-def test_a_three_step_judge_run_with_the_hf_rollout(tiny_assets, shared_ray, tmp_path):  # noqa: F811
-    trainer, history = _judge_run(tiny_assets, tmp_path)
+def test_a_three_step_judge_run_with_the_hf_rollout_from_reward_funcs(tiny_assets, shared_ray, tmp_path):  # noqa: F811
+    trainer, history = _judge_run(tiny_assets, tmp_path, via_reward_funcs=True)
+    assert trainer.cfg.reward_model.generative and trainer.cfg.reward_model.model.path == JUDGE
     _check_judge_history(history)
     assert trainer.reward_model is None  # closed with the run (the judge worker too)
 

@@ -30,14 +30,36 @@ def test_missing_recipe_is_a_config_error():
         expand_recipes(["--recipe", "nope.yaml"])
 
 
-def test_verls_config_head_is_passed_over_and_a_config_of_ones_own_is_refused():
+def test_verls_config_head_is_passed_over_and_a_config_of_ones_own_is_its_first_recipe(tmp_path):
     """verl's launch scripts start with ``--config-path=config --config-name='ppo_megatron_trainer.yaml'``: that names
-    the one config verl_lite has, so the command line runs unchanged; another config name is refused with the fix."""
+    the one config verl_lite has, so the command line runs unchanged. A config of the user's own (verl's multi-turn
+    examples: a YAML with Hydra's ``hydra`` / ``defaults`` head and verl keys) is read first, as Hydra composes it,
+    under the command line; its problems and the command line's come in one pass."""
     verl_head = ["--config-path=config", "--config-name='ppo_megatron_trainer.yaml'", "--config-path", "./config",
                  "--config-name", "ppo_trainer", "data.train_batch_size=8"]
     assert expand_recipes(verl_head) == ["data.train_batch_size=8"]
-    with pytest.raises(ConfigError, match=r"--config-name=my_grpo: verl_lite has one config.*--recipe FILE\.yaml"):
-        expand_recipes(["--config-name=my_grpo"])
+    own = tmp_path / "config" / "my_multiturn_grpo.yaml"
+    own.parent.mkdir()
+    own.write_text("hydra:\n  searchpath:\n    - file://verl/trainer/config\n"
+                   "defaults:\n  - ppo_megatron_trainer\n  - _self_\n"
+                   "data:\n  max_prompt_length: 64\n  train_batch_size: 8\n  return_raw_chat: True\n"
+                   "actor_rollout_ref:\n  hybrid_engine: True\n  rollout:\n    multi_turn:\n      enable: True\n"
+                   "      max_user_turns: 5\n")
+    items = expand_recipes([f"--config-path={own.parent}", "--config-name", "my_multiturn_grpo",
+                            "data.train_batch_size=16"])
+    assert items == [f"--recipe={own}", "data.train_batch_size=16"]
+    cfg = load_config(items)
+    assert (cfg.data.max_prompt_length, cfg.data.train_batch_size) == (64, 16)  # the command line over the file
+    assert cfg.actor_rollout_ref.rollout.multi_turn.enable
+    own.write_text("defaults:\n  - ppo_trainer\n  - my_rollout\n  - _self_\ndata:\n  max_prompt_lenght: 64\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(expand_recipes([f"--config-path={own.parent}", "--config-name=my_multiturn_grpo",
+                                    "data.train_batch_sze=4"]))
+    assert len(err.value.problems) == 3, err.value.problems  # the file's two and the command line's, together
+    text = str(err.value)
+    assert "'my_rollout'" in text and "data.max_prompt_length" in text and "data.train_batch_size" in text
+    with pytest.raises(ConfigError, match="my_grpo.yaml: cannot be read as YAML"):
+        load_config(expand_recipes(["--config-name=my_grpo"]))
 
 
 def test_an_override_without_a_value_says_what_an_override_is():

@@ -1,13 +1,5 @@
-"""Agentic RL: multi-turn rollouts with tools and interactions (token in, token out).
-
-- ``hermes``: parse ``<tool_call>{json}</tool_call>`` blocks of a model turn;
-- ``tools``: Python functions and verl tool-config classes as bounded tools;
-- ``interaction``: simulated users / environments with per-turn rewards;
-- ``loop``: the agent loops (``single_turn_agent``, ``tool_agent``, your own by name) and the runner
-  that batches every live trajectory's model turn into one rollout call;
-- ``rules`` / ``preflight``: the config keys' checks, and what the files they name must hold.
-
-See docs/agents.md.
+"""Agentic RL: multi-turn rollouts with tools and interactions, token in, token out (docs/agents.md): the hermes
+tool-call parser, tools, interactions, the agent loops and their runner, and the checks before start.
 """
 
 from verl_lite.agent.hermes import ToolCall, parse_tool_calls

@@ -33,6 +33,7 @@ class MultiTurnConfig:
     tool_timeout_s: float = 30.0  # bound on one tool call (seconds); past it the call is a timeout
     tool_error: str = "text"  # a tool that raises or times out: text (its error goes to the model) | fail (the run stops)
     tool_processes: Optional[int] = None  # tool processes per rollout worker (calls beyond them wait for one); null = 4 to 16 by CPU count
+    escape_special_tokens: bool = True  # a special-token string in a tool's or user's text is plain text to the model; false: the control token
     batch_wait_s: Optional[float] = 1.0  # a model turn waits at most this long for other trajectories' turns to share its backend call; null = lockstep
 
     def problems(self, M: str) -> list[str]:

@@ -1,11 +1,8 @@
 """Tool calls in the hermes format: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
 
-``parse_tool_calls(text, known)`` finds every ``<tool_call>...</tool_call>`` block of a model turn, in
-order. Each block becomes a :class:`ToolCall`; a block that is not a JSON object with a string
-``name`` and an object ``arguments`` (or that names a tool not in ``known``) is still returned, with
-``error`` saying what is wrong, so the loop answers it with that error text instead of dropping it
-silently (the model learns from the answer; verl answers unknown names and bad arguments the same
-way). ``content`` is the text around the blocks. Text without both markers has no calls.
+A block that is not a JSON object with a string ``name`` and an object ``arguments`` (or that names an
+unknown tool) is still a call, with ``error`` saying what is wrong, so the loop answers it with that error
+text instead of dropping it silently (the model learns from the answer; verl does the same).
 """
 
 from __future__ import annotations
@@ -49,8 +46,8 @@ def _one_call(raw: str, known: set[str] | None) -> ToolCall:
 
 
 def parse_tool_calls(text: str, known: set[str] | None = None) -> tuple[str, list[ToolCall]]:
-    """(content without the call blocks, the calls in order). ``known``: the tool names that exist
-    (None: do not check names)."""
+    """(content without the call blocks, the calls in order; text without both markers has none). ``known``:
+    the tool names that exist (None: do not check names)."""
     if TOOL_CALL_START not in text or TOOL_CALL_END not in text:
         return text, []
     calls = [_one_call(m.strip(), known) for m in _BLOCK.findall(text)]

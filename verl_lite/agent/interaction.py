@@ -23,13 +23,22 @@ config file ``multi_turn.interaction_config_path`` (verl's shape) names the clas
         config: {...}                 # passed to the class as ``config``
 
 The Python API takes instances directly: ``PPOTrainer(..., interactions={"tutor": Tutor({})})``.
+
+verl's own interaction classes run as they are (:class:`BaseInteraction`, verl's methods:
+``start_interaction(instance_id, **interaction_kwargs) -> instance_id``, ``generate_response(instance_id,
+messages, **interaction_kwargs) -> (should_terminate, text, score, extra)``, ``finalize_interaction(instance_id)``
+when the trajectory ends, whatever ended it); a module written against verl imports verl's base class
+(``from verl.interactions.base import BaseInteraction``): where verl is not installed, import this module's.
+A score of None adds no turn score (verl's rule). The one difference: a terminating response's text is not
+added to the context (here ``done`` ends the trajectory before the environment's turn).
 """
 
 from __future__ import annotations
 
 import inspect
+import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from verl_lite.agent.tools import ToolConfigError, _import_class, yaml_entries
 
@@ -37,7 +46,7 @@ from verl_lite.agent.tools import ToolConfigError, _import_class, yaml_entries
 @dataclass
 class InteractionTurn:
     text: str  # the user's next message
-    reward: float = 0.0  # the reward of the model turn just taken
+    reward: Optional[float] = 0.0  # the reward of the model turn just taken; None: no turn score
     done: bool = False  # end the trajectory here (text is then not added)
 
 
@@ -52,6 +61,72 @@ class Interaction:
 
     def respond(self, state: Any, messages: list[dict]) -> InteractionTurn:
         raise NotImplementedError
+
+    def finish(self, state: Any) -> None:
+        """Called once when the trajectory ends (any reason), with ``start``'s state."""
+
+
+class BaseInteraction:
+    """verl's interaction class shape (subclass it, or any class with these methods): one instance per config
+    entry, one ``instance_id`` per trajectory."""
+
+    def __init__(self, config: dict):
+        self.config, self.name = config, config.get("name", "interaction_agent")
+
+    async def start_interaction(self, instance_id: Optional[str] = None, **kwargs) -> str:
+        return instance_id or uuid.uuid4().hex
+
+    async def generate_response(self, instance_id: str, messages: list[dict], **kwargs
+                                ) -> tuple[bool, str, Optional[float], dict]:
+        raise NotImplementedError
+
+    async def calculate_score(self, instance_id: str, **kwargs) -> float:
+        return 0.0
+
+    async def finalize_interaction(self, instance_id: str, **kwargs) -> None:
+        return None
+
+
+class VerlInteraction(Interaction):
+    """A verl-shaped interaction object as an :class:`Interaction`: ``start`` opens an instance with the row's
+    ``extra_info.interaction_kwargs`` (verl passes them to every call), ``respond`` maps ``generate_response``'s
+    tuple onto :class:`InteractionTurn`, ``finish`` finalizes the instance."""
+
+    def __init__(self, verl_interaction):
+        super().__init__(getattr(verl_interaction, "config", None))
+        self.verl = verl_interaction
+
+    async def start(self, row: dict) -> tuple[str, dict]:
+        kwargs = dict((row.get("extra_info") or {}).get("interaction_kwargs") or {})
+        instance_id = uuid.uuid4().hex
+        return await maybe_await(self.verl.start_interaction(instance_id, **kwargs)) or instance_id, kwargs
+
+    async def respond(self, state: tuple[str, dict], messages: list[dict]) -> InteractionTurn:
+        instance_id, kwargs = state
+        reply = await maybe_await(self.verl.generate_response(instance_id, messages, **kwargs))
+        if not isinstance(reply, (tuple, list)) or len(reply) != 4:
+            raise TypeError(f"{type(self.verl).__name__}.generate_response returned {reply!r}; verl's shape is "
+                            f"(should_terminate, response_text, score, extra)")
+        done, text, score, _extra = reply
+        return InteractionTurn(str(text), None if score is None else float(score), bool(done))
+
+    async def finish(self, state: tuple[str, dict]) -> None:
+        if callable(getattr(self.verl, "finalize_interaction", None)):
+            await maybe_await(self.verl.finalize_interaction(state[0]))
+
+
+def as_interaction(obj) -> Interaction | None:
+    """``obj`` as an :class:`Interaction`: itself (``respond``), a verl-shaped one wrapped (``generate_response``),
+    else None."""
+    if callable(getattr(obj, "respond", None)):
+        return obj
+    if callable(getattr(obj, "generate_response", None)):
+        return VerlInteraction(obj)
+    return None
+
+
+VERL_IMPORT_FIX = ("; verl is not installed here: import verl's base class from verl_lite instead "
+                   "(from verl_lite.agent.interaction import BaseInteraction), the rest of the class runs as it is")
 
 
 async def maybe_await(value):
@@ -70,13 +145,14 @@ def load_interaction_config(path: str) -> dict[str, Interaction]:
             continue
         name = e.get("name") or e["class_name"].rsplit(".", 1)[-1].lower()
         try:
-            cls = _import_class(e["class_name"])
-            inst = cls(config=e.get("config") or {})
+            inst = as_interaction(_import_class(e["class_name"])(config=e.get("config") or {}))
         except Exception as err:
-            problems.append(f"{where}: {e['class_name']} cannot be loaded ({type(err).__name__}: {err})")
+            fix = VERL_IMPORT_FIX if isinstance(err, ImportError) and err.name in ("verl", "verl.interactions") else ""
+            problems.append(f"{where}: {e['class_name']} cannot be loaded ({type(err).__name__}: {err}){fix}")
             continue
-        if not callable(getattr(inst, "respond", None)):
-            problems.append(f"{where}: {e['class_name']} has no respond(state, messages) method")
+        if inst is None:
+            problems.append(f"{where}: {e['class_name']} has neither respond(state, messages) nor verl's "
+                            f"generate_response(instance_id, messages, **kwargs)")
             continue
         if name in out:
             problems.append(f"{where}: the name {name!r} is used twice")

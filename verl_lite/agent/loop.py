@@ -13,13 +13,11 @@ the trainer consumes exactly those ids. ``data.max_response_length`` bounds the 
 environment tokens included (verl's meaning): a model turn gets at most the room that is left, and
 an environment segment that does not fit ends the trajectory without being added (as verl does).
 
-Batching: every trajectory of a worker's share runs as an asyncio task of its agent loop; a loop
-asks for a model turn with ``await ctx.model_turn(traj)``. There is no barrier across trajectories:
-the backend runs in a thread while tools and interactions go on, and whenever it is free the waiting
-turns go to it in ONE batched ``Rollout.generate`` call (HF or vLLM: the loop only uses the backend
-contract) once every live trajectory waits or the oldest has waited ``multi_turn.batch_wait_s``
-(:class:`_TurnBatcher`). Each turn has its own seed ``turn_seed(seed of the prompt, sample k, turn)``,
-so samples depend neither on the worker layout nor on which turns share a call.
+Batching: every trajectory of a worker's share runs as an asyncio task of its agent loop, which asks for
+a model turn with ``await ctx.model_turn(traj)``; :class:`_TurnBatcher` sends the waiting turns to the
+backend in ONE ``Rollout.generate`` call, without a barrier across trajectories. Each turn has its own seed
+``turn_seed(seed of the prompt, sample k, turn)``, so samples depend neither on the worker layout nor on
+which turns share a call.
 
 Agent loops register by name (``@register_agent_loop("name")`` or verl's
 ``agent.agent_loop_config_path`` YAML: ``- {name: my_agent, _target_: pkg.module.MyLoop}``); a
@@ -161,10 +159,16 @@ class ChatGlue:
     Rendering a probe conversation ``[user, assistant]`` and the same plus the new messages (with the
     generation prompt), the difference is what follows the assistant turn; the template's text after
     the assistant's EOS (e.g. a newline after ``<|im_end|>``) belongs to it too, since the model's turn
-    ended at the EOS. The tool schemas are passed to the template (``tools=``) on every render."""
+    ended at the EOS. The tool schemas are passed to the template (``tools=``) on every render.
 
-    def __init__(self, tokenizer, tool_schemas: list[dict] | None = None):
+    ``escape_special_tokens``: the environment's text (a tool's output, a simulated user's turn) is the model's
+    input, not the template's, so a special-token string in it (``<eos>``, ``<|im_end|>``) is encoded as plain
+    text, never as the control token; the template around it encodes as usual."""
+
+    def __init__(self, tokenizer, tool_schemas: list[dict] | None = None, escape_special_tokens: bool = True):
         self.tokenizer, self.tools = tokenizer, tool_schemas or None
+        self.escape = escape_special_tokens
+        self.control_strings = [t for t in tokenizer.get_added_vocab() if t] if escape_special_tokens else []
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         kw = {"tools": self.tools} if self.tools else {}
@@ -183,7 +187,22 @@ class ChatGlue:
         return tail + after[len(before):]
 
     def ids(self, new_messages: list[dict]) -> list[int]:
-        return self.tokenizer.encode(self.text(new_messages), add_special_tokens=False)
+        contents = [m.get("content") for m in new_messages]
+        if not any(isinstance(c, str) and any(t in c for t in self.control_strings) for c in contents):
+            return self.tokenizer.encode(self.text(new_messages), add_special_tokens=False)
+        marks = [f"{SENTINEL_USER}_content_{i}_end" for i in range(len(new_messages))]
+        rest = self.text([{**m, "content": mark} if isinstance(c, str) else m
+                          for m, c, mark in zip(new_messages, contents, marks)])
+        if any(isinstance(c, str) and rest.count(mark) != 1 for c, mark in zip(contents, marks)):
+            raise ValueError("the chat template does not render a message's content as it is; "
+                             "multi_turn.escape_special_tokens=false encodes the whole text instead")
+        ids: list[int] = []
+        for content, mark in zip(contents, marks):
+            if isinstance(content, str):
+                head, rest = rest.split(mark, 1)
+                ids += self.tokenizer.encode(head, add_special_tokens=False)
+                ids += self.tokenizer.encode(content, add_special_tokens=False, split_special_tokens=True)
+        return ids + self.tokenizer.encode(rest, add_special_tokens=False)
 
     def problem(self, role: str) -> str | None:
         """Why the template cannot carry ``role`` messages (None: it renders their content)."""
@@ -199,7 +218,7 @@ class ChatGlue:
 
 # ============================================================================================ loops
 class AgentLoop:
-    """Base class: ``async run(traj, ctx) -> Trajectory``. ``ctx`` gives ``generate`` (a model turn),
+    """Base class: ``async run(traj, ctx) -> Trajectory``. ``ctx`` (:class:`AgentContext`) gives ``model_turn``,
     ``call_tools``, ``env_ids`` (glue), ``tokenizer``, ``interaction`` and the multi_turn settings."""
 
     def __init__(self, **config):
@@ -224,48 +243,46 @@ class ToolAgentLoop(AgentLoop):
     """verl's tool agent loop (see module docstring), plus the row's interaction when the model calls no tool."""
 
     async def run(self, traj: Trajectory, ctx: "AgentContext") -> Trajectory:
-        mt = ctx.multi_turn
         state = await maybe_await(ctx.interaction.start(traj.row)) if ctx.interaction is not None else None
-        while True:
-            if traj.room() <= 0:
-                traj.stop_reason = "max_response_length"
-                return traj
-            text = await ctx.model_turn(traj)
-            if traj.room() <= 0:
-                traj.stop_reason = "max_response_length"
-                return traj
-            if mt.get("max_assistant_turns") and traj.assistant_turns >= mt["max_assistant_turns"]:
-                traj.stop_reason = "max_assistant_turns"
-                return traj
-            if mt.get("max_user_turns") and traj.user_turns >= mt["max_user_turns"]:
-                traj.stop_reason = "max_user_turns"
-                return traj
-            content, calls = parse_tool_calls(text, ctx.tool_names)
-            if calls:
-                run = calls[: mt.get("max_parallel_calls") or 1]
-                traj.dropped_tool_calls += len(calls) - len(run)
-                traj.messages.append({"role": "assistant", "content": content,
-                                      "tool_calls": [{"type": "function", "function": {"name": c.name,
-                                                                                        "arguments": c.arguments}}
-                                                     for c in run]})
-                new = [{"role": "tool", "content": t} for t in await ctx.call_tools(traj, run)]
-            elif ctx.interaction is not None:
-                traj.messages.append({"role": "assistant", "content": content})
-                turn = await maybe_await(ctx.interaction.respond(state, list(traj.messages)))
+        try:
+            while not traj.stop_reason:
+                traj.stop_reason = await self._round(traj, ctx, state)
+            return traj
+        finally:  # the interaction's instance ends with the trajectory, whatever ended it (verl's rule)
+            if callable(finish := getattr(ctx.interaction, "finish", None)):
+                await maybe_await(finish(state))
+
+    async def _round(self, traj: Trajectory, ctx: "AgentContext", state) -> str:
+        """One model turn and the environment's answer to it; why the trajectory ends ("": it goes on)."""
+        mt = ctx.multi_turn
+        text = await ctx.model_turn(traj)  # none when no room is left
+        if traj.room() <= 0:
+            return "max_response_length"
+        for limit, count in (("max_assistant_turns", traj.assistant_turns), ("max_user_turns", traj.user_turns)):
+            if mt.get(limit) and count >= mt[limit]:
+                return limit
+        content, calls = parse_tool_calls(text, ctx.tool_names)
+        run = calls[: mt.get("max_parallel_calls") or 1]
+        traj.dropped_tool_calls += len(calls) - len(run)
+        traj.messages.append({"role": "assistant", "content": content})
+        if run:
+            traj.messages[-1]["tool_calls"] = [
+                {"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in run]
+            new = [{"role": "tool", "content": t} for t in await ctx.call_tools(traj, run)]
+        elif ctx.interaction is None:
+            return "no_tool_call"
+        else:
+            turn = await maybe_await(ctx.interaction.respond(state, list(traj.messages)))
+            if turn.reward is not None:
                 traj.turn_scores.append(float(turn.reward))
-                if turn.done:
-                    traj.stop_reason = "interaction_done"
-                    return traj
-                new = [{"role": "user", "content": turn.text}]
-            else:
-                traj.messages.append({"role": "assistant", "content": content})
-                traj.stop_reason = "no_tool_call"
-                return traj
-            if not traj.add_env(ctx.env_ids(new)):
-                traj.stop_reason = "max_response_length"
-                return traj
-            traj.messages += new
-            traj.user_turns += 1
+            if turn.done:
+                return "interaction_done"
+            new = [{"role": "user", "content": turn.text}]
+        if not traj.add_env(ctx.env_ids(new)):
+            return "max_response_length"
+        traj.messages += new
+        traj.user_turns += 1
+        return ""
 
 
 # ============================================================================================ runner
@@ -303,10 +320,9 @@ class _TurnBatcher:
     The backend is called from a thread, so tools, interactions and the agent loops go on while it generates.
     When it is free, the waiting turns go out as ONE batched call as soon as either every live trajectory is
     waiting for its model turn, or the oldest waiting turn has waited ``batch_wait_s`` (the others are busy with
-    tools or interactions). A trajectory whose tool is slow therefore never holds the others' next turns for
-    longer than ``batch_wait_s``, and turns of trajectories whose tools all return within it form the same
-    batches as a lockstep loop would (so a run with fast tools batches the same way every time).
-    ``batch_wait_s=None`` is lockstep: wait for every live trajectory."""
+    tools or interactions): a slow tool never holds the others' next turns for longer than that, and
+    trajectories whose tools all return within it batch as a lockstep loop would. ``batch_wait_s=None`` is
+    lockstep: wait for every live trajectory."""
 
     def __init__(self, rollout, sampling: dict, live: int, batch_wait_s: float | None):
         self.rollout, self.sampling, self.live, self.batch_wait_s = rollout, sampling, live, batch_wait_s
@@ -438,7 +454,7 @@ class AgentRunner:
         tools = build_tools(spec.functions, mt.get("tool_config_path"))
         self.executor = ToolExecutor(tools, mt["tool_timeout_s"], mt["max_tool_response_length"],
                                      mt["tool_response_truncate_side"], mt["tool_error"], mt.get("tool_processes"))
-        self.glue = ChatGlue(tokenizer, [t.schema for t in tools])
+        self.glue = ChatGlue(tokenizer, [t.schema for t in tools], mt.get("escape_special_tokens", True))
         self.interactions = dict(spec.interactions)
         if mt.get("interaction_config_path"):
             self.interactions.update(load_interaction_config(mt["interaction_config_path"]))
@@ -486,9 +502,8 @@ class AgentRunner:
                  for p in range(len(rows)) for k in range(n)]
         await batcher.serve()
         results = await asyncio.gather(*tasks, return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            raise errors[0]
+        if (error := next((r for r in results if isinstance(r, BaseException)), None)) is not None:
+            raise error
         return [t.output() for t in results]
 
 
@@ -504,12 +519,12 @@ def split_sampling(sampling: dict) -> tuple[int, dict]:
 AGENT_ROW_KEYS = ("prompt_ids", "messages", "data_source", "ground_truth", "extra_info")
 
 
+def row_agent_name(row: dict) -> str | None:
+    """A dataset row's ``agent_name``: a column of its own, or a key of ``extra_info`` where the dataset merged
+    the row's other columns."""
+    return row.get("agent_name") or (row.get("extra_info") or {}).get("agent_name")
+
+
 def agent_rows(rows: list[dict]) -> list[dict]:
-    """The part of each dataset row the workers' agent loops read (``agent_name``: a column of its own, or a
-    key of ``extra_info`` where the dataset merged the row's other columns)."""
-    out = []
-    for r in rows:
-        row = {k: r.get(k) for k in AGENT_ROW_KEYS}
-        row["agent_name"] = r.get("agent_name") or (r.get("extra_info") or {}).get("agent_name")
-        out.append(row)
-    return out
+    """The part of each dataset row the workers' agent loops read."""
+    return [{**{k: r.get(k) for k in AGENT_ROW_KEYS}, "agent_name": row_agent_name(r)} for r in rows]

@@ -1,30 +1,19 @@
-"""Before any worker starts: build the run's agent spec and check everything it names.
-
-``agent_spec(cfg, tools, interactions, tokenizer)`` returns None when ``multi_turn.enable`` is false
-(then ``tools`` / ``interactions`` from the Python API are an error), else the
-:class:`~verl_lite.agent.loop.AgentSpec` the workers build their runner from, after loading on the
-driver what the workers will load: the tool-config classes (imported and instantiated), the
-functions' schemas, the interaction classes, the custom agent loops, the default loop's name, and the
-chat template (it must render ``tool`` turns when there are tools and ``user`` turns when there
-are interactions, since that is how their text reaches the model). Every problem is one line of a
-:class:`~verl_lite.agent.tools.ToolConfigError` (exit 2).
-"""
+"""Before any worker starts: build the run's agent spec and check everything it names."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from verl_lite.agent.interaction import load_interaction_config
-from verl_lite.agent.loop import AGENT_LOOPS, AgentSpec, ChatGlue, load_agent_loop_config
+from verl_lite.agent.interaction import as_interaction, load_interaction_config
+from verl_lite.agent.loop import AGENT_LOOPS, AgentSpec, ChatGlue, load_agent_loop_config, row_agent_name
 from verl_lite.agent.tools import ToolConfigError, build_tools
 
 M = "actor_rollout_ref.rollout.multi_turn"
 
 
 def multi_turn_values(mt) -> dict:
-    """The multi_turn section as a plain dict (what the workers read)."""
-    return {f.name: getattr(mt, f.name) for f in dataclasses.fields(mt)} if dataclasses.is_dataclass(mt) \
-        else dict(vars(mt))
+    """The multi_turn section (a ``MultiTurnConfig``) as a plain dict (what the workers read)."""
+    return dataclasses.asdict(mt)
 
 
 def _collect(problems: list[str], fn, *args):
@@ -36,6 +25,11 @@ def _collect(problems: list[str], fn, *args):
 
 
 def agent_spec(cfg, tools=None, interactions=None, tokenizer=None) -> AgentSpec | None:
+    """None when ``multi_turn.enable`` is false (then Python-API ``tools`` / ``interactions`` are an error), else
+    the :class:`AgentSpec` the workers build their runner from, after loading on the driver what the workers
+    will load: the tool-config classes, the functions' schemas, the interactions, the custom agent loops, the
+    default loop's name, and the chat template (it must render ``tool`` turns when there are tools and ``user``
+    turns when there are interactions). Every problem is one line of a ``ToolConfigError`` (exit 2)."""
     rollout = cfg.actor_rollout_ref.rollout
     mt, ag = rollout.multi_turn, rollout.agent
     if not mt.enable:
@@ -45,10 +39,11 @@ def agent_spec(cfg, tools=None, interactions=None, tokenizer=None) -> AgentSpec 
         return None
     problems: list[str] = []
     built = _collect(problems, build_tools, list(tools or []), mt.tool_config_path) or []
-    given = dict(interactions or {})
-    for name, inst in given.items():
-        if not callable(getattr(inst, "respond", None)):
-            problems.append(f"interactions[{name!r}]: {type(inst).__name__} has no respond(state, messages) method")
+    given = {name: as_interaction(inst) for name, inst in (interactions or {}).items()}
+    for name, inst in (interactions or {}).items():
+        if given[name] is None:
+            problems.append(f"interactions[{name!r}]: {type(inst).__name__} has neither respond(state, messages) "
+                            f"nor verl's generate_response(instance_id, messages, **kwargs)")
     if mt.interaction_config_path:
         given.update(_collect(problems, load_interaction_config, mt.interaction_config_path) or {})
     loops = dict(AGENT_LOOPS)
@@ -68,7 +63,8 @@ def agent_spec(cfg, tools=None, interactions=None, tokenizer=None) -> AgentSpec 
         raise ToolConfigError("\n".join(problems))
     return AgentSpec(multi_turn=multi_turn_values(mt), default_agent_loop=ag.default_agent_loop,
                      agent_loop_config_path=ag.agent_loop_config_path, functions=list(tools or []),
-                     interactions=dict(interactions or {}), max_response_length=cfg.data.max_response_length,
+                     interactions={n: i for n, i in given.items() if n in (interactions or {})},
+                     max_response_length=cfg.data.max_response_length,
                      tool_schemas=[t.schema for t in built])
 
 
@@ -77,8 +73,7 @@ def single_turn_rows_warning(spec: AgentSpec | None, rows) -> str | None:
     ``agent_name`` take ``agent.default_agent_loop``, and verl's default (single_turn_agent) never offers a tool."""
     if spec is None or spec.default_agent_loop != "single_turn_agent" or not (spec.tool_schemas or spec.interactions):
         return None
-    count = sum(1 for i in range(len(rows)) if not (rows[i].get("agent_name")
-                                                    or (rows[i].get("extra_info") or {}).get("agent_name")))
+    count = sum(1 for i in range(len(rows)) if not row_agent_name(rows[i]))
     if not count:
         return None
     return (f"{count} of the {len(rows)} training rows have no agent_name, so they run "

@@ -1,27 +1,22 @@
 """Tool calls in processes of their own, so a tool that never returns, busy or blocked, can be stopped.
 
-:class:`ToolProcessPool` keeps at most ``size`` tool processes, each started when a call finds none idle
-and then reused by later calls. A process runs ``python -m verl_lite.agent.tool_process`` under a guard
-(:class:`verl_lite.utils.processes.GuardedProcess`): when a call passes its timeout, the process and
-everything it started (also what left its session) is killed, and the next call that needs a process
-starts a fresh one. No thread is involved: the pool waits on the processes' pipes in the caller's event
-loop. Every tool process and its descendants also end when the pool is closed or collected, and when
-the process that owns the pool dies (SIGKILL included).
+:class:`ToolProcessPool` keeps at most ``size`` reusable tool processes (``python -m
+verl_lite.agent.tool_process``), each under a guard (:class:`verl_lite.utils.processes.GuardedProcess`): when
+a call passes its timeout, the process and everything it started (also what left its session) is killed, and
+the next call that needs a process starts a fresh one. The pool waits on the processes' pipes in the caller's
+event loop (no thread). Every tool process and its descendants also end when the pool is closed or collected,
+and when the process that owns the pool dies (SIGKILL included).
 
-A call's time counts from its submission, less the start-up of a process started for it (importing the
-tools is not the tool's time): a call still waiting for a free process at its deadline is a timeout too,
-so every call of a turn ends within the timeout plus the time to kill a process.
+A call's time counts from its submission, less the start-up of a process started for it: a call still
+waiting for a free process at its deadline is a timeout too, so every call of a turn ends within the timeout
+plus the time to kill a process.
 
-Protocol over the tool process's stdin/stdout, length-prefixed frames:
-
-- to the process: first the run's tools (``Tool`` objects), pickled by cloudpickle in this process (a
-  class tool from the tool config is rebuilt there from its class name and config); then one JSON object
-  per call, ``{"tool": name, "arguments": {...}}``;
-- from the process, JSON only (nothing a tool returns is unpickled here): ``{"ready": true}`` or
-  ``{"load_error": message}`` once, then per call ``{"text": str, "reward": float | null}`` or
-  ``{"error": "TypeName: message"}``.
-
-Each process has its own copy of every tool: state a class tool keeps in its instance is per process.
+Protocol over the tool process's stdin/stdout, length-prefixed frames: to the process, first the run's tools
+pickled by cloudpickle (a class tool from the tool config is rebuilt there from its class name and config),
+then one JSON object per call, ``{"tool": name, "arguments": {...}}``; from the process, JSON only (nothing a
+tool returns is unpickled here): ``{"ready": true}`` or ``{"load_error": message}`` once, then per call
+``{"text": str, "reward": float | null}`` or ``{"error": "TypeName: message"}``. Each process has its own copy
+of every tool: state a class tool keeps in its instance is per process.
 """
 
 from __future__ import annotations
@@ -53,17 +48,11 @@ class ToolProcessStartError(Exception):
     """A tool process could not load the tools, or did not start within :data:`START_TIMEOUT_S`."""
 
 
-def _cloudpickle():
-    try:
-        import cloudpickle
-    except ImportError:  # Ray's vendored copy (importing it imports Ray: slower start of each tool process)
-        from ray import cloudpickle
-    return cloudpickle
-
-
 def pickled_tools(tools: list) -> bytes:
     """The tools as the first frame a tool process reads (raises what pickling raises)."""
-    return _cloudpickle().dumps(list(tools))
+    import cloudpickle  # tensordict's dependency; not Ray's vendored copy (importing it imports Ray)
+
+    return cloudpickle.dumps(list(tools))
 
 
 def _child_env() -> dict[str, str]:
@@ -190,7 +179,7 @@ class ToolProcessPool:
         except BaseException:  # a timeout, its death, or the caller's cancellation mid-call: the process goes
             self._discard(proc)
             raise
-        self._release(proc)
+        self._handover(proc)
         return reply
 
     async def _acquire(self, deadline: float) -> tuple[ToolProcess, float]:
@@ -243,9 +232,6 @@ class ToolProcessPool:
                 return
         if proc is not None:
             self.idle.append(proc)
-
-    def _release(self, proc: ToolProcess) -> None:
-        self._handover(proc)
 
     def _discard(self, proc: ToolProcess) -> None:
         self.processes.discard(proc)

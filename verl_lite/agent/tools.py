@@ -5,7 +5,7 @@ Two ways to give tools, both ending as :class:`Tool` objects (``name``, OpenAI `
 - **Python functions** (``PPOTrainer(..., tools=[f, g])``), sync or ``async def``: the schema comes
   from the type hints and the Google-style docstring (``transformers.utils.get_json_schema``, as TRL
   and verl's function tools do). The function is called with the model's arguments as keywords and
-  returns the response text (anything else is ``str()``-ed).
+  returns the response: text, or a value the model reads as JSON (a dict, a list, a number: ``as_text``).
 - **verl's tool config YAML** (``actor_rollout_ref.rollout.multi_turn.tool_config_path``)::
 
       tools:
@@ -15,7 +15,7 @@ Two ways to give tools, both ending as :class:`Tool` objects (``name``, OpenAI `
 
   The class follows verl's ``BaseTool``: ``create(**kw) -> (instance_id, _)``,
   ``execute(instance_id, parameters) -> (response, reward, metrics)``, ``release(instance_id)``
-  (each may be sync or async); ``response`` is a string or has a ``.text``.
+  (each may be sync or async); ``response`` is a string, has a ``.text``, or is read as JSON.
 
 Every call runs in a tool process (``verl_lite.agent.tool_process``: a pool of reusable processes, an
 ``async`` tool on its own event loop there), at most ``multi_turn.tool_timeout_s`` seconds: past it the
@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -51,6 +52,9 @@ from verl_lite.agent.tool_process import (
 from verl_lite.errors import BadInput, RunFailure
 
 TRUNCATE_SIDES = ("left", "right", "middle")
+VERL_TOOLS_FIX = ("; verl is not installed here: a tool class of your own imports verl's base class from verl_lite "
+                  "instead (from verl_lite.agent.tools import BaseTool), the rest runs as it is; verl's shipped tools "
+                  "(verl.tools.*) are not included: give their logic as a function (PPOTrainer(tools=[...])) or a class")
 TOOL_ERROR_MODES = ("text", "fail")
 
 
@@ -93,14 +97,24 @@ class ToolResult:
     metrics: dict = field(default_factory=dict)
 
 
-def _as_result(raw: Any) -> ToolResult:
-    """A tool's return value -> ToolResult: str, (response, reward[, metrics]), or anything with ``.text``."""
+def as_text(value: Any) -> str:
+    """A tool's response as the text the model reads (verl's rule): a string as it is, None as nothing, a response
+    object by its ``.text``, anything else (a dict, a list, a number) as JSON; str() where JSON cannot carry it."""
+    text = getattr(value, "text", value)
+    if text is None or isinstance(text, str):
+        return text or ""
+    try:
+        return json.dumps(text, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(text)
+
+
+def _class_result(raw: Any) -> ToolResult:
+    """A verl tool class's ``execute`` value -> ToolResult: ``(response, reward[, metrics])`` or the response."""
     reward, metrics = None, {}
     if isinstance(raw, tuple) and raw:
         raw, reward, metrics = (list(raw) + [None, {}])[:3]
-    text = getattr(raw, "text", raw)
-    return ToolResult("" if text is None else text if isinstance(text, str) else str(text),
-                      None if reward is None else float(reward), dict(metrics or {}))
+    return ToolResult(as_text(raw), None if reward is None else float(reward), dict(metrics or {}))
 
 
 def _run_maybe_async(fn: Callable, *args, **kwargs) -> Any:
@@ -149,7 +163,7 @@ class FunctionTool(Tool):
         self.fn, self.schema, self.name = fn, schema, schema["function"]["name"]
 
     def invoke(self, arguments: dict) -> ToolResult:
-        return _as_result(_run_maybe_async(self.fn, **arguments))
+        return ToolResult(as_text(_run_maybe_async(self.fn, **arguments)))
 
 
 class BaseTool:
@@ -193,7 +207,7 @@ class ClassTool(Tool):
             instance_id = created[0] if isinstance(created, tuple) else created
             try:
                 out = inst.execute(instance_id, arguments)
-                return _as_result(await out if inspect.isawaitable(out) else out)
+                return _class_result(await out if inspect.isawaitable(out) else out)
             finally:
                 if hasattr(inst, "release"):
                     done = inst.release(instance_id)
@@ -259,7 +273,9 @@ def load_tool_config(path: str) -> list[Tool]:
         try:
             cls = _import_class(entry["class_name"])
         except Exception as e:
-            problems.append(f"{where}: class_name {entry['class_name']!r} cannot be imported ({type(e).__name__}: {e})")
+            fix = VERL_TOOLS_FIX if isinstance(e, ImportError) and (e.name or "").split(".")[0] == "verl" else ""
+            problems.append(f"{where}: class_name {entry['class_name']!r} cannot be imported ({type(e).__name__}: "
+                            f"{e}){fix}")
             continue
         if not callable(getattr(cls, "execute", None)):
             problems.append(f"{where}: {entry['class_name']} has no execute(instance_id, parameters) method")

@@ -25,8 +25,7 @@ WHITEN_EPS = 1e-8
 
 def register_advantage_estimator(name: str, needs: tuple[str, ...] = ()):
     """Decorator: register ``fn`` under ``name``; ``needs`` lists its ESTIMATOR_REQUIREMENTS."""
-    unknown = set(needs) - set(ESTIMATOR_REQUIREMENTS)
-    if unknown:
+    if unknown := set(needs) - set(ESTIMATOR_REQUIREMENTS):
         raise ValueError(f"unknown estimator requirements {sorted(unknown)}; choose from {ESTIMATOR_REQUIREMENTS}")
 
     def decorator(fn):
@@ -84,9 +83,6 @@ def compute_advantage(
         )
 
 
-# ----------------------------------------------------------------------------- helpers
-
-
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     valid = mask != 0
     count = int(valid.sum().item())
@@ -95,11 +91,8 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return values[valid].sum() / count
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """(x - mean) / sqrt(var + 1e-8), mean and UNBIASED var over the valid entries of the batch.
-
-    With shift_mean=False the mean is added back. Needs at least 2 valid entries.
-    """
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(x - mean) / sqrt(var + 1e-8), mean and UNBIASED var over the (at least 2) valid entries of the batch."""
     valid = mask != 0
     count = int(valid.sum().item())
     if count < 2:
@@ -110,10 +103,7 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     x = values[valid]
     mean = x.mean()
     var = (x - mean).square().sum() / (count - 1)
-    whitened = (values - mean) * torch.rsqrt(var + WHITEN_EPS)
-    if not shift_mean:
-        whitened = whitened + mean
-    return whitened
+    return (values - mean) * torch.rsqrt(var + WHITEN_EPS)
 
 
 def group_ids(index, n: int) -> tuple[torch.Tensor, int]:
@@ -151,9 +141,6 @@ def _mask(response_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _outcome(a: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     adv = a.unsqueeze(-1) * _mask(response_mask, a.dtype)
     return adv, adv
-
-
-# ----------------------------------------------------------------------------- estimators
 
 
 @register_advantage_estimator("gae", needs=("critic",))

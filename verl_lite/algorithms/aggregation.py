@@ -52,13 +52,7 @@ def _float_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 @dataclass(frozen=True)
 class NormalizationPlan:
-    """The mini-batch constants of the aggregation weights (picklable, tiny).
-
-    mode:       one of AGG_MODES
-    num_tokens: N, valid tokens in the whole mini-batch
-    num_seqs:   B, trajectories in the whole mini-batch (fully masked rows included)
-    horizon:    H, the constant divisor of `seq-mean-token-sum-norm`
-    """
+    """The mini-batch constants N, B, H of the aggregation weights (module docstring), for one of AGG_MODES."""
 
     mode: str
     num_tokens: int
@@ -81,11 +75,7 @@ class NormalizationPlan:
 
     @classmethod
     def from_mask(cls, response_mask: torch.Tensor, mode: str, horizon: float | None = None) -> "NormalizationPlan":
-        """Build the plan from the WHOLE mini-batch's response mask [B, W].
-
-        N = mask.sum(), B = number of rows (fully masked rows count), H = horizon or W.
-        """
-        check_agg_mode(mode)
+        """The plan of the WHOLE mini-batch's response mask [B, W]: N = valid tokens, B = rows, H = horizon or W."""
         if response_mask.dim() != 2:
             raise ValueError(f"response_mask must be [num_seqs, width], got shape {tuple(response_mask.shape)}.")
         num_tokens = int((response_mask != 0).sum().item())
@@ -109,22 +99,15 @@ class NormalizationPlan:
         n = m.sum(dim=-1, keepdim=True)
         return m / (self.num_seqs * n.clamp(min=1))
 
-    def token_mean_weights(self, response_mask: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """m_i,t / N: the weights that turn per-token metrics into shard-additive token means.
-
-        N = 0 (possible for non-token-mean modes) gives all-zero weights, not a division by zero.
-        """
-        dtype = dtype or _float_dtype(response_mask)
-        m = (response_mask != 0).to(dtype)
-        return m / max(self.num_tokens, 1)
-
     def aggregate(self, per_token: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
         """sum_{i,t} w_i,t * l_i,t over this shard (a scalar; shards sum to L)."""
         return masked_weighted_sum(per_token, self.token_weights(response_mask, per_token.dtype), response_mask)
 
     def token_mean(self, per_token: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-        """sum_{i,t} m_i,t l_i,t / N over this shard (a metric that sums across shards)."""
-        return masked_weighted_sum(per_token, self.token_mean_weights(response_mask, per_token.dtype), response_mask)
+        """sum_{i,t} m_i,t l_i,t / N over this shard (a metric that sums across shards; N = 0, possible for
+        modes other than token-mean, gives 0)."""
+        weights = (response_mask != 0).to(per_token.dtype) / max(self.num_tokens, 1)
+        return masked_weighted_sum(per_token, weights, response_mask)
 
 
 def masked_weighted_sum(values: torch.Tensor, weights: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

@@ -18,10 +18,7 @@ import torch
 
 def overlong_penalty(response_lengths: torch.Tensor, max_response_length: int, buffer_len: int,
                      penalty_factor: float) -> torch.Tensor:
-    """penalty(L) per row (<= 0), see the module docstring."""
-    if not 0 < buffer_len <= max_response_length:
-        raise ValueError(f"overlong buffer len must lie in (0, max_response_length={max_response_length}], "
-                         f"got {buffer_len}")
+    """penalty(L) per row (<= 0), see the module docstring (``reward.overlong_buffer``'s rules: its ``problems``)."""
     expected = max_response_length - buffer_len
     excess = (response_lengths.double() - expected).clamp(min=0)
     return -(excess / buffer_len).clamp(max=1.0) * penalty_factor

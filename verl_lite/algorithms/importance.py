@@ -17,8 +17,6 @@ import torch
 @torch.no_grad()
 def truncated_is_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
                          cap: float) -> torch.Tensor:
-    if not cap > 0:
-        raise ValueError(f"the truncation cap must be > 0, got {cap}")
     valid = response_mask != 0
     log_ratio = torch.where(valid, old_log_probs - rollout_log_probs, torch.zeros_like(old_log_probs))
     return torch.exp(log_ratio.clamp(max=20.0)).clamp(max=cap) * valid.to(old_log_probs.dtype)

@@ -20,7 +20,7 @@ import torch
 
 from .aggregation import AGG_MODES, NormalizationPlan
 from .kl import KL_TYPES, kl_penalty
-from .policy_loss import COV_SELECTION_LOSSES, POLICY_LOSSES, PolicyLossConfig, get_policy_loss
+from .policy_loss import POLICY_LOSSES, PolicyLossConfig, get_policy_loss
 from .rollout_correction import rollout_correction
 from .value_loss import clipped_value_loss
 
@@ -83,10 +83,6 @@ class ActorLossConfig:
         return out
 
 
-def _scalar(x: torch.Tensor) -> torch.Tensor:
-    return x.detach()
-
-
 def actor_loss(
     outputs: dict[str, torch.Tensor],
     data: dict[str, torch.Tensor],
@@ -109,12 +105,6 @@ def actor_loss(
     log_probs = outputs["log_probs"]
     mask = data["response_mask"]
     pg_fn = get_policy_loss(cfg.policy_loss.loss_mode)
-    cov_mask = data.get(COV_MASK_KEY)
-    if cfg.policy_loss.loss_mode in COV_SELECTION_LOSSES and cov_mask is None:
-        raise ValueError(
-            f"policy_loss={cfg.policy_loss.loss_mode!r} needs data[{COV_MASK_KEY!r}] computed once per mini-batch with "
-            "select_cov_tokens (the controller does this before dispatch)."
-        )
     # One epoch, one mini-batch per RL step: the old (proximal) policy IS the current one, so
     # old = sg(log_probs): every ratio is 1 in value and the gradient is the policy gradient.
     in_forward = "old_log_probs" not in data
@@ -127,13 +117,13 @@ def actor_loss(
                                   token_mean=lambda x: plan.token_mean(x, mask), num_seqs=plan.num_seqs)
         if corr.weights is not None:
             is_weights = corr.weights
-        metrics.update({k: _scalar(v) for k, v in corr.metrics.items()})
-    pg, pg_metrics = pg_fn(old_log_probs, log_probs, data["advantages"], mask, cfg, is_weights, cov_mask)
+        metrics.update({k: v.detach() for k, v in corr.metrics.items()})
+    pg, pg_metrics = pg_fn(old_log_probs, log_probs, data["advantages"], mask, cfg, is_weights, data.get(COV_MASK_KEY))
     pg_contribution = plan.aggregate(pg, mask)
     total = pg_contribution
-    metrics["pg_loss"] = _scalar(pg_contribution)
+    metrics["pg_loss"] = pg_contribution.detach()
     for name, per_token in pg_metrics.items():
-        metrics[name] = _scalar(plan.token_mean(per_token, mask))
+        metrics[name] = plan.token_mean(per_token, mask).detach()
 
     if cfg.use_kl_loss:
         if "ref_log_probs" not in data:
@@ -141,7 +131,7 @@ def actor_loss(
         kl = kl_penalty(log_probs, data["ref_log_probs"], cfg.kl_loss_type)
         kl_contribution = plan.aggregate(kl, mask)
         total = total + cfg.kl_loss_coef * kl_contribution
-        metrics["kl_loss"] = _scalar(kl_contribution)
+        metrics["kl_loss"] = kl_contribution.detach()
 
     entropy = outputs.get("entropy")
     if cfg.entropy_coeff != 0 and entropy is None:
@@ -150,10 +140,10 @@ def actor_loss(
         entropy_contribution = plan.aggregate(entropy, mask)
         if cfg.entropy_coeff != 0:
             total = total - cfg.entropy_coeff * entropy_contribution
-        metrics["entropy"] = _scalar(entropy_contribution)
-        metrics["entropy_token_mean"] = _scalar(plan.token_mean(entropy, mask))
+        metrics["entropy"] = entropy_contribution.detach()
+        metrics["entropy_token_mean"] = plan.token_mean(entropy, mask).detach()
 
-    metrics["loss"] = _scalar(total)
+    metrics["loss"] = total.detach()
     return total, metrics
 
 
@@ -172,8 +162,8 @@ def critic_loss(
     loss, per_token = clipped_value_loss(values, data["returns"], data["old_values"], cliprange_value)
     contribution = plan.aggregate(loss, mask)
     metrics = {
-        "vf_loss": _scalar(contribution),
-        "vf_clipfrac": _scalar(plan.token_mean(per_token["vf_clipfrac"], mask)),
-        "vpred_mean": _scalar(plan.token_mean(values.detach(), mask)),
+        "vf_loss": contribution.detach(),
+        "vf_clipfrac": plan.token_mean(per_token["vf_clipfrac"], mask).detach(),
+        "vpred_mean": plan.token_mean(values.detach(), mask).detach(),
     }
     return contribution, metrics

@@ -5,22 +5,14 @@ Every loss has the signature
     fn(old_log_prob, log_prob, advantages, response_mask, cfg: ActorLossConfig,
        is_weights=None, cov_mask=None) -> (per_token_loss [n, W], metrics: dict[str, Tensor [n, W]])
 
-and is aggregated by the caller through a `NormalizationPlan` (objective.py), so that every
-loss honours every aggregation mode and every shard/CP layout. Metrics are per-token
-indicator/value tensors (detached); callers turn them into token means with the plan.
+and is aggregated by the caller through a `NormalizationPlan` (objective.py), so every loss honours every
+aggregation mode and every shard/CP layout; its metrics are detached per-token tensors the caller turns into token
+means. Notation: A = advantages, delta = log_prob - old_log_prob, r = exp(clamp(delta, -20, 20)), eps_lo / eps_hi =
+clip_ratio_low / clip_ratio_high (default clip_ratio), sg = stop-gradient. Sequence quantities (gspo's, geo_mean's)
+are computed from whole rows, which every shard and CP rank holds. IS weights w (optional) multiply the loss.
 
-Notation: A = advantages, delta = log_prob - old_log_prob, r = exp(clamp(delta, -20, 20)),
-eps_lo / eps_hi = clip_ratio_low / clip_ratio_high (default clip_ratio), sg = stop-gradient,
-n_i = valid tokens of row i. Sequence quantities (gspo's mean log-ratio, geo_mean's mean
-clipped log-ratio) are computed from whole rows, so any shard of whole rows (and any CP rank,
-which holds full rows) sees the same values. IS weights w (optional, e.g. rollout
-correction) multiply the per-token loss.
-
-clip_cov / kl_cov select tokens from statistics of the WHOLE mini-batch, with verl's rule
-(the current log-probs; clip_cov skips tokens the PPO range already clips). To stay shard
-invariant the selection is not made inside the loss: `select_cov_tokens` runs once per
-mini-batch (on the controller, before dispatch, from the current policy's log-probs of that
-mini-batch) and its boolean mask travels with the data as `cov_mask` (docs/algorithms.md).
+clip_cov / kl_cov select tokens from statistics of the WHOLE mini-batch (verl's rule), so to stay shard invariant
+`select_cov_tokens` runs once per mini-batch, before dispatch, and its mask travels with the data as `cov_mask`.
 """
 
 from __future__ import annotations
@@ -75,16 +67,9 @@ def get_policy_loss(name: str) -> PolicyLossFn:
     return POLICY_LOSSES[name]
 
 
-# ----------------------------------------------------------------------------- helpers
-
-
-def _valid(response_mask: torch.Tensor) -> torch.Tensor:
-    return response_mask != 0
-
-
 def _row_mean(x: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """sum_t m x / max(n_i, 1) per row, padding ignored even if non-finite -> [n]."""
-    valid = _valid(response_mask)
+    valid = response_mask != 0
     total = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum(dim=-1)
     return total / valid.sum(dim=-1).clamp(min=1).to(x.dtype)
 
@@ -98,10 +83,6 @@ def _apply_is_weights(loss: torch.Tensor, is_weights: torch.Tensor | None) -> to
     return loss if is_weights is None else loss * is_weights.detach()
 
 
-def _indicator(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return x.detach().to(dtype)
-
-
 def _require_cov_mask(name: str, cov_mask: torch.Tensor | None, ref: torch.Tensor) -> torch.Tensor:
     if cov_mask is None:
         raise ValueError(
@@ -111,9 +92,6 @@ def _require_cov_mask(name: str, cov_mask: torch.Tensor | None, ref: torch.Tenso
     if cov_mask.shape != ref.shape:
         raise ValueError(f"cov_mask shape {tuple(cov_mask.shape)} != log_prob shape {tuple(ref.shape)}.")
     return (cov_mask != 0).to(ref.dtype)
-
-
-# ----------------------------------------------------------------------------- losses
 
 
 @register_policy_loss("vanilla")
@@ -133,8 +111,8 @@ def vanilla_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weig
     loss = torch.where(advantages < 0, clipped2, clipped1)
     dt = log_prob.dtype
     metrics = {
-        "pg_clipfrac": _indicator(loss2 > loss1, dt),
-        "pg_clipfrac_lower": _indicator((clipped1 > loss3) & (advantages < 0), dt),
+        "pg_clipfrac": (loss2 > loss1).to(dt),
+        "pg_clipfrac_lower": ((clipped1 > loss3) & (advantages < 0)).to(dt),
         "ppo_kl": -delta.detach(),
     }
     return _apply_is_weights(loss, is_weights), metrics
@@ -152,7 +130,7 @@ def gspo_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights
     loss1 = -advantages * s
     loss2 = -advantages * torch.clamp(s, 1 - cfg.eps_low, 1 + cfg.eps_high)
     loss = torch.maximum(loss1, loss2)
-    metrics = {"pg_clipfrac": _indicator(loss2 > loss1, log_prob.dtype), "ppo_kl": -delta.detach()}
+    metrics = {"pg_clipfrac": (loss2 > loss1).to(log_prob.dtype), "ppo_kl": -delta.detach()}
     return _apply_is_weights(loss, is_weights), metrics
 
 
@@ -169,15 +147,13 @@ def cispo_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weight
     delta, ratio = _ratio(old_log_prob, log_prob)
     clipped = torch.clamp(ratio, 1 - cfg.eps_low, 1 + cfg.eps_high)
     loss = -clipped.detach() * advantages * log_prob
-    metrics = {"pg_clipfrac": _indicator(ratio != clipped, log_prob.dtype), "ppo_kl": -delta.detach()}
+    metrics = {"pg_clipfrac": (ratio != clipped).to(log_prob.dtype), "ppo_kl": -delta.detach()}
     return _apply_is_weights(loss, is_weights), metrics
 
 
 @register_policy_loss("sapo")
 def sapo_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None, cov_mask=None):
     """SAPO: l = -A sigmoid(tau (r - 1)) 4 / tau, tau = tau_pos if A > 0 else tau_neg."""
-    if not (cfg.policy_loss.tau_pos > 0 and cfg.policy_loss.tau_neg > 0):
-        raise ValueError(f"sapo needs tau_pos > 0 and tau_neg > 0, got {cfg.policy_loss.tau_pos}, {cfg.policy_loss.tau_neg}.")
     delta, ratio = _ratio(old_log_prob, log_prob)
     tau = torch.where(
         advantages > 0,
@@ -211,8 +187,8 @@ def geo_mean_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_wei
     clipped = delta != delta_clamped
     dt = log_prob.dtype
     metrics = {
-        "pg_clipfrac": _indicator(clipped & (advantages > 0), dt),
-        "pg_clipfrac_lower": _indicator(clipped & (advantages < 0), dt),
+        "pg_clipfrac": (clipped & (advantages > 0)).to(dt),
+        "pg_clipfrac_lower": (clipped & (advantages < 0)).to(dt),
         "ppo_kl": -delta.detach(),
     }
     return loss, metrics
@@ -229,7 +205,7 @@ def clip_cov_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_wei
     loss2 = -advantages * torch.clamp(ratio, 1 - cfg.eps_low, 1 + cfg.eps_high)
     loss = torch.maximum(loss1, loss2) * (1 - selected)
     metrics = {
-        "pg_clipfrac": _indicator(loss2 > loss1, log_prob.dtype),
+        "pg_clipfrac": (loss2 > loss1).to(log_prob.dtype),
         "cov_selected_frac": selected.detach(),
         "ppo_kl": -delta.detach(),
     }
@@ -248,9 +224,6 @@ def kl_cov_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weigh
         "ppo_kl_abs": delta.detach().abs(),
     }
     return _apply_is_weights(loss, is_weights), metrics
-
-
-# ----------------------------------------------------------------------------- selection
 
 
 def clipped_by_ppo_range(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
@@ -287,7 +260,7 @@ def select_cov_tokens(
     current = old_log_probs if log_probs is None else log_probs
     if current.shape != old_log_probs.shape:
         raise ValueError(f"log_probs shape {tuple(current.shape)} != old_log_probs shape {tuple(old_log_probs.shape)}.")
-    valid = _valid(response_mask)
+    valid = response_mask != 0
     selected = torch.zeros_like(valid)
     num_valid = int(valid.sum().item())
     if num_valid == 0:
@@ -297,14 +270,10 @@ def select_cov_tokens(
     cov = (adv - adv.mean()) * (logp - logp.mean())
     flat_valid = torch.nonzero(valid.reshape(-1), as_tuple=True)[0]
     if loss_name == "kl_cov":
-        if not cfg.policy_loss.kl_cov_ratio > 0:
-            raise ValueError(f"kl_cov_ratio must be > 0, got {cfg.policy_loss.kl_cov_ratio}.")
         k = max(1, int(num_valid * cfg.policy_loss.kl_cov_ratio))
         order = torch.sort(cov, descending=True, stable=True).indices[:k]
         chosen = flat_valid[order]
     else:
-        if not cfg.policy_loss.clip_cov_ratio > 0:
-            raise ValueError(f"clip_cov_ratio must be > 0, got {cfg.policy_loss.clip_cov_ratio}.")
         k = max(1, int(cfg.policy_loss.clip_cov_ratio * num_valid))
         clipped = clipped_by_ppo_range(old_log_probs, current, advantages, cfg)[valid]
         candidates = torch.nonzero((cov > cfg.policy_loss.clip_cov_lb) & (cov < cfg.policy_loss.clip_cov_ub) & ~clipped, as_tuple=True)[0]

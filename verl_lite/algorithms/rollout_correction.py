@@ -15,14 +15,12 @@ proximal policy recomputed at the update, docs/async.md):
 The IS weights carry no gradient and multiply the per-token policy loss (``is_weights`` of every
 policy loss); rejected tokens get weight 0. Padding positions hold weight 0.
 
-Metrics (every one a mean over the step's valid tokens unless named otherwise):
-``rollout_corr/{is_weight_mean, is_raw_weight_mean, is_truncated_fraction}`` and ``is_weight_max`` /
-``is_weight_min`` (over valid tokens) with IS on; ``rs_masked_fraction`` and ``rs_rejected_seq_fraction``
-(rows with valid tokens that rejection removes whole, over all B rows) with RS on; always ``kl``, ``k3_kl``,
-and ``rollout/logprob_diff_mean`` / ``_max`` (|o - b|). Where the old log-probs are the update's own forward
-(docs/async.md), the engine computes them per micro-batch: ``token_mean`` is then the normalization plan's
-shard-additive token mean and ``num_seqs`` the mini-batch's B, and ``*_max`` / ``*_min`` metrics reduce by max /
-min (``verl_lite.utils.metric_reduce``).
+Metrics (token means over the step's valid tokens unless named otherwise): ``rollout_corr/is_weight_mean``,
+``is_raw_weight_mean``, ``is_truncated_fraction``, ``is_weight_max`` / ``_min`` with IS on; ``rs_masked_fraction``
+and ``rs_rejected_seq_fraction`` (rows with valid tokens that rejection removes whole, over all B rows) with RS on;
+always ``kl``, ``k3_kl`` and ``rollout/logprob_diff_mean`` / ``_max`` (|o - b|). Computed per micro-batch (old
+log-probs from the update's own forward), ``token_mean`` is the plan's shard-additive one, ``num_seqs`` the
+mini-batch's B, and ``*_max`` / ``*_min`` reduce by max / min (``verl_lite.utils.metric_reduce``).
 """
 
 from __future__ import annotations
@@ -45,10 +43,6 @@ class Correction:
     metrics: dict  # name -> 0-dim tensor (see the module docstring)
 
 
-def _batch_token_mean(m: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda x: (x * m).sum() / m.sum().clamp(min=1)
-
-
 @torch.no_grad()
 def rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor, *,
                        rollout_is: str | None, rollout_is_threshold: float, rollout_rs: str | None,
@@ -65,7 +59,7 @@ def rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
         raise ValueError(f"rollout_rs={rollout_rs!r}; choose one of {list(RS_LEVELS)} or None")
     m = (response_mask != 0).to(old_log_probs.dtype)
     valid = m.bool()
-    token_mean = token_mean or _batch_token_mean(m)
+    token_mean = token_mean or (lambda x: (x * m).sum() / m.sum().clamp(min=1))
     num_seqs = m.shape[0] if num_seqs is None else num_seqs
 
     def extreme(x: torch.Tensor, largest: bool) -> torch.Tensor:
@@ -75,15 +69,17 @@ def rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
 
     log_ratio = (old_log_probs - rollout_log_probs) * m
     seq_log_ratio = log_ratio.sum(-1, keepdim=True)  # [n, 1]
-    lengths = m.sum(-1, keepdim=True)
+
+    def ratio(level: str) -> torch.Tensor:
+        """The ratio at ``level`` of each token (geometric: the geometric mean of its row's token ratios)."""
+        if level == "token":
+            return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        seq = seq_log_ratio if level == "sequence" else seq_log_ratio / m.sum(-1, keepdim=True).clamp(min=1)
+        return torch.exp(seq.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).expand_as(m)
+
     abs_diff = log_ratio.abs()
     metrics: dict = {"rollout/logprob_diff_mean": token_mean(abs_diff), "rollout/logprob_diff_max": extreme(abs_diff, True)}
-    if rollout_is == "token":
-        w = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    elif rollout_is == "sequence":
-        w = torch.exp(seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).expand_as(m)
-    else:
-        w = torch.ones_like(m)
+    w = torch.ones_like(m) if rollout_is is None else ratio(rollout_is)
     if rollout_is is not None:
         metrics["rollout_corr/is_truncated_fraction"] = token_mean((w > rollout_is_threshold).to(m.dtype))
         metrics["rollout_corr/is_raw_weight_mean"] = token_mean(w)
@@ -95,13 +91,8 @@ def rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
     if rollout_rs is not None:
         upper = rollout_rs_threshold
         lower = rollout_rs_threshold_lower if rollout_rs_threshold_lower is not None else 1.0 / upper
-        if rollout_rs == "token":
-            ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-        elif rollout_rs == "sequence":
-            ratio = torch.exp(seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).expand_as(m)
-        else:  # geometric mean of the token ratios
-            ratio = torch.exp((seq_log_ratio / lengths.clamp(min=1)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).expand_as(m)
-        keep = m * ((ratio >= lower) & (ratio <= upper)).to(m.dtype)
+        rs_ratio = ratio(rollout_rs)
+        keep = m * ((rs_ratio >= lower) & (rs_ratio <= upper)).to(m.dtype)
         metrics["rollout_corr/rs_masked_fraction"] = token_mean(m - keep)
         rejected_rows = (keep.sum(-1) == 0) & (m.sum(-1) > 0)
         metrics["rollout_corr/rs_rejected_seq_fraction"] = rejected_rows.sum().to(m.dtype) / max(num_seqs, 1)

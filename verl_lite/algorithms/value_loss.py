@@ -13,8 +13,6 @@ def clipped_value_loss(
     values: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor, cliprange_value: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Returns (per-token loss [n, W], {"vf_clipfrac": indicator that the clipped term won})."""
-    if not cliprange_value >= 0:
-        raise ValueError(f"cliprange_value must be >= 0, got {cliprange_value}.")
     clipped = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
     loss1 = (values - returns).square()
     loss2 = (clipped - returns).square()

@@ -1,43 +1,15 @@
 """Everything verl_lite does to another library's internals, in one place, pinned.
 
-Each module here reaches into a private API or patches behaviour of one library version, behind small
-named functions, and checks the installed version when it is imported (:func:`require`), so a different
-version fails at once, with one line naming the package and the versions the shim was written for,
-instead of failing (or silently misbehaving) somewhere deep in a run. Nothing outside this package
-touches another library's private names (``tests/test_import_layers.py``); this package imports nothing of
-the engine's or the rollout's (what it needs of them, such as the engine's RoPE, is passed in).
+Each module here reaches into a private API or patches behaviour of one library version (each module's docstring
+says which), behind small named functions. Nothing outside this package touches another library's private names
+(``tests/test_import_layers.py``); this package imports nothing of the engine's or the rollout's (what it needs of
+them, such as the engine's RoPE, is passed in).
 
-- :mod:`.cpu_adapter`: megatron-core on a CPU-only torch (CUDA device queries, synchronize,
-  hard-coded ``device="cuda"``).
-- :mod:`.lazy_compile`: importing megatron-core / tensordict without their import-time
-  ``torch.compile`` preparation and wandb.
-- :mod:`.megatron_internals`: megatron-core's expert-DP gloo groups without a timeout, the MoE
-  alltoall dispatcher's CUDA streams on a CPU-only torch, the distributed optimizer's Adam
-  ``step`` on load, torch's fused Adam kernel for megatron's torch AdamW, the distributed optimizer's shard of a
-  parameter's main copy, megatron's dense MLPs re-classed as a given subclass (the engine's ``SwiGLUMLP``),
-  megatron's unfused RoPE routed through a given one (the engine's).
-- :mod:`.ray_local`: Ray's private node hooks and ``ray.init`` arguments for a loopback-only, minimal local Ray.
-- :mod:`.fast_exit`: CPython's ``atexit._run_exitfuncs``, to end the CLI without the interpreter's
-  teardown (falls back to ``sys.exit`` where it is missing).
-- :mod:`.kv_cache`: a KV cache layer on transformers' ``DynamicLayer`` whose decode steps write in
-  place instead of ``torch.cat`` (stands aside, like ``transformers_imports``, with any transformers
-  but the version it was written for, and for models with other than full-attention layers).
-- :mod:`.hf_attention`: the HF rollout's decode-step attention as matmuls, registered with transformers'
-  ``AttentionInterface`` (stands aside with any transformers but the version it was written for, and for a
-  model transformers does not run on ``sdpa``).
-- :mod:`.transformers_imports`: transformers' lazy-import table (``define_import_structure``) read
-  from a cache file instead of a scan of ~3,300 source files in every process. A speed-up only: with
-  any transformers but the version it was written for, it stands aside (no ``require``).
-- :mod:`.torch_internals`: torch's private switch that turns every ``__torch_function__`` override off
-  (``torch._C.DisableTorchFunction``).
-- :mod:`.ray_names`: the names of Ray's private loggers verl_lite filters (strings only: Ray not imported).
-- :mod:`.torch_dcp`: torch.distributed.checkpoint's index read without trusting its pickle.
-
-:data:`TESTED_VERSIONS` is the one table of the versions the shims were written and tested for. The
-packages of :data:`PINNED` are required at those versions (their shims call :func:`require`, and
-``pyproject.toml`` pins each to :func:`pinned_specifier`, checked by ``tests/compat/test_pins.py``);
-the shims on any other package (transformers) are speed-ups that stand aside with another version
-(:func:`installed_is_tested`).
+:data:`TESTED_VERSIONS` is the one table of the versions the shims were written and tested for. The packages of
+:data:`PINNED` are required at those versions: their shims call :func:`require` when imported, so another version
+fails at once with one line naming the package and the versions, and ``pyproject.toml`` pins each to
+:func:`pinned_specifier` (``tests/compat/test_pins.py``). The shims on any other package (transformers) are
+speed-ups that stand aside with another version (:func:`installed_is_tested`).
 """
 
 from __future__ import annotations

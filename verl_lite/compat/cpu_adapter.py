@@ -1,29 +1,19 @@
 """The one process-level CPU adapter that lets megatron-core 0.16.1 run on a CPU-only torch.
 
-``install()`` does nothing when ``torch.cuda.is_available()``: on GPUs megatron runs untouched.
-On a CPU-only torch it changes exactly three things, for the whole process, idempotently:
+``install()`` does nothing when ``torch.cuda.is_available()``. On a CPU-only torch it changes exactly three things,
+for the whole process, idempotently (nothing inside megatron is edited):
 
-1. ``torch.cuda.current_device`` returns ``torch.device("cpu")``. Megatron allocates buffers on
-   ``torch.cuda.current_device()``: DDP grad buffers (``distributed/param_and_grad_buffer.py:806``),
-   pipeline p2p receive buffers (``pipeline_parallel/p2p_communication.py:313/321``), TP all-gather
-   outputs (``tensor_parallel/mappings.py:91``), RoPE frequencies
-   (``models/common/embeddings/rotary_pos_embedding.py:162``).
-2. ``torch.cuda.synchronize`` is a no-op (``p2p_communication.py:242/398``,
-   ``dist_checkpointing/strategies/filesystem_async.py:230``).
-3. One globally entered ``TorchFunctionMode`` (``_CudaToCpuMode``) that
-   - rewrites ``device="cuda" | "cuda:N" | N`` to cpu in factory functions and ``Tensor.to``, and turns
-     ``Tensor.cuda()`` into identity: hard-coded literals no config reaches, e.g.
-     ``torch.zeros([], device="cuda")`` in every schedule (``pipeline_parallel/schedules.py:596/983/2138``),
-     ``weight.data.cuda()`` when tying embeddings across PP (``language_module.py:244``);
-   - turns ``pin_memory=True`` off and ``Tensor.pin_memory()`` into identity (``rope_utils.py:63``);
-   - answers the no-argument ``Tensor.type()`` of a CPU tensor with ``'torch.cuda.<X>Tensor'``,
-     because the optimizers assert on that string (``optimizer/optimizer.py:671/690``,
-     ``optimizer/distrib_optimizer.py:361/420``, ``optimizer/clip_grads.py:167``).
+1. ``torch.cuda.current_device`` returns cpu: megatron allocates DDP grad buffers, pipeline p2p receive buffers, TP
+   all-gather outputs and RoPE frequencies there (``param_and_grad_buffer.py:806``, ``p2p_communication.py:313``,
+   ``mappings.py:91``, ``rotary_pos_embedding.py:162``).
+2. ``torch.cuda.synchronize`` is a no-op (``p2p_communication.py:242``, ``filesystem_async.py:230``).
+3. One globally entered ``TorchFunctionMode`` (``_CudaToCpuMode``) rewrites ``device="cuda" | "cuda:N" | N`` to cpu
+   in factory functions and ``Tensor.to`` and makes ``Tensor.cuda()`` / ``Tensor.pin_memory()`` identities and
+   ``pin_memory=True`` off (hard-coded literals no config reaches: ``schedules.py:596``, ``language_module.py:244``,
+   ``rope_utils.py:63``), and answers the no-argument ``Tensor.type()`` of a CPU tensor with
+   ``'torch.cuda.<X>Tensor'``, which the optimizers assert on (``optimizer.py:671``, ``clip_grads.py:167``).
 
-Nothing inside megatron is edited or monkeypatched. Cost: one Python call per torch op (it shows
-on small models and vanishes in the matmuls of large ones; docs/performance.md); the engine runs the
-model's forward inside ``suspended()``, where no torch-function mode runs, so the cost is left
-to the schedules, the loss path and the optimizer.
+The mode costs one Python call per torch op; the engine runs the model's forward inside ``suspended()``.
 """
 
 from __future__ import annotations
@@ -44,15 +34,11 @@ _CPU = torch.device("cpu")
 
 
 def _is_cuda_device(d) -> bool:
-    if isinstance(d, bool):
-        return False
-    if isinstance(d, int):
-        return True  # a bare device index means a CUDA device
     if isinstance(d, str):
         return d == "cuda" or d.startswith("cuda:")
     if isinstance(d, torch.device):
         return d.type == "cuda"
-    return False
+    return isinstance(d, int) and not isinstance(d, bool)  # a bare device index means a CUDA device
 
 
 class _CudaToCpuMode(TorchFunctionMode):
@@ -76,20 +62,9 @@ class _CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _current_device() -> torch.device:
-    return _CPU
-
-
-def _synchronize(device=None) -> None:
-    return None
-
-
 def suspended():
-    """A context in which no torch-function mode runs (so neither does the adapter's per-call hop).
-
-    For code that creates no tensor on a literal "cuda" device, e.g. a model's forward (its device
-    lookups go through the patched ``torch.cuda.current_device``), so its many small ops skip the
-    per-call hop. A no-op context when the adapter is not installed (GPU)."""
+    """A context in which no torch-function mode runs, for code that creates no tensor on a literal "cuda" device
+    (e.g. a model's forward: its device lookups go through ``torch.cuda.current_device``). A no-op on GPU."""
     if _INSTALLED_MODE is None:
         return contextlib.nullcontext()
     return torch_function_disabled()
@@ -105,8 +80,8 @@ def install() -> bool:
     if torch.cuda.is_available():
         return False
     if _INSTALLED_MODE is None:
-        torch.cuda.current_device = _current_device
-        torch.cuda.synchronize = _synchronize
+        torch.cuda.current_device = lambda: _CPU
+        torch.cuda.synchronize = lambda device=None: None
         mode = _CudaToCpuMode()
         mode.__enter__()  # stays entered for the life of the process
         _INSTALLED_MODE = mode

@@ -1,12 +1,10 @@
 """Ending the CLI process without the interpreter's teardown.
 
-After a run has closed everything it opened (workers, Ray, trackers, the reward process), what is
-left at exit is CPython freeing its modules and the extension modules' C++ destructors (torch,
-megatron-core, Ray's core worker): a noticeable share of a short job, for nothing (docs/performance.md).
-:func:`exit_now` runs the registered ``atexit`` handlers (Ray's, logging's, trackers'),
-flushes the standard streams and ends the process with ``os._exit``. It reaches into CPython's
-``atexit._run_exitfuncs``, present in every CPython this package supports (>= 3.11); where it is
-missing (another interpreter) the ordinary ``sys.exit`` runs instead.
+After a run has closed everything it opened, what is left at exit is CPython freeing its modules and the extension
+modules' C++ destructors (torch, megatron-core, Ray's core worker): a noticeable share of a short job, for nothing.
+:func:`exit_now` runs the registered ``atexit`` handlers through CPython's ``atexit._run_exitfuncs``, flushes the
+standard streams and ends the process with ``os._exit``; where that function is missing (another interpreter) the
+ordinary ``sys.exit`` runs instead.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """The HF rollout's attention for decode steps, registered with transformers' attention interface (``TESTED_VERSIONS``).
 
-A decode step asks one query per row of every cached key. transformers' ``sdpa`` hands that to torch's SDPA, whose
-flash kernel for the CPU costs more than the arithmetic of so small a product; two plain matmuls are faster there
-(docs/performance.md). :func:`use_decode_attention` registers ``verl_lite_decode`` with
-``transformers.AttentionInterface`` (and transformers' own ``sdpa_mask`` for it with ``AttentionMaskInterface``, so
-the model builds the masks SDPA would get) and switches a model that runs ``sdpa`` to it: a single-query step on
-the CPU in one of the given dtypes runs the given matmul attention (the HF rollout passes the engine's
-``grouped_matmul_attention``: a KV group's query heads as the rows of one matmul), every other call (the prefill, GPUs, 16-bit, attention sinks, soft-capping, dropout) runs
-transformers' ``sdpa_attention_forward`` unchanged.
-
-For any transformers but the version it was written for, and for a model not on ``sdpa``, it stands aside.
+A decode step asks one query per row of every cached key; torch's SDPA flash kernel for the CPU costs more than the
+arithmetic of so small a product, and two plain matmuls are faster. :func:`use_decode_attention` registers
+``verl_lite_decode`` with ``transformers.AttentionInterface`` (and transformers' own ``sdpa_mask`` with
+``AttentionMaskInterface``, so the model builds the masks SDPA would get) and switches a model that runs ``sdpa`` to
+it: a single-query step on the CPU in one of the given dtypes runs the given matmul attention; every other call
+(prefill, GPUs, attention sinks, soft-capping, dropout) runs transformers' ``sdpa_attention_forward`` unchanged.
+For any transformers but the tested one, and for a model not on ``sdpa``, it stands aside.
 """
 
 from __future__ import annotations
@@ -58,10 +55,8 @@ def decode_attention(matmul_attention, matmul_dtypes: tuple[torch.dtype, ...]):
 
 
 def use_decode_attention(model, matmul_attention, matmul_dtypes: tuple[torch.dtype, ...]) -> bool:
-    """Switch ``model`` from transformers' ``sdpa`` to ``verl_lite_decode`` (registered, as
-    :func:`decode_attention` of the arguments, at every switch): the same attention with single-query CPU steps
-    as matmuls. A model that runs anything but ``sdpa`` (eager, flash, flex: transformers chose or was told so)
-    is left alone, as is every model with another transformers. Returns whether it switched."""
+    """Switch ``model`` from ``sdpa`` to ``verl_lite_decode`` (registered as :func:`decode_attention` of the
+    arguments at every switch). Returns whether it switched (see the module docstring for when it stands aside)."""
     if not installed_is_tested("transformers"):
         return False
     if getattr(model.config, "_attn_implementation", None) != "sdpa":

@@ -1,20 +1,16 @@
 """A KV cache whose decode steps write in place, built on transformers' cache layers (``TESTED_VERSIONS``).
 
-transformers' ``DynamicLayer`` grows a layer's keys and values by ``torch.cat`` at every forward, so each decode
-step copies the whole cache of every layer: a copy that grows with the generated length, repeated at every step
-(its share of ``HFRollout``'s generation time at the compute-bound bench point: docs/performance.md).
+transformers' ``DynamicLayer`` grows a layer's keys and values by ``torch.cat`` at every forward: each decode step
+copies the whole cache of every layer. :class:`ReservedLayer` keeps them in a buffer ``[batch, kv_heads, room,
+head_dim]``: a forward writes its positions in place, and ``keys`` / ``values`` are views of the filled part, so
+everything that reads them (attention, masks, ``get_seq_length``) sees what a ``DynamicLayer`` would hold, value
+for value. The buffer is made at the first forward with room for the ``capacity`` positions the caller expects;
+past it the room doubles. Repeating rows copies the filled part once; selecting rows copies the whole buffer once,
+or the filled part twice while it is at most half the room.
 
-:class:`ReservedLayer` keeps a layer's keys and values in a buffer ``[batch, kv_heads, room, head_dim]`` with room to
-grow. A forward writes its positions into the buffer in place, and the layer's ``keys`` / ``values`` are views of the
-filled part, so everything that reads them (attention, masks, ``get_seq_length``) sees what a ``DynamicLayer`` would
-hold, value for value. The buffer is made at the first forward with room for the ``capacity`` positions the caller
-expects to need (no more than a ``DynamicLayer`` holds at that length, and half of what its last ``torch.cat`` needs);
-past it the room doubles. Repeating batch rows copies the filled part once; selecting rows copies the whole buffer
-once, or the filled part twice while it is at most half the room (early in a long generation).
-
-:func:`reserved_cache` stands aside (returns None, and the model builds its own cache) for any transformers version but
-the ones it was written for, and for a model whose layers are not all full attention (sliding windows, linear
-attention, shared KV): their layers keep state that a ``DynamicLayer`` does not have.
+:func:`reserved_cache` stands aside (returns None: the model builds its own cache) for any transformers version but
+the tested ones, and for a model whose layers are not all full attention (sliding windows, linear attention, shared
+KV): their layers keep state that a ``DynamicLayer`` does not have.
 """
 
 from __future__ import annotations
@@ -30,7 +26,9 @@ from verl_lite.compat import installed_version, is_tested
 FULL_ATTENTION = "full_attention"
 
 
-def _layer_class():
+@functools.lru_cache(maxsize=None)
+def reserved_layer_class():
+    """The :class:`ReservedLayer` class (built once, on transformers' ``DynamicLayer``)."""
     from transformers.cache_utils import DynamicLayer
 
     class ReservedLayer(DynamicLayer):
@@ -114,17 +112,6 @@ def _layer_class():
     return ReservedLayer
 
 
-_reserved_layer = None
-
-
-def reserved_layer_class():
-    """The :class:`ReservedLayer` class (built once, on transformers' ``DynamicLayer``)."""
-    global _reserved_layer
-    if _reserved_layer is None:
-        _reserved_layer = _layer_class()
-    return _reserved_layer
-
-
 @functools.lru_cache(maxsize=None)
 def _tested_transformers_installed() -> bool:
     return is_tested("transformers", installed_version("transformers"))  # reads package metadata: once per process
@@ -156,5 +143,4 @@ def reserved_cache(config, capacity: int):
         return None
     from transformers.cache_utils import Cache
 
-    layer = reserved_layer_class()
-    return Cache(layers=[layer(capacity) for _ in range(layers)])
+    return Cache(layers=[reserved_layer_class()(capacity) for _ in range(layers)])

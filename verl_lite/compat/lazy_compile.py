@@ -1,28 +1,21 @@
 """Import libraries that prepare ``torch.compile`` at import time, without paying for it.
 
-megatron-core wraps its fused kernels in ``torch.compile`` (``megatron.core.jit.jit_fuser``) and
-imports ``wandb`` for its inference logging; tensordict registers helpers with
-``torch.compiler.allow_in_graph`` / ``assume_constant_result``; all at module import. Each one
-imports ``torch._dynamo`` / ``torch._inductor`` or wandb, a large import in every process, although
-verl_lite never compiles (the engine runs with every fusion off) and its
-workers never log to W&B.
+megatron-core wraps its fused kernels in ``torch.compile`` (``megatron.core.jit.jit_fuser``) and imports ``wandb``
+for its inference logging; tensordict registers helpers with ``torch.compiler.allow_in_graph`` /
+``assume_constant_result``; all at module import, each importing ``torch._dynamo`` / ``torch._inductor`` or wandb,
+although verl_lite never compiles (every fusion is off) and its workers never log to W&B.
 
 Inside :func:`compile_decorators_deferred`:
 
-- ``torch.compile(fn, **kw)`` on a plain function returns a wrapper that calls the real
-  ``torch.compile(fn, **kw)`` on its FIRST call (code that does call it gets the compiled
-  function); modules, methods and every other use go to the real ``torch.compile`` at once;
-- ``torch.compiler.assume_constant_result(fn)`` sets the marker dynamo itself sets
-  (``fn._dynamo_marked_constant = True``) without importing dynamo;
-- ``torch.compiler.allow_in_graph(fn)`` returns ``fn`` and queues the registration; the queue is
-  applied (the real ``allow_in_graph``) the first time a deferred compile runs;
-- ``import wandb`` and ``import torch.utils.tensorboard`` raise ImportError, so megatron takes W&B
-  and TensorBoard as absent (its timers' optional writers are never used: verl_lite's tracker logs
-  from the driver, so neither import would serve them); no failed import is cached, so either import
-  after the block works as usual.
+- ``torch.compile(fn, **kw)`` on a plain function returns a wrapper that calls the real ``torch.compile(fn, **kw)``
+  on its FIRST call; modules, methods and every other use go to the real ``torch.compile`` at once;
+- ``torch.compiler.assume_constant_result(fn)`` sets the marker dynamo itself sets (``fn._dynamo_marked_constant``);
+- ``torch.compiler.allow_in_graph(fn)`` returns ``fn`` and queues the registration for the first deferred compile;
+- ``import wandb`` and ``import torch.utils.tensorboard`` raise ImportError, so megatron takes them as absent (its
+  timers' optional writers are never used); no failed import is cached.
 
-Everything is restored when the block ends; only what was decorated inside it keeps the deferred
-form. Numerics are untouched: nothing here runs a different kernel.
+Everything is restored when the block ends; only what was decorated inside it keeps the deferred form. Numerics
+are untouched: nothing here runs a different kernel.
 """
 
 from __future__ import annotations
@@ -52,11 +45,6 @@ class _HiddenFinder(importlib.abc.MetaPathFinder):
         return None
 
 
-def _apply_pending_allow_in_graph(real_allow_in_graph) -> None:
-    while _pending_allow_in_graph:
-        real_allow_in_graph(_pending_allow_in_graph.pop(0))
-
-
 @contextmanager
 def compile_decorators_deferred():
     """Within the block, import-time ``torch.compile`` preparations are deferred, wandb and TensorBoard hidden (module doc)."""
@@ -76,7 +64,8 @@ def compile_decorators_deferred():
         def call(*args, **kw):
             nonlocal compiled
             if compiled is None:
-                _apply_pending_allow_in_graph(real[2])
+                while _pending_allow_in_graph:  # the registrations queued so far, in order
+                    real[2](_pending_allow_in_graph.pop(0))
                 compiled = real[0](model, **kwargs)
             return compiled(*args, **kw)
 

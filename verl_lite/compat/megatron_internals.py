@@ -1,27 +1,12 @@
-"""megatron-core 0.16.1 internals verl_lite relies on (see the package docstring).
-
-- :func:`apply_timeout_to_groups`: megatron creates its expert-data-parallel gloo groups without
-  the timeout it was given (``parallel_state.py:1278``); every group gets it here.
-- :func:`prepare_host_dispatch` / :func:`make_dispatchers_host_safe`: the MoE alltoall token
-  dispatcher's device-to-host copy stream and its synchronise step, on a CPU-only torch.
-- :func:`each_optimizer`: the optimizers inside megatron's (possibly chained) optimizer.
-- :func:`main_param_shard_range`: which part of a parameter's fp32 main copy a DP rank's distributed optimizer holds.
-- :func:`torch_adam_step_fix` / :func:`unshare_adam_steps`: loading the distributed optimizer's
-  ``fully_reshardable`` state into torch's Adam (no Apex/TE).
-- :func:`use_fused_adam`: megatron builds torch's Adam (no Apex/TE) with torch's default per-parameter
-  loop; the engine switches its groups to torch's fused kernel.
-- :func:`use_swiglu_mlp`: megatron's built dense MLPs re-classed as a given subclass (the engine's ``SwiGLUMLP``).
-- :func:`use_rotary_kernel`: megatron's unfused RoPE, called by its attention module, routed through
-  a given one-function RoPE (the engine's) where the case is the plain one.
-
-The engine's own pieces are passed in (this package imports nothing of the engine: the engine builds on it).
-- :func:`in_process_save_results`: the torch_dist save writer's result queue without a spawned
-  ``multiprocessing`` manager process, for synchronous saves.
+"""megatron-core 0.16.1 internals verl_lite relies on: its process groups' timeout, the MoE alltoall dispatcher on a
+CPU-only torch, the distributed optimizer's state and torch Adam, its MLP class and its RoPE (each function says
+what it reaches). The engine's own pieces are passed in: this package imports nothing of the engine.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from datetime import timedelta
 
 import torch
@@ -44,66 +29,50 @@ def apply_timeout_to_groups(timeout: timedelta) -> None:
 
 
 def prepare_host_dispatch() -> None:
-    """Before building MoE layers on a CPU-only torch: megatron's alltoall dispatcher creates a class-level
-    device-to-host copy stream (``torch.cuda.Stream()``) unless one exists; give it a placeholder.
-    No-op with CUDA."""
+    """Before building MoE layers on a CPU-only torch: give megatron's alltoall dispatcher a placeholder for the
+    class-level device-to-host copy stream (``torch.cuda.Stream()``) it creates unless one exists. No-op with CUDA."""
     if torch.cuda.is_available():
         return
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
-        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NO_STREAM
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = object()  # a placeholder: never used as a stream
 
 
 def make_dispatchers_host_safe(model) -> None:
     """After building on a CPU-only torch: the alltoall dispatchers' copy-to-host + stream synchronise step
-    runs without streams (``_HostDtoH``: the split sizes become numpy arrays, as megatron's copy makes
-    them; there is nothing to copy or wait for). No-op with CUDA."""
+    (``_maybe_dtoh_and_synchronize``) runs without streams: at its DtoH point the split sizes become numpy arrays
+    (what ``all_to_all`` expects, as megatron's copy makes them); there is nothing to copy or wait for. No-op with
+    CUDA."""
     if torch.cuda.is_available():
         return
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    for module in model.modules():
-        dispatcher = getattr(module, "token_dispatcher", None)
-        if isinstance(dispatcher, MoEAlltoAllTokenDispatcher):
-            dispatcher._maybe_dtoh_and_synchronize = _HostDtoH(dispatcher)
-
-
-def in_process_save_results() -> None:
-    """Before a synchronous ``dist_checkpointing.save``: give megatron's torch_dist writer a thread queue for its
-    write results. megatron 0.16.1 creates that queue on a process's first save as
-    ``multiprocessing.get_context("spawn").Manager().Queue()`` (``strategies/filesystem_async.py:51``), which spawns a
-    manager server process that re-imports the caller's main module: a process start in the first checkpoint of every
-    worker, and a process that outlives the save. In a synchronous save (``AsyncRequest.execute_sync``) the
-    results are put and read in this process (the forked file writers report on a queue of their own), so a thread
-    queue carries them. verl_lite saves synchronously only (``checkpoint.async_save`` is refused)."""
-    import queue
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = queue.Queue()
-
-
-_NO_STREAM = object()  # placeholder for megatron's class-level DtoH stream on a CPU-only torch
-
-
-class _HostDtoH:
-    """megatron's ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` for host tensors: at the
-    dispatcher's DtoH point the split sizes are turned into numpy arrays (what ``all_to_all`` expects),
-    without streams or events."""
-
-    def __init__(self, dispatcher):
-        self.dispatcher = dispatcher
-
-    def __call__(self, point: str, tokens_per_expert=None):
-        d = self.dispatcher
+    def host_dtoh(d, point: str, tokens_per_expert=None):
         if not d.drop_and_pad and point == d.cuda_dtoh_point:
             for name in ("input_splits", "output_splits", "output_splits_tp"):
                 value = getattr(d, name, None)
                 if torch.is_tensor(value):
                     setattr(d, name, value.numpy())
         return tokens_per_expert
+
+    for module in model.modules():
+        dispatcher = getattr(module, "token_dispatcher", None)
+        if isinstance(dispatcher, MoEAlltoAllTokenDispatcher):
+            dispatcher._maybe_dtoh_and_synchronize = functools.partial(host_dtoh, dispatcher)
+
+
+def in_process_save_results() -> None:
+    """Before a synchronous ``dist_checkpointing.save``: give megatron's torch_dist writer a thread queue for its
+    write results. megatron 0.16.1 creates it on a process's first save as a spawned ``multiprocessing`` Manager's
+    queue (``strategies/filesystem_async.py:51``): a server process that re-imports the caller's main module and
+    outlives the save. A synchronous save (verl_lite's only kind) puts and reads the results in this process."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def each_optimizer(optimizer) -> list:
@@ -125,11 +94,10 @@ def main_param_shard_range(optimizer, param) -> tuple[int, int]:
 
 @contextlib.contextmanager
 def torch_adam_step_fix(optimizer):
-    """megatron-core 0.16.1, distributed optimizer on torch's Adam (no Apex/TE): loading the
-    ``fully_reshardable`` format copies every per-parameter state key from the checkpoint, but the
-    checkpoint's per-parameter tensors exclude ``step`` (it travels in the param groups and is already
-    restored), so ``_set_main_param_and_optimizer_states`` raises ``KeyError: 'step'``. While active,
-    the missing ``step`` is filled with the value already restored (a copy onto itself)."""
+    """Distributed optimizer on torch's Adam (no Apex/TE): loading the ``fully_reshardable`` format copies every
+    per-parameter state key, but the checkpoint's per-parameter tensors exclude ``step`` (restored with the param
+    groups), so ``_set_main_param_and_optimizer_states`` raises ``KeyError: 'step'``. While active, the missing
+    ``step`` is filled with the value already restored."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     patched = []
@@ -155,18 +123,12 @@ def torch_adam_step_fix(optimizer):
 
 
 def use_fused_adam(optimizer) -> None:
-    """Run megatron's torch Adam/AdamW with torch's fused kernel (``fused=True``) wherever torch has one
-    for the group's device and dtypes.
-
-    megatron-core 0.16.1 without Apex/TE builds ``torch.optim.AdamW(params, lr, weight_decay, betas, eps)``,
-    which on CPU takes torch's per-parameter loop: ~10 elementwise passes per parameter, each a separate op
-    (several times the fused kernel's time; docs/performance.md). The fused kernel computes
-    the same update (decoupled weight decay, bias correction) in one pass per parameter; its results
-    agree with the loop's to rounding (~1 ulp), and an engine uses the same kernel before and after a
-    resume, so a resumed run continues as the uninterrupted one. ``fused`` is torch's documented per-group
-    option, read at each ``step``; a loaded checkpoint's groups may carry the flag they were saved with,
-    so the engine calls this again after a load. The step counters move to the parameters' device, which
-    the fused kernel requires."""
+    """Run megatron's torch Adam/AdamW (built without Apex/TE with torch's per-parameter loop, ~10 separate
+    elementwise ops per parameter) with torch's fused kernel (``fused=True``, a documented per-group option read at
+    each ``step``) wherever torch has one for the group's device and dtypes: the same update in one pass, equal to
+    the loop's to rounding (~1 ulp). A loaded checkpoint's groups may carry the flag they were saved with, so the
+    engine calls this again after a load (the same kernel before and after a resume). The step counters move to
+    the parameters' device, as the fused kernel requires."""
     from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
     devices = set(_get_fused_kernels_supported_devices())
@@ -203,17 +165,14 @@ def plain_rotary(config) -> bool:
 
 
 def use_rotary_kernel(rotary=None) -> None:
-    """Route megatron's unfused RoPE (``transformer/attention.py`` calls ``apply_rotary_pos_emb`` for q and
-    for k in every layer) through ``rotary(t, cos, sin)`` (the engine passes
-    :func:`verl_lite.engine.elementwise.rotary`: rotate-half RoPE of ``t`` with ``cos`` / ``sin`` broadcast over
-    it), for the cases the engine runs: the rotate-half layout over the whole head dim, ``mscale`` 1, no MLA, and bshd or packed THD
-    at CP 1. The THD positions restart at every ``cu_seqlens`` boundary, as in megatron's per-sequence
-    loop (``rope_utils._apply_rotary_pos_emb_thd``, its case 2), here computed in one pass, except in a
-    pack with shared prompts (``cu_seqlens.shared_prompts``, ``engine/packing.py``), whose rows carry
-    their positions. Everything else (CP > 1, fused RoPE, interleaved, MLA, per-token frequencies) goes
-    to megatron's own function; a pack with shared prompts there is refused. ``rotary`` None: only a pack with
-    shared prompts is taken, its per-row frequencies handed to megatron's own function (its bshd path); every
-    other call is megatron's. Idempotent for the same ``rotary``; another ``rotary`` replaces the routing."""
+    """Route megatron's unfused RoPE (``apply_rotary_pos_emb``, called by ``transformer/attention.py`` for q and k
+    in every layer) through ``rotary(t, cos, sin)`` (the engine's rotate-half RoPE) in the :func:`plain_rotary`
+    case with ``mscale`` 1, bshd or packed THD at CP 1. THD positions restart at every ``cu_seqlens`` boundary (as
+    megatron's per-sequence loop, ``rope_utils._apply_rotary_pos_emb_thd`` case 2, in one pass), except in a pack
+    with shared prompts (``cu_seqlens.shared_prompts``, ``engine/packing.py``), whose rows carry their positions.
+    Everything else goes to megatron's own function; a pack with shared prompts there is refused. ``rotary`` None:
+    only a pack with shared prompts is taken (its per-row frequencies handed to megatron's bshd path). Idempotent
+    for the same ``rotary``; another ``rotary`` replaces the routing."""
     import megatron.core.transformer.attention as attention_module
 
     current = attention_module.apply_rotary_pos_emb
@@ -252,14 +211,9 @@ def use_rotary_kernel(rotary=None) -> None:
 
 
 def use_swiglu_mlp(model, mlp_class) -> None:
-    """Make every module of ``model`` whose class is exactly megatron's ``MLP`` an ``mlp_class`` (the engine
-    passes :class:`verl_lite.engine.mlp.SwiGLUMLP`): a subclass of ``MLP`` that adds no state, only ``forward``
-    differs.
-
-    Not in the layer spec: megatron's ``TransformerLayer`` passes an MLP its TP group only when the spec's
-    module IS ``MLP`` (``transformer_layer.py``), and logs "Unknown MLP type" for a subclass. MoE experts
-    (``SequentialMLP``'s local ``MLP``s) are re-classed too; their calls with per-token scales keep
-    megatron's forward."""
+    """Make every module of ``model`` whose class is exactly megatron's ``MLP`` an ``mlp_class`` (the engine's
+    ``SwiGLUMLP``: a subclass that adds no state, only ``forward`` differs), MoE experts included. Not in the layer
+    spec: ``TransformerLayer`` passes an MLP its TP group only when the spec's module IS ``MLP``."""
     from megatron.core.transformer.mlp import MLP
 
     if not issubclass(mlp_class, MLP):

@@ -1,18 +1,13 @@
 """Ray 2.60 internals behind verl_lite's minimal, loopback-only local Ray (``controller/local_ray.py``).
 
 - :func:`local_head_hooks`: while a local head starts, Ray's "single machine" flag
-  (``ray_constants.ENABLE_RAY_CLUSTER``, read once at import) is off, so the node address stays
-  127.0.0.1, and ``Node.start_api_server`` / ``Node.start_monitor`` (the API server and the
-  autoscaler monitor, unused by a fixed one-node local run) start nothing, and the head's wait for
-  its raylet to register polls every ``REGISTER_POLL_S`` (Ray's ``GlobalStateAccessor::GetNode`` sleeps a
-  whole second between its checks, and the raylet registers well within the first one), and whether the
-  dashboard agent's optional dependencies are installed is decided by finding their modules, not importing
-  them (Ray imports aiohttp, opentelemetry, pydantic, ... in the driver before it spawns the raylet);
-- :func:`init_local_head`: ``ray.init`` of a local head bound to 127.0.0.1 with :data:`LOCAL_SYSTEM_CONFIG`
-  (Ray's private ``_node_ip_address`` / ``_system_config`` arguments; the settings' reasons:
-  ``controller/local_ray.py``);
-- :func:`session_dir` / :func:`node_process_pids`: the session directory and the processes of the
-  node this process started (``ray._private.worker._global_node``).
+  (``ray_constants.ENABLE_RAY_CLUSTER``, read once at import) is off, so the node address stays 127.0.0.1;
+  ``Node.start_api_server`` / ``Node.start_monitor`` (unused by a fixed one-node run) start nothing; the head's wait
+  for its raylet to register polls every ``REGISTER_POLL_S`` (Ray's ``GlobalStateAccessor::GetNode`` sleeps a whole
+  second between checks); and the dashboard agent's optional dependencies are found, not imported;
+- :func:`init_local_head`: ``ray.init`` of a local head bound to 127.0.0.1 with :data:`LOCAL_SYSTEM_CONFIG`;
+- :func:`session_dir` / :func:`node_process_pids`: the session directory and the processes of the node this
+  process started (``ray._private.worker._global_node``).
 """
 
 from __future__ import annotations
@@ -47,9 +42,8 @@ def _skip_head_process(self, *args, **kwargs) -> None:
 
 
 def _polling_get_node(original):
-    """``ray._private.services.get_node`` that first waits for the node in the GCS node table, polling every
-    ``REGISTER_POLL_S``, then asks Ray's own (which then answers at once; after ``REGISTER_WAIT_S`` it is left
-    to Ray's own wait and error)."""
+    """``ray._private.services.get_node`` that first polls the GCS node table for the node (up to
+    ``REGISTER_WAIT_S``), then asks Ray's own (which then answers at once, or waits and fails as it does)."""
     from ray._private import services, state
 
     def get_node(gcs_address, node_id):
@@ -80,9 +74,8 @@ def _dashboard_dependency_modules() -> tuple[str, ...]:
 
 
 def _findable(name: str) -> bool:
-    """Whether module ``name`` can be found without running any package's code: a regular package's submodules are
-    looked up in its directories without importing it; below a namespace package (no code to run) Python's own
-    lookup takes over."""
+    """Whether module ``name`` can be found without running any package's code (a regular package's submodules are
+    looked up in its directories; below a namespace package Python's own lookup takes over)."""
     parts = name.split(".")
     spec = importlib.util.find_spec(parts[0])
     for depth in range(2, len(parts) + 1):
@@ -96,8 +89,7 @@ def _findable(name: str) -> bool:
 
 def _dependency_check_by_lookup(original):
     """``ray._private.utils.get_dashboard_dependency_error`` answering None (installed) when every module of Ray's
-    list can be found; otherwise (or when the lookup itself fails) Ray's own check, which imports them and returns the
-    error."""
+    list can be found; otherwise (or when the lookup fails) Ray's own check, which imports them."""
 
     def get_dashboard_dependency_error():
         try:
@@ -113,8 +105,7 @@ def _dependency_check_by_lookup(original):
 @contextlib.contextmanager
 def local_head_hooks(look_up_dependencies: bool = True):
     """Within the block a local ``ray.init`` keeps 127.0.0.1 and skips the unused head processes.
-    ``look_up_dependencies=False`` leaves Ray's own dependency check (it imports them: a dependency that is present
-    but broken then counts as missing, and the dashboard agent starts in its minimal form)."""
+    ``look_up_dependencies=False`` leaves Ray's own dependency check (which imports them)."""
     from ray._private import node as ray_node
     from ray._private import ray_constants, services
     from ray._private import utils as ray_utils

@@ -89,12 +89,8 @@ class _RestrictedPickleModule:
         return getattr(pickle, name)
 
     @staticmethod
-    def load(file, **_kw):
+    def load(file, **_kw):  # the one unpickling call of torch's filesystem reader
         return RestrictedUnpickler(file).load()
-
-    @staticmethod
-    def loads(data, **_kw):
-        return loads_index(data)
 
 
 @contextlib.contextmanager

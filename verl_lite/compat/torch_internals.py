@@ -1,9 +1,5 @@
-"""torch internals verl_lite relies on, for the torch versions in ``compat.TESTED_VERSIONS``.
-
-- :func:`torch_function_disabled`: a block in which no ``__torch_function__`` override runs (no
-  ``TorchFunctionMode``, such as the CPU adapter's, and no tensor subclass's), through torch's private
-  ``torch._C.DisableTorchFunction``; torch has no public switch for it.
-"""
+"""torch's private switch that turns every ``__torch_function__`` override off, for the torch versions in
+``compat.TESTED_VERSIONS`` (torch has no public one)."""
 
 from __future__ import annotations
 
@@ -15,7 +11,6 @@ require("torch", "verl_lite.compat.torch_internals")
 
 
 def torch_function_disabled():
-    """A context manager within which torch runs every call without ``__torch_function__`` dispatch: every
-    torch-function mode (e.g. ``compat.cpu_adapter``'s, entered for the whole process) and subclass override
-    is skipped."""
+    """A context manager within which no ``__torch_function__`` override runs (no torch-function mode, such as
+    ``compat.cpu_adapter``'s, and no tensor subclass's), through ``torch._C.DisableTorchFunction``."""
     return torch._C.DisableTorchFunction()

@@ -1,27 +1,21 @@
 """transformers' lazy-import table read from a cache file instead of rebuilt from its source tree.
 
-transformers 5 builds the table behind its lazy modules (which module defines which public name,
-and the backends it needs) while ``import transformers`` runs: ``define_import_structure`` reads
-every file under ``transformers/models`` (about 3,300 files, searched for ``__all__`` and
-``@requires``). That costs every process that imports transformers (the driver, each worker, test
-processes) a scan of the whole tree, to rebuild a table that depends only on the installed files.
+``import transformers`` builds the table behind its lazy modules (which module defines which public name, and the
+backends it needs) with ``define_import_structure``, which reads every file under ``transformers/models`` (about
+3,300) in every process, to rebuild a table that depends only on the installed files.
 
-:func:`install` (called when ``verl_lite`` is imported, before transformers is) wraps
-``define_import_structure`` as its module is loaded: a result is computed by transformers once,
-checked to survive the round trip through JSON unchanged, and stored in
-``$XDG_CACHE_HOME/verl_lite/transformers-import-structure-<version>.json`` (``~/.cache`` by default),
-which later processes read. The file holds names only (module paths relative to transformers, object
-names, backend names); nothing in it is executed, and transformers still imports each module itself, by
-its own rules, when a name is first used. It is used only while it matches the installed transformers:
-the same version, the same installation directory, and the same modification times of the scanned
-directories; otherwise the table is rebuilt and the file rewritten (atomically). A file that cannot be
-read or written, a result that JSON cannot carry, any other transformers version
-(``compat.TESTED_VERSIONS``) or transformers already imported: the wrapper stands aside and transformers
-builds its table as it always does.
+:func:`install` (called when ``verl_lite`` is imported) wraps ``define_import_structure`` as its module is loaded: a
+result is computed by transformers once, checked to survive the round trip through JSON unchanged, and stored in
+``$XDG_CACHE_HOME/verl_lite/transformers-import-structure-<version>.json`` (``~/.cache`` by default), which later
+processes read. The file holds names only; nothing in it is executed. It is used only while it matches the
+installed transformers (version, installation directory, modification times of the scanned directories); else the
+table is rebuilt and the file rewritten atomically. An unreadable or unwritable file, a result JSON cannot carry, an
+untested transformers version or transformers already imported: the wrapper stands aside.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import json
@@ -65,18 +59,16 @@ class _Cache:
 
     def __init__(self, path: Path, version: str):
         self.path, self.version = path, version
-        self._entries: dict | None = None  # read on first use
 
-    @property
+    @functools.cached_property
     def entries(self) -> dict:
-        if self._entries is None:
-            try:
-                data = json.loads(self.path.read_text())
-                entries = data["entries"] if data.get("version") == self.version else {}
-                self._entries = entries if isinstance(entries, dict) else {}
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                self._entries = {}
-        return self._entries
+        """The file's entries, read on first use ({} for a missing, unreadable or other-version file)."""
+        try:
+            data = json.loads(self.path.read_text())
+            entries = data["entries"] if data.get("version") == self.version else {}
+            return entries if isinstance(entries, dict) else {}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return {}
 
     def get(self, key: str, stamp: list) -> dict | None:
         entry = self.entries.get(key)

@@ -123,17 +123,38 @@ def _classify(key: str, keys: dict[str, str]) -> str | None:
     return "free" if any(keys.get(".".join(parts[:i])) == "dict" for i in range(1, len(parts))) else None
 
 
-def translate_overrides(overrides: list[str], problems: list[str], aliases: dict | None = None
-                        ) -> tuple[list[tuple[str, Any, str, bool]], list[tuple[str, object, str]]]:
-    """Parse Hydra overrides; map verl's vocabulary (``verl_keys``); append a line to ``problems`` for each
-    key that is rejected or unknown. Returns (assignments ``(key, value, value as given, under a free-form
-    dict)`` for ``_apply``, equality checks ``(key, value, message)`` to run on the loaded config);
-    ``aliases`` gets each verl key's target (target -> verl key). ``hydra.*`` overrides (Hydra's own
-    settings, not the config's) are passed over."""
+@dataclasses.dataclass
+class Routed:
+    """What overrides and recipes set, as ``_route`` sorts it."""
+
+    assignments: list = dataclasses.field(default_factory=list)  # (key, value, value as given, free-form): _apply's
+    equal: list = dataclasses.field(default_factory=list)  # (key, value, message): verl keys held to another key
+    aliases: dict = dataclasses.field(default_factory=dict)  # verl_lite key -> the verl key that set it
+    implied: dict = dataclasses.field(default_factory=dict)  # key -> verl's default that comes with a verl key given
+    given: dict = dataclasses.field(default_factory=dict)  # key -> {the key as given (a verl key or itself): value}
+
+    def absorb(self, other: "Routed", given: bool) -> None:
+        """``other``'s findings into this one (``given``: also the keys as given, for ``disagreements``)."""
+        self.assignments += other.assignments
+        self.equal += other.equal
+        self.aliases.update(other.aliases)
+        self.implied.update(other.implied)
+        for key, sources in other.given.items() if given else ():
+            self.given.setdefault(key, {}).update(sources)
+
+    def disagreements(self) -> list[str]:
+        """Two keys for one setting (verl's name and verl_lite's, or two of verl's) with different values."""
+        return [f"{' and '.join(f'{name}={render(value)}' for name, value in sources.items())} set one setting "
+                f"({key}) to different values; give one of them"
+                for key, sources in self.given.items() if len({render(v) for v in sources.values()}) > 1]
+
+
+def translate_overrides(overrides: list[str], problems: list[str], routed: Routed | None = None) -> Routed:
+    """Parse Hydra overrides and route each (``_route``) into ``routed``; a line in ``problems`` for each that does
+    not parse. ``hydra.*`` overrides (Hydra's own settings, not the config's) are passed over."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    keys, parser = schema_keys(), OverridesParser.create()
-    out, equal = [], []
+    parser, routed = OverridesParser.create(), routed if routed is not None else Routed()
     for raw in overrides:
         try:
             ov = parser.parse_overrides(overrides=[raw])[0]
@@ -151,26 +172,35 @@ def translate_overrides(overrides: list[str], problems: list[str], aliases: dict
             value = ov.value()
         except Exception:  # noqa: BLE001 - interpolations and sweeps: keep the text
             value = text
-        kind = _classify(key, keys)
+        _route(key, value, text, problems, routed)
+    return routed
+
+
+def _route(key: str, value: Any, text: str, problems: list[str], routed: Routed) -> None:
+    """One ``key = value`` (a command-line override or a recipe's leaf) into ``routed``, with verl's vocabulary
+    mapped (``verl_keys``): an alias to its target (and the defaults it implies), a key accepted only at another
+    key's value into ``equal``; a rejected or unknown key is a line in ``problems``."""
+    keys, source = schema_keys(), key
+    kind = _classify(key, keys)
+    if kind is None:
+        decision = decide(key, value)
+        if decision is None:
+            problems.append(unknown_key_message(key, keys))
+        elif decision.kind == "equal":
+            routed.equal.append((decision.target, decision.value, decision.message))
+        elif decision.kind == "rejected":
+            problems.append(decision.message)
+        if decision is None or decision.kind != "alias":
+            return
+        kind = _classify(decision.target, keys)
         if kind is None:
-            decision = decide(key, value)
-            if decision is None:
-                problems.append(unknown_key_message(key, keys))
-            elif decision.kind == "equal":
-                equal.append((decision.target, decision.value, decision.message))
-            elif decision.kind == "rejected":
-                problems.append(decision.message)
-            if decision is None or decision.kind != "alias":
-                continue
-            kind = _classify(decision.target, keys)
-            if kind is None:
-                problems.append(unknown_key_message(decision.target, keys) + f" (from verl's '{key}')")
-                continue
-            if aliases is not None:
-                aliases[decision.target] = key
-            key, value = decision.target, decision.value
-        out.append((key, value, text, kind == "free"))  # a '+' on a schema key is a plain override
-    return out, equal
+            problems.append(unknown_key_message(decision.target, keys) + f" (from verl's '{key}')")
+            return
+        routed.aliases[decision.target] = key
+        routed.implied.update(decision.implies or {})
+        key, value = decision.target, decision.value
+    routed.assignments.append((key, value, text, kind == "free"))  # a '+' on a schema key is a plain override
+    routed.given.setdefault(key, {})[source] = value
 
 
 def check_equal(cfg, equal: list[tuple[str, object, str]]) -> list[str]:
@@ -310,39 +340,53 @@ def to_dataclass(dict_cfg) -> PPOConfig:
 
 
 RECIPE = "--recipe="  # an item of load_config's overrides naming a recipe file (main_ppo.expand_recipes writes them)
+VERL_TRAINER_CONFIGS = ("ppo_megatron_trainer", "ppo_trainer")  # verl's config names the schema stands for
 
 
-def _recipe_leaves(node: dict, keys: dict[str, str], prefix: str = "") -> list[str]:
-    """The dotted keys a recipe sets (a free-form dict counts as one key)."""
+def _recipe_leaves(node: dict, keys: dict[str, str], prefix: str = "") -> list[tuple[str, Any]]:
+    """The dotted ``(key, value)`` pairs a recipe sets; a schema leaf or free-form dict is one pair whatever its
+    value, any other mapping (a section, or a verl key's section that is not in the schema) is walked."""
     out = []
     for name, value in node.items():
         key = f"{prefix}{name}"
-        nested = isinstance(value, dict) and value and keys.get(key) == "section"
-        out += _recipe_leaves(value, keys, key + ".") if nested else [key]
+        walk = isinstance(value, dict) and value and keys.get(key) not in ("leaf", "dict")
+        out += _recipe_leaves(value, keys, key + ".") if walk else [(key, value)]
     return out
 
 
-def merge_recipe(node, path: str):
-    """``node`` (the config composed so far) with the recipe file at ``path`` (nested schema keys) merged over
-    it by OmegaConf.merge; ConfigError names a recipe's unknown key (with the close one) or a file that does
-    not load."""
+def _defaults_problems(defaults: Any) -> list[str]:
+    """A verl YAML's Hydra ``defaults`` list may compose verl's trainer config and itself (``_self_``), and set
+    Hydra's own groups (``override hydra/...``): that is the one composition verl_lite builds. Any other entry
+    would bring in settings that are not read: one line each."""
+    problems = []
+    for entry in defaults if isinstance(defaults, list) else [defaults]:
+        name = entry if isinstance(entry, str) else next(iter(entry), "") if isinstance(entry, dict) else ""
+        name = str(name).removeprefix("override ").strip()
+        if name in ("_self_", *VERL_TRAINER_CONFIGS) or name == "hydra" or name.startswith("hydra/"):
+            continue
+        problems.append(f"defaults entry {entry!r}: verl_lite composes one config, verl's trainer config "
+                        f"({' / '.join(VERL_TRAINER_CONFIGS)}), with this file over it; put the settings of "
+                        f"{name!r} in this file or on the command line")
+    return problems
+
+
+def recipe_assignments(path: str, problems: list[str], routed: Routed) -> None:
+    """The YAML file at ``path`` (nested keys: a recipe, or a verl config named by ``--config-name``) into
+    ``routed``: each leaf routed as a command-line override is (verl's vocabulary included), Hydra's ``hydra``
+    settings passed over, its ``defaults`` list checked (``_defaults_problems``). Problems are lines in ``problems``."""
     from omegaconf import OmegaConf
 
-    keys = schema_keys()
     try:
-        recipe = OmegaConf.load(path)
-    except Exception as e:  # noqa: BLE001 - unreadable file, YAML syntax
-        raise ConfigError([f"--recipe {path}: cannot be read as YAML ({e})"]) from e
-    unknown = [k for k in _recipe_leaves(OmegaConf.to_container(recipe), keys) if _classify(k, keys) is None]
-    if unknown:
-        raise ConfigError([f"--recipe {path}: {unknown_key_message(k, keys)}" for k in unknown])
-    try:
-        return OmegaConf.merge(node, recipe)
-    except Exception as e:  # noqa: BLE001 - OmegaConf's validation error: a value of the wrong type
-        key = getattr(e, "full_key", None)
-        if not key:
-            raise ConfigError([f"--recipe {path}: {e}"]) from e
-        raise ConfigError([f"--recipe {path}: {_type_problem(key, str(OmegaConf.select(recipe, key)))}"]) from e
+        recipe = OmegaConf.to_container(OmegaConf.load(path))
+        if not isinstance(recipe, dict):
+            raise ValueError("the file is not a mapping of keys")
+    except Exception as e:  # noqa: BLE001 - missing or unreadable file, YAML syntax, a list at the top
+        problems.append(f"cannot be read as YAML ({e})")
+        return
+    recipe.pop("hydra", None)
+    problems += _defaults_problems(recipe.pop("defaults", []))
+    for key, value in _recipe_leaves(recipe, schema_keys()):
+        _route(key, value, render(value).replace(", ", ","), problems, routed)
 
 
 def _schema_type(key: str) -> tuple[Any, bool, Any]:
@@ -388,8 +432,8 @@ def load_config(overrides: list[str] | None = None, problems: Problems | None = 
     """The structured schema with ``overrides`` applied in order (Hydra's override grammar, applied as Hydra's
     compose applies it), as a PPOConfig with the built-in defaults and every inherited null filled in.
 
-    An item ``--recipe=FILE`` merges that YAML file of nested schema keys over what the items before it
-    built (``merge_recipe``, OmegaConf.merge); the items after it override it.
+    An item ``--recipe=FILE`` applies that YAML file of nested keys (``recipe_assignments``) over what the items
+    before it built; the items after it override it.
 
     Raises ConfigError naming every unknown key (plain or `+key`) with the closest valid key, and every
     value of the wrong type (key, type, example). With a ``Problems`` collector, adds those lines (and
@@ -398,25 +442,27 @@ def load_config(overrides: list[str] | None = None, problems: Problems | None = 
     """
     from omegaconf import OmegaConf
 
-    collected, aliases, equal = [], {}, []
+    collected, routed = [], Routed()
     node = OmegaConf.structured(PPOConfig)
     for item in overrides or []:
-        if item.startswith(RECIPE):
-            try:
-                node = merge_recipe(node, item[len(RECIPE):])
-            except ConfigError as e:
-                collected.extend(e.problems)
-            continue
-        assignments, checks = translate_overrides([item], collected, aliases)
-        _apply(node, assignments, collected)
-        equal += checks
+        recipe, found, part = item[len(RECIPE):] if item.startswith(RECIPE) else None, [], Routed()
+        if recipe is not None:
+            recipe_assignments(recipe, found, part)
+        else:
+            translate_overrides([item], found, part)
+        _apply(node, part.assignments, found)
+        collected += [f"--recipe {recipe}: {line}" for line in found] if recipe is not None else found
+        routed.absorb(part, given=recipe is None)  # two keys for one setting: on the command line
+    set_keys = {assignment[0] for assignment in routed.assignments}
+    _apply(node, [(key, value, render(value), False) for key, value in routed.implied.items() if key not in set_keys],
+           collected)
     cfg = to_dataclass(node)
-    collected.extend(check_equal(cfg, equal))
+    collected += routed.disagreements() + check_equal(cfg, routed.equal)
     if problems is None and collected:
         raise ConfigError(collected)
     if problems is not None:
         problems.lines += collected
-        problems.aliases.update(aliases)
+        problems.aliases.update(routed.aliases)
     return cfg
 
 
@@ -429,9 +475,9 @@ def config_from_hydra(dict_cfg) -> PPOConfig:
     except Exception:  # not running under hydra.main
         task_overrides = []
     problems: list[str] = []
-    _, equal = translate_overrides(task_overrides, problems)
+    routed = translate_overrides(task_overrides, problems)
     cfg = to_dataclass(dict_cfg)
-    problems += check_equal(cfg, equal)
+    problems += routed.disagreements() + check_equal(cfg, routed.equal)
     if problems:
         raise ConfigError(problems)
     return cfg

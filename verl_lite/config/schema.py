@@ -1,24 +1,13 @@
 """The structured config schema: the sections composed under verl's key names.
 
-Each package owns its sections (fields, defaults, choices and ``problems``) next to the code they configure:
-``data.config``, ``engine.config``, ``algorithms.config`` / ``objective``, ``rollout.config``, ``agent.config``,
-``reward.config``, ``controller.config``. This package sits above every component package and composes them;
-only the trainer's section and the actor/ref/critic composition live here (the trainer package sits above this
-one: it loads it). Hydra composes the schema from its ConfigStore entry `ppo_trainer`; no YAML restates a
-default. docs/config.md is generated from it (`python scripts/config_docs.py`).
+Each package owns its sections (fields, defaults, choices and ``problems``) next to the code they configure; this
+package composes them (only the trainer's section and the actor/ref/critic composition live here). Hydra composes
+the schema from its ConfigStore entry `ppo_trainer`; no YAML restates a default; docs/config.md is generated from
+it (`python scripts/config_docs.py`), batch vocabulary included (docs/contracts.md).
 
-Batch vocabulary (see docs/config.md and docs/contracts.md):
-
-- `data.train_batch_size`: prompts per RL step. Trajectories per step = prompts x `rollout.n`.
-- `actor.ppo_mini_batch_size`: prompts per optimizer step (x n trajectories). Must divide the
-  step's prompts; the trajectories must divide by DP.
-- `actor.ppo_micro_batch_size_per_gpu` or `actor.use_dynamic_bsz` + `ppo_max_token_len_per_gpu`:
-  how a DP rank's share is cut for memory. It never changes the math.
-
-`None` for `actor_rollout_ref.model.path`, `data.train_files` or `data.val_files` means the
-built-in default (the shipped tiny model and the synthetic addition task; its val split only when
-the train files are its own too); `load_config` fills these in, with `trainer.experiment_name` and
-`trainer.default_local_dir` derived from them, so a loaded config always holds real paths.
+`None` for `actor_rollout_ref.model.path`, `data.train_files` or `data.val_files` means the built-in default (the
+shipped tiny model and the synthetic addition task); `load_config` fills these in, with `trainer.experiment_name`
+and `trainer.default_local_dir` derived from them, so a loaded config always holds real paths.
 """
 
 from __future__ import annotations
@@ -35,10 +24,7 @@ from verl_lite.engine.config import LoraConfig, MegatronConfig, OptimConfig
 from verl_lite.reward.config import RewardConfig, RewardModelConfig
 from verl_lite.rollout.config import RolloutConfig
 
-# trainer.logger's names (verl_lite.trainer.tracking builds one tracker per name)
-LOGGER_BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
-
-
+LOGGER_BACKENDS = ("console", "jsonl", "tensorboard", "wandb")  # trainer.logger's names (trainer.tracking)
 ACTOR_KEY, ROLLOUT_KEY = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 
 

@@ -1,11 +1,8 @@
 """Pre-flight validation: every cross-key rule checked on the driver, before any worker starts.
 
-`validate_config(cfg, world_size=None)` collects ALL problems and raises one `ConfigError`
-listing them; each names the key(s) and the fix. It returns a small `Layout` summary
-(world size, DP, trajectories per step / per mini-batch / per DP rank) the controller can use.
-Each section's own rules are its owner's ``problems`` (engine, rollout, agent, reward, data, algorithms,
-controller); this module states the ranges of the config's counts, the batch arithmetic between sections, and
-collects.
+`validate_config(cfg, world_size=None)` collects ALL problems and raises one `ConfigError` listing them, each naming
+the key(s) and the fix, else returns the `Layout` summary. Each section's own rules are its owner's ``problems``;
+this module states the ranges of the config's counts and the batch arithmetic between sections, and collects.
 """
 
 from __future__ import annotations
@@ -82,8 +79,6 @@ def validate_config(cfg: PPOConfig, world_size: int | None = None) -> Layout:
             f"{d.train_batch_size} (both count prompts); e.g. set ppo_mini_batch_size to a divisor of "
             f"{d.train_batch_size}"
         )
-
-    # ---- parallel layout
     world = world_size if world_size is not None else tr.n_gpus_per_node * tr.nnodes
     model_cfg = read_config(arr.model.path) if arr.model.path else None
     dp = _check_layout(M, mg, world, "the {world} workers (trainer.n_gpus_per_node x trainer.nnodes)", model_cfg, p)
@@ -98,9 +93,7 @@ def validate_config(cfg: PPOConfig, world_size: int | None = None) -> Layout:
             f"{rollout.n} = {traj_mini} must divide by DP = {dp}; change ppo_mini_batch_size, rollout.n or the layout"
         )
     needs = alg.needs
-    critic_world = critic_dp = 0
-    if "critic" in needs:
-        critic_world, critic_dp = _check_critic(cfg, world, p)
+    critic_world, critic_dp = _check_critic(cfg, world, p) if "critic" in needs else (0, 0)
 
     p.extend(cfg.reward_model.problems(world, _cuda_visible()))
     p.extend(cfg.micro_batch_problems("critic" in needs))
@@ -122,8 +115,6 @@ def validate_config(cfg: PPOConfig, world_size: int | None = None) -> Layout:
 def _without_echoes(cfg: PPOConfig, problems: list[str]) -> list[str]:
     """A key that holds another key's value (``loader.INHERITED``: null = that key's) fails with it: its line
     is dropped when the key it copies is reported, so one bad value is one line, at the key the user set."""
-    from operator import attrgetter
-
     from verl_lite.config.loader import INHERITED
 
     reported = {line.split("=", 1)[0] for line in problems}
@@ -184,7 +175,8 @@ def _section_problems(cfg: PPOConfig, needs, n: int | None) -> list[str]:
             ("actor_rollout_ref.model.lora", arr.model.lora, arr.model, actor.megatron, M),
             ("critic.model.lora", cfg.critic.model.lora, cfg.critic.model, cfg.critic.megatron, "critic.megatron")):
         used = key == "actor_rollout_ref.model.lora" or "critic" in needs
-        p.extend(lora.problems(key) or _adapter_problems(key, lora, used))
+        # a PEFT adapter_path (rank > 0, on an engine the run builds) is checked here, before any worker loads it
+        p.extend(lora.problems(key) or (lora_adapter_problems(key, lora) if used and lora.rank else []))
         if used and model.path:
             kv = config_int(model.path, "num_key_value_heads") or config_int(model.path, "num_attention_heads")
             p.extend(lora.layout_problems(key, kv, mg_section.tensor_model_parallel_size,
@@ -209,12 +201,6 @@ def _section_problems(cfg: PPOConfig, needs, n: int | None) -> list[str]:
     p.extend(f"trainer.logger entry {lg!r} is unknown; choose from {list(LOGGER_BACKENDS)}"
              for lg in tr.logger if lg not in LOGGER_BACKENDS)
     return p
-
-
-def _adapter_problems(key: str, lora, used: bool) -> list[str]:
-    """A LoRA section's ``adapter_path`` (rank > 0, on an engine the run builds) is a PEFT adapter with the
-    section's settings (``engine.model_files.lora_adapter_problems``), checked here, before any worker loads it."""
-    return lora_adapter_problems(key, lora) if used and lora.rank else []
 
 
 def _checkpoint_key_problems(tr) -> list[str]:

@@ -1,24 +1,19 @@
 """verl's command-line vocabulary that is not a field of the schema: each key gets one decision.
 
-verl's launch scripts set keys for features verl_lite builds differently (or not at all). A key
-of the schema is simply a key; every OTHER key that verl's scripts use is matched here, in order,
-against a rule that decides, before anything starts:
+Every key verl's launch scripts use that is not a schema key is matched here, in order, against a rule that
+decides before anything starts (the rules are data: ``verl_keys.json``, one rule a line):
 
 - ``alias``   the same setting under verl_lite's name (``custom_reward_function.path`` ->
-              ``reward.custom_reward_function.path``); the value is kept (or mapped, ``dapo`` ->
-              ``naive``) and then checked like any schema key;
-- ``same``    accepted when the value states what verl_lite always does (``use_remove_padding=True``:
-              verl_lite always packs THD); any other value is rejected with the reason;
-- ``equal``   accepted when the value equals another key's (the reference model shares the actor's
-              process group, so ``ref.megatron.tensor_model_parallel_size`` must equal the actor's);
-              checked after the whole command line is composed;
+              ``reward.custom_reward_function.path``); the value is kept (or mapped, ``dapo`` -> ``naive``) and
+              then checked like any schema key;
+- ``same``    accepted when the value states what verl_lite always does (``use_remove_padding=True``: verl_lite
+              always packs THD); any other value is rejected with the reason;
+- ``equal``   accepted when the value equals another key's (``ref.megatron.tensor_model_parallel_size`` must equal
+              the actor's: they share the process group); checked after the whole command line is composed;
 - ``reject``  does not apply here: the message says why and what to use instead.
 
-No rule accepts a value and then ignores it: ``same`` accepts only what is already true. Keys that
-match no rule and are not in the schema get the generic unknown-key message (with a close key
-from the same section when there is one). The rules are data: ``verl_keys.json``, one rule a line.
-
-    decide(key, value) -> Decision | None        # None: no rule (a schema key or a typo)
+No rule accepts a value and then ignores it. Keys that match no rule and are not in the schema get the generic
+unknown-key message (with a close key from the same section when there is one).
 """
 
 from __future__ import annotations
@@ -40,6 +35,7 @@ class Rule:
     accepts: Callable[[Any], bool] | None = None  # same: the values that state what verl_lite does
     value_map: dict | None = None  # alias: verl value -> verl_lite value
     effect: str = ""  # same/alias: what accepting it means here (docs)
+    implies: dict | None = None  # alias: verl_lite key (with '*' as target) -> verl's default that comes with the key
 
 
 @dataclass(frozen=True)
@@ -49,6 +45,7 @@ class Decision:
     target: str = ""  # alias/equal: the verl_lite key
     value: Any = None  # alias: the (mapped) value to set
     message: str = ""  # rejected: the full problem line
+    implies: dict | None = None  # alias: key -> value that applies unless the command line sets that key itself
 
 
 def render(value) -> str:
@@ -128,10 +125,11 @@ def rule_for(key: str) -> Rule | None:
     return next((rule for rule in RULES if fnmatch.fnmatchcase(key, rule.pattern)), None)
 
 
-def _aliased(rule: Rule, key: str) -> str:
-    """An alias' verl_lite key for ``key``: each '*' of the target takes what the pattern's '*' matched."""
+def _aliased(rule: Rule, key: str, target: str | None = None) -> str:
+    """An alias' verl_lite key for ``key`` (or for another ``target`` of the rule): each '*' of the target takes
+    what the pattern's '*' matched."""
     matched = iter(re.fullmatch(re.escape(rule.pattern).replace(r"\*", "(.*)"), key).groups())
-    return re.sub(r"\*", lambda _: next(matched), rule.target)
+    return re.sub(r"\*", lambda _: next(matched), rule.target if target is None else target)
 
 
 def decide(key: str, value: Any) -> Decision | None:
@@ -141,7 +139,8 @@ def decide(key: str, value: Any) -> Decision | None:
         return None
     if rule.kind == "alias":
         mapped = rule.value_map.get(value, value) if rule.value_map and isinstance(value, str) else value
-        return Decision("alias", key, target=_aliased(rule, key), value=mapped)
+        implies = {_aliased(rule, key, k): v for k, v in (rule.implies or {}).items()} or None
+        return Decision("alias", key, target=_aliased(rule, key), value=mapped, implies=implies)
     message = f"{key}={render(value)}: {rule.reason}" if rule.kind != "reject" else f"{key}: {rule.reason}"
     if rule.kind == "equal":
         return Decision("equal", key, target=rule.target, value=value, message=message)

@@ -1,8 +1,5 @@
-"""Single controller: Ray resource pools, worker groups, dispatch/collect, micro-batch planning.
-
-The names below load on first use (PEP 562), so importing ``verl_lite.controller.config`` (a section the
-config composes) does not import Ray.
-"""
+"""Single controller: Ray resource pools, worker groups, dispatch/collect, micro-batch planning. The names below
+load on first use (PEP 562), so importing ``verl_lite.controller.config`` does not import Ray."""
 
 from importlib import import_module
 

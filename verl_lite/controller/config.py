@@ -85,13 +85,10 @@ class V1Config:
 
 def resolve_placement(cfg) -> None:
     """The placement and the policy lag a config asks for, set in place (idempotent); the one rule for both:
-
-    - ``trainer.v1.trainer_mode=separate_async``: rollout workers of their own (``hybrid_engine=false``), the lag
-      ``trainer.v1.separate_async.num_warmup_batches``;
-    - ``actor_rollout_ref.hybrid_engine=false`` alone: verl's one-step-off recipe, whose lag of one step comes from
-      its entry point: lag 1;
-    - otherwise colocated and synchronous: lag 0.
-    ``async_training.staleness_threshold`` given explicitly wins over the derived lag."""
+    ``trainer.v1.trainer_mode=separate_async``: rollout workers of their own (``hybrid_engine=false``), lag
+    ``trainer.v1.separate_async.num_warmup_batches``; ``actor_rollout_ref.hybrid_engine=false`` alone: verl's
+    one-step-off recipe, lag 1; otherwise colocated and synchronous, lag 0. An explicit
+    ``async_training.staleness_threshold`` wins over the derived lag."""
     v1, at = cfg.trainer.v1, cfg.async_training
     if v1.trainer_mode == "separate_async":
         cfg.actor_rollout_ref.hybrid_engine = False

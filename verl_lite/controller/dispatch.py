@@ -1,12 +1,7 @@
-"""Dispatch by DP rank, collection from owners (Contract 4).
-
-Every worker reports its :class:`RankLayout` (DP rank, DP size, whether its outputs are the ones
-to collect: last PP stage, TP rank 0, CP rank 0). The controller
-
-1. cuts the batch into one piece per DP rank (:func:`shard_by_plan` follows a micro-batch plan
-   from ``planning.py``; :func:`shard_evenly` cuts contiguous equal pieces),
-2. sends DP rank r's piece to every rank whose ``dp_rank == r`` (all its TP/PP/CP peers),
-3. keeps only the owners' results, one per DP rank, and puts rows back in the batch's order.
+"""Dispatch by DP rank, collection from owners (Contract 4). Every worker reports its :class:`RankLayout` (DP rank,
+DP size, whether its outputs are collected: last PP stage, TP rank 0, CP rank 0). The controller cuts the batch
+into one piece per DP rank (:func:`shard_by_plan` by a micro-batch plan, :func:`shard_evenly` in equal pieces),
+sends it to every rank of that DP rank, keeps one owner's result per DP rank and restores the batch's row order.
 """
 
 from __future__ import annotations
@@ -43,20 +38,16 @@ def make_layouts(reports: Sequence[dict]) -> list[RankLayout]:
     return layouts
 
 
-def dp_size_of(layouts: Sequence[RankLayout]) -> int:
-    return layouts[0].dp_size
-
-
 def per_rank_args(pieces: Sequence[Any], layouts: Sequence[RankLayout]) -> list[Any]:
     """Piece ``pieces[d]`` for every rank of DP rank d (world-rank order)."""
-    if len(pieces) != dp_size_of(layouts):
-        raise ValueError(f"got {len(pieces)} pieces for DP size {dp_size_of(layouts)}")
+    if len(pieces) != layouts[0].dp_size:
+        raise ValueError(f"got {len(pieces)} pieces for DP size {layouts[0].dp_size}")
     return [pieces[lay.dp_rank] for lay in layouts]
 
 
 def collect_from_owners(results: Sequence[Any], layouts: Sequence[RankLayout]) -> list[Any]:
     """The owners' results, indexed by DP rank."""
-    out: list[Any] = [None] * dp_size_of(layouts)
+    out: list[Any] = [None] * layouts[0].dp_size
     for lay, res in zip(layouts, results):
         if lay.is_output_owner:
             out[lay.dp_rank] = res
@@ -89,17 +80,9 @@ class Shards:
         return out
 
 
-def shard_by_plan(
-    batch: Batch,
-    lengths: Sequence[int],
-    dp_size: int,
-    micro_batch_size: int | None = None,
-    max_tokens_per_micro_batch: int | None = None,
-    vpp_multiple: int = 1,
-    prompts: Sequence[Sequence[int]] | None = None,
-) -> Shards:
-    """Plan micro-batches over DP ranks (``planning.plan_micro_batches``) and cut the batch to match."""
-    plan = plan_micro_batches(lengths, dp_size, micro_batch_size, max_tokens_per_micro_batch, vpp_multiple, prompts)
+def shard_by_plan(batch: Batch, lengths: Sequence[int], dp_size: int, **plan_options) -> Shards:
+    """Plan micro-batches over DP ranks (``plan_micro_batches(..., **plan_options)``); cut the batch to match."""
+    plan = plan_micro_batches(lengths, dp_size, **plan_options)
     pieces, rows, local_mbs = [], [], []
     for rank_plan in plan:
         order = [i for mb in rank_plan for i in mb]

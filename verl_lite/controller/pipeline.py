@@ -1,35 +1,26 @@
-"""The rollout/training pipeline of split placement: a bounded queue of rollout batches, each tagged
-with the policy version that sampled it (verl's one-step-off / fully-async schedule).
+"""The rollout/training pipeline of split placement (verl's one-step-off schedule): a bounded queue of rollout
+batches, each tagged with the policy version that sampled it.
 
-Versions count optimizer updates of the RL loop: version v is the policy after v RL steps. Batch b
-(the one RL step b + 1 trains on) is sampled by version
+Version v is the policy after v RL steps. Batch b (the one RL step b + 1 trains on) is sampled by version
+``v(b) = max(0, b - k)``, k = ``async_training.staleness_threshold``, so it is at most k versions old at
+training: k = 0 is the synchronous loop, k = 1 one-step-off. The schedule is fixed, not a race: one generation
+thread runs batches in order and loads exactly version v(b) into every rollout worker before batch b, so a
+run is reproducible at its seeds. At most k + 1 batches are generated ahead (the queue's bound); their prompt
+rows are pulled on the trainer's thread.
 
-    v(b) = max(0, b - k),        k = async_training.staleness_threshold
-
-so its staleness at training, b - v(b), is at most k: k = 0 is the synchronous loop, k = 1 is
-one-step-off (batch b + 1 is generated while step b + 1 trains on batch b). The schedule is fixed,
-not a race: one generation thread runs batches in order and, before batch b, loads exactly version
-v(b) into every rollout worker (all of them, then it generates), so a rollout never samples with a
-half-updated model and a run is reproducible at its seeds. At most k + 1 batches are generated
-ahead of the trainer (the queue's bound); their prompt rows are pulled from the data on the
-trainer's thread.
-
-    pipe = RolloutPipeline(generate, load, next_rows, staleness=1, queue_timeout_s=600)
     pipe.start()
-    item = pipe.next(step_index)        # the batch of that step (waits at most queue_timeout_s)
-    ...train on item.batch...
+    item = pipe.next(step_index)            # the batch of that step (waits at most queue_timeout_s)
     pipe.publish(step_index + 1, weights)   # the updated policy, for the batches that need it
-    pipe.in_flight()                    # generated-ahead batches (a checkpoint saves them)
+    pipe.in_flight()                        # generated-ahead batches (a checkpoint saves them)
     pipe.close()
 
-Every wait is bounded: the trainer's wait for a batch (``queue_timeout_s``: a starving queue), a
-weight load (the ``load`` callable's own bound, ``weight_sync_timeout_s``), a generation
-(the worker group's ``trainer.worker_timeout_s``). A failure in the generation thread is re-raised on
-the trainer's thread at its next ``next()``.
+Every wait is bounded (``queue_timeout_s``, the ``load`` callable's own bound, ``trainer.worker_timeout_s``).
+A failure in the generation thread is re-raised on the trainer's thread at its next ``next()``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -44,6 +35,11 @@ class PipelineError(RunFailure):
     """The rollout pipeline of split placement failed (a rollout worker, a weight sync, a starving queue)."""
 
 
+STARVING_FIX = ("raise async_training.queue_timeout_s, or give the rollout pool more workers "
+                "(actor_rollout_ref.rollout.n_gpus_per_node)")
+WORKER_FAILED_FIX = "see the worker's traceback above; the run's workers were stopped"
+
+
 @dataclass
 class RolloutItem:
     index: int  # the RL step (0-based) this batch trains at
@@ -54,9 +50,8 @@ class RolloutItem:
     metrics: dict = field(default_factory=dict)
 
     def to_state(self) -> dict:
-        """Plain containers, tensors and Python scalars/strings only, so a checkpoint reads it back with
-        ``torch.load(weights_only=True)`` (never an unpickler that can run code)."""
-        batch = None if self.batch is None else {"tensors": {k: v for k, v in self.batch.tensors.items()},
+        """Plain containers, tensors and scalars only: a checkpoint reads it with ``torch.load(weights_only=True)``."""
+        batch = None if self.batch is None else {"tensors": dict(self.batch.tensors.items()),
                                                  "non_tensors": dict(self.batch.non_tensors)}
         return {"index": self.index, "rows": self.rows, "version": self.version, "batch": batch,
                 "generate_s": self.generate_s, "metrics": dict(self.metrics)}
@@ -69,20 +64,11 @@ class RolloutItem:
         return cls(state["index"], state["rows"], state["version"], batch, state["generate_s"], state["metrics"])
 
 
-def version_for(index: int, staleness: int) -> int:
-    """The policy version that samples batch ``index``: max(0, index - staleness)."""
-    return max(0, index - staleness)
-
-
 class RolloutPipeline:
-    """See the module docstring. ``generate(rows, index) -> Batch`` runs on the rollout pool;
-    ``load(weights, version)`` loads one version into every rollout worker (bounded by its own timeout);
-    ``next_rows()`` returns the next batch of prompt rows (called on the trainer's thread only).
-
-    ``first_index``: the first step to hand a batch to (a resumed run: the checkpoint's step; ``ready``: the
-    batches it saved, for steps first_index...); ``end_index``: steps past it get no batch (the run's
-    length); ``loaded_version``: the version the rollout workers hold now (None: unknown, load before
-    the first batch)."""
+    """``generate(rows, index) -> Batch`` runs on the rollout pool; ``load(weights, version)`` loads a version into
+    every rollout worker; ``next_rows()`` (trainer's thread) gives the next batch's prompt rows. A resumed run
+    starts at ``first_index`` with ``ready`` (the batches it saved); ``end_index``: steps past it get no batch;
+    ``loaded_version``: the version the rollout workers hold now (None: unknown)."""
 
     def __init__(self, generate: Callable[[list, int], Any], load: Callable[[Any, int], None],
                  next_rows: Callable[[], list], staleness: int, queue_timeout_s: float, first_index: int = 0,
@@ -105,7 +91,6 @@ class RolloutPipeline:
         self._busy_since: float | None = None  # when the thread's current load/generation began
         self._busy_with = ""
 
-    # ------------------------------------------------------------------ trainer side
     def start(self) -> None:
         self._thread.start()
 
@@ -142,13 +127,11 @@ class RolloutPipeline:
         try:
             item = self._queue.get(timeout=self.queue_timeout_s)
         except queue.Empty:
-            busy = "" if self._busy_since is None else \
-                f"; the rollout pool has been busy with {self._busy_with} for {time.monotonic() - self._busy_since:.0f}s"
+            busy = "" if self._busy_since is None else (f"; the rollout pool has been busy with {self._busy_with} "
+                                                        f"for {time.monotonic() - self._busy_since:.0f}s")
             raise PipelineError(
                 f"step {index + 1}: no rollout batch arrived within async_training.queue_timeout_s="
-                f"{self.queue_timeout_s:g}s (the queue starved{busy})",
-                "raise async_training.queue_timeout_s, or give the rollout pool more workers "
-                "(actor_rollout_ref.rollout.n_gpus_per_node)") from None
+                f"{self.queue_timeout_s:g}s (the queue starved{busy})", STARVING_FIX) from None
         if isinstance(item, BaseException):
             raise item
         item.metrics["timing_s/wait_rollout"] = time.monotonic() - t0
@@ -171,13 +154,10 @@ class RolloutPipeline:
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
-        try:  # unblock a thread waiting to put into a full queue
+        with contextlib.suppress(queue.Empty):  # unblock a thread waiting to put into a full queue
             while True:
                 self._queue.get_nowait()
-        except queue.Empty:
-            pass
 
-    # ------------------------------------------------------------------ the generation thread
     def _wait_for(self, ready: Callable[[], bool]) -> bool:
         with self._cond:
             while not ready():
@@ -190,10 +170,8 @@ class RolloutPipeline:
         try:
             while not self._stop.is_set():
                 b = self._next_generate
-                if not self._wait_for(lambda: b in self._rows):
-                    return
-                need = version_for(b, self.staleness)
-                if not self._wait_for(lambda: self._loaded == need or need in self._published):
+                need = max(0, b - self.staleness)  # v(b) of the module docstring
+                if not self._wait_for(lambda: b in self._rows and (self._loaded == need or need in self._published)):
                     return
                 if self._loaded != need:
                     with self._cond:
@@ -206,9 +184,8 @@ class RolloutPipeline:
                         del self._published[v]
                     rows = self._rows.pop(b)
                 self._busy_since, self._busy_with = time.monotonic(), f"generating batch {b + 1}"
-                t0 = time.monotonic()
                 batch = self.generate_fn(rows, b)
-                item = RolloutItem(b, rows, need, batch, time.monotonic() - t0)
+                item = RolloutItem(b, rows, need, batch, time.monotonic() - self._busy_since)
                 item.metrics["timing_s/generate_async"] = item.generate_s
                 self._busy_since = None
                 with self._cond:
@@ -219,15 +196,12 @@ class RolloutPipeline:
                 return
             if not isinstance(err, RunFailure):
                 err = PipelineError(f"the rollout pool failed while {self._busy_with or 'idle'}: {err}",
-                                    "see the worker's traceback above; the run's workers were stopped")
+                                    WORKER_FAILED_FIX)
             self._hand_over(err)
 
     def _hand_over(self, item) -> None:
-        """Put a batch (or the thread's error) in the bounded queue, waiting while it is full, until
-        ``close`` sets the stop flag (checked every second)."""
+        """Put a batch (or the thread's error) in the bounded queue, waiting while it is full, until ``close``."""
         while not self._stop.is_set():
-            try:
+            with contextlib.suppress(queue.Full):
                 self._queue.put(item, timeout=1.0)
                 return
-            except queue.Full:
-                continue

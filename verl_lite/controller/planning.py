@@ -1,29 +1,21 @@
-"""Micro-batch planning: which trajectories go to which DP rank and micro-batch.
-
-Pure Python (no torch.distributed): the controller runs it once per mini-batch and sends every
-DP rank its share, so all ranks agree on the number and order of micro-batches by construction.
+"""Micro-batch planning: which trajectories go to which DP rank and micro-batch. Pure Python: the controller
+plans once per mini-batch and sends every DP rank its share, so all ranks agree on the number and order of
+micro-batches by construction.
 
     plan = plan_micro_batches(lengths, dp_size, micro_batch_size=2)
     plan[dp_rank] -> [[i, j], [k, l], ...]      # micro-batches of trajectory indices
 
-Two steps:
-1. DP partition: trajectories are split into ``dp_size`` groups of EQUAL size (a requirement of
-   the batch-size semantics: trajectories per mini-batch divide by DP), balanced by token count
-   (greedy longest-first into the lightest group that still has room).
-2. Micro-batches per rank: either fixed ``micro_batch_size`` trajectories each, or a token budget
-   ``max_tokens_per_micro_batch`` (first-fit-decreasing bins, then balanced). The count is then
-   made the same on every rank (the maximum over ranks, rounded up to ``vpp_multiple``) by
-   splitting the largest micro-batches; a micro-batch is empty only if a rank has fewer
-   trajectories than the required count.
+1. DP partition: ``dp_size`` groups of EQUAL size (trajectories per mini-batch divide by DP), balanced by
+   token count: greedy, heaviest unit first, into the lightest group that still has room for all of it.
+2. Micro-batches per rank: fixed ``micro_batch_size`` trajectories each, or a token budget
+   ``max_tokens_per_micro_batch`` (first-fit-decreasing bins, then balanced). The count is then made the
+   same on every rank (the maximum, rounded up to ``vpp_multiple``) by splitting the largest micro-batches;
+   a micro-batch is empty only if a rank has fewer trajectories than that count.
 
-With ``prompts`` (each trajectory's prompt token ids), the trajectories of one prompt (in RL, its n
-samples) are placed as one unit wherever they fit, so the engine can pack their prompt once
-(``engine/packing.py``). Give ``prompts`` only for an engine that does (a role's workers report it).
-Over DP, whole prompts balance more coarsely: the partition by prompt is kept only where its
-heaviest rank packs no more tokens than the partition by trajectory's would. In a budgeted
-micro-batch a unit weighs the tokens of all its trajectories, as if nothing were shared (so the budget
-bounds the unshared tokens too). A unit that fits in no rank or no budgeted micro-batch is placed
-member by member. A rank's trajectories stay in ascending order, so a prompt-major batch cut into
+A *unit* is one trajectory, or with ``prompts`` (given only for an engine that packs a shared prompt once,
+``engine/packing.py``) the trajectories of one prompt, placed together where they fit (else member by
+member). Over DP the partition by prompt is kept only where its heaviest rank packs no more tokens than the
+partition by trajectory's. A rank's trajectories stay in ascending order, so a prompt-major batch cut into
 fixed-size micro-batches keeps each prompt's samples together too.
 
 Planning never changes the math: the loss normalization comes from the whole mini-batch
@@ -61,23 +53,13 @@ def prompt_units(indices: Sequence[int], lengths: Sequence[int],
 def packed_tokens(indices: Sequence[int], lengths: Sequence[int], groups: Sequence[tuple[int, int]] | None) -> int:
     """The tokens an engine that packs a shared prompt once packs for the trajectories ``indices``: their
     lengths, less (m - 1) x the prompt's shared tokens for each prompt group with m >= 2 of them there."""
-    total = 0
-    for members, tokens in prompt_units(indices, lengths, groups):
-        total += tokens - (len(members) - 1) * groups[members[0]][1] if len(members) > 1 else tokens
-    return total
+    return sum(tokens - (len(members) - 1) * groups[members[0]][1] if len(members) > 1 else tokens
+               for members, tokens in prompt_units(indices, lengths, groups))
 
 
 def partition_over_dp(lengths: Sequence[int], dp_size: int,
                       prompts: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
-    """Split trajectory indices into ``dp_size`` equal-size groups with balanced token sums.
-
-    Greedy: heaviest unit first (``prompt_units``: one trajectory each without ``prompts``), into the
-    group with the smallest token sum that still has room for all of it (``len(lengths) / dp_size``
-    members at most); a unit no group has room for goes member by member, longest first. With
-    ``prompts`` both partitions are made, by prompt and by trajectory, and the one whose heaviest
-    group packs fewer tokens (``packed_tokens``) is kept: whole prompts balance more coarsely, and win
-    where the prompts they share outweigh that. Indices inside a group are sorted ascending.
-    """
+    """Trajectory indices in ``dp_size`` equal-size groups with balanced token sums (module docstring, step 1)."""
     return _partition_over_dp(_check_lengths(lengths), dp_size, prompt_groups(prompts))
 
 
@@ -86,10 +68,8 @@ def _partition_over_dp(lengths: list[int], dp_size: int, groups: list[tuple[int,
         raise ValueError(f"dp_size must be >= 1, got {dp_size}")
     n = len(lengths)
     if n % dp_size:
-        raise ValueError(
-            f"{n} trajectories do not divide over dp_size={dp_size}; make the mini-batch's trajectory "
-            f"count a multiple of the data-parallel size"
-        )
+        raise ValueError(f"{n} trajectories do not divide over dp_size={dp_size}; make the mini-batch's "
+                         f"trajectory count a multiple of the data-parallel size")
     by_trajectory = _partition(prompt_units(range(n), lengths, None), lengths, dp_size)
     if groups is None or dp_size == 1:
         return by_trajectory
@@ -100,7 +80,7 @@ def _partition_over_dp(lengths: list[int], dp_size: int, groups: list[tuple[int,
 
 
 def _partition(units: list[tuple[list[int], int]], lengths: list[int], dp_size: int) -> list[list[int]]:
-    """``partition_over_dp``'s greedy placement of ``units`` (heaviest first)."""
+    """The greedy placement of ``units`` (heaviest first); one no group has room for goes longest member first."""
     per_rank = len(lengths) // dp_size
     groups: list[list[int]] = [[] for _ in range(dp_size)]
     loads = [0] * dp_size
@@ -127,15 +107,13 @@ def _split_fixed(indices: list[int], micro_batch_size: int) -> list[list[int]]:
 
 def _split_token_budget(indices: list[int], lengths: list[int], budget: int,
                         groups: list[tuple[int, int]] | None = None) -> list[list[int]]:
-    """First-fit-decreasing into bins of at most ``budget`` tokens, then rebalance greedily; by
-    ``prompt_units`` (a unit over the budget goes member by member)."""
+    """First-fit-decreasing of ``prompt_units`` into bins of at most ``budget`` tokens, then rebalanced; a unit
+    weighs all its trajectories' tokens as if nothing were shared, and one over the budget goes member by member."""
     too_long = [i for i in indices if lengths[i] > budget]
     if too_long:
-        raise ValueError(
-            f"trajectories {too_long} have lengths {[lengths[i] for i in too_long]} > "
-            f"max_tokens_per_micro_batch={budget}; raise the token budget to at least the longest "
-            f"sequence ({max(lengths[i] for i in too_long)})"
-        )
+        raise ValueError(f"trajectories {too_long} have lengths {[lengths[i] for i in too_long]} > "
+                         f"max_tokens_per_micro_batch={budget}; raise the token budget to at least the longest "
+                         f"sequence ({max(lengths[i] for i in too_long)})")
     units = []
     for members, tokens in prompt_units(indices, lengths, groups):
         units.extend([(members, tokens)] if tokens <= budget else [([i], lengths[i]) for i in members])
@@ -152,8 +130,7 @@ def _split_token_budget(indices: list[int], lengths: list[int], budget: int,
 
 
 def _rebalance(units: list[tuple[list[int], int]], k: int, budget: int | None) -> list[list[int]]:
-    """Greedy LPT of the units (heaviest first) into ``k`` bins (lightest bin first); falls back to the
-    FFD count if it overflows."""
+    """Greedy LPT of the units (heaviest first) into ``k`` bins, one more bin while it overflows the budget."""
     while True:
         bins: list[list[int]] = [[] for _ in range(k)]
         lightest = [(0, 0, q) for q in range(k)]  # (load, members, bin) of every bin: a heap, lightest first
@@ -176,52 +153,25 @@ def _pad_count(mbs: list[list[int]], lengths: list[int], target: int) -> list[li
             continue
         k = max(splittable, key=lambda q: (sum(lengths[i] for i in mbs[q]), -q))
         m = sorted(mbs[k], key=lambda i: (-lengths[i], i))
-        a, b = [], []
-        la = lb = 0
+        halves, loads = ([], []), [0, 0]
         for i in m:  # balanced two-way split
-            if la <= lb:
-                a.append(i)
-                la += lengths[i]
-            else:
-                b.append(i)
-                lb += lengths[i]
-        mbs[k : k + 1] = [sorted(a), sorted(b)]
+            side = 0 if loads[0] <= loads[1] else 1
+            halves[side].append(i)
+            loads[side] += lengths[i]
+        mbs[k : k + 1] = [sorted(halves[0]), sorted(halves[1])]
     return mbs
 
 
-def plan_micro_batches(
-    lengths: Sequence[int],
-    dp_size: int,
-    micro_batch_size: int | None = None,
-    max_tokens_per_micro_batch: int | None = None,
-    vpp_multiple: int = 1,
-    prompts: Sequence[Sequence[int]] | None = None,
-) -> list[list[list[int]]]:
-    """Plan DP shares and micro-batches of trajectory indices (indices into ``lengths``).
-
-    Args:
-        lengths: token count (prompt + response) of each trajectory of the mini-batch.
-        dp_size: data-parallel size; ``len(lengths)`` must divide by it.
-        micro_batch_size: trajectories per micro-batch (exclusive with the token budget).
-        max_tokens_per_micro_batch: token budget per micro-batch; a longer single trajectory is an
-            error.
-        vpp_multiple: the micro-batch count is rounded up to a multiple of this (the pipeline size
-            under virtual pipeline parallelism, which megatron requires).
-        prompts: each trajectory's prompt token ids, to keep the trajectories of one prompt together
-            (module docstring); None plans every trajectory on its own.
-
-    Returns:
-        ``plan[r]`` = list of micro-batches for DP rank r; every rank has the same count; every
-        trajectory appears exactly once. A micro-batch is empty only if a rank has fewer
-        trajectories than the common count (the engine rejects empty micro-batches, so the
-        caller should then use fewer micro-batches or a smaller VPP multiple).
-    """
+def plan_micro_batches(lengths: Sequence[int], dp_size: int, micro_batch_size: int | None = None,
+                       max_tokens_per_micro_batch: int | None = None, vpp_multiple: int = 1,
+                       prompts: Sequence[Sequence[int]] | None = None) -> list[list[list[int]]]:
+    """``plan[r]``: DP rank r's micro-batches of indices into ``lengths`` (each trajectory's tokens), the same count
+    on every rank, every trajectory once. Exactly one of ``micro_batch_size`` and ``max_tokens_per_micro_batch``;
+    ``vpp_multiple``: the pipeline size under virtual PP (megatron needs a multiple of it)."""
     lengths = _check_lengths(lengths)
     if (micro_batch_size is None) == (max_tokens_per_micro_batch is None):
-        raise ValueError(
-            "plan_micro_batches: give exactly one of micro_batch_size (fixed trajectories per "
-            "micro-batch) or max_tokens_per_micro_batch (token budget)"
-        )
+        raise ValueError("plan_micro_batches: give exactly one of micro_batch_size (fixed trajectories per "
+                         "micro-batch) or max_tokens_per_micro_batch (token budget)")
     if micro_batch_size is not None and micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
     if max_tokens_per_micro_batch is not None and max_tokens_per_micro_batch < 1:
@@ -237,6 +187,5 @@ def plan_micro_batches(
         per_rank = [_split_fixed(s, micro_batch_size) for s in shares]
     else:
         per_rank = [_split_token_budget(s, lengths, max_tokens_per_micro_batch, groups) for s in shares]
-    count = max(len(m) for m in per_rank)
-    count = -(-count // vpp_multiple) * vpp_multiple
+    count = -(-max(len(m) for m in per_rank) // vpp_multiple) * vpp_multiple
     return [_pad_count(m, lengths, count) for m in per_rank]

@@ -1,7 +1,6 @@
-"""One role of the RL job (actor/rollout/ref, critic, ...) on its own workers and layout.
-
-A :class:`RoleGroup` owns a :class:`WorkerGroup` whose workers form ONE torch.distributed world
-with the role's own TP/PP/CP/DP layout. The trainer talks to roles only through it:
+"""One role of the RL job (actor/rollout/ref, critic, ...) on its own workers and layout: a :class:`WorkerGroup`
+whose workers form ONE torch.distributed world with the role's TP/PP/CP/DP layout. The trainer talks to roles
+only through it:
 
     actor, critic = RoleGroup("actor", ...), RoleGroup("critic", ...)   # processes start
     start_roles(actor, critic)                        # engines built, side by side
@@ -9,15 +8,9 @@ with the role's own TP/PP/CP/DP layout. The trainer talks to roles only through 
     actor.infer("compute_log_prob", batch, sizing)    # forward-only, rows back in batch order
     critic.train("update_critic", jobs, ...)          # one optimizer step per job, owners' results
 
-For DP-dispatched calls it: plans micro-batches per DP rank (``planning.py``), puts each DP
-piece in the object store ONCE when TP/PP/CP peers share it (by value otherwise), in wire form
-(``wire.py``: tensors as raw bytes, not ``torch.save``), calls every rank with its DP rank's piece,
-keeps the output owners' results (last PP stage, TP rank 0, CP rank 0) and puts rows back in the
-batch's order. No RL math lives here.
-
-Placement: roles share one :class:`ResourcePool`. A role is either colocated on another role's
-bundles (each takes a share of the bundle: verl's colocation, separate processes on the same
-devices) or placed on bundles of its own (``bundle_offset``).
+DP-dispatched calls follow ``dispatch.py`` (pieces in wire form, ``wire.py``). Roles share one
+:class:`ResourcePool`: colocated on another role's bundles (each takes a share) or on bundles of their own
+(``bundle_offset``). No RL math lives here.
 """
 
 from __future__ import annotations
@@ -36,10 +29,8 @@ from verl_lite.protocol import Batch, response_lengths
 
 @dataclass(frozen=True)
 class MicroBatching:
-    """How a DP rank's share is cut for memory (never changes the math).
-
-    Either ``micro_batch_size`` trajectories per micro-batch, or (``max_tokens`` set) a token
-    budget per micro-batch and per CP rank (the plan uses ``max_tokens * cp``)."""
+    """How a DP rank's share is cut for memory (never changes the math): ``micro_batch_size`` trajectories per
+    micro-batch, or (``max_tokens`` set) a token budget per micro-batch and per CP rank."""
 
     micro_batch_size: int | None = None
     max_tokens: int | None = None
@@ -58,18 +49,13 @@ def sequence_lengths(batch: Batch) -> list[int]:
 def split_contiguous(n: int, parts: int) -> list[range]:
     """``n`` items into ``parts`` contiguous near-equal ranges (the first ones one longer)."""
     base, extra = divmod(n, parts)
-    out, start = [], 0
-    for part in range(parts):
-        size = base + (1 if part < extra else 0)
-        out.append(range(start, start + size))
-        start += size
-    return out
+    bounds = [part * base + min(part, extra) for part in range(parts + 1)]
+    return [range(start, end) for start, end in zip(bounds, bounds[1:])]
 
 
 def start_roles(*roles: "RoleGroup | None") -> None:
     """Build every role's engines and rollouts (the workers' ``init_model``) at the same time, then read each
-    role's layout. The roles' processes were started when they were created and come up together; each
-    role's wait is bounded by its group's timeout. On any failure every given role is shut down."""
+    role's layout. Each role's wait is bounded by its group's timeout; on any failure every role is shut down."""
     roles = [r for r in roles if r is not None]
     try:
         pending = [(role, role.group.submit_all("init_model")) for role in roles]
@@ -84,61 +70,45 @@ def start_roles(*roles: "RoleGroup | None") -> None:
 
 
 class RoleGroup:
-    """The workers of one role; see the module docstring.
-
-    Creating it starts the role's processes and returns at once; :func:`start_roles` then builds the engines
-    of every role of the job together (their processes start, import and build side by side: a PPO job's
-    actor and critic on two cores in about the time of one). ``cp`` and ``vpp_multiple`` (= pp when virtual PP is on, else 1) come from the role's layout:
-    token budgets scale with CP, and micro-batch counts must be a multiple of ``vpp_multiple``.
-    """
+    """The workers of one role: creating it starts their processes, :func:`start_roles` builds the engines. Token
+    budgets scale with ``cp``; micro-batch counts are a multiple of ``vpp_multiple`` (pp with virtual PP, else 1)."""
 
     def __init__(self, name: str, worker_cls: type, world_size: int, worker_cfg: Any, pool: ResourcePool,
                  timeout_s: float, cp: int = 1, vpp_multiple: int = 1, bundle_offset: int = 0, share: float = 1.0,
                  concurrent_ranks: int | None = None):
-        self.name = name
+        self.name, self.world_size = name, world_size
         self.cp, self.vpp_multiple = cp, vpp_multiple
-        self.world_size = world_size
         self.group = WorkerGroup(worker_cls, world_size, init_kwargs={"cfg": worker_cfg}, pool=pool,
                                  timeout_s=timeout_s, bundle_offset=bundle_offset, share=share, name=name,
                                  concurrent_ranks=concurrent_ranks)
         self.layouts: list | None = None  # set by start_roles, once the engines are built
         self.dp: int | None = None
-        self.shares_prompts = False  # whether the engines pack a shared prompt once (set with the layouts)
+        self.shares_prompts = False  # whether the engines pack a shared prompt once (engine/packing.py)
 
     def _set_layout(self) -> None:
         reports = self.group.call_all("layout")
         self.layouts = make_layouts(reports)
         self.dp = self.layouts[0].dp_size
-        self.shares_prompts = all(r.get("shares_prompts", False) for r in reports)  # engine/packing.py
+        self.shares_prompts = all(r.get("shares_prompts", False) for r in reports)
 
-    # ------------------------------------------------------------------ plain calls
     def call_all(self, method: str, *args, **kwargs) -> list[Any]:
         return self.group.call_all(method, *args, **kwargs)
-
-    def pids(self) -> list[int]:
-        return self.group.call_all("pid")
 
     def shutdown(self) -> None:
         self.group.shutdown()
 
-    # ------------------------------------------------------------------ generation
     def generate(self, prompts: list, seeds: list[int] | None, sampling: dict, method: str = "generate",
                  timeout_s: float | None = None) -> list[dict]:
-        """Prompts split contiguously over ALL ranks (each holds a full rollout model);
-        outputs prompt-major: ``sampling['n']`` per prompt, in prompt order. ``method``: the workers'
-        rollout method (``generate_agent`` takes agent rows instead of prompt ids). ``timeout_s``: the
-        call's own bound (default: the group's); past it ``WorkerTimeout`` is raised and the group torn down."""
+        """Prompts split contiguously over ALL ranks (each holds a full rollout model); ``sampling['n']`` outputs
+        per prompt, prompt-major. ``method``: ``generate`` or ``generate_agent`` (agent rows); ``timeout_s``: bound."""
         ranges = split_contiguous(len(prompts), self.world_size)
         args = [([prompts[i] for i in rg], None if seeds is None else [seeds[i] for i in rg], sampling)
                 for rg in ranges]
         return [o for rank_out in self.group.call_per_rank(method, args, timeout_s=timeout_s) for o in rank_out]
 
-    # ------------------------------------------------------------------ DP-dispatched calls
     def _shared(self, piece: Any) -> Any:
-        """A DP piece as sent to its ranks: put in the object store once when several ranks (TP/PP/CP
-        peers) receive it; passed by value when each DP rank is one rank (the object-store round trip
-        costs more than it saves for one receiver; Ray still stores a large argument by itself). Either way
-        in wire form: its tensors pickle as raw bytes, without torch's per-tensor cost (``wire``)."""
+        """A DP piece as sent to its ranks, in wire form: put in the object store once when several ranks (TP/PP/CP
+        peers) receive it; by value when each DP rank is one rank (the round trip costs more than it saves)."""
         return ray.put(wire(piece)) if self.world_size > self.dp else wire(piece)
 
     def _shards(self, batch: Batch, lengths: Sequence[int], sizing: MicroBatching):
@@ -159,12 +129,9 @@ class RoleGroup:
 
     def train(self, method: str, mini_batches: Sequence[tuple[Batch, Any]], sizing: MicroBatching,
               *args) -> list[list[dict]]:
-        """One optimizer step per ``(mini_batch, loss_plan)``, in order, in ONE call per rank.
-
-        Each job sent to DP rank d: its ``piece`` of the mini-batch, the ``micro_batches`` of that
-        piece, the mini-batch's ``plan`` and ``global_token_count`` (sum of sequence lengths over
-        the whole mini-batch, for megatron's per-token mode). Returns the owners' results
-        ``[dp][step]``."""
+        """One optimizer step per ``(mini_batch, loss_plan)``, in ONE call per rank; a job holds DP rank d's
+        ``piece``, its ``micro_batches``, the ``plan`` and the mini-batch's ``global_token_count`` (megatron's
+        per-token mode). Returns the owners' results ``[dp][step]``."""
         jobs_per_dp: list[list[dict]] = [[] for _ in range(self.dp)]
         for mini, plan in mini_batches:
             lengths = sequence_lengths(mini)

@@ -1,30 +1,17 @@
 """verl's ``separate_async`` on the rollout pool: prompt groups stream through the rollout workers' trajectory
 streams (``verl_lite.agent.stream``), and each RL step trains on complete groups as soon as there are enough.
 
-Versions: version v is the policy after v RL steps; step s (1-based) trains the policy of version s - 1 and then
-publishes version s, which every rollout worker loads between its backend calls: trajectories running then go
-on with the new weights (partial rollouts), each model turn tagged with the version that generated it.
+Step s (1-based) trains the policy of version s - 1 and then publishes version s, which every rollout worker
+loads between its backend calls: running trajectories go on with the new weights (partial rollouts), each
+model turn tagged with the version that generated it.
 
-Schedule (verl's v1 sampler, in its units): a group's *age* at step s is ``s - submit_step + 1``, where
-``submit_step`` is the step during which its prompt was submitted (a prompt submitted and trained in the same
-step has age 1). The pipeline keeps ``(1 + num_warmup_batches) x train_batch_size`` groups outstanding
-(submitted and not yet trained). Step s takes the ``train_batch_size`` complete groups submitted first (oldest
-first, then in submission order) whose age is at most ``max_off_policy_threshold``:
+Schedule (verl's v1 sampler): a group's *age* at step s is ``s - submit_step + 1`` (``submit_step``: the step
+during which its prompt was submitted). ``(1 + num_warmup_batches) x train_batch_size`` groups are kept
+outstanding (submitted, not yet trained). Step s takes the ``train_batch_size`` complete groups submitted
+first whose age is at most ``max_off_policy_threshold``; ``drop`` evicts a complete group older than that (a
+new prompt takes its place), ``wait`` submits no new prompt while an incomplete group has reached the bound.
 
-- ``drop``: a complete group older than the bound is evicted (its prompt is not trained; a new prompt takes
-  its place);
-- ``wait``: no new prompt is submitted while an outstanding group that is not complete has reached the bound,
-  so it finishes and is trained.
-
-    pipe = StreamingPipeline(role, next_rows, n, batch_groups, warmup_batches, threshold, strategy, seed_of,
-                             queue_timeout_s, load)
-    rows, outputs, metrics = pipe.next(step)     # step (0-based index): the groups' rows and samples, prompt-major
-    ...train...
-    pipe.publish(version, weights)               # every rollout worker loads it (through load, bounded)
-    pipe.outstanding_rows()                      # what a checkpoint saves: re-submitted on resume
-
-Every wait is bounded: the wait for enough complete groups (``queue_timeout_s``), each worker call (the worker
-group's bound), a load (the ``load`` callable's own bound, ``weight_sync_timeout_s``).
+Every wait is bounded: the wait for enough complete groups (``queue_timeout_s``), each worker call, a load.
 """
 
 from __future__ import annotations
@@ -33,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from verl_lite.controller.pipeline import PipelineError
+from verl_lite.controller.pipeline import STARVING_FIX, WORKER_FAILED_FIX, PipelineError
 from verl_lite.controller.worker_group import WorkerError, WorkerTimeout
 
 POLL_S = 0.05  # how often the driver asks the rollout workers for finished trajectories while it waits
@@ -44,8 +31,11 @@ class Group:
     gid: int
     row: dict
     submit_step: int  # 1-based: the step during which it was submitted
-    worker: int
     samples: dict = field(default_factory=dict)  # sample index -> the trajectory's output
+
+
+def _age(group: Group, step: int) -> int:
+    return step - group.submit_step + 1
 
 
 class StreamingPipeline:
@@ -62,11 +52,8 @@ class StreamingPipeline:
         self.load = [0] * role.world_size  # outstanding trajectories per worker
         self.evicted = 0
 
-    # ------------------------------------------------------------------ the step's side
     def next(self, index: int) -> tuple[list[dict], list[dict], dict]:
-        """The groups step ``index + 1`` trains on: their rows, their ``n`` samples each (prompt-major), and the
-        schedule's metrics. Raises :class:`PipelineError` when not enough groups complete within
-        ``queue_timeout_s``."""
+        """Step ``index + 1``'s groups: rows, ``n`` samples each (prompt-major), metrics; bounded (queue_timeout_s)."""
         step = index + 1
         started = time.monotonic()
         while True:
@@ -93,8 +80,7 @@ class StreamingPipeline:
         return rows, outputs, metrics
 
     def publish(self, version: int, weights: Any) -> None:
-        """Policy ``version`` into every rollout worker (each loads it once its running backend call returns),
-        through ``load`` (bounded by its own timeout, as the one-step-off pipeline's)."""
+        """Policy ``version`` into every rollout worker (each loads it once its running backend call returns)."""
         self.load_fn(weights, version)
 
     def outstanding_rows(self) -> list[dict]:
@@ -102,23 +88,18 @@ class StreamingPipeline:
         and a resumed run submits them again first (their samples so far are generated again)."""
         return [g.row for g in sorted(self.groups.values(), key=lambda g: g.gid)] + list(self.pending_rows)
 
-    # ------------------------------------------------------------------ scheduling
-    def _age(self, group: Group, step: int) -> int:
-        return step - group.submit_step + 1
-
     def _choose(self, step: int) -> tuple[list[Group], list[Group]]:
         """(the first ``batch_groups`` complete groups within the bound, oldest first; the complete ones past it)."""
         complete = sorted((g for g in self.groups.values() if len(g.samples) == self.n),
                           key=lambda g: (g.submit_step, g.gid))
-        stale = [g for g in complete if self._age(g, step) > self.threshold]
-        fresh = [g for g in complete if self._age(g, step) <= self.threshold]
+        stale = [g for g in complete if _age(g, step) > self.threshold]
+        fresh = [g for g in complete if _age(g, step) <= self.threshold]
         return fresh[:self.batch_groups], stale
 
     def _must_wait(self, step: int) -> bool:
-        """``wait``: an outstanding group still generating has reached the bound (it is trained this step, so
-        the step waits for it and no new prompt is submitted meanwhile)."""
+        """``wait``: an outstanding group still generating has reached the bound (no new prompt meanwhile)."""
         return self.strategy == "wait" and any(
-            len(g.samples) < self.n and self._age(g, step) >= self.threshold for g in self.groups.values())
+            len(g.samples) < self.n and _age(g, step) >= self.threshold for g in self.groups.values())
 
     def _submit(self, step: int) -> None:
         jobs: list[list[dict]] = [[] for _ in range(self.role.world_size)]
@@ -127,7 +108,7 @@ class StreamingPipeline:
                 self.pending_rows = list(self.next_rows())
             row = self.pending_rows.pop(0)
             worker = min(range(len(self.load)), key=lambda w: self.load[w])
-            group = Group(self.next_gid, row, step, worker)
+            group = Group(self.next_gid, row, step)
             self.groups[group.gid] = group
             self.next_gid += 1
             self.load[worker] += self.n
@@ -136,31 +117,24 @@ class StreamingPipeline:
             try:
                 self.role.group.call_per_rank("stream_submit", [[j] for j in jobs])
             except WorkerError as err:
-                raise self._failed(err) from err
-
-    @staticmethod
-    def _failed(err: WorkerError) -> PipelineError:
-        return PipelineError(f"the rollout pool failed: {err}",
-                             "see the worker's traceback above; the run's workers were stopped")
+                raise PipelineError(f"the rollout pool failed: {err}", WORKER_FAILED_FIX) from err
 
     def _starving(self, step: int, why: str) -> PipelineError:
         complete = sum(len(g.samples) == self.n for g in self.groups.values())
         return PipelineError(
             f"step {step}: {complete} of the {self.batch_groups} prompt groups it needs were complete after "
             f"async_training.queue_timeout_s={self.queue_timeout_s:g}s ({len(self.groups)} outstanding{why})",
-            "raise async_training.queue_timeout_s, or give the rollout pool more workers "
-            "(actor_rollout_ref.rollout.n_gpus_per_node)")
+            STARVING_FIX)
 
     def _collect(self, step: int, started: float) -> None:
-        """Every worker's finished trajectories; a worker that does not answer within what is left of the step's
-        ``queue_timeout_s`` ends the wait as a starving queue."""
+        """Every worker's finished trajectories; a worker silent past the step's ``queue_timeout_s`` is starving."""
         left = max(1.0, self.queue_timeout_s - (time.monotonic() - started))
         try:
             answers = self.role.call_all("stream_collect", timeout_s=left)
         except WorkerTimeout:
             raise self._starving(step, "; a rollout worker stopped answering") from None
         except WorkerError as err:
-            raise self._failed(err) from err
+            raise PipelineError(f"the rollout pool failed: {err}", WORKER_FAILED_FIX) from err
         for worker, finished in enumerate(answers):
             for out in finished:
                 self.load[worker] -= 1
@@ -170,18 +144,13 @@ class StreamingPipeline:
 
 
 def off_policy_metrics(segment_versions: list[list[int]], step: int) -> dict[str, float]:
-    """verl's ``training/off_policy/*`` over a step's trajectories (``segment_versions``: each trajectory's model
-    turns' policy versions; step s trains version s - 1): ``trajectory_staleness`` = (s - 1) - the newest version
-    a trajectory used, ``trajectory_staleness_worst`` = (s - 1) - the oldest, ``trajectory_spans`` = newest -
-    oldest + 1 (1: one version generated all of it); each as mean, max and min."""
+    """verl's ``training/off_policy/*`` over a step's trajectories (``segment_versions``: each one's model turns'
+    versions; step s trains version s - 1): ``trajectory_staleness`` = (s - 1) - the newest version used,
+    ``trajectory_staleness_worst`` = (s - 1) - the oldest, ``trajectory_spans`` = newest - oldest + 1."""
     current = step - 1
     used = [[v for v in versions if v is not None] or [current] for versions in segment_versions]
     spans = {"trajectory_staleness": [current - max(v) for v in used],
              "trajectory_staleness_worst": [current - min(v) for v in used],
              "trajectory_spans": [max(v) - min(v) + 1 for v in used]}
-    out: dict[str, float] = {}
-    for name, values in spans.items():
-        out[f"training/off_policy/{name}/mean"] = sum(values) / len(values)
-        out[f"training/off_policy/{name}/max"] = max(values)
-        out[f"training/off_policy/{name}/min"] = min(values)
-    return out
+    return {f"training/off_policy/{name}/{stat}": value for name, values in spans.items()
+            for stat, value in (("mean", sum(values) / len(values)), ("max", max(values)), ("min", min(values)))}

@@ -1,20 +1,14 @@
 """What the controller sends to (and gets back from) workers, pickled without torch's per-tensor cost.
 
-A CPU ``torch.Tensor`` pickles through ``torch.save`` of its storage into a bytes object, and
-unpickles through ``torch.load`` of it: a fixed cost per tensor each way, however small, which
-dominates for the many small tensors of a DP piece (a TensorDict adds its own state). :func:`wire` wraps any object graph (a ``Batch`` piece, a list of train jobs,
-a dict of result tensors, a state dict) so that, when Ray (or ``pickle``) pickles it, every CPU
-tensor travels as its raw bytes: a numpy array pickled with protocol 5, whose buffer goes
-out-of-band where the outer pickler allows it (Ray's does: a large value lands in the object store
-without a copy). Unpickling gives back the original object graph itself, never a wrapper:
+A CPU ``torch.Tensor`` pickles through ``torch.save`` of its storage: a fixed cost per tensor each way, which
+dominates for the many small tensors of a DP piece. Under :func:`wire` every CPU tensor of an object graph
+travels as its raw bytes (a numpy array, protocol 5, out-of-band where the outer pickler allows it), and
+unpickling gives back the object graph itself, never a wrapper::
 
     ref = ray.put(wire(state_dict))         # the worker's ray.get / argument is a plain dict of tensors
 
-Each tensor is rebuilt with its dtype, shape and values; it owns its memory (copied out of a
-read-only receive buffer when it arrives in one), so the worker may write to it. What is not kept:
-``requires_grad`` tensors and tensors off the CPU are pickled the usual way (by torch), and views
-that shared one storage on the sender arrive as separate tensors (the same tensor object twice
-arrives as one). No math: the bytes are copied, never converted.
+Each tensor arrives with its dtype, shape and values, owning its memory. ``requires_grad`` tensors and tensors
+off the CPU are pickled by torch; views of one storage arrive as separate tensors. The bytes are never converted.
 """
 
 from __future__ import annotations

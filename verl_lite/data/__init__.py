@@ -5,16 +5,5 @@ from verl_lite.data.dataset import DataError, RLDataset, encode_prompt, epoch_or
 from verl_lite.data.synthetic import DATA_SOURCE as SYNTHETIC_DATA_SOURCE
 from verl_lite.data.synthetic import make_synthetic_task, score_addition
 
-__all__ = [
-    "DataError",
-    "RLDataset",
-    "SYNTHETIC_DATA_SOURCE",
-    "build_char_tokenizer",
-    "encode_prompt",
-    "epoch_order",
-    "iterate_batches",
-    "make_synthetic_task",
-    "num_batches",
-    "save_char_tokenizer",
-    "score_addition",
-]
+__all__ = ["DataError", "RLDataset", "SYNTHETIC_DATA_SOURCE", "build_char_tokenizer", "encode_prompt", "epoch_order",
+           "iterate_batches", "make_synthetic_task", "num_batches", "save_char_tokenizer", "score_addition"]

@@ -2,8 +2,13 @@
 
 Used by the shipped tiny model (`verl_lite/assets/tiny-*`) and by tests: no model hub needed.
 
-Vocabulary: special tokens first (ids 0..6), then every printable ASCII character and "\\n"
-as one token each; unknown characters map to `<unk>`.
+Vocabulary: special tokens first (ids 0..6), then every printable ASCII character and "\n"
+as one token each, in GPT-2's byte-level spelling (space is "Ġ", newline "Ċ"): a BPE model without
+merges, so text splits into characters under its own byte-level pre-tokenizer and under the one
+transformers imposes when it loads a Qwen2 model directory's tokenizer (Qwen2Tokenizer): printable ASCII,
+spaces and newlines round-trip either way. A character outside that alphabet (non-ASCII) is `<unk>`
+(id 3, once per UTF-8 byte) when the tokenizer.json is read as it is, and is left out by Qwen2Tokenizer
+(its BPE has no unknown token).
 
     id 0 <pad>   id 1 <bos>   id 2 <eos>   id 3 <unk>
     id 4 <|system|>   id 5 <|user|>   id 6 <|assistant|>
@@ -55,28 +60,23 @@ TOOL_CHAT_TEMPLATE = (
 )
 
 
+BYTE_LEVEL_SPELLING = {" ": "\u0120", "\n": "\u010a"}  # GPT-2's byte-to-unicode map, where it is not the identity
+
+
 def char_vocab() -> dict[str, int]:
-    """Token -> id: the special tokens, then printable ASCII (minus \\t\\r\\x0b\\x0c) and '\\n'."""
-    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    for c in chars:
-        vocab[c] = len(vocab)
-    return vocab
+    """Token -> id: the special tokens, then printable ASCII (minus \\t\\r\\x0b\\x0c) and '\\n', byte-level spelled."""
+    chars = [BYTE_LEVEL_SPELLING.get(c, c) for c in string.printable if c not in "\t\r\x0b\x0c"]
+    return {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars)}
 
 
 def build_char_tokenizer(model_max_length: int = 4096):
     """Return a `transformers.PreTrainedTokenizerFast` splitting text into single characters."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = char_vocab()
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    # '.' does not match '\n'; split it explicitly as well.
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex("\n"), behavior="isolated"), pre_tokenizers.Split(Regex("."), behavior="isolated")]
-    )
-    tok.decoder = decoders.Fuse()
+    tok = Tokenizer(models.BPE(vocab=char_vocab(), merges=[], unk_token="<unk>"))  # no merges: one token a character
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,

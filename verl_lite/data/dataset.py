@@ -13,22 +13,12 @@ A row (parquet file, list of dicts or HF ``datasets.Dataset``; every key but the
     <any other column> (e.g. TRL's ``answer``)          merged into extra_info, so a reward function
                                                         receives it as a keyword argument of that name
 
-`RLDataset(files, tokenizer, max_prompt_length)` reads every file (pyarrow), checks every row,
-renders a conversational prompt with the chat template (``add_generation_prompt=True``) and
-tokenizes it without adding special tokens again (a plain-text prompt is tokenized the same way,
-without a template). Prompts longer than max_prompt_length are dropped when
-filter_overlong_prompts (the count is in `num_filtered` and printed), otherwise handled by
-`truncation` ("error" raises naming the file and row, "left" keeps the last tokens, "right"
-the first). Item i is
-
-    {"prompt_ids": list[int], "data_source": str, "ground_truth": Any | None, "extra_info": dict,
-     "index": int}   # index: position of the row in the concatenated files
-
-``rows_without_ground_truth`` names ("<file> row <i>") the rows that have none, ``columns`` the
-keys every item's extra_info has (what reward functions can read by name).
-
-`iterate_batches(dataset, batch_size, shuffle, seed, epoch)` yields lists of items; the order is
-a deterministic function of (seed, epoch) (the same on every process, no global RNG).
+`RLDataset(files, tokenizer, max_prompt_length)` checks every row and tokenizes its prompt (:func:`encode_prompt`).
+Prompts longer than max_prompt_length are dropped when filter_overlong_prompts (counted in `num_filtered`), else
+handled by `truncation` ("error" raises naming the file and row, "left" keeps the last tokens, "right" the first).
+Item i is {"prompt_ids", "data_source", "ground_truth" (or None), "extra_info", "index" (the row's position in the
+concatenated files), "messages" (the prompt as given)}. `iterate_batches` yields batches in an order that is a
+deterministic function of (seed, epoch), the same on every process.
 """
 
 from __future__ import annotations
@@ -38,7 +28,6 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from verl_lite.data.config import TRUNCATIONS, DataConfig
-
 
 
 class DataError(ValueError):
@@ -67,17 +56,6 @@ def _read_rows(path: Path, prompt_key: str) -> list[dict]:
     return table.to_pylist()
 
 
-def _check_row(row: dict, where: str, prompt_key: str) -> list[dict] | str:
-    """The normalised row's prompt (messages, or plain text); raise DataError naming file and row on a bad row."""
-    prompt = _check_prompt(row[prompt_key], where, prompt_key)
-    if not isinstance(row["data_source"], str):
-        raise DataError(f"{where}: 'data_source' must be a string, got {row['data_source']!r}")
-    extra = row["extra_info"]
-    if not isinstance(extra, dict):
-        raise DataError(f"{where}: 'extra_info' must be a dict or null, got {type(extra).__name__}")
-    return prompt
-
-
 def _check_prompt(prompt, where: str, prompt_key: str) -> list[dict] | str:
     if isinstance(prompt, str):
         if not prompt.strip():
@@ -100,8 +78,9 @@ VERL_ROW_KEYS = ("data_source", "reward_model", "extra_info")
 
 
 def _normalize_row(row: dict, where: str, prompt_key: str, data_source_key: str = "data_source") -> dict:
-    """Any accepted row (see the module docstring) as {prompt_key, data_source, ground_truth, extra_info}; the
-    data source (what the reward dispatches on) is read from column ``data_source_key`` (``data.reward_fn_key``)."""
+    """Any accepted row (see the module docstring) as {"messages" (the prompt), data_source, ground_truth,
+    extra_info}; the data source (what the reward dispatches on) is read from column ``data_source_key``
+    (``data.reward_fn_key``). A bad row raises DataError naming file and row."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: rows must be dicts, got {type(row).__name__}")
     if prompt_key not in row:
@@ -115,15 +94,18 @@ def _normalize_row(row: dict, where: str, prompt_key: str, data_source_key: str 
     if truth is None:
         truth = row.get("ground_truth")
     columns = {k: v for k, v in row.items() if k not in (prompt_key, "ground_truth", *VERL_ROW_KEYS)}
-    extra = row.get("extra_info")
-    if extra is None or isinstance(extra, dict):  # anything else is refused by _check_row, naming the row
-        extra = {**(extra or {}), **columns}
     if data_source_key != "data_source" and data_source_key not in row:
         raise DataError(f"{where}: no {data_source_key!r} column (data.reward_fn_key) for the reward to dispatch on "
                         f"(keys: {sorted(row)}); set data.reward_fn_key to a column of the data")
+    messages = _check_prompt(row[prompt_key], where, prompt_key)
     source = row.get(data_source_key)
-    return {prompt_key: row[prompt_key], "data_source": DEFAULT_DATA_SOURCE if source is None else source,
-            "ground_truth": truth, "extra_info": extra}
+    if source is not None and not isinstance(source, str):
+        raise DataError(f"{where}: 'data_source' must be a string, got {source!r}")
+    extra = row.get("extra_info")
+    if extra is not None and not isinstance(extra, dict):
+        raise DataError(f"{where}: 'extra_info' must be a dict or null, got {type(extra).__name__}")
+    return {"messages": messages, "data_source": DEFAULT_DATA_SOURCE if source is None else source,
+            "ground_truth": truth, "extra_info": {**(extra or {}), **columns}}
 
 
 def _sources(files) -> list[tuple[str, list[dict]]]:
@@ -203,11 +185,10 @@ class RLDataset:
             for i, row in enumerate(rows):
                 where = f"{path} row {i}"
                 row = _normalize_row(row, where, prompt_key, data_source_key)
-                messages = _check_row(row, where, prompt_key)
                 if row["ground_truth"] is None:
                     self.rows_without_ground_truth.append(where)
-                text = render_prompt(tokenizer, messages, tools)
-                _check_rendered(messages, text, where, prompt_key)
+                text = render_prompt(tokenizer, row["messages"], tools)
+                _check_rendered(row["messages"], text, where, prompt_key)
                 ids = tokenizer.encode(text, add_special_tokens=False)
                 index = self.num_rows
                 self.num_rows += 1
@@ -222,16 +203,9 @@ class RLDataset:
                             f"or data.truncation=left|right"
                         )
                     ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
-                self.items.append(
-                    {
-                        "prompt_ids": ids,
-                        "data_source": row["data_source"],
-                        "ground_truth": row["ground_truth"],
-                        "extra_info": row["extra_info"],
-                        "index": index,
-                        "messages": messages,  # the prompt as given (the agent loop's conversation starts here)
-                    }
-                )
+                self.items.append({"prompt_ids": ids, "data_source": row["data_source"],
+                                   "ground_truth": row["ground_truth"], "extra_info": row["extra_info"],
+                                   "index": index, "messages": row["messages"]})
         if verbose and self.num_filtered:
             print(f"[verl_lite.data] dropped {self.num_filtered}/{self.num_rows} prompts longer than "
                   f"max_prompt_length={max_prompt_length} from {self.files}")

@@ -8,15 +8,10 @@ A row (one prompt):
      "reward_model": {"style": "rule", "ground_truth": "432"},
      "extra_info": {"split": "train", "index": 0, "a": 47, "b": 385, "demonstration": "432"}}
 
-The verifier is strict: the response must be the decimal sum and nothing else (then EOS).
-`score_addition` gives 1.0 for an exact match of the stripped response, else 0.0.
-
-`extra_info["demonstration"]` is the response an SFT warm start imitates. In a fraction
-`restate_fraction` of the rows it restates the problem ("47+385=432") instead of giving the
-bare sum, as real SFT data often mixes answer styles; the strict verifier scores such a
-response 0. So a model warm-started on these demonstrations is partly right for two reasons:
-it has not fully learned the carries, and it often answers in the restated style. GRPO on the
-verifier's reward fixes both, the style quickly.
+The verifier (`score_addition`) is strict: 1.0 when the stripped response is the decimal sum and nothing else.
+`extra_info["demonstration"]` is the response an SFT warm start imitates; in a fraction `restate_fraction` of the
+rows it restates the problem ("47+385=432"), as real SFT data mixes answer styles, and the verifier scores that 0:
+GRPO on its reward then fixes both the carries and the style.
 """
 
 from __future__ import annotations
@@ -42,8 +37,7 @@ def _sample_pairs(n: int, max_digits: int, rng: random.Random, exclude: set) -> 
     available = (10**max_digits) ** 2 - len(exclude)
     if n > available:
         raise ValueError(f"asked for {n} distinct pairs but only {available} exist with max_digits={max_digits}")
-    pairs: list[tuple[int, int]] = []
-    seen = set(exclude)
+    pairs, seen = [], set(exclude)
     while len(pairs) < n:
         da, db = rng.randint(1, max_digits), rng.randint(1, max_digits)
         a = rng.randint(0 if da == 1 else 10 ** (da - 1), 10**da - 1)
@@ -79,10 +73,8 @@ def make_synthetic_task(
     out_dir: str | Path, n_train: int = 4096, n_val: int = 256, seed: int = 0, max_digits: int = 2,
     restate_fraction: float = 0.0,
 ) -> tuple[Path, Path]:
-    """Write `train.parquet` and `val.parquet` (disjoint operand pairs) to out_dir and return both paths.
-
-    The val pairs are drawn first, so the val set depends on (seed, n_val, max_digits) only.
-    """
+    """Write `train.parquet` and `val.parquet` (disjoint operand pairs) to out_dir and return both paths. The val
+    pairs are drawn first, so the val set depends on (seed, n_val, max_digits) only."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -8,18 +8,16 @@ A row (one prompt, verl's parquet shape):
      "reward_model": {"style": "rule", "ground_truth": "308919"},
      "extra_info": {"split": "val", "index": 0, "a": 3471, "b": 89, "uses_tool": true}}
 
-The tiny model cannot multiply a 2-4 digit number by a 2-3 digit one; with the tool it only has to
-copy: the expression into a hermes tool call, then the tool's answer into its final turn::
+The tiny model cannot multiply a 2-4 digit number by a 2-3 digit one; with the tool it only has to copy::
 
     <tool_call>{"name":"calculator","arguments":{"expression":"3471*89"}}</tool_call>   (model turn 1)
     <tool_response>308919</tool_response>                                                (the tool, mask 0)
     308919                                                                               (model turn 2)
 
-``compute_score`` (verl's custom-reward signature) scores the text after the last tool response:
-1.0 when it is the product and nothing else. ``Calculator`` is the tool, in verl's tool-class shape
-(``create`` / ``execute`` / ``release``), named by the shipped tool config
-(``verl_lite/assets/tool-agent-data/tool_config.yaml``). ``extra_info["uses_tool"]`` says whether
-the row's SFT demonstration calls the tool or answers from memory (``scripts/make_tool_agent_model.py``).
+``compute_score`` scores the text after the last tool response. ``Calculator`` is the tool in verl's tool-class
+shape, named by the shipped ``verl_lite/assets/tool-agent-data/tool_config.yaml``. ``extra_info["uses_tool"]``: the
+row's SFT demonstration calls the tool, or answers from memory (``scripts/make_tool_agent_model.py``). This file
+is also loaded on its own, as a custom reward function: it imports nothing of verl_lite.
 """
 
 from __future__ import annotations

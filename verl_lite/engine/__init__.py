@@ -11,13 +11,5 @@ from verl_lite.engine.config import EngineConfig, LoraConfig, MegatronConfig, Op
 from verl_lite.engine.distributed import destroy_distributed, init_distributed
 from verl_lite.engine.engine import MegatronEngine, SequenceBatch
 
-__all__ = [
-    "EngineConfig",
-    "LoraConfig",
-    "MegatronConfig",
-    "MegatronEngine",
-    "OptimConfig",
-    "SequenceBatch",
-    "destroy_distributed",
-    "init_distributed",
-]
+__all__ = ["EngineConfig", "LoraConfig", "MegatronConfig", "MegatronEngine", "OptimConfig", "SequenceBatch",
+           "destroy_distributed", "init_distributed"]

@@ -1,47 +1,23 @@
-"""Core attention for megatron's ``SelfAttention``: packed THD and bshd, GQA, context parallelism.
+"""Core attention for megatron's ``SelfAttention`` (its local one rejects THD and CP): packed THD and bshd,
+GQA, zig-zag context parallelism. RoPE is already applied to q, k (megatron-core 0.16.1).
 
-Megatron's local ``DotProductAttention`` allocates from a CUDA buffer, rejects THD and rejects
-CP, so the engine plugs this module into the layer spec as ``core_attention``.
-
-Contract (megatron-core 0.16.1, ``transformer/attention.py``; RoPE is already applied to q, k):
-
-- THD (``packed_seq_params.qkv_format == "thd"``): q ``[t, np, hn]``, k/v ``[t, ng, hn]``
-  -> ``[t, np*hn]``. Sequence i occupies rows ``cu[i]:cu[i+1]`` with
-  ``cu = cu_seqlens_q_padded`` if set, else ``cu_seqlens_q`` (the same boundaries megatron's RoPE
-  uses). Attention is causal within each (padded) sequence; padding sits at the end of a
-  sequence, so real tokens never attend to it. Rows past ``cu[-1]`` produce zeros.
-- bshd: q ``[s, b, np, hn]``, k/v ``[s, b, ng, hn]`` -> ``[s, b, np*hn]``; causal, or the
-  explicit ``attention_mask`` (megatron convention: True = masked out; it replaces causality).
-
-The math per sequence is ``softmax(q k^T * scale + mask) v`` with ``scale = softmax_scale`` or
-``1/sqrt(hn)``; each query head h uses KV group ``h // (np/ng)`` (GQA: this module never
-repeats K/V; SDPA's ``enable_gqa`` reads each group for its heads). No mask is ever built over the whole pack. At CP=1
-all sequences of a pack go through ONE causal call on ``[b, max_len]`` (each sequence
-zero-padded at its end, which causality hides from its real tokens): SDPA, or two matmuls for
-short sequences on the CPU speed paths (``SHORT_CAUSAL_MAX_LEN``, ``engine/speed_paths.py``); under CP the loop runs per
-sequence and a sequence's mask is ``[L/cp, L]``.
-
-Context parallelism (zig-zag): every sequence of padded length L is cut into 2*cp chunks of
-``c = L/(2*cp)`` tokens; CP rank r holds chunks r and 2*cp-1-r, so in THD the local rows of
-sequence i are ``cu[i]/cp : cu[i+1]/cp`` (``cu`` is GLOBAL). K and V are all-gathered over the CP
-group (backward: reduce-scatter, so each K/V gradient returns, summed, to its owner). A key at
-global position p_k is visible to a query at p_q iff p_k <= p_q, both in the same sequence.
-Keys stay in gathered order; only the positions matter for the mask.
-
-Kernels (``select_attention_backend``, decided once per module from the config): THD runs on
-flash-attn's varlen kernel when CUDA, the ``flash_attn`` package and a 16-bit dtype are all present
-(``attention_backend="auto"``, the default), else on torch SDPA; ``"sdpa"`` (or the environment
-variable ``VERL_LITE_ATTENTION_BACKEND=sdpa``) forces SDPA, ``"flash"`` demands flash-attn. Under CP
-the flash path hands the kernel, per sequence, the two local query chunks as two varlen sequences
-whose keys are the gathered K/V re-ordered into position order and cut at the chunk's end: flash's
-bottom-right-aligned causal mask is then exactly ``p_k <= p_q``. bshd always runs on SDPA.
-
-Shared prompts (CP = 1; ``engine/packing.py``): when ``cu`` carries a ``shared_prompts`` layout, a
-sequence is not a row range but a list of rows (its group's prefix rows, then its own). q, k and v are
-gathered into the pack of those virtual sequences, attention runs there as above, and each pack row
-takes the output of the one slot that owns it. The gradient of a shared key or value sums over every
-sequence that reads it (the gather's backward adds); a query's comes only from its owning slot, the
-only one whose output is used.
+- THD: q ``[t, np, hn]``, k/v ``[t, ng, hn]`` -> ``[t, np*hn]``; sequence i occupies rows ``cu[i]:cu[i+1]``
+  (``cu_seqlens_q_padded`` if set, else ``cu_seqlens_q``), causal within each padded sequence (padding sits
+  at its end); rows past ``cu[-1]`` produce zeros. bshd: ``[s, b, np, hn]`` -> ``[s, b, np*hn]``, causal or
+  the explicit ``attention_mask`` (True = masked out).
+- Per sequence ``softmax(q k^T * scale + mask) v``, ``scale = softmax_scale`` or ``1/sqrt(hn)``; query head h
+  uses KV group ``h // (np/ng)`` and K/V are never repeated. At CP=1 all sequences of a pack go through ONE
+  causal call on ``[b, max_len]`` (the zero-padded ends hidden by causality); under CP, per sequence.
+- CP (``packing.zigzag_positions``): the local rows of sequence i are ``cu[i]/cp : cu[i+1]/cp`` (``cu`` is
+  GLOBAL); K and V are all-gathered over CP (backward: reduce-scatter); key p_k is visible to query p_q iff
+  p_k <= p_q.
+- Kernels (:func:`select_attention_backend`): flash-attn varlen where it runs, else SDPA, or two matmuls for
+  short sequences on the CPU speed paths. Under CP the flash path hands the kernel each local query chunk as
+  a varlen sequence whose keys are the gathered K/V in position order, cut at the chunk's end (flash's
+  bottom-right causal mask is then ``p_k <= p_q``). bshd always runs on SDPA.
+- Shared prompts (CP = 1, ``engine/packing.py``): q, k, v are gathered into the pack of virtual sequences,
+  attention runs there, and each pack row takes its owning slot's output (a shared key's gradient sums over
+  its readers; a query's comes from its owning slot only).
 """
 
 from __future__ import annotations
@@ -55,10 +31,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from verl_lite.engine import speed_paths
-
-# ------------------------------------------------------------------------------------------
-# CP communication
-# ------------------------------------------------------------------------------------------
+from verl_lite.engine.packing import zigzag_positions
+from verl_lite.engine.regather import gather_rows, invert_index
 
 # torch >= 2.13 renames all_gather_into_tensor / reduce_scatter_tensor to *_single
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -93,42 +67,18 @@ def all_gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     return _AllGatherFirstDim.apply(x, group)
 
 
-def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
-    """Global positions (within a sequence of padded length ``seq_len``) held by ``cp_rank``.
-
-    ``[r*c, (r+1)*c) ++ [(2cp-1-r)*c, (2cp-r)*c)`` with ``c = seq_len / (2*cp)``.
-    """
-    if cp_size == 1:
-        return torch.arange(seq_len, device=device)
-    if seq_len % (2 * cp_size):
-        raise ValueError(
-            f"sequence length {seq_len} is not divisible by 2*cp = {2 * cp_size}; the packer must pad "
-            "every sequence to a multiple of 2*cp before the zig-zag split"
-        )
-    c = seq_len // (2 * cp_size)
-    first = torch.arange(cp_rank * c, (cp_rank + 1) * c, device=device)
-    second = torch.arange((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c, device=device)
-    return torch.cat([first, second])
-
-
-# ------------------------------------------------------------------------------------------
-# Kernels
-# ------------------------------------------------------------------------------------------
-
-
-def _sdpa(q, k, v, scale, *, causal: bool, allowed: torch.Tensor | None = None):
-    """q [h, Lq, d], k/v [g, Lk, d] (h % g == 0), allowed: bool [Lq, Lk] (True = attend) -> [h, Lq, d]."""
-    gqa = q.shape[0] != k.shape[0]
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=allowed, is_causal=causal and allowed is None, scale=scale, enable_gqa=gqa
-    )
+def _pad_rows(out: torch.Tensor, rows: int) -> torch.Tensor:
+    """``out`` with zero rows appended up to ``rows`` (the pack's rows past ``cu[-1]``)."""
+    if out.shape[0] >= rows:
+        return out
+    return torch.cat([out, out.new_zeros(rows - out.shape[0], *out.shape[1:])])
 
 
 # Causal attention over short sequences runs as matmuls (``causal_matmul_attention``) on the CPU in float32/float64:
 # sequences of at most SHORT_CAUSAL_MAX_LEN positions, and a score tensor [b, heads, L, L] of at most
-# MATMUL_ATTENTION_MAX_SCORES elements (16 MiB in float32). There torch's SDPA (its flash kernel for the CPU) costs
-# more than the arithmetic; beyond, SDPA skips the masked blocks the matmuls compute and keeps its blocks in cache.
-# The two limits sit where the matmuls stopped being the faster in the measurements recorded in docs/performance.md.
+# MATMUL_ATTENTION_MAX_SCORES elements (16 MiB in float32). There torch's SDPA costs more than the arithmetic;
+# beyond, SDPA skips the masked blocks the matmuls compute. The limits are where docs/performance.md's
+# measurements put the crossing.
 SHORT_CAUSAL_MAX_LEN = 64
 MATMUL_ATTENTION_MAX_SCORES = 1 << 22
 MATMUL_ATTENTION_DTYPES = (torch.float32, torch.float64)
@@ -136,12 +86,10 @@ MATMUL_ATTENTION_DTYPES = (torch.float32, torch.float64)
 
 def grouped_matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                              bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``softmax(q k^T * scale + bias) v`` as two batched matmuls: q ``[b, h, Lq, d]``, k/v ``[b, g, Lk, d]``
-    (h % g == 0; query head i reads KV group i // (h/g)) -> ``[b, h, Lq, d]``. The h/g query heads of a group are
-    stacked as the rows of one matmul against the group's keys (row r: head r // Lq of the group, query position
-    r % Lq), so K and V are never repeated. ``bias``: additive, broadcastable to those scores ``[b, g, (h/g) * Lq,
-    Lk]``, -inf where a key is not attended (an addition: its backward needs no mask, where ``masked_fill``'s
-    backward does, which slowed the causal forward + backward); None = every key. Scores take ``O(b h Lq Lk)`` memory."""
+    """``softmax(q k^T * scale + bias) v`` as two batched matmuls: q ``[b, h, Lq, d]``, k/v ``[b, g, Lk, d]`` ->
+    ``[b, h, Lq, d]``. A group's h/g query heads are stacked as the rows of one matmul against its keys (row r:
+    head r // Lq, position r % Lq), so K and V are never repeated. ``bias``: additive (its backward needs no mask),
+    broadcastable to ``[b, g, (h/g) * Lq, Lk]``, -inf where a key is not attended; None = every key."""
     b, h, length, d = q.shape
     groups = k.shape[1]
     scores = torch.matmul(q.reshape(b, groups, (h // groups) * length, d), k.transpose(-1, -2)) * scale
@@ -152,8 +100,7 @@ def grouped_matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 def causal_matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal :func:`grouped_matmul_attention` of ``[b, h, L, d]`` queries over ``[b, g, L, d]`` keys/values: query
-    position i sees keys 0..i (upper-left, as SDPA's ``is_causal``); every row keeps its diagonal, so no row is
-    empty. For short sequences (``SHORT_CAUSAL_MAX_LEN``, ``MATMUL_ATTENTION_MAX_SCORES``)."""
+    position i sees keys 0..i (upper-left, as SDPA's ``is_causal``)."""
     length = q.shape[2]
     future = torch.full((length, length), float("-inf"), dtype=q.dtype, device=q.device).triu_(1)
     return grouped_matmul_attention(q, k, v, scale, future.repeat(q.shape[1] // k.shape[1], 1))
@@ -161,8 +108,7 @@ def causal_matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of ``[b, h, L, d]`` queries over ``[b, g, L, d]`` keys/values: ``causal_matmul_attention``
-    on the CPU speed paths (``speed_paths.cpu_speed_paths``) where it is the faster (short sequences and few
-    scores, float32/64), else SDPA."""
+    on the CPU speed paths where it is the faster, else SDPA."""
     b, heads, length, _ = q.shape
     if (speed_paths.cpu_speed_paths() and q.dtype in MATMUL_ATTENTION_DTYPES and length <= SHORT_CAUSAL_MAX_LEN
             and b * heads * length * length <= MATMUL_ATTENTION_MAX_SCORES):
@@ -181,31 +127,18 @@ def _flash_attn_varlen():
     return flash_attn_varlen_func
 
 
-# ------------------------------------------------------------------------------------------
-# Backend selection
-# ------------------------------------------------------------------------------------------
-
+# megatron's ``AttnBackend`` names -> ours (config.MEGATRON_ATTENTION_NAMES; config imports this module)
+_OUR_NAMES = {"auto": "auto", "flash": "flash", "unfused": "sdpa", "local": "sdpa", "sdpa": "sdpa"}
 ATTENTION_BACKEND_ENV = "VERL_LITE_ATTENTION_BACKEND"
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 logger = logging.getLogger(__name__)
 
 
-def _requested_backend(config) -> str:
-    """"auto" | "flash" | "sdpa" from megatron's ``config.attention_backend`` (the engine maps
-    ``EngineConfig.attention_backend`` onto it: auto -> auto, flash -> flash, sdpa -> unfused)."""
-    value = getattr(config, "attention_backend", None)
-    name = getattr(value, "name", value) or "auto"
-    return {"auto": "auto", "flash": "flash", "unfused": "sdpa", "local": "sdpa", "sdpa": "sdpa"}.get(str(name), str(name))
-
-
 def select_attention_backend(requested: str, dtype: torch.dtype, *, cuda: bool | None = None,
                              flash_kernel=None, env: dict | None = None) -> tuple[str, str]:
-    """The THD kernel for a module: ``("flash" | "sdpa", why)``.
-
-    ``requested`` "auto": flash-attn varlen when CUDA is available, ``flash_attn`` imports and
-    ``dtype`` is float16/bfloat16, else SDPA; "sdpa": SDPA; "flash": flash-attn or ``ValueError``
-    saying what is missing. ``VERL_LITE_ATTENTION_BACKEND=sdpa`` in ``env`` (default ``os.environ``)
-    turns "auto" into "sdpa". ``cuda`` / ``flash_kernel`` default to what this process has."""
+    """The THD kernel for a module: ``("flash" | "sdpa", why)``. "auto": flash-attn varlen where CUDA, ``flash_attn``
+    and a 16-bit ``dtype`` are present, else SDPA; "flash": flash-attn or ``ValueError`` saying what is missing.
+    ``VERL_LITE_ATTENTION_BACKEND`` in ``env`` overrides "auto"; ``cuda`` / ``flash_kernel``: this process's."""
     env = os.environ if env is None else env
     if requested not in ("auto", "flash", "sdpa"):
         raise ValueError(f"attention backend {requested!r}: choose auto, flash or sdpa")
@@ -233,30 +166,15 @@ def select_attention_backend(requested: str, dtype: torch.dtype, *, cuda: bool |
     return "sdpa", f"torch SDPA: flash-attn not used because of {missing}"
 
 
-# ------------------------------------------------------------------------------------------
-# The module
-# ------------------------------------------------------------------------------------------
-
-
 class PackedCoreAttention(torch.nn.Module):
     """megatron ``core_attention`` for THD/bshd, GQA and zig-zag CP (see the module docstring)."""
 
-    def __init__(
-        self,
-        config,
-        layer_number: int,
-        attn_mask_type,
-        attention_type: str = "self",
-        cp_comm_type: str | None = None,
-        softmax_scale: float | None = None,
-        pg_collection=None,
-    ):
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str = "self",
+                 cp_comm_type: str | None = None, softmax_scale: float | None = None, pg_collection=None):
         super().__init__()
         if config.attention_dropout and config.attention_dropout > 0:
-            raise ValueError(
-                f"attention_dropout={config.attention_dropout} is not supported by PackedCoreAttention; "
-                "set it to 0 (RL fine-tuning runs without dropout)"
-            )
+            raise ValueError(f"attention_dropout={config.attention_dropout} is not supported by PackedCoreAttention; "
+                             "set it to 0 (RL fine-tuning runs without dropout)")
         if attention_type != "self":
             raise ValueError(f"PackedCoreAttention supports self-attention only, got attention_type={attention_type!r}")
         self.config = config
@@ -273,22 +191,17 @@ class PackedCoreAttention(torch.nn.Module):
         self.cp_size = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
         self.cp_rank = dist.get_rank(self.cp_group) if self.cp_group is not None else 0
         dtype = getattr(config, "params_dtype", torch.float32)
-        self.backend, self.backend_reason = select_attention_backend(_requested_backend(config), dtype)
+        backend = getattr(config, "attention_backend", None)
+        requested = str(getattr(backend, "name", backend) or "auto")
+        requested = _OUR_NAMES.get(requested, requested)
+        self.backend, self.backend_reason = select_attention_backend(requested, dtype)
         self._flash = _flash_attn_varlen() if self.backend == "flash" else None
         if layer_number == 1:
             logger.info("THD core attention: %s (%s)", self.backend, self.backend_reason)
 
     # megatron calls forward(query, key, value, attention_mask, /, *, attn_mask_type, attention_bias, packed_seq_params)
-    def forward(
-        self,
-        query,
-        key,
-        value,
-        attention_mask=None,
-        attn_mask_type=None,
-        attention_bias=None,
-        packed_seq_params=None,
-    ):
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
         if attention_bias is not None:
             raise NotImplementedError("PackedCoreAttention does not support attention_bias")
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
@@ -312,10 +225,8 @@ class PackedCoreAttention(torch.nn.Module):
         bounds = cu.tolist()
         t_local = q.shape[0]
         if bounds[-1] % cp or bounds[-1] // cp > t_local:
-            raise ValueError(
-                f"cu_seqlens[-1]={bounds[-1]} does not fit the local pack of {t_local} tokens at cp={cp}; "
-                "pass GLOBAL (padded) cu_seqlens and the zig-zag split local tokens"
-            )
+            raise ValueError(f"cu_seqlens[-1]={bounds[-1]} does not fit the local pack of {t_local} tokens at cp={cp}; "
+                             "pass GLOBAL (padded) cu_seqlens and the zig-zag split local tokens")
         if self.backend == "flash" and q.dtype in FLASH_DTYPES:
             if cp == 1:
                 return self._thd_flash(self._flash, q, k, v, cu)
@@ -323,34 +234,29 @@ class PackedCoreAttention(torch.nn.Module):
         if cp == 1:
             return self._thd_batched(q, k, v, bounds)
         np_, hn = q.shape[1], q.shape[2]
-        if cp > 1:
-            kv = torch.stack([k, v], dim=1)  # [t, 2, ng, hn]: one collective for both
-            kv_all = all_gather_first_dim(kv, self.cp_group).view(cp, t_local, *kv.shape[1:])
+        kv = torch.stack([k, v], dim=1)  # [t, 2, ng, hn]: one collective for both
+        kv_all = all_gather_first_dim(kv, self.cp_group).view(cp, t_local, *kv.shape[1:])
         outs = []
-        for i in range(len(bounds) - 1):
-            seq_len = bounds[i + 1] - bounds[i]
-            if seq_len == 0:
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if b == a:
                 continue
-            lo, hi = bounds[i] // cp, bounds[i + 1] // cp
-            qi = q[lo:hi].transpose(0, 1)  # [np, L/cp, hn]
-            if cp == 1:
-                oi = _sdpa(qi, k[lo:hi].transpose(0, 1), v[lo:hi].transpose(0, 1), self.scale, causal=True)
-            else:
-                kvi = kv_all[:, lo:hi].reshape(cp * (hi - lo), *kv.shape[1:])  # keys in gathered order
-                q_pos = zigzag_positions(seq_len, cp, self.cp_rank, device=q.device)
-                k_pos = torch.cat([zigzag_positions(seq_len, cp, j, device=q.device) for j in range(cp)])
-                allowed = k_pos[None, :] <= q_pos[:, None]
-                oi = _sdpa(qi, kvi[:, 0].transpose(0, 1), kvi[:, 1].transpose(0, 1), self.scale, causal=True, allowed=allowed)
+            lo, hi = a // cp, b // cp
+            kvi = kv_all[:, lo:hi].reshape(cp * (hi - lo), *kv.shape[1:])  # keys in gathered order
+            oi = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1), kvi[:, 0].transpose(0, 1),
+                                                kvi[:, 1].transpose(0, 1), attn_mask=self._zigzag_mask(b - a, q.device),
+                                                scale=self.scale, enable_gqa=np_ != kvi.shape[2])
             outs.append(oi.transpose(0, 1).reshape(hi - lo, np_ * hn))
-        used = bounds[-1] // cp
-        if used < t_local or not outs:
-            outs.append(q.new_zeros(t_local - used, np_ * hn))
-        return torch.cat(outs, dim=0)
+        return _pad_rows(torch.cat(outs), t_local) if outs else q.new_zeros(t_local, np_ * hn)
+
+    def _zigzag_mask(self, seq_len: int, device) -> torch.Tensor:
+        """``[L/cp, L]`` bool: which gathered keys (in gathered order) this rank's queries of a sequence of
+        padded length ``seq_len`` see (key position <= query position)."""
+        q_pos = zigzag_positions(seq_len, self.cp_size, self.cp_rank, device=device)
+        k_pos = torch.cat([zigzag_positions(seq_len, self.cp_size, j, device=device) for j in range(self.cp_size)])
+        return k_pos[None, :] <= q_pos[:, None]
 
     def _thd_shared(self, q, k, v, shared):
         """CP = 1 with shared prompts (module docstring): attention on the virtual sequences."""
-        from verl_lite.engine.regather import gather_rows
-
         if not (self.backend == "flash" and q.dtype in FLASH_DTYPES):
             return self._thd_batched(q, k, v, shared.virtual_bounds, shared)
         rows = shared.virtual_rows  # flash-attn: the pack of virtual sequences, then back
@@ -362,22 +268,14 @@ class PackedCoreAttention(torch.nn.Module):
         return torch.where((shared.slot_of_row >= 0)[:, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
 
     def _thd_batched(self, q, k, v, bounds: list[int], shared=None):
-        """cp == 1: every sequence of the pack in ONE causal SDPA call.
+        """cp == 1: every sequence of the pack in ONE causal call on ``[b, max_len]``.
 
-        The sequences are gathered into ``[b, max_len]``; the slots past a sequence's end read an
-        arbitrary row and causality alone hides them from that sequence's real queries, so each
-        real row's output is its own sequence's attention. The real rows are read back in pack
-        order; rows past ``cu[-1]`` are zeros. Both gathers have gather backwards
-        (``regather.gather_rows``): the pad slots get no gradient, exactly as they influence
-        no real output.
-
-        With ``shared`` (a pack with shared prompts) the sequences are its virtual sequences
-        (``bounds`` = ``shared.virtual_bounds``), gathered from the pack rows they read; a row is
-        read back from the slot that owns it, padding rows are zeros, and k and v are gathered with
-        an adding backward: a shared key's gradient sums over the sequences that read it (the pad
-        slots add exact zeros: no real query sees them)."""
-        from verl_lite.engine.regather import gather_rows, invert_index
-
+        The slots past a sequence's end read an arbitrary row, hidden by causality from that sequence's
+        real queries; the real rows are read back in pack order, rows past ``cu[-1]`` are zeros. Both
+        gathers have gather backwards (``regather.gather_rows``): the pad slots get no gradient, as they
+        influence no real output. With ``shared`` the sequences are its virtual sequences (``bounds`` =
+        ``shared.virtual_bounds``), a row is read back from the slot that owns it, and k and v are gathered
+        with an adding backward (a shared key's gradient sums over its readers; pad slots add exact zeros)."""
         t_local, np_, hn = q.shape
         used = bounds[-1]
         starts = torch.tensor(bounds[:-1], dtype=torch.long)
@@ -413,9 +311,7 @@ class PackedCoreAttention(torch.nn.Module):
         out = gather_rows(out, read.clamp(min=0), readers)
         if shared is not None:
             return torch.where((read >= 0)[:, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
-        if used < t_local:
-            out = torch.cat([out, out.new_zeros(t_local - used, np_ * hn)])
-        return out
+        return _pad_rows(out, t_local)
 
     def _thd_flash(self, flash, q, k, v, cu):
         lengths = cu[1:] - cu[:-1]
@@ -423,17 +319,12 @@ class PackedCoreAttention(torch.nn.Module):
         cu32 = cu.to(device=q.device, dtype=torch.int32)
         used = int(cu[-1].item())
         out = flash(q[:used], k[:used], v[:used], cu32, cu32, max_len, max_len, 0.0, softmax_scale=self.scale, causal=True)
-        out = out.reshape(used, -1)
-        if used < q.shape[0]:
-            out = torch.cat([out, out.new_zeros(q.shape[0] - used, out.shape[1])])
-        return out
+        return _pad_rows(out.reshape(used, -1), q.shape[0])
 
     def _thd_flash_cp(self, flash, q, k, v, bounds: list[int]):
-        """Zig-zag CP on flash-attn varlen (see the module docstring): one kernel call per pack.
-
-        For sequence i (padded length L, chunk c = L / (2cp)) this rank's local rows are query
-        chunks r (positions [r c, (r+1) c)) and 2cp-1-r; each becomes one varlen query sequence
-        whose keys are the gathered K/V of positions [0, end of the chunk), in position order."""
+        """Zig-zag CP on flash-attn varlen (module docstring), one kernel call per pack: each of this rank's
+        query chunks (r and 2cp-1-r of c = L / (2cp) positions) is one varlen query sequence whose keys are
+        the gathered K/V of positions [0, end of the chunk), in position order."""
         cp, r = self.cp_size, self.cp_rank
         t_local, np_, hn = q.shape
         kv = torch.stack([k, v], dim=1)  # [t, 2, ng, hn]
@@ -464,10 +355,7 @@ class PackedCoreAttention(torch.nn.Module):
         cu_k_t = torch.tensor(cu_k, dtype=torch.int32, device=q.device)
         out = flash(q[:used], kv_sel[:, 0], kv_sel[:, 1], cu_q_t, cu_k_t, max(lq), max(lk), 0.0,
                     softmax_scale=self.scale, causal=True)
-        out = out.reshape(used, np_ * hn)
-        if used < t_local:
-            out = torch.cat([out, out.new_zeros(t_local - used, np_ * hn)])
-        return out
+        return _pad_rows(out.reshape(used, np_ * hn), t_local)
 
     # -- bshd --------------------------------------------------------------------------------
     def _forward_bshd(self, q, k, v, attention_mask):
@@ -478,9 +366,8 @@ class PackedCoreAttention(torch.nn.Module):
             kb, vb = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
             if attention_mask is not None:
                 allowed = ~attention_mask.bool()
-                out = F.scaled_dot_product_attention(
-                    qb, kb, vb, attn_mask=allowed, scale=self.scale, enable_gqa=np_ != kb.shape[1]
-                )
+                out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed, scale=self.scale,
+                                                     enable_gqa=np_ != kb.shape[1])
             else:
                 out = _causal_attention(qb, kb, vb, self.scale)
         else:
@@ -488,11 +375,8 @@ class PackedCoreAttention(torch.nn.Module):
                 raise NotImplementedError("an explicit attention_mask under context parallelism is not supported; use THD packing")
             kv = torch.stack([k, v], dim=1)  # [s, 2, b, ng, hn]
             kv_all = all_gather_first_dim(kv, self.cp_group)  # [cp*s, 2, b, ng, hn], keys in gathered order
-            seq_len = cp * s
-            q_pos = zigzag_positions(seq_len, cp, self.cp_rank, device=q.device)
-            k_pos = torch.cat([zigzag_positions(seq_len, cp, j, device=q.device) for j in range(cp)])
-            allowed = k_pos[None, :] <= q_pos[:, None]
             kb = kv_all[:, 0].permute(1, 2, 0, 3)
             vb = kv_all[:, 1].permute(1, 2, 0, 3)
-            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed, scale=self.scale, enable_gqa=np_ != kb.shape[1])
+            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=self._zigzag_mask(cp * s, q.device),
+                                                 scale=self.scale, enable_gqa=np_ != kb.shape[1])
         return out.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)

@@ -1,36 +1,14 @@
-"""Engine state <-> megatron-core ``dist_checkpointing`` (sharded, layout-independent).
+"""Engine state <-> megatron-core ``dist_checkpointing`` (sharded, layout-independent; collective).
 
-    save_engine_state(engine, directory)   # collective: every rank of the engine's groups
-    load_engine_state(engine, directory)   # collective; the layout may differ from the saver's
+Saved: the chunks' ``sharded_state_dict()`` (global keys: TP/PP/VPP/CP/DP may change between save and load),
+the optimizer state (megatron's fully reshardable format) and the LR schedule; the engine draws no random
+numbers while training, so there is no engine RNG to store.
 
-What is saved: the model chunks' ``sharded_state_dict()`` (global tensor keys with per-layer
-offsets, so TP/PP/VPP/CP/DP may all change between save and load), the optimizer state (Adam
-moments and fp32 master weights; the distributed optimizer in megatron's
-``fully_sharded_model_space`` format, which is reshardable in every dimension and loads into the
-non-distributed optimizer too) and the LR schedule (plain numbers). The engine draws no random
-numbers while training (dropout is 0 in ``model.transformer_config_from_hf``; sampling lives in
-the rollout with per-call seeds), so there is no engine RNG to store.
-
-What loading reads, and why nothing in a checkpoint is trusted beyond plain tensors and bounded,
-validated metadata (``torch_dist`` backend; :func:`check_dist_dir` checks all of it before a load):
-
-- every file is opened inside the directory without following a link, as a regular file, and each file
-  read whole is size-bounded first (:mod:`verl_lite.utils.safe_files`);
-- ``metadata.json`` (megatron's format marker) and ``FORMAT_FILE`` (the saver's description): bounded
-  JSON, the description's fields type-checked;
-- ``.metadata``: torch.distributed.checkpoint's index, a pickle, read through the restricted unpickler
-  of :mod:`verl_lite.compat.torch_dcp` (exact allowed globals; no state change of any object but the
-  records it builds); each storage entry must name a plain file of the directory and a byte range
-  inside it (no ``..``, no absolute path, no link out, no length past the file);
-- ``__*_*.distcp``: tensor bytes, read by torch with ``torch.load(weights_only=True)``;
-- ``common.pt``: the non-tensor part (optimizer param-group hyper-parameters, step counters, the
-  scheduler's numbers), bounded, read with ``torch.load(weights_only=True)`` (:func:`read_common_state`);
-- ShardedObjects (pickled byte blobs) are never requested: the state dict is checked to hold
-  none before loading (:func:`_reject_sharded_objects`).
-
-Unsupported changes raise :class:`CheckpointLayoutError` naming the mismatch (a different model
-architecture / tensor shapes, LM head vs value head, or a checkpoint without optimizer state
-loaded into a trainable engine).
+Nothing in a checkpoint is trusted beyond plain tensors and bounded, validated metadata, all checked by
+:func:`check_dist_dir` before a load: files opened inside the directory without following links and
+size-bounded (``utils.safe_files``); the ``.metadata`` index through the restricted unpickler
+(``compat.torch_dcp``), each storage entry a byte range of a plain file of the directory; ``*.distcp`` and
+``common.pt`` read with ``torch.load(weights_only=True)``; no ShardedObject (pickled blob) requested.
 """
 
 from __future__ import annotations
@@ -43,7 +21,7 @@ from pathlib import Path
 import torch
 
 from verl_lite.compat import megatron_internals, torch_dcp
-from verl_lite.compat.torch_dcp import RestrictedUnpickler, restricted_metadata_unpickling  # noqa: F401 (re-exported)
+from verl_lite.compat.torch_dcp import restricted_metadata_unpickling
 from verl_lite.engine.hf_bridge import export_hf
 from verl_lite.engine.lora import export_adapter_state, save_peft_adapter
 from verl_lite.engine.model import unwrap_model
@@ -51,6 +29,7 @@ from verl_lite.engine.config import canonical_dtype
 from verl_lite.engine.vocab_parallel import padded_vocab_size
 from verl_lite.utils import safe_files
 
+RestrictedUnpickler = torch_dcp.RestrictedUnpickler  # re-exported
 # Reshardable in TP, PP, VPP, CP and DP, and readable by the regular optimizer.
 SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 FORMAT_FILE = "verl_lite_engine.json"
@@ -61,7 +40,6 @@ class CheckpointLayoutError(ValueError):
     """A checkpoint cannot be loaded into this engine (the message says which change is not supported)."""
 
 
-# ---------------------------------------------------------------------------- reading a checkpoint safely
 class UnsafeCheckpointFile(ValueError):
     """A checkpoint file cannot be read safely: it does not parse, it reaches outside the checkpoint, or it
     would unpickle a global outside the allow-list (the message names the file and what was refused)."""
@@ -74,9 +52,8 @@ MEGATRON_FORMAT_FILE = "metadata.json"  # megatron's format marker
 
 
 def read_dist_metadata(directory: str | Path):
-    """``<directory>/.metadata`` (the dist-checkpoint index), size-bounded, through the restricted unpickler
-    (:mod:`verl_lite.compat.torch_dcp`). Raises :class:`UnsafeCheckpointFile` naming the file for a refused
-    global or state change, an unparseable file, or a file that is not a regular one inside ``directory``."""
+    """``<directory>/.metadata`` (the dist-checkpoint index), size-bounded, through the restricted unpickler;
+    :class:`UnsafeCheckpointFile` naming the file for anything it refuses or cannot parse."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     path = Path(directory) / METADATA_FILE
@@ -97,12 +74,9 @@ def read_dist_metadata(directory: str | Path):
 
 
 def check_dist_dir(directory: str | Path) -> dict:
-    """Everything a load of ``directory`` (a ``dist/`` of :func:`save_engine_state`) will read, checked first;
-    returns the saver's description (:func:`read_engine_description`, its fields type-checked). The index goes
-    through the restricted unpickler; every storage entry it holds names a plain file of the directory (no
-    path, no ``..``, no link) and a byte range inside that file; megatron's ``metadata.json`` is bounded JSON;
-    ``common.pt`` loads as plain data (:func:`read_common_state`). Raises :class:`UnsafeCheckpointFile` (or
-    :class:`CheckpointLayoutError` for the description) naming the file. Reads no tensor data."""
+    """Everything a load of ``directory`` (a ``dist/`` of :func:`save_engine_state`) will read, checked first
+    as the module docstring says (no tensor data is read); returns the saver's description. Raises
+    :class:`UnsafeCheckpointFile` (or :class:`CheckpointLayoutError` for the description) naming the file."""
     directory = Path(directory)
     saved = read_engine_description(directory)
     index = read_dist_metadata(directory)
@@ -129,8 +103,8 @@ def check_dist_dir(directory: str | Path) -> dict:
 
 
 def read_common_state(directory: str | Path) -> dict:
-    """``<directory>/common.pt`` (size-bounded, a regular file inside it) with ``torch.load(weights_only=True)``;
-    :class:`UnsafeCheckpointFile` naming the file when it is not a dict of plain data and tensors."""
+    """``<directory>/common.pt`` (size-bounded) with ``torch.load(weights_only=True)``; :class:`UnsafeCheckpointFile`
+    naming the file when it is not a dict of plain data and tensors."""
     from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 
     path = Path(directory) / COMMON_STATE_FNAME
@@ -147,7 +121,7 @@ def read_common_state(directory: str | Path) -> dict:
 
 
 def _safe_common_strategy():
-    from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME, TorchCommonLoadStrategy
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 
     class SafeCommonLoad(TorchCommonLoadStrategy):
         """``common.pt`` with ``torch.load(weights_only=True)``; ShardedObjects are refused."""
@@ -170,8 +144,7 @@ def _reject_sharded_objects(sharded_state_dict) -> None:
     if objects:
         raise CheckpointLayoutError(
             f"the engine state holds ShardedObjects {objects[:3]} (pickled blobs); verl_lite refuses to load "
-            f"pickled objects from a checkpoint"
-        )
+            f"pickled objects from a checkpoint")
 
 
 # ---------------------------------------------------------------------------- state dicts
@@ -202,9 +175,17 @@ def _drop_empty_extra_state(node):
     return node
 
 
-def _model_sharded_state_dict(engine) -> dict:
-    return {f"model{i}": _drop_empty_extra_state(unwrap_model(c).sharded_state_dict())
-            for i, c in enumerate(engine.chunks)}
+def _model_sharded_state_dict(chunks) -> dict:
+    return {f"model{i}": _drop_empty_extra_state(unwrap_model(c).sharded_state_dict()) for i, c in enumerate(chunks)}
+
+
+def _load_model_state(chunks, loaded: dict) -> None:
+    """The loaded ``model{i}`` state dicts into the chunks; raise naming missing or unexpected keys."""
+    for i, chunk in enumerate(chunks):
+        missing, unexpected = unwrap_model(chunk).load_state_dict(loaded[f"model{i}"], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise CheckpointLayoutError(f"model chunk {i}: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
 def _init_optimizer_state(optimizer) -> None:
@@ -222,7 +203,7 @@ def _init_optimizer_state(optimizer) -> None:
 
 
 def _engine_sharded_state_dict(engine, is_loading: bool, with_optimizer: bool) -> dict:
-    state = _model_sharded_state_dict(engine)
+    state = _model_sharded_state_dict(engine.chunks)
     if with_optimizer:
         if is_loading:
             _init_optimizer_state(engine.optimizer)
@@ -254,16 +235,21 @@ def _barrier():
         torch.distributed.barrier()
 
 
-def save_engine_state(engine, directory: str | Path) -> None:
-    """Write the engine's model (+ optimizer + LR schedule when trainable) into ``directory``.
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
-    Collective over every rank of the engine. ``directory`` must be empty or absent and be on a
-    file system all ranks see. Each tensor shard is written once (replicas deduplicated)."""
+
+def _world() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def save_engine_state(engine, directory: str | Path) -> None:
+    """Write the engine's model (+ optimizer + LR schedule when trainable) into ``directory`` (empty or absent,
+    on a file system all ranks see). Collective; each tensor shard is written once."""
     from megatron.core import dist_checkpointing
 
     directory = Path(directory)
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    if rank == 0:
+    if _rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
     _barrier()
     state = _engine_sharded_state_dict(engine, is_loading=False, with_optimizer=engine.optimizer is not None)
@@ -271,7 +257,7 @@ def save_engine_state(engine, directory: str | Path) -> None:
     megatron_internals.in_process_save_results()
     dist_checkpointing.save(state, str(directory), sharded_strategy=("torch_dist", 1),
                             validate_access_integrity=True, content_metadata=SHARDING_METADATA)
-    if rank == 0:
+    if _rank() == 0:
         (directory / FORMAT_FILE).write_text(json.dumps(_describe(engine), indent=1))
     _barrier()
 
@@ -356,11 +342,8 @@ def check_compatible(engine, saved: dict) -> None:
 
 
 def load_engine_state(engine, directory: str | Path) -> dict:
-    """Load a checkpoint written by :func:`save_engine_state`, at this engine's (possibly different) layout.
-
-    Collective. Returns the saver's description (``layout`` etc.), with ``lr_schedule`` (the schedule the
-    engine continues with, ``MegatronEngine.load_scheduler_state``) when it trains. Raises
-    :class:`CheckpointLayoutError` for an unsupported change (see :func:`check_compatible`)."""
+    """Load a :func:`save_engine_state` checkpoint at this engine's (possibly different) layout. Collective.
+    Returns the saver's description, with the ``lr_schedule`` the engine continues with when it trains."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import CheckpointingException
 
@@ -378,11 +361,7 @@ def load_engine_state(engine, directory: str | Path) -> dict:
     except CheckpointingException as err:
         raise CheckpointLayoutError(f"{directory}: dist_checkpointing could not map the saved tensors onto this "
                                     f"engine: {err}") from err
-    for i, chunk in enumerate(engine.chunks):
-        missing, unexpected = unwrap_model(chunk).load_state_dict(loaded[f"model{i}"], strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise CheckpointLayoutError(f"model chunk {i}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    _load_model_state(engine.chunks, loaded)
     if with_optimizer:
         with megatron_internals.torch_adam_step_fix(engine.optimizer):
             engine.optimizer.load_state_dict(loaded["optimizer"])
@@ -397,14 +376,6 @@ def load_engine_state(engine, directory: str | Path) -> dict:
 # <path>/dist/            dist_checkpointing shards (save_engine_state)
 # <path>/rng/rank_K.safetensors   this rank's torch RNG state(s)
 # <path>/hf_config/       config.json (+ tokenizer files): what an offline export needs besides the shards
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
-def _world() -> int:
-    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-
-
 def _rng_tensors() -> dict[str, torch.Tensor]:
     out = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -487,10 +458,9 @@ def write_hf_config(hf_config, directory: str | Path, tokenizer_path: str | None
 
 
 def save_hf_pretrained(engine_or_chunks, hf_config, directory: str | Path, tokenizer_path: str | None = None) -> None:
-    """The model as an HF directory (``model.safetensors`` + config + tokenizer) that
-    ``AutoModelForCausalLM.from_pretrained`` loads, from an engine, chunks or a dict of full HF tensors.
-    An engine with LoRA writes the merged model and its PEFT adapter in ``<directory>/lora_adapter``.
-    Collective (``export_hf`` gathers); rank 0 writes."""
+    """The model as an HF directory (``model.safetensors`` + config + tokenizer) from an engine, chunks or a dict
+    of full HF tensors; an engine with LoRA writes the merged model and its PEFT adapter in ``lora_adapter/``.
+    Collective; rank 0 writes."""
     from safetensors.torch import save_file
 
     lora = None
@@ -534,12 +504,8 @@ def load_model_only(chunks, directory: str | Path) -> None:
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     check_dist_dir(directory)
-    state = {f"model{i}": _drop_empty_extra_state(unwrap_model(c).sharded_state_dict()) for i, c in enumerate(chunks)}
     with restricted_metadata_unpickling():
-        loaded = dist_checkpointing.load(state, str(directory), common_strategy=_safe_common_strategy(),
+        loaded = dist_checkpointing.load(_model_sharded_state_dict(chunks), str(directory),
+                                         common_strategy=_safe_common_strategy(),
                                          strict=StrictHandling.ASSUME_OK_UNEXPECTED)
-    for i, chunk in enumerate(chunks):
-        missing, unexpected = unwrap_model(chunk).load_state_dict(loaded[f"model{i}"], strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise CheckpointLayoutError(f"model chunk {i}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    _load_model_state(chunks, loaded)

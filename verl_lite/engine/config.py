@@ -1,12 +1,9 @@
-"""The engine's config sections and the engine config, checked when an engine is built.
+"""The engine's config sections (a role's ``megatron``, ``optim`` and ``model.lora``) and the engine config.
 
-``MegatronConfig`` (a role's ``megatron`` section: layout, dtype, timeout, TransformerConfig overrides),
-``OptimConfig`` (its ``optim`` section) and ``LoraConfig`` (its ``model.lora`` section) are defined here once,
-with their defaults, choices and checks (``problems``: one line per problem, naming ``key`` - the caller's name
-for the section - and the fix); ``verl_lite.config.schema`` composes them under verl's key names and the engine
-takes them as they are. Everything here is plain data (picklable, no torch.distributed; torch and megatron only
-inside the checks that need them), so workers and the controller can build and check it before any process
-group exists.
+Each section is defined here once, with its defaults, choices and checks (``problems``: one line per problem,
+naming ``key``, the caller's name for the section, and the fix); ``verl_lite.config.schema`` composes them
+under verl's key names. Plain data (torch and megatron only inside the checks that need them), so the
+controller can build and check it before any process group exists.
 """
 
 from __future__ import annotations
@@ -83,9 +80,11 @@ _OVERRIDE_REJECT = {
     "num_layers_in_first_pipeline_stage": "uneven pipeline splits are not built (every stage holds layers / pp)",
     "num_layers_in_last_pipeline_stage": "uneven pipeline splits are not built (every stage holds layers / pp)",
 }
-_OVERRIDE_FALSE_ONLY = ("apply_rope_fusion", "bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion",
-                        "persist_layer_norm", "gradient_accumulation_fusion", "cross_entropy_loss_fusion",
-                        "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+# the fused kernels megatron's local (non-Transformer-Engine) layer spec lacks: the engine sets them false
+LOCAL_SPEC_FUSIONS = ("apply_rope_fusion", "bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion",
+                      "persist_layer_norm", "gradient_accumulation_fusion", "cross_entropy_loss_fusion")
+_OVERRIDE_FALSE_ONLY = LOCAL_SPEC_FUSIONS + ("account_for_embedding_in_pipeline_split",
+                                             "account_for_loss_in_pipeline_split")
 _OVERRIDE_ENGINE_OWNED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                           "kv_channels", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                           "virtual_pipeline_model_parallel_size", "context_parallel_size", "sequence_parallel",
@@ -249,9 +248,7 @@ class MegatronConfig:
     def problems(self, key: str = "megatron", world: int | None = None, workers: str = "the {world} processes",
                  model_cfg: dict | None = None) -> list[str]:
         """The rules of the TP x PP (x VPP) x CP layout over ``world`` ranks (None: not checked), the timeout and
-        the dtype, one line each. ``model_cfg``: the model's config.json, whose layers must divide by pp x vpp
-        and whose attention heads by tp (TP and the KV heads divide one another: megatron replicates KV heads
-        when TP exceeds them)."""
+        the dtype; with ``model_cfg`` (config.json) also how its layers and heads divide."""
         def name(short: str) -> str:
             return f"{key}.{MEGATRON_NAMES[short]}"
 
@@ -377,10 +374,8 @@ class LoraConfig:
     adapter_path: Optional[str] = None  # a PEFT adapter directory to start from (rank/alpha/targets must match)
 
     def problems(self, key: str = "lora") -> list[str]:
-        """The rules of a LoRA section (``key`` names it, e.g. ``actor_rollout_ref.model.lora``): its type and
-        merge, always; with ``rank`` > 0 (LoRA on) alpha, dropout, module names and a target left; with rank 0
-        (no LoRA: every parameter trains) no adapter-only field set away from its default (the run would train
-        the full model without a word, so it is refused with both ways out)."""
+        """The rules of a LoRA section: type and merge; with ``rank`` > 0 alpha, dropout, module names and a
+        target left; with rank 0 (the full model trains) no adapter-only field away from its default."""
         out = []
         if self.type not in LORA_TYPES:
             out.append(f"{key}.type={self.type!r} is not built (DoRA / VLM LoRA); use one of {LORA_TYPES} (both "
@@ -439,23 +434,14 @@ class LoraConfig:
 class EngineConfig:
     """What ``MegatronEngine`` builds: a role's sections as the config holds them, and what the role adds.
 
-    model_path: HF model directory (config.json + safetensors).
-    megatron: the layout, dtype, per-token loss mode, timeout and TransformerConfig overrides. bfloat16 is
-        megatron's mixed precision: bf16 weights and activations (``Float16Module``), fp32 main parameters in
-        the optimizer, fp32 gradient accumulation and reduction, logits cast to fp32 before
-        log-probs/entropy/values, so every loss is computed in fp32. ``calculate_per_token_loss``: the engine
-        hands megatron token counts and scales the loss so the gradient is the same in both modes.
-    optim: the optimizer; None only for a forward_only engine. total_steps: the LR schedule's length.
-    lora: adapters on the targeted linears, the base frozen (a critic's value head still trains whole);
-        rank 0 is no LoRA (``lora`` becomes None).
-    gradient_checkpointing: megatron activation recompute (full, uniform, one layer; the role's
-        ``model.enable_gradient_checkpointing``).
-    value_head: build a critic (scalar head) instead of the LM head.
-    forward_only: no DDP, no optimizer (reference policy, inference).
-    seed: the run's seed (``trainer.seed``). adam_eps: Adam's epsilon (not a config key).
-    attention_backend: THD core attention kernel: "auto" (flash-attn varlen when CUDA, the ``flash_attn``
-        package and a 16-bit dtype are all present, else SDPA), "sdpa", "flash" (an error where it cannot
-        run); ``megatron.override_transformer_config.attention_backend`` (megatron's names) sets it too.
+    model_path: HF model directory (config.json + safetensors). megatron: layout, dtype (bfloat16: megatron's
+    mixed precision, see ``engine.py``), loss mode, timeout, TransformerConfig overrides. optim: None only for
+    a forward_only engine (no DDP, no optimizer); total_steps: the LR schedule's length. lora: adapters on a
+    frozen base (a critic's value head still trains whole); rank 0 is no LoRA (``lora`` becomes None).
+    gradient_checkpointing: megatron activation recompute (``RECOMPUTE``). value_head: a critic. seed: the
+    run's seed. adam_eps: Adam's epsilon (not a config key). attention_backend: the THD kernel
+    (``attention.select_attention_backend``); ``megatron.override_transformer_config.attention_backend``
+    (megatron's names) sets it too.
     """
 
     model_path: str
@@ -478,8 +464,7 @@ class EngineConfig:
         if not (Path(self.model_path) / "config.json").is_file():
             raise ValueError(
                 f"EngineConfig.model_path={self.model_path!r} has no config.json; give an HF model directory "
-                f"(config.json + *.safetensors)"
-            )
+                f"(config.json + *.safetensors)")
         if self.lora is not None and not self.lora.rank:  # rank 0 = no LoRA
             self.lora = None
         if self.forward_only:
@@ -493,22 +478,16 @@ class EngineConfig:
         if "attention_backend" in overrides:  # verl's override_transformer_config.attention_backend
             value = overrides["attention_backend"]
             name = str(getattr(value, "name", value)).lower()
-            mapped = MEGATRON_ATTENTION_NAMES.get(name)
-            if mapped is None:
-                raise ValueError(
-                    f"attention_backend={name!r}: megatron's fused (Transformer Engine) attention is not built; "
-                    f"use flash, auto, unfused or local (unfused/local = torch SDPA)"
-                )
-            if self.attention_backend not in ("auto", mapped):
-                raise ValueError(
-                    f"EngineConfig.attention_backend={self.attention_backend!r} and megatron.override_transformer_config "
-                    f"attention_backend={name!r} disagree; give one"
-                )
-            self.attention_backend = mapped
+            if name not in MEGATRON_ATTENTION_NAMES:
+                raise ValueError(attention_backend_problem("megatron.override_transformer_config.attention_backend",
+                                                           value))
+            if self.attention_backend not in ("auto", MEGATRON_ATTENTION_NAMES[name]):
+                raise ValueError(f"EngineConfig.attention_backend={self.attention_backend!r} and megatron."
+                                 f"override_transformer_config.attention_backend={name!r} disagree; give one")
+            self.attention_backend = MEGATRON_ATTENTION_NAMES[name]
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"EngineConfig.attention_backend={self.attention_backend!r}; choose one of {ATTENTION_BACKENDS}"
-            )
+            raise ValueError(f"EngineConfig.attention_backend={self.attention_backend!r}; choose one of "
+                             f"{ATTENTION_BACKENDS}")
 
     @property
     def model_overrides(self) -> dict[str, Any]:

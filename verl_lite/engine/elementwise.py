@@ -1,28 +1,18 @@
 """The decoder layer's elementwise blocks with hand-written backwards: fewer passes over the activations.
 
-Eager autograd records every primitive of a block, saves its inputs and runs one backward kernel per
-primitive, each a full pass over ``[tokens, width]`` (on CPU, memory-bound). Written as one
-``autograd.Function``, the same math allocates and saves less and skips autograd's bookkeeping
-passes (a concatenation, an expanded mean). The results equal autograd's to rounding
-(``tests/engine/test_elementwise.py`` checks both against float64).
+Eager autograd saves every primitive's inputs and runs one backward kernel per primitive, each a full
+(memory-bound) pass over ``[tokens, width]``; as one ``autograd.Function`` the same math allocates and saves
+less. The results equal autograd's to rounding (``tests/engine/test_elementwise.py``, against float64).
+``engine/speed_paths.py`` decides where they run.
 
-Where they run, ``engine/speed_paths.py`` decides.
-
-- :func:`rms_norm` (and :class:`RMSNorm`, the module): ``y = w * (x * r).to(dtype)``,
-  ``r = 1 / sqrt(mean(x^2) + eps)`` per row, ``x`` taken in float32 (as HF's Qwen2/Llama RMSNorm). With ``x^ = x r`` and ``gy = g w`` (float32):
-  ``dx = r (gy - x^ mean(gy x^))``, ``dw = sum over rows of g x^``, where ``mean(gy x^) = (g x^) . w / width``
-  reuses ``g x^`` (one matrix-vector product instead of a pass). In low precision the backward keeps ``g w``
-  and ``x^`` in float32 (autograd of the forward would round ``x^`` to the dtype for ``dw``). The norm as
-  ``vector_norm`` and activation-first products replaced a first version's pow + mean and weight-first products
-  (measured in docs/performance.md).
-- :func:`swiglu`: ``y = silu(a) * b`` for ``x = [a | b]`` split in halves along the last dim (megatron's
-  ``linear_fc1`` layout, per TP rank). ``da = silu'(a) g b``, ``db = g silu(a)``, written straight into
-  the two halves of one ``dx`` (autograd concatenates them). Bit-identical to autograd's
-  ``silu(a) * b``: the same kernels on the same operands, in fewer passes than megatron's unfused GLU (which
-  also adds its ``glu_linear_offset`` of 0 to ``b``).
-- :func:`rotary`: RoPE's ``x cos + [-x2 | x1] sin`` as one multiply and two in-place multiply-adds on
-  the halves, backward ``g cos + [g2 | -g1] sin`` the same way; megatron's unfused RoPE negates,
-  concatenates and concatenates again.
+- :func:`rms_norm`: ``y = w * (x * r).to(dtype)``, ``r = 1 / sqrt(mean(x^2) + eps)`` per row, ``x`` in float32
+  (as HF's RMSNorm). With ``x^ = x r`` and ``gy = g w`` (float32): ``dx = r (gy - x^ mean(gy x^))``,
+  ``dw = sum over rows of g x^``, where ``mean(gy x^) = (g x^) . w / width`` reuses ``g x^``. In low precision
+  the backward keeps ``g w`` and ``x^`` in float32.
+- :func:`swiglu`: ``y = silu(a) * b`` for ``x = [a | b]`` (megatron's ``linear_fc1`` layout); ``da = silu'(a) g b``,
+  ``db = g silu(a)`` written straight into the two halves of one ``dx``. Bit-identical to autograd's.
+- :func:`rotary`: RoPE's ``x cos + [-x2 | x1] sin`` as one multiply and two in-place multiply-adds on the
+  halves, backward ``g cos + [g2 | -g1] sin`` the same way.
 """
 
 from __future__ import annotations

@@ -1,44 +1,35 @@
 """``MegatronEngine``: forward-only inference and one optimizer step over packed sequences.
 
-The engine knows no RL. It takes variable-length token sequences (prompt + response), packs
-them THD per micro-batch (``packing.py``), runs megatron's pipeline schedules over the model
-chunks, turns the logits into per-token response outputs (log-probs, entropy, or values) and,
-for training, hands them to the caller's ``loss_fn``.
+The engine knows no RL. It packs variable-length sequences (prompt + response) THD per micro-batch
+(``packing.py``), runs megatron's pipeline schedules, turns the logits into per-token response outputs
+(log-probs, entropy, or values) and, for training, hands them to the caller's ``loss_fn``.
 
-Loss contract. ``loss_fn(outputs, data) -> (contribution, metrics)`` is called once per
-micro-batch on every last-stage rank with full-sequence ``[b, W]`` outputs (under CP every CP
-rank holds the full rows; autograd flows through its own chunks only). The objective is
-L = sum of contributions over all micro-batches and DP ranks. The engine maps it onto megatron
-so the final gradient is exactly grad L:
+Loss contract. ``loss_fn(outputs, data) -> (contribution, metrics)`` is called once per micro-batch on
+every last-stage rank with full-sequence ``[b, W]`` outputs (under CP every CP rank holds the full rows;
+autograd flows through its own chunks only). The objective is L = sum of contributions over all
+micro-batches and DP ranks; the engine maps it onto megatron so the final gradient is exactly grad L:
 
-* ``calculate_per_token_loss=False``: megatron multiplies the returned loss by CP, divides it by
-  the number of micro-batches M (``schedules.forward_step_calc_loss``), and DDP averages the
-  gradients over the DP x CP group. Each CP rank back-propagates through its own chunks, so the
-  CP ranks' gradients SUM to grad(contribution). We return ``contribution * M * DP``:
-  sum_{dp,cp,mb} grad_local(c * M * DP) * CP / M / (DP * CP) = sum_{dp,mb} grad(c) = grad L.
-* ``calculate_per_token_loss=True``: megatron does not scale the loss, DDP sums over DP x CP,
-  and ``finalize_model_grads`` divides every gradient by the token counts returned by the loss
-  function, summed over micro-batches and DP x CP (broadcast from the last PP stage). We return
-  ``(contribution * K, k_local)`` with k_local = real tokens in this rank's chunks of the
-  micro-batch and K = ``global_token_count`` = sum of sequence lengths of the whole mini-batch.
-  The k_local sum over CP to the micro-batch's tokens and over micro-batches and DP to K exactly,
-  so the gradient is sum grad(c * K) / K = grad L. The engine checks the count megatron reduced
-  equals K on every rank (all ranks see the same value, so all raise together).
+* ``calculate_per_token_loss=False``: megatron multiplies the loss by CP, divides it by the number of
+  micro-batches M and DDP averages over DP x CP; the CP ranks' gradients SUM to grad(contribution). We
+  return ``contribution * M * DP``: sum_{dp,cp,mb} grad_local(c * M * DP) * CP / M / (DP * CP) = grad L.
+* ``calculate_per_token_loss=True``: megatron does not scale the loss, DDP sums over DP x CP, and
+  ``finalize_model_grads`` divides every gradient by the token counts the loss function returns, summed
+  over micro-batches and DP x CP. We return ``(contribution * K, k_local)`` with k_local = real tokens in
+  this rank's chunks and K = ``global_token_count`` (sum of sequence lengths of the whole mini-batch), so
+  the gradient is sum grad(c * K) / K = grad L. The engine checks that the count megatron reduced is K.
 
 No denominator is computed by a collective; loss metrics are returned on output owners only
 (last PP stage, TP rank 0, CP rank 0).
 
-Precision (``megatron.dtype``). float32: the chunks as built. bfloat16: megatron's mixed
-precision: every chunk in a ``Float16Module`` (bf16 weights and activations, the last stage's
-output cast to fp32, so log-probs/entropy/values and the loss are fp32), DDP accumulating and
-reducing gradients in fp32, megatron's mixed-precision optimizer keeping fp32 main parameters
-(sharded over DP x CP with the distributed optimizer). ``load_hf`` writes the HF weights unrounded
-into the main parameters; ``export_hf`` of a trainable bf16 engine streams them (float32).
+Precision (``megatron.dtype``). float32: the chunks as built. bfloat16: megatron's mixed precision
+(``Float16Module`` chunks with fp32 last-stage output, so outputs and the loss are fp32; DDP reduces
+gradients in fp32; the optimizer keeps fp32 main parameters, sharded with the distributed optimizer).
+``load_hf`` writes the HF weights unrounded into the main parameters; ``export_hf`` streams them.
 """
 
 from __future__ import annotations
 
-import logging
+import contextlib
 import math
 from dataclasses import dataclass, field
 from functools import partial
@@ -58,8 +49,6 @@ from verl_lite.engine.packing import PackedMicroBatch, pack_micro_batch, pad_mul
 from verl_lite.engine.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
 from verl_lite.utils.metric_reduce import combine_all
 
-logger = logging.getLogger(__name__)
-
 LM_OUTPUTS = ("log_probs", "entropy")
 VALUE_OUTPUTS = ("values",)
 
@@ -67,15 +56,9 @@ LossFn = Callable[[dict, dict], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
 
 class NonFiniteStepError(FloatingPointError):
-    """An optimizer step whose gradient norm is NaN or inf: a non-finite loss, or a gradient that overflowed.
-
-    ``MegatronEngine.train_step`` raises it on every rank of the engine alike: megatron reduces the
-    norm over the model-parallel group (and DP x CP with the distributed optimizer) after DDP's
-    gradient all-reduce, so every rank holds the same value and none skips a collective the others
-    enter (Contract 2). The step has been applied: the engine's weights are not usable afterwards.
-    ``optimizer_step``: this engine's 1-based step count; ``grad_norm``: the norm (None when
-    megatron skipped the step); ``loss``: this rank's summed loss contribution (output owners only).
-    """
+    """An optimizer step whose gradient norm is NaN or inf, raised on every rank alike (megatron reduces the norm
+    over all gradient groups). The step has been applied: the weights are not usable afterwards. ``grad_norm`` is
+    None when megatron skipped the step; ``loss``: this rank's summed contribution (output owners only)."""
 
     def __init__(self, optimizer_step: int, grad_norm: float | None, loss: float | None = None):
         super().__init__(optimizer_step, grad_norm, loss)  # args as __init__ takes them: pickles through Ray
@@ -162,24 +145,10 @@ def _megatron_attention_backend(name: str):
     return {"auto": AttnBackend.auto, "flash": AttnBackend.flash, "sdpa": AttnBackend.unfused}[name]
 
 
-def _finalize_model_grads_recording(engine: "MegatronEngine"):
-    """megatron's finalize_model_grads, also recording the token count it reduced (per-token mode)."""
-    from megatron.core.distributed import finalize_model_grads
-
-    def finalize(model, num_tokens, pg_collection=None, force_all_reduce=False):
-        finalize_model_grads(model, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
-        engine._reduced_token_count = None if num_tokens is None else int(num_tokens)
-
-    return finalize
-
-
 class MegatronEngine:
-    """A megatron-core GPT (or critic) on the current process groups.
-
-    ``init_distributed`` must have run on every rank first. Public API:
-    ``infer``, ``train_step``, ``export_hf``, ``load_hf``, ``save_checkpoint``, ``load_checkpoint``,
-    ``is_output_owner``.
-    """
+    """A megatron-core GPT (or critic) on the current process groups (``init_distributed`` must have run on
+    every rank first). Public API: ``infer``, ``train_step``, ``export_hf``, ``load_hf``, ``save_checkpoint``,
+    ``load_checkpoint``, ``is_output_owner``, and the LoRA adapters' ``load_adapter`` / ``export_adapter``."""
 
     def __init__(self, cfg: EngineConfig):
         from megatron.core import parallel_state as ps
@@ -189,16 +158,11 @@ class MegatronEngine:
             raise RuntimeError("MegatronEngine: call verl_lite.engine.distributed.init_distributed(...) first")
         self.cfg = cfg
         par = cfg.megatron
-        if (
-            ps.get_tensor_model_parallel_world_size() != par.tp
-            or ps.get_pipeline_model_parallel_world_size() != par.pp
-            or ps.get_context_parallel_world_size() != par.cp
-        ):
-            raise ValueError(
-                f"EngineConfig.megatron (tp={par.tp}, pp={par.pp}, cp={par.cp}) differs from the initialised "
-                f"groups (tp={ps.get_tensor_model_parallel_world_size()}, "
-                f"pp={ps.get_pipeline_model_parallel_world_size()}, cp={ps.get_context_parallel_world_size()})"
-            )
+        groups = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                  ps.get_context_parallel_world_size())
+        if groups != (par.tp, par.pp, par.cp):
+            raise ValueError(f"EngineConfig.megatron (tp={par.tp}, pp={par.pp}, cp={par.cp}) differs from the "
+                             f"initialised groups (tp={groups[0]}, pp={groups[1]}, cp={groups[2]})")
         self.tp, self.pp, self.cp = par.tp, par.pp, par.cp
         self.vpp = par.vpp or 1
         self.dp = ps.get_data_parallel_world_size()  # without CP
@@ -209,24 +173,17 @@ class MegatronEngine:
 
         self.hf_config = AutoConfig.from_pretrained(cfg.model_path)
         self.tf_config = transformer_config_from_hf(
-            self.hf_config,
-            par,
-            calculate_per_token_loss=par.calculate_per_token_loss,
-            params_dtype=par.torch_dtype,
-            attention_backend=_megatron_attention_backend(cfg.attention_backend),
-            **cfg.model_overrides,
-        )
-        self._check_p2p_settings()
-        # prompts shared by several sequences of a micro-batch are packed once (engine/packing.py), where
-        # the attention and RoPE can read such a pack: CP 1, RoPE in the engine's own case; not for MoE,
-        # whose router statistics count every token of every sequence
+            self.hf_config, par, calculate_per_token_loss=par.calculate_per_token_loss, params_dtype=par.torch_dtype,
+            attention_backend=_megatron_attention_backend(cfg.attention_backend), **cfg.model_overrides)
+        # prompts shared by several sequences of a micro-batch are packed once (engine/packing.py) where the
+        # attention and RoPE can read such a pack: CP 1, the engine's own RoPE; not MoE, whose router
+        # statistics count every token of every sequence
         self.share_prompts = self.cp == 1 and self.tf_config.num_moe_experts is None and plain_rotary(self.tf_config)
         self.chunks = build_model_chunks(self.hf_config, self.tf_config, value_head=cfg.value_head)
         if cfg.forward_only:  # nothing trains: megatron's frozen-weight linears (the same kernels as a LoRA base)
             for chunk in self.chunks:
                 chunk.requires_grad_(False)
         if cfg.lora is not None:  # freeze the base, attach the adapters (engine/lora.py)
-
             add_adapters(self.chunks, self.hf_config, cfg.lora, cfg.seed)
         load_hf_weights(self.chunks, cfg.model_path, self.hf_config)
         self._adapter_source = self._initial_adapter_state()
@@ -234,61 +191,36 @@ class MegatronEngine:
         self._reduced_token_count: int | None = None
 
         self.mixed_precision = cfg.megatron.torch_dtype != torch.float32
-        # what the schedules run: Float16Module-wrapped in bf16, then DDP-wrapped when training
-        self.model = self._wrap_precision(self.chunks)
+        self.model = list(self.chunks)  # what the schedules run: Float16Module-wrapped in bf16, then DDP when training
+        if self.mixed_precision:
+            from megatron.core.transformer.module import Float16Module
+
+            self.model = [Float16Module(self.tf_config, chunk) for chunk in self.chunks]
         self.optimizer = None
         self.scheduler = None
         if not cfg.forward_only:
             self._wrap_ddp()
             self._build_optimizer()
-            if self.mixed_precision:
-                self._load_main_params(cfg.model_path)
+            self._after_new_weights(False, partial(load_hf_weights, self.chunks, cfg.model_path, self.hf_config))
         if self._adapter_source is not None:
             self.load_adapter(self._adapter_source, reset_optimizer=False)
 
     # ------------------------------------------------------------------ set-up
-    def _check_p2p_settings(self):
-        c = self.tf_config
-        if self.vpp > 1 and (c.batch_p2p_comm or not c.overlap_p2p_comm):
-            raise ValueError(
-                "virtual pipeline parallelism needs overlap_p2p_comm=True and batch_p2p_comm=False: with "
-                "batched p2p, PP=2 + VPP matches isend/irecv to the same peer in the wrong order and trains "
-                "silently wrong (measured on gloo), and without overlap VPP + variable sequence lengths hangs"
-            )
-
-    def _wrap_precision(self, chunks: list) -> list:
-        """bf16: megatron's ``Float16Module`` around each chunk (bf16 weights and activations; the
-        last stage's output, logits or values, comes back in fp32). fp32: the chunks themselves."""
-        if not self.mixed_precision:
-            return list(chunks)
-        from megatron.core.transformer.module import Float16Module
-
-        return [Float16Module(self.tf_config, chunk) for chunk in chunks]
-
     # -- fp32 main parameters of a bf16 engine (megatron's mixed-precision optimizer holds them) --
-    def _main_param_shard_range(self, param) -> tuple[int, int]:
-        """[start, end) of ``param``'s flattened elements whose fp32 main copy this DP rank holds
-        (distributed optimizer)."""
-        return main_param_shard_range(self.optimizer, param)
-
-    def _load_main_params(self, source) -> None:
-        """Write the HF weights (fp32 as stored, not rounded to bf16) into the optimizer's fp32 main
-        parameters; the bf16 model parameters already hold their rounding."""
-        def into_main(param, full: torch.Tensor) -> None:
-            if not param.requires_grad:  # frozen (a LoRA base): no main copy, its bf16 weight is used as is
-                return
-            main = getattr(param, "main_param", None)
-            if getattr(param, "main_param_sharded", False):
-                if main is not None:
-                    start, end = self._main_param_shard_range(param)
-                    main.copy_(full.reshape(-1)[start:end].to(main.dtype))
-            elif main is not None:
-                main.copy_(full.to(main.dtype))
-            else:
-                raise RuntimeError("a bf16 parameter without an fp32 main copy: the optimizer is not mixed-precision")
-
-        with torch.no_grad():
-            load_hf_weights(self.chunks, source, self.hf_config, copy_fn=into_main)
+    def _copy_into_main(self, param, full: torch.Tensor) -> None:
+        """Write ``full`` (this rank's TP shard of ``param``, unrounded) into its fp32 main copy; with the
+        distributed optimizer only this DP rank's slice of it. A frozen parameter (a LoRA base) has none."""
+        if not param.requires_grad:
+            return
+        main = getattr(param, "main_param", None)
+        if getattr(param, "main_param_sharded", False):
+            if main is not None:
+                start, end = main_param_shard_range(self.optimizer, param)
+                main.copy_(full.reshape(-1)[start:end].to(main.dtype))
+        elif main is not None:
+            main.copy_(full.to(main.dtype))
+        else:
+            raise RuntimeError("a bf16 parameter without an fp32 main copy: the optimizer is not mixed-precision")
 
     def _full_main_param(self, param) -> torch.Tensor:
         """The fp32 main copy of ``param`` as a full tensor of this rank's (TP) shape. With the
@@ -302,7 +234,7 @@ class MegatronEngine:
 
         full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
         if main is not None:
-            start, end = self._main_param_shard_range(param)
+            start, end = main_param_shard_range(self.optimizer, param)
             full[start:end] = main.detach().view(-1)
         dist.all_reduce(full, group=ps.get_data_parallel_group(with_context_parallel=True))
         return full.view(param.shape)
@@ -311,16 +243,18 @@ class MegatronEngine:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
-            use_distributed_optimizer=self.cfg.megatron.use_distributed_optimizer,
-            average_in_collective=False,
-        )
-        self.model = [
-            DistributedDataParallel(self.tf_config, ddp_config, chunk, disable_bucketing=(i > 0))
-            for i, chunk in enumerate(self.model)
-        ]
-        self.tf_config.finalize_model_grads_func = _finalize_model_grads_recording(self)
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, average_in_collective=False,
+            use_distributed_optimizer=self.cfg.megatron.use_distributed_optimizer)
+        self.model = [DistributedDataParallel(self.tf_config, ddp_config, chunk, disable_bucketing=(i > 0))
+                      for i, chunk in enumerate(self.model)]
+        self.tf_config.finalize_model_grads_func = self._finalize_model_grads
+
+    def _finalize_model_grads(self, model, num_tokens, pg_collection=None, force_all_reduce=False):
+        """megatron's finalize_model_grads, also recording the token count it reduced (per-token mode)."""
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads(model, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+        self._reduced_token_count = None if num_tokens is None else int(num_tokens)
 
     def _build_optimizer(self):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -329,38 +263,34 @@ class MegatronEngine:
         o = self.cfg.optim
         dtype = self.cfg.megatron.torch_dtype
         opt_config = OptimizerConfig(
-            optimizer="adam",
-            lr=o.lr,
-            min_lr=o.min_lr,
-            weight_decay=o.weight_decay,
-            adam_beta1=o.betas[0],
-            adam_beta2=o.betas[1],
-            adam_eps=self.cfg.adam_eps,
-            clip_grad=o.clip_grad,
+            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.betas[0],
+            adam_beta2=o.betas[1], adam_eps=self.cfg.adam_eps, clip_grad=o.clip_grad,
             use_distributed_optimizer=self.cfg.megatron.use_distributed_optimizer,
-            params_dtype=dtype,
-            bf16=dtype == torch.bfloat16,
-            fp16=dtype == torch.float16,
-        )
+            params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
         self.optimizer = get_megatron_optimizer(opt_config, self.model)
         megatron_internals.use_fused_adam(self.optimizer)
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer,
-            init_lr=0.0 if o.lr_warmup_steps > 0 else o.lr,
-            max_lr=o.lr,
-            min_lr=o.min_lr,
-            lr_warmup_steps=o.lr_warmup_steps,
-            lr_decay_steps=max(self.cfg.total_steps, o.lr_warmup_steps + 1),
-            lr_decay_style=o.lr_decay_style,
-            start_wd=o.weight_decay,
-            end_wd=o.weight_decay,
-            wd_incr_steps=1,
+            self.optimizer, init_lr=0.0 if o.lr_warmup_steps > 0 else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+            lr_warmup_steps=o.lr_warmup_steps, lr_decay_steps=max(self.cfg.total_steps, o.lr_warmup_steps + 1),
+            lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=1,
             wd_incr_style="constant",
             # verl's semantics: the checkpoint's schedule is kept only when asked; otherwise a loaded
             # checkpoint restores the step count and this config's schedule continues from it
             use_checkpoint_opt_param_scheduler=o.use_checkpoint_opt_param_scheduler,
-            override_opt_param_scheduler=not o.use_checkpoint_opt_param_scheduler,
-        )
+            override_opt_param_scheduler=not o.use_checkpoint_opt_param_scheduler)
+
+    def _after_new_weights(self, reset_optimizer: bool, load_main) -> None:
+        """After the model's weights were overwritten: fresh Adam state and schedule when ``reset_optimizer``;
+        a trainable bf16 engine also writes them into its main parameters (``load_main(copy_fn)``)."""
+        if self.optimizer is None:
+            return
+        if reset_optimizer:
+            for m in self.model:
+                m.zero_grad_buffer()
+            self._build_optimizer()
+        if self.mixed_precision:
+            with torch.no_grad():
+                load_main(self._copy_into_main)
 
     def load_scheduler_state(self, state: dict) -> dict:
         """Load a saved LR schedule (``scheduler.state_dict()``): the step count always; the shape (lr,
@@ -392,11 +322,7 @@ class MegatronEngine:
         """Last pipeline stage, TP rank 0 and CP rank 0: where results and loss metrics are returned."""
         from megatron.core import parallel_state as ps
 
-        return (
-            ps.is_pipeline_last_stage(ignore_virtual=True)
-            and ps.get_tensor_model_parallel_rank() == 0
-            and ps.get_context_parallel_rank() == 0
-        )
+        return self._is_last_stage and ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
 
     @property
     def _is_last_stage(self) -> bool:
@@ -411,44 +337,46 @@ class MegatronEngine:
         seen: list[int] = []
         for k, mb in enumerate(micro_batches):
             if len(mb) == 0:
-                raise ValueError(
-                    f"micro-batch {k} is empty; every micro-batch needs at least one sequence (plan fewer "
-                    f"micro-batches, e.g. a smaller vpp multiple or a larger micro-batch size)"
-                )
+                raise ValueError(f"micro-batch {k} is empty; every micro-batch needs at least one sequence (plan fewer "
+                                 f"micro-batches, e.g. a smaller vpp multiple or a larger micro-batch size)")
             seen.extend(int(i) for i in mb)
         if sorted(seen) != list(range(len(batch))):
             raise ValueError(
-                f"micro_batches must use every row 0..{len(batch) - 1} of the batch exactly once, got {micro_batches}"
-            )
+                f"micro_batches must use every row 0..{len(batch) - 1} of the batch exactly once, got {micro_batches}")
         if self.vpp > 1 and (len(micro_batches) % self.pp or len(micro_batches) < self.pp):
             raise ValueError(
                 f"virtual pipeline parallelism (pp={self.pp}, vpp={self.vpp}) needs the number of micro-batches "
                 f"to be a positive multiple of pp={self.pp}, got {len(micro_batches)}; plan them with "
-                f"plan_micro_batches(..., vpp_multiple={self.pp})"
-            )
+                f"plan_micro_batches(..., vpp_multiple={self.pp})")
+
+    def _prepare(self, batch: SequenceBatch, micro_batches, outputs, temperature: float):
+        """The checked output names and the packed micro-batches of one :meth:`infer` / :meth:`train_step`."""
+        outputs = tuple(outputs)
+        if not outputs or any(o not in self.output_names for o in outputs):
+            raise ValueError(f"outputs={outputs}: this model produces {self.output_names}")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self._check_micro_batches(batch, micro_batches)
+        return outputs, self._pack(batch, micro_batches)
 
     def _pack(self, batch: SequenceBatch, micro_batches: list[list[int]]) -> list[_MicroBatch]:
         with suspended():  # CPU-side index work only
-            return self._pack_all(batch, micro_batches)
+            return [_MicroBatch(packed=pack_micro_batch([batch.input_ids[i] for i in mb],
+                                                        [int(batch.response_lengths[i]) for i in mb],
+                                                        multiple=self.pad_multiple, cp_size=self.cp,
+                                                        cp_rank=self.cp_rank, share_prompts=self.share_prompts),
+                                data=batch.rows(mb), indices=list(mb))
+                    for mb in micro_batches]
 
-    def _pack_all(self, batch: SequenceBatch, micro_batches: list[list[int]]) -> list[_MicroBatch]:
-        out = []
-        for mb in micro_batches:
-            packed = pack_micro_batch(
-                [batch.input_ids[i] for i in mb],
-                [int(batch.response_lengths[i]) for i in mb],
-                multiple=self.pad_multiple,
-                cp_size=self.cp,
-                cp_rank=self.cp_rank,
-                share_prompts=self.share_prompts,
-            )
-            out.append(_MicroBatch(packed=packed, data=batch.rows(mb), indices=list(mb)))
-        return out
+    def _run_schedule(self, mbs: list[_MicroBatch], step_func, **kwargs):
+        """megatron's pipeline schedule over the micro-batches; ``step_func(mb, output)`` makes each one's loss."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    def _iterators(self, mbs: list[_MicroBatch]):
-        if self.vpp > 1:
-            return [iter(mbs) for _ in range(self.vpp)]
-        return iter(mbs)
+        return get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, step_func), model=self.model,
+            data_iterator=[iter(mbs) for _ in range(self.vpp)] if self.vpp > 1 else iter(mbs),
+            num_microbatches=len(mbs), seq_length=max(m.packed.num_local_tokens for m in mbs), micro_batch_size=1,
+            **kwargs)
 
     def _packed_seq_params(self, packed: PackedMicroBatch):
         from megatron.core.packed_seq_params import PackedSeqParams
@@ -456,18 +384,12 @@ class MegatronEngine:
         cu = packed.cu_seqlens.to(self.device)
         if packed.shared is not None:  # read by the attention and RoPE (engine/packing.py)
             cu.shared_prompts = packed.shared.to(self.device)
-        return PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=cu,
-            cu_seqlens_kv=cu,
-            max_seqlen_q=packed.max_seqlen,
-            max_seqlen_kv=packed.max_seqlen,
-        )
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=packed.max_seqlen,
+                               max_seqlen_kv=packed.max_seqlen)
 
     # ------------------------------------------------------------------ outputs
-    def _per_token_outputs(
-        self, output: torch.Tensor, mb: _MicroBatch, names: tuple[str, ...], temperature: float, width: int
-    ) -> dict[str, torch.Tensor]:
+    def _per_token_outputs(self, output: torch.Tensor, mb: _MicroBatch, names: tuple[str, ...], temperature: float,
+                           width: int) -> dict[str, torch.Tensor]:
         """Last-stage model output on the local pack -> {name: [b, W]} full rows (CP-gathered)."""
         per_token: dict[str, torch.Tensor] = {}
         if self.cfg.value_head:
@@ -481,169 +403,116 @@ class MegatronEngine:
                 per_token["entropy"] = vocab_parallel_entropy(logits, vocab_size=self.hf_config.vocab_size)
         return {k: unpack_response(v, mb.packed, width, self.cp_group) for k, v in per_token.items() if k in names}
 
-    def _check_outputs(self, outputs) -> tuple[str, ...]:
-        outputs = tuple(outputs)
-        bad = [o for o in outputs if o not in self.output_names]
-        if bad or not outputs:
-            raise ValueError(f"outputs={outputs}: this model produces {self.output_names}")
-        return outputs
-
-    def _forward_step(self, names, temperature, width, loss_func_factory, data_iterator, model):
+    def _forward_step(self, step_func, data_iterator, model):
         mb: _MicroBatch = next(data_iterator)
-        moe.start_micro_batch(getattr(self, "_router_step", None), mb.packed)  # MoE router losses (moe.py)
+        router_step = getattr(self, "_router_step", None)
+        if router_step is not None:  # MoE router losses (moe.py)
+            router_step.micro_batch(mb.packed)
         ids = mb.packed.input_ids.to(self.device)
         with suspended():  # the forward needs no CUDA->CPU rewriting (see cpu_adapter)
             output = model(ids, None, None, packed_seq_params=self._packed_seq_params(mb.packed))
-        return output, partial(loss_func_factory, mb, names, temperature, width)
+        return output, partial(step_func, mb)
 
     # ------------------------------------------------------------------ infer
     @torch.no_grad()
-    def infer(
-        self,
-        batch: SequenceBatch,
-        micro_batches: list[list[int]],
-        temperature: float = 1.0,
-        outputs=("log_probs", "entropy"),
-    ) -> dict[str, torch.Tensor] | None:
+    def infer(self, batch: SequenceBatch, micro_batches: list[list[int]], temperature: float = 1.0,
+              outputs=("log_probs", "entropy")) -> dict[str, torch.Tensor] | None:
         """Forward only. Returns {name: [n, W]} in batch row order on output owners, None elsewhere."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
+        names, mbs = self._prepare(batch, micro_batches, outputs if not self.cfg.value_head else VALUE_OUTPUTS,
+                                   temperature)
 
-        names = self._check_outputs(outputs if not self.cfg.value_head else VALUE_OUTPUTS)
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        self._check_micro_batches(batch, micro_batches)
-        mbs = self._pack(batch, micro_batches)
-        width = batch.response_width
-
-        def collect(mb, names, temperature, width, output, non_loss_data=False):
+        def collect(mb, output, non_loss_data=False):
             if not non_loss_data:
                 raise RuntimeError("infer runs with collect_non_loss_data=True")
-            res = self._per_token_outputs(output, mb, names, temperature, width)
+            res = self._per_token_outputs(output, mb, names, temperature, batch.response_width)
             return {k: v.detach().cpu() for k, v in res.items()}
 
         for m in self.model:
             m.eval()
-        store = get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, names, temperature, width, collect),
-            data_iterator=self._iterators(mbs),
-            model=self.model,
-            num_microbatches=len(mbs),
-            seq_length=max(m.packed.num_local_tokens for m in mbs),
-            micro_batch_size=1,
-            forward_only=True,
-            collect_non_loss_data=True,
-        )
+        store = self._run_schedule(mbs, collect, forward_only=True, collect_non_loss_data=True)
         if not self.is_output_owner:
             return None
-        result = {}
         order = torch.as_tensor([i for m in mbs for i in m.indices])
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel())
-        for name in names:
-            result[name] = torch.cat([d[name] for d in store])[inverse]
-        return result
+        return {name: torch.cat([d[name] for d in store])[inverse] for name in names}
 
     # ------------------------------------------------------------------ train
-    def train_step(
-        self,
-        batch: SequenceBatch,
-        micro_batches: list[list[int]],
-        loss_fn: LossFn,
-        temperature: float = 1.0,
-        outputs=None,
-        global_token_count: int | None = None,
-    ) -> dict[str, float]:
-        """One optimizer step over this DP rank's share of a mini-batch.
+    def train_step(self, batch: SequenceBatch, micro_batches: list[list[int]], loss_fn: LossFn,
+                   temperature: float = 1.0, outputs=None, global_token_count: int | None = None) -> dict[str, float]:
+        """One optimizer step over this DP rank's share of a mini-batch (the module docstring's loss contract).
 
-        ``global_token_count`` (per-token mode only) = sum of sequence lengths (prompt + response)
-        over the WHOLE mini-batch, all DP ranks; may be omitted when DP = 1.
-        Returns {"grad_norm" (before clipping), "lr", and on output owners "loss" plus the sums
-        over micro-batches of the loss metrics}. A NaN / inf gradient norm raises
-        :class:`NonFiniteStepError` on every rank (megatron's NaN check stops the run the same way).
-        """
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
+        ``global_token_count`` (per-token mode and MoE router losses): the sum of sequence lengths over the WHOLE
+        mini-batch, all DP ranks; may be omitted when DP = 1. Returns {"grad_norm" (before clipping), "lr", and on
+        output owners "loss" plus the micro-batches' summed loss metrics}; raises :class:`NonFiniteStepError`."""
         if self.optimizer is None:
             raise RuntimeError("train_step on a forward_only engine; build it with forward_only=False")
-        names = self._check_outputs(outputs if outputs is not None else self.output_names)
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        self._check_micro_batches(batch, micro_batches)
+        names, mbs = self._prepare(batch, micro_batches, outputs if outputs is not None else self.output_names,
+                                   temperature)
         per_token = self.cfg.megatron.calculate_per_token_loss
-        if per_token:
-            if global_token_count is None:
-                if self.dp != 1:
-                    raise ValueError(
-                        "calculate_per_token_loss=True with data parallelism needs train_step(..., "
-                        "global_token_count=<sum of sequence lengths over the whole mini-batch, all DP ranks>)"
-                    )
-                global_token_count = sum(batch.lengths)
-            global_token_count = int(global_token_count)
-            if global_token_count < sum(batch.lengths):
-                raise ValueError(
-                    f"global_token_count={global_token_count} is smaller than this rank's own "
-                    f"{sum(batch.lengths)} tokens; it must be the sum of lengths over the whole mini-batch"
-                )
-        mbs = self._pack(batch, micro_batches)
-        width = batch.response_width
+        if per_token or moe.router_losses_enabled(self.tf_config):
+            global_token_count = self._global_token_count(global_token_count, sum(batch.lengths))
         n_mb = len(mbs)
         owner = self.is_output_owner
 
-        def loss_func(mb, names, temperature, width, output):
+        def loss_func(mb, output):
             with suspended():  # outputs + the caller's loss: plain tensor math on the output's device
-                return _loss(mb, names, temperature, width, output)
-
-        def _loss(mb, names, temperature, width, output):
-            outs = self._per_token_outputs(output, mb, names, temperature, width)
-            data = {k: v.to(self.device) for k, v in mb.data.items()}
-            contribution, metrics = loss_fn(outs, data)
-            if contribution.ndim != 0:
-                raise ValueError(f"loss_fn must return a scalar contribution, got shape {tuple(contribution.shape)}")
-            report = {}
-            if owner:
-                report = {"loss": float(contribution.detach())}
-                report.update({k: float(torch.as_tensor(v).detach()) for k, v in metrics.items()})
-            if per_token:
-                k_local = torch.tensor(mb.packed.num_real_local_tokens, dtype=torch.int, device=contribution.device)
-                return contribution * global_token_count, k_local, report
-            return contribution * (n_mb * self.dp), report
+                outs = self._per_token_outputs(output, mb, names, temperature, batch.response_width)
+                data = {k: v.to(self.device) for k, v in mb.data.items()}
+                contribution, metrics = loss_fn(outs, data)
+                if contribution.ndim != 0:
+                    raise ValueError(f"loss_fn must return a scalar contribution, got shape "
+                                     f"{tuple(contribution.shape)}")
+                report = {}
+                if owner:
+                    report = {"loss": float(contribution.detach())}
+                    report.update({k: float(torch.as_tensor(v).detach()) for k, v in metrics.items()})
+                if per_token:
+                    k_local = torch.tensor(mb.packed.num_real_local_tokens, dtype=torch.int, device=contribution.device)
+                    return contribution * global_token_count, k_local, report
+                return contribution * (n_mb * self.dp), report
 
         for m in self.model:
             m.train()
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._reduced_token_count = None
-        with moe.train_step_router_losses(self, global_token_count, batch.lengths) as self._router_step:
-            store = get_forward_backward_func()(
-                forward_step_func=partial(self._forward_step, names, temperature, width, loss_func),
-                data_iterator=self._iterators(mbs),
-                model=self.model,
-                num_microbatches=n_mb,
-                seq_length=max(m.packed.num_local_tokens for m in mbs),
-                micro_batch_size=1,
-                forward_only=False,
-            )
+        with moe.train_step_router_losses(self, global_token_count) as self._router_step:
+            store = self._run_schedule(mbs, loss_func, forward_only=False)
         router_step, self._router_step = self._router_step, None
         if per_token and self._reduced_token_count != global_token_count:
             raise RuntimeError(
                 f"megatron reduced {self._reduced_token_count} tokens over DP x CP but global_token_count="
                 f"{global_token_count}: the caller's count is not the sum of sequence lengths over the whole "
-                f"mini-batch (or DP ranks were given different counts); the optimizer step was not taken"
-            )
+                f"mini-batch (or DP ranks were given different counts); the optimizer step was not taken")
         self.scheduler.step(1)
         lr = self.scheduler.get_lr({})
         success, grad_norm, _ = self.optimizer.step()
         self._check_finite_step(success, grad_norm, store if owner and self._is_last_stage else None)
         result = {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": float(lr)}
-        result.update(moe.router_metrics(self, router_step))  # every rank: each MoE stage adds its layers
+        if router_step is not None:  # every rank: each MoE stage adds its layers
+            result.update(router_step.metrics(int(self.tf_config.num_layers), self.tf_config.router_loss))
         if owner and self._is_last_stage:
             result.update(combine_all(store))  # the micro-batches' loss metrics (utils/metric_reduce.py)
         return result
 
+    def _global_token_count(self, given: int | None, local_tokens: int) -> int:
+        """``train_step``'s ``global_token_count``, or this rank's own count when DP = 1."""
+        if given is None:
+            if self.dp != 1:
+                raise ValueError(
+                    "calculate_per_token_loss=True or MoE router losses (moe_aux_loss_coeff / moe_z_loss_coeff > 0) "
+                    "with data parallelism need train_step(..., global_token_count=<sum of sequence lengths over "
+                    "the whole mini-batch, all DP ranks>)")
+            return local_tokens
+        if int(given) < local_tokens:
+            raise ValueError(f"global_token_count={given} is smaller than this rank's own {local_tokens} tokens; "
+                             f"it must be the sum of lengths over the whole mini-batch")
+        return int(given)
+
     def _check_finite_step(self, success: bool, grad_norm, reports: list[dict] | None) -> None:
-        """Raise :class:`NonFiniteStepError` (on every rank alike) when the step's gradient norm is
-        NaN / inf or megatron skipped the step for inf/nan gradients. ``reports``: the loss
-        reports of the micro-batches on an output owner, else None."""
+        """Raise :class:`NonFiniteStepError` when the step's gradient norm is NaN / inf or megatron skipped
+        the step. ``reports``: the micro-batches' loss reports on an output owner, else None."""
         if success and grad_norm is not None and math.isfinite(float(grad_norm)):
             return
         loss = None if reports is None else sum(float(d.get("loss", 0.0)) for d in reports)
@@ -651,33 +520,23 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ weights
     def export_hf(self, attr: str = "param"):
-        """Iterator of (hf_name, full tensor) on every rank; ``attr="main_grad"`` for the reduced grads.
-
-        A trainable bf16 engine exports its fp32 main parameters (the trained weights, float32);
-        a forward-only bf16 engine has none and exports its bf16 weights. Gradients are float32
-        (megatron accumulates and reduces them in fp32). With the distributed optimizer,
-        ``main_grad`` is only valid on each rank's own shard."""
+        """Iterator of (hf_name, full tensor) on every rank (a trainable bf16 engine's fp32 main parameters);
+        ``attr="main_grad"``: the reduced float32 grads (with the distributed optimizer valid on each rank's shard)."""
         main = self._full_main_param if (attr == "param" and self.mixed_precision and self.optimizer) else None
         return export_hf(self.chunks, self.hf_config, attr=attr, main_params=main)
 
     def load_hf(self, state_dict_or_dir, reset_optimizer: bool = True) -> None:
-        """Overwrite the weights (an HF state dict or directory); rebuild optimizer + schedule state.
-        A trainable bf16 engine also loads them, unrounded, into its fp32 main parameters."""
+        """Overwrite the weights (an HF state dict or directory); rebuild optimizer + schedule state."""
         with torch.no_grad():
             load_hf_weights(self.chunks, state_dict_or_dir, self.hf_config)
-        if self.optimizer is not None and reset_optimizer:
-            for m in self.model:
-                m.zero_grad_buffer()
-            self._build_optimizer()
-        if self.optimizer is not None and self.mixed_precision:
-            self._load_main_params(state_dict_or_dir)
+        self._after_new_weights(reset_optimizer, partial(load_hf_weights, self.chunks, state_dict_or_dir,
+                                                         self.hf_config))
 
     # ------------------------------------------------------------------ LoRA adapters
     def _initial_adapter_state(self) -> dict | None:
         """The adapters' starting factors (PEFT-named, full): ``lora.adapter_path``'s, or the fresh draw."""
         if self.cfg.lora is None:
             return None
-
         if self.cfg.lora.adapter_path:
             config, tensors = lora.read_peft_adapter(self.cfg.lora.adapter_path)
             lora.check_adapter_matches(self.cfg.lora, config, self.cfg.lora.adapter_path)
@@ -685,31 +544,15 @@ class MegatronEngine:
         return None if self.cfg.forward_only else {}
 
     def load_adapter(self, state_or_dir, reset_optimizer: bool = True) -> None:
-        """Overwrite the LoRA factors from PEFT-named full tensors or a PEFT adapter directory (a trainable
-        bf16 engine also writes them, unrounded, into its fp32 main parameters); ``reset_optimizer``: fresh
-        Adam state. An empty dict keeps the current factors."""
+        """Overwrite the LoRA factors from PEFT-named full tensors or a PEFT adapter directory; an empty dict
+        keeps the current factors. ``reset_optimizer``: fresh Adam state."""
         if self.cfg.lora is None:
             raise RuntimeError("load_adapter on an engine without LoRA (EngineConfig.lora is None)")
         state = state_or_dir if isinstance(state_or_dir, dict) else lora.read_peft_adapter(state_or_dir)[1]
         if not state:
             return
         lora.load_adapter_state(self.chunks, state)
-        if self.optimizer is not None and reset_optimizer:
-            for m in self.model:
-                m.zero_grad_buffer()
-            self._build_optimizer()
-        if self.optimizer is not None and self.mixed_precision:
-            def into_main(param, shard):
-                main = param.main_param
-                if getattr(param, "main_param_sharded", False):
-                    if main is not None:
-                        start, end = self._main_param_shard_range(param)
-                        main.copy_(shard.reshape(-1)[start:end].to(main.dtype))
-                else:
-                    main.copy_(shard.to(main.dtype))
-
-            with torch.no_grad():
-                lora.load_adapter_state(self.chunks, state, copy_fn=into_main)
+        self._after_new_weights(reset_optimizer, partial(lora.load_adapter_state, self.chunks, state))
 
     def export_adapter(self, attr: str = "param") -> dict:
         """The LoRA factors as full PEFT-named float32 tensors on every rank (``attr="main_grad"``: their
@@ -717,10 +560,8 @@ class MegatronEngine:
         if self.cfg.lora is None:
             raise RuntimeError("export_adapter on an engine without LoRA (EngineConfig.lora is None)")
         if attr == "param" and self.mixed_precision and self.optimizer is not None:
-            read = self._full_main_param
-        else:
-            read = partial(_tensor_of, attr=attr)
-        return lora.export_adapter_state(self.chunks, read=lambda p: read(p))
+            return lora.export_adapter_state(self.chunks, read=self._full_main_param)
+        return lora.export_adapter_state(self.chunks, read=partial(_tensor_of, attr=attr))
 
     def export_merged_hf(self):
         """Iterator of (hf_name, full tensor) of the model with the adapters merged (W + scaling B A):
@@ -728,14 +569,11 @@ class MegatronEngine:
         if self.cfg.lora is None:
             yield from self.export_hf()
             return
-
         adapter = self.export_adapter()
         yield from merge_into(self.export_hf(), adapter, self.cfg.lora.scaling)
 
     def adapters_disabled(self):
         """Context manager: inside, the engine computes its base model (LoRA's KL reference); a no-op without LoRA."""
-        import contextlib
-
         return adapters_disabled(self.chunks) if self.cfg.lora is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ checkpoints

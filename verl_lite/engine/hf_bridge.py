@@ -1,27 +1,18 @@
-"""HF <-> megatron weights for the Qwen2 / Qwen3 / Llama family, in any TP / PP / VPP layout.
+"""HF <-> megatron weights for the Qwen2 / Qwen3 / Llama family (and their MoE), in any TP / PP / VPP / EP layout.
 
-Layout rules (megatron-core 0.16.1, per TP rank r of ``tp``):
+Layout rules (megatron-core 0.16.1, per TP rank r):
 
-- ``embedding.word_embeddings.weight`` / ``output_layer.weight``: vocabulary rows
-  ``[r*Vp/tp, (r+1)*Vp/tp)`` of ``embed_tokens`` / ``lm_head`` (vocab-parallel) padded to
-  ``Vp = padded_vocab_size(V, tp)`` rows: load appends ``Vp - V`` zero rows, export drops them, so
-  HF -> engine -> HF is bit-exact and an exported tensor always has the true ``V`` rows.
-- ``linear_qkv``: the full tensor is interleaved per KV group g = 0..ng-1 as
-  ``[q heads of g (np/ng * hn rows); k_g (hn rows); v_g (hn rows)]`` (query head h belongs to group
-  ``h // (np/ng)``, as in HF's GQA), and rank r holds the r-th of ``tp`` equal row blocks. The bias
-  (Qwen2) follows the same order.
-- ``linear_fc1``: rank r holds ``[gate rows of shard r; up rows of shard r]`` (megatron splits the
-  local output in two halves for SwiGLU).
-- ``linear_proj`` (o_proj) and ``linear_fc2`` (down_proj): columns split in ``tp`` blocks.
-- Norms (and Qwen3's per-head q/k norms): replicated.
-- Layers: a chunk's ``decoder.layers[j]`` is HF layer ``layer_number - 1`` (megatron numbers layers
-  globally from 1, whatever the PP/VPP stage).
-- Tied embeddings: the last stage's copy of the embedding (``output_layer.weight`` when PP > 1) is
-  loaded from ``embed_tokens`` too and never exported.
-- Value head (critic): ``output_layer.weight [1, hidden]`` <-> ``score.weight``.
+- embedding / output layer: vocabulary rows ``[r*Vp/tp, (r+1)*Vp/tp)`` of the vocabulary padded to
+  ``Vp = padded_vocab_size(V, tp)``: load appends zero rows, export drops them (HF -> engine -> HF is exact).
+- ``linear_qkv``: interleaved per KV group g as ``[q heads of g; k_g; v_g]`` (query head h in group
+  ``h // (np/ng)``, as HF's GQA), rank r holding the r-th of ``tp`` row blocks; Qwen2's bias the same.
+- ``linear_fc1``: rank r holds ``[gate rows of shard r; up rows of shard r]``; ``linear_proj`` and
+  ``linear_fc2``: columns split in ``tp`` blocks; norms replicated; routed experts whole on their EP rank.
+- A chunk's ``decoder.layers[j]`` is HF layer ``layer_number - 1``. Tied embeddings: the last stage's copy
+  (PP > 1) is loaded from ``embed_tokens`` and never exported. Value head: ``output_layer`` <-> ``score.weight``.
 
 ``load_hf_weights`` fills the chunks in place; ``export_hf`` streams full HF tensors, one at a time,
-gathered over TP and broadcast over PP, identical on every rank.
+gathered over TP (and EP for experts) and broadcast over PP, identical on every rank.
 """
 
 from __future__ import annotations
@@ -36,21 +27,16 @@ import torch
 import torch.distributed as dist
 
 from verl_lite.engine.lora import is_adapter_name
-from verl_lite.engine.model import _get, head_dim, is_moe, num_experts, unwrap_model
+from verl_lite.engine.model import (_get, has_qk_norm, has_qkv_bias, is_moe, num_experts, projection_shapes,
+                                    qkv_heads, unwrap_model)
 from verl_lite.engine.vocab_parallel import padded_vocab_size
-
-# ------------------------------------------------------------------------------------------
-# The mapping
-# ------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class _Entry:
-    """One megatron parameter <-> one or more HF tensors.
-
-    kind: 'replicated' | 'vocab' | 'col' | 'row' | 'qkv' | 'fc1' | 'head' (value head, replicated).
-    export: False for duplicate copies (tied output layer under PP).
-    """
+    """One megatron parameter <-> one or more HF tensors. ``kind``: 'replicated' | 'vocab' | 'col' | 'row' |
+    'qkv' | 'fc1' | 'head' (value head) | 'expert' | 'expert_fc1'; ``export``: False for duplicate copies (tied
+    output layer under PP)."""
 
     mcore_name: str
     hf_names: tuple[str, ...]
@@ -72,21 +58,22 @@ class _MoELayout:
 EXPERT_KINDS = ("expert_fc1", "expert")  # whole per expert (ETP = 1), split over EP ranks
 
 
+def _mlp_entries(m: str, hf: str, fc1: str = "fc1", fc2: str = "row") -> list[_Entry]:
+    """An MLP's ``linear_fc1`` <-> [gate_proj; up_proj] and ``linear_fc2`` <-> down_proj."""
+    return [_Entry(m + "linear_fc1.weight", (hf + "gate_proj.weight", hf + "up_proj.weight"), fc1),
+            _Entry(m + "linear_fc2.weight", (hf + "down_proj.weight",), fc2)]
+
+
 def _moe_mlp_entries(m: str, hf: str, moe: _MoELayout) -> list[_Entry]:
-    """Router ``mlp.router.weight`` <-> ``mlp.gate.weight``; local expert k = global expert offset + k:
-    ``experts.local_experts.k.linear_fc1`` = [gate_proj; up_proj] of ``mlp.experts.{e}``, ``linear_fc2`` =
-    its ``down_proj``; shared expert (TP-sharded like a dense MLP) and its sigmoid gate (replicated)."""
+    """Router ``mlp.router.weight`` <-> ``mlp.gate.weight``; local expert k is global expert offset + k;
+    the shared expert (TP-sharded like a dense MLP) and its sigmoid gate (replicated)."""
     out = [_Entry(m + "mlp.router.weight", (hf + "mlp.gate.weight",), "replicated")]
     for k in range(moe.num_local):
-        e = hf + f"mlp.experts.{moe.offset + k}."
-        x = m + f"mlp.experts.local_experts.{k}."
-        out.append(_Entry(x + "linear_fc1.weight", (e + "gate_proj.weight", e + "up_proj.weight"), "expert_fc1"))
-        out.append(_Entry(x + "linear_fc2.weight", (e + "down_proj.weight",), "expert"))
+        out += _mlp_entries(m + f"mlp.experts.local_experts.{k}.", hf + f"mlp.experts.{moe.offset + k}.",
+                            "expert_fc1", "expert")
     if moe.shared:
-        s, x = hf + "mlp.shared_expert.", m + "mlp.shared_experts."
-        out.append(_Entry(x + "linear_fc1.weight", (s + "gate_proj.weight", s + "up_proj.weight"), "fc1"))
-        out.append(_Entry(x + "linear_fc2.weight", (s + "down_proj.weight",), "row"))
-        out.append(_Entry(x + "gate_weight", (hf + "mlp.shared_expert_gate.weight",), "replicated"))
+        out += _mlp_entries(m + "mlp.shared_experts.", hf + "mlp.shared_expert.")
+        out.append(_Entry(m + "mlp.shared_experts.gate_weight", (hf + "mlp.shared_expert_gate.weight",), "replicated"))
     return out
 
 
@@ -124,31 +111,40 @@ def _layer_entries(j: int, i: int, qkv_bias: bool, qk_norm: bool, moe: _MoELayou
         _Entry(m + "self_attention.linear_proj.weight", (a + "o_proj.weight",), "row"),
         _Entry(m + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), "replicated"),
     ]
-    if moe is not None:
-        return out + _moe_mlp_entries(m, hf, moe)
-    out += [
-        _Entry(m + "mlp.linear_fc1.weight", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"), "fc1"),
-        _Entry(m + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), "row"),
-    ]
-    return out
+    return out + (_moe_mlp_entries(m, hf, moe) if moe is not None else _mlp_entries(m + "mlp.", hf + "mlp."))
 
 
 def _chunk_entries(model, hf_config, value_head: bool) -> list[_Entry]:
     """Entries for the parameters of one (unwrapped) GPTModel chunk."""
     cfg = model.config
+    layers = [layer.layer_number - 1 for layer in model.decoder.layers]
+    return _entries(hf_config, value_head, model.pre_process, model.post_process, layers, cfg.add_qkv_bias,
+                    cfg.qk_layernorm, _moe_layout(hf_config))
+
+
+def _global_entries(hf_config, value_head: bool) -> list[_Entry]:
+    """The entries of the whole model (every layer and expert, as one rank would hold it), in export order."""
+    layers = range(_get(hf_config, "num_hidden_layers"))
+    return _entries(hf_config, value_head, True, True, layers, has_qkv_bias(hf_config), has_qk_norm(hf_config),
+                    _moe_layout(hf_config, global_view=True))
+
+
+def _entries(hf_config, value_head: bool, pre: bool, post: bool, layers, qkv_bias: bool, qk_norm: bool,
+             moe: _MoELayout | None) -> list[_Entry]:
+    """The entries of a chunk holding HF ``layers`` (and the embedding when ``pre``, the head when ``post``)."""
     tied = bool(_get(hf_config, "tie_word_embeddings", False)) and not value_head
     entries = []
-    if model.pre_process:
+    if pre:
         entries.append(_Entry("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"))
-    for j, layer in enumerate(model.decoder.layers):
-        entries += _layer_entries(j, layer.layer_number - 1, cfg.add_qkv_bias, cfg.qk_layernorm, _moe_layout(hf_config))
-    if model.post_process:
+    for j, i in enumerate(layers):
+        entries += _layer_entries(j, i, qkv_bias, qk_norm, moe)
+    if post:
         entries.append(_Entry("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"))
         if value_head:
             entries.append(_Entry("output_layer.weight", ("score.weight",), "head"))
         elif not tied:
             entries.append(_Entry("output_layer.weight", ("lm_head.weight",), "vocab"))
-        elif not model.pre_process:  # tied, PP > 1: the last stage's duplicate of the embedding
+        elif not pre:  # tied, PP > 1: the last stage's duplicate of the embedding
             entries.append(_Entry("output_layer.weight", ("model.embed_tokens.weight",), "vocab", export=False))
     return entries
 
@@ -158,20 +154,9 @@ def _chunks_value_head(models) -> bool:
     return bool(getattr(models[0], "is_value_model", False))
 
 
-# ------------------------------------------------------------------------------------------
-# Shard math (HF full tensors <-> this TP rank's megatron shard)
-# ------------------------------------------------------------------------------------------
-
-
-def _qkv_heads(hf_config):
-    n_heads = _get(hf_config, "num_attention_heads")
-    n_kv = _get(hf_config, "num_key_value_heads") or n_heads
-    return n_heads, n_kv, head_dim(hf_config)
-
-
 def _interleave_qkv(q, k, v, hf_config):
     """HF q [np*hn, ...], k/v [ng*hn, ...] -> megatron full [ng*(np/ng+2)*hn, ...]."""
-    n_heads, n_kv, hn = _qkv_heads(hf_config)
+    n_heads, n_kv, hn = qkv_heads(hf_config)
     rest = q.shape[1:]
     qg = q.reshape(n_kv, (n_heads // n_kv) * hn, *rest)
     kg = k.reshape(n_kv, hn, *rest)
@@ -181,7 +166,7 @@ def _interleave_qkv(q, k, v, hf_config):
 
 def _split_qkv(full, hf_config):
     """Inverse of ``_interleave_qkv``."""
-    n_heads, n_kv, hn = _qkv_heads(hf_config)
+    n_heads, n_kv, hn = qkv_heads(hf_config)
     rest = full.shape[1:]
     g = full.reshape(n_kv, (n_heads // n_kv + 2) * hn, *rest)
     q, k, v = torch.split(g, [(n_heads // n_kv) * hn, hn, hn], dim=1)
@@ -190,15 +175,14 @@ def _split_qkv(full, hf_config):
 
 def _shard(entry: _Entry, hf: list[torch.Tensor], hf_config, tp: int, r: int) -> torch.Tensor:
     """This TP rank's megatron tensor for ``entry`` from the full HF tensors."""
-    if entry.kind in ("replicated", "head"):
+    if entry.kind in ("replicated", "head", "expert"):  # an expert is whole on its rank (ETP = 1)
         return hf[0]
     if entry.kind == "vocab":
         vocab = _get(hf_config, "vocab_size")
         if hf[0].shape[0] != vocab:
             raise ValueError(
                 f"shape mismatch for {entry.mcore_name!r}: HF {entry.hf_names[0]} has {hf[0].shape[0]} rows, "
-                f"the config's vocab_size is {vocab}"
-            )
+                f"the config's vocab_size is {vocab}")
         return _pad_vocab_rows(hf[0], padded_vocab_size(vocab, tp)).chunk(tp, dim=0)[r]
     if entry.kind == "col":
         return hf[0].chunk(tp, dim=0)[r]
@@ -209,10 +193,8 @@ def _shard(entry: _Entry, hf: list[torch.Tensor], hf_config, tp: int, r: int) ->
     if entry.kind == "fc1":
         gate, up = hf
         return torch.cat([gate.chunk(tp, dim=0)[r], up.chunk(tp, dim=0)[r]], dim=0)
-    if entry.kind == "expert_fc1":  # whole expert (ETP = 1): [gate; up]
+    if entry.kind == "expert_fc1":  # [gate; up]
         return torch.cat(hf, dim=0)
-    if entry.kind == "expert":
-        return hf[0]
     raise AssertionError(entry.kind)
 
 
@@ -225,7 +207,7 @@ def _pad_vocab_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 def _unshard(entry: _Entry, shards: list[torch.Tensor], hf_config) -> list[torch.Tensor]:
     """Full HF tensors for ``entry`` from the shards of all TP ranks (in TP rank order)."""
-    if entry.kind in ("replicated", "head"):
+    if entry.kind in ("replicated", "head", "expert"):
         return [shards[0]]
     if entry.kind == "vocab":
         return [torch.cat(shards, dim=0)[: _get(hf_config, "vocab_size")]]
@@ -240,42 +222,34 @@ def _unshard(entry: _Entry, shards: list[torch.Tensor], hf_config) -> list[torch
         return [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
     if entry.kind == "expert_fc1":
         return list(shards[0].chunk(2, dim=0))
-    if entry.kind == "expert":
-        return [shards[0]]
     raise AssertionError(entry.kind)
 
 
-# ------------------------------------------------------------------------------------------
-# Reading HF checkpoints
-# ------------------------------------------------------------------------------------------
+def weight_files(model_dir: Path) -> list[Path]:
+    """The model's safetensors files: those the index names, else every ``*.safetensors``."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        return sorted({model_dir / name for name in weight_map.values()})
+    return sorted(model_dir.glob("*.safetensors"))
 
 
 class _HFTensors:
-    """Lazy access to an HF checkpoint dir (``*.safetensors``, optionally indexed) or a state dict."""
+    """Lazy access to an HF checkpoint dir (:func:`weight_files`) or a state dict."""
 
     def __init__(self, source):
-        self._sd = None
-        self._files: dict[str, str] = {}
-        if isinstance(source, Mapping):
-            self._sd = source
-            return
-        path = Path(source)
-        index = path / "model.safetensors.index.json"
-        if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self._files = {k: str(path / v) for k, v in weight_map.items()}
-        else:
-            files = sorted(path.glob("*.safetensors"))
-            if not files:
-                raise FileNotFoundError(
-                    f"no *.safetensors in {path}; save the HF model with save_pretrained(safe_serialization=True)"
-                )
+        self._sd = source if isinstance(source, Mapping) else None
+        self._files: dict[str, str] = {}  # tensor name -> its file
+        if self._sd is None:
             from safetensors import safe_open
 
+            files = weight_files(Path(source))
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors in {source}; save the HF model with "
+                                        f"save_pretrained(safe_serialization=True)")
             for f in files:
                 with safe_open(str(f), framework="pt") as h:
-                    for k in h.keys():
-                        self._files[k] = str(f)
+                    self._files.update(dict.fromkeys(h.keys(), str(f)))
 
     def __contains__(self, name: str) -> bool:
         return name in (self._sd if self._sd is not None else self._files)
@@ -289,11 +263,6 @@ class _HFTensors:
             return h.get_tensor(name)
 
 
-# ------------------------------------------------------------------------------------------
-# Public API
-# ------------------------------------------------------------------------------------------
-
-
 def _tp():
     from megatron.core import parallel_state as ps
 
@@ -303,15 +272,9 @@ def _tp():
 @torch.no_grad()
 def load_hf_weights(chunks, hf_model_dir_or_state_dict: str | os.PathLike | Mapping[str, torch.Tensor], hf_config,
                     copy_fn=None) -> None:
-    """Copy HF weights into this rank's chunks (any TP/PP/VPP layout), in place.
-
-    ``copy_fn(param, shard)``, when given, receives this rank's shard of each parameter (in the HF
-    dtype) instead of the copy into ``param`` (the engine loads a bf16 run's fp32 main params with it).
-
-    Call before building the optimizer (a distributed/fp16 optimizer keeps its own main copies).
-    Raises if a chunk parameter has no HF source or a shape disagrees. For a value head,
-    ``score.weight`` is loaded when present and keeps its random init otherwise (an LM checkpoint).
-    """
+    """Copy HF weights into this rank's chunks, in place (``copy_fn(param, shard)`` instead when given: a bf16
+    engine's fp32 main params). Raises if a parameter has no HF source or a shape disagrees; a value head keeps its
+    fresh init when the checkpoint has no ``score.weight``."""
     src = _HFTensors(hf_model_dir_or_state_dict)
     tp, r, _ = _tp()
     models = [unwrap_model(c) for c in chunks]
@@ -333,8 +296,7 @@ def load_hf_weights(chunks, hf_model_dir_or_state_dict: str | os.PathLike | Mapp
             t = _shard(e, [src.get(n) for n in e.hf_names], hf_config, tp, r)
             if tuple(t.shape) != tuple(p.shape):
                 raise ValueError(
-                    f"shape mismatch for {e.mcore_name!r}: HF gives {tuple(t.shape)}, model has {tuple(p.shape)}"
-                )
+                    f"shape mismatch for {e.mcore_name!r}: HF gives {tuple(t.shape)}, model has {tuple(p.shape)}")
             if copy_fn is not None:
                 copy_fn(p, t.to(device=p.device))
             else:
@@ -346,60 +308,26 @@ def load_hf_weights(chunks, hf_model_dir_or_state_dict: str | os.PathLike | Mapp
 
 def hf_shapes(hf_config, value_head: bool = False) -> dict[str, tuple[int, ...]]:
     """Shapes of every HF tensor the engine exports, in export order."""
-    h = _get(hf_config, "hidden_size")
-    V = _get(hf_config, "vocab_size")
-    ffn = _get(hf_config, "intermediate_size")
-    n_heads, n_kv, hn = _qkv_heads(hf_config)
-    mt = _get(hf_config, "model_type")
-    qkv_bias = mt in ("qwen2", "qwen2_moe") or bool(_get(hf_config, "attention_bias", False))
-    moe = _moe_layout(hf_config, global_view=True)
-    out = {"model.embed_tokens.weight": (V, h)}
-    for i in range(_get(hf_config, "num_hidden_layers")):
-        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-        out[p + "input_layernorm.weight"] = (h,)
-        out[a + "q_proj.weight"] = (n_heads * hn, h)
-        out[a + "k_proj.weight"] = (n_kv * hn, h)
-        out[a + "v_proj.weight"] = (n_kv * hn, h)
-        if qkv_bias:
-            out[a + "q_proj.bias"] = (n_heads * hn,)
-            out[a + "k_proj.bias"] = (n_kv * hn,)
-            out[a + "v_proj.bias"] = (n_kv * hn,)
-        if mt in ("qwen3", "qwen3_moe"):
-            out[a + "q_norm.weight"] = (hn,)
-            out[a + "k_norm.weight"] = (hn,)
-        out[a + "o_proj.weight"] = (h, n_heads * hn)
-        out[p + "post_attention_layernorm.weight"] = (h,)
-        if moe is not None:
-            out.update(_moe_shapes(p, hf_config, moe))
-            continue
-        out[p + "mlp.gate_proj.weight"] = (ffn, h)
-        out[p + "mlp.up_proj.weight"] = (ffn, h)
-        out[p + "mlp.down_proj.weight"] = (h, ffn)
-    out["model.norm.weight"] = (h,)
-    if value_head:
-        out["score.weight"] = (1, h)
-    elif not _get(hf_config, "tie_word_embeddings", False):
-        out["lm_head.weight"] = (V, h)
-    return out
+    return {n: _hf_shape(n, hf_config) for e in _global_entries(hf_config, value_head) for n in e.hf_names}
 
 
-def _moe_shapes(p: str, hf_config, moe: _MoELayout) -> dict[str, tuple[int, ...]]:
+def _hf_shape(name: str, hf_config) -> tuple[int, ...]:
     h = _get(hf_config, "hidden_size")
-    ffn = int(_get(hf_config, "moe_intermediate_size"))
-    out = {p + "mlp.gate.weight": (moe.num_experts, h)}
-    for e in range(moe.num_experts):
-        x = p + f"mlp.experts.{e}."
-        out[x + "gate_proj.weight"] = (ffn, h)
-        out[x + "up_proj.weight"] = (ffn, h)
-        out[x + "down_proj.weight"] = (h, ffn)
-    if moe.shared:
-        s = int(_get(hf_config, "shared_expert_intermediate_size"))
-        x = p + "mlp.shared_expert."
-        out[x + "gate_proj.weight"] = (s, h)
-        out[x + "up_proj.weight"] = (s, h)
-        out[x + "down_proj.weight"] = (h, s)
-        out[p + "mlp.shared_expert_gate.weight"] = (1, h)
-    return out
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return (_get(hf_config, "vocab_size"), h)
+    if name == "score.weight" or name.endswith("mlp.shared_expert_gate.weight"):
+        return (1, h)
+    if name.endswith("mlp.gate.weight"):  # the router
+        return (num_experts(hf_config), h)
+    if name.endswith(("q_norm.weight", "k_norm.weight")):
+        return (qkv_heads(hf_config)[2],)
+    if name.endswith("norm.weight"):
+        return (h,)
+    *_, proj, kind = name.split(".")
+    ffn = (int(_get(hf_config, "moe_intermediate_size")) if ".mlp.experts." in name else
+           int(_get(hf_config, "shared_expert_intermediate_size")) if ".mlp.shared_expert." in name else None)
+    shape = projection_shapes(hf_config, ffn)[proj]
+    return shape if kind == "weight" else shape[:1]
 
 
 def _expert_index(hf_name: str) -> int:
@@ -437,38 +365,34 @@ def _export_expert(entry: _Entry, name: str, local: dict, read, shapes: dict, dt
     return _unshard(entry, [shard], None)
 
 
+EXPORT_ATTRS = ("param", "main_grad", "grad")
+
+
+def _grad(p: torch.Tensor, attr: str) -> torch.Tensor | None:
+    """``attr="main_grad"``: megatron DDP's ``main_grad``, falling back to ``.grad``; ``"grad"``: ``.grad``."""
+    g = getattr(p, "main_grad", None) if attr == "main_grad" else None
+    return g if g is not None else p.grad
+
+
 def _dtype_of(p: torch.Tensor, attr: str) -> torch.dtype:
-    g = None
-    if attr == "main_grad":
-        g = getattr(p, "main_grad", None)
-    if attr in ("main_grad", "grad") and g is None:
-        g = p.grad
+    g = None if attr == "param" else _grad(p, attr)
     return g.dtype if g is not None else p.dtype
 
 
 def _tensor_of(p: torch.Tensor, attr: str) -> torch.Tensor:
+    """The parameter, or its gradient (zeros when it has none)."""
+    if attr not in EXPORT_ATTRS:
+        raise ValueError(f"attr={attr!r}: use 'param', 'main_grad' or 'grad'")
     if attr == "param":
         return p.detach()
-    if attr == "main_grad":
-        g = getattr(p, "main_grad", None)
-        if g is None:
-            g = p.grad
-        return g.detach() if g is not None else torch.zeros_like(p)
-    if attr == "grad":
-        return p.grad.detach() if p.grad is not None else torch.zeros_like(p)
-    raise ValueError(f"attr={attr!r}: use 'param', 'main_grad' or 'grad'")
+    g = _grad(p, attr)
+    return g.detach() if g is not None else torch.zeros_like(p)
 
 
 def export_hf(chunks, hf_config, attr: str = "param", main_params=None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full tensor)`` for every HF tensor, one at a time, the same on every rank.
-
-    ``main_params(param) -> float32 tensor of param's shape``, when given with ``attr="param"``, is
-    exported instead of the parameter (a bf16 engine's fp32 main copy; it may be collective over DP).
-
-    ``attr="param"``: weights; ``attr="main_grad"``: gradients (megatron DDP's ``param.main_grad``,
-    falling back to ``.grad``; zeros when neither exists). Each tensor is all-gathered over TP by the
-    owning PP stage, then broadcast over the PP group. Collective: every rank must iterate to the end.
-    """
+    """Yield ``(hf_name, full tensor)`` for every HF tensor, one at a time, the same on every rank; ``attr``: one of
+    ``EXPORT_ATTRS``; ``main_params(param)``, with ``attr="param"``, is exported instead of the parameter (a bf16
+    engine's fp32 main copy). Collective: every rank must iterate to the end."""
     from megatron.core import parallel_state as ps
 
     tp, _, tp_group = _tp()
@@ -478,7 +402,7 @@ def export_hf(chunks, hf_config, attr: str = "param", main_params=None) -> Itera
     pp_group = ps.get_pipeline_model_parallel_group()
     pp_rank = ps.get_pipeline_model_parallel_rank()
 
-    if attr not in ("param", "main_grad", "grad"):
+    if attr not in EXPORT_ATTRS:
         raise ValueError(f"attr={attr!r}: use 'param', 'main_grad' or 'grad'")
     # What this rank holds: first HF name of an entry -> (entry, parameter)
     local: dict[str, tuple[_Entry, torch.Tensor]] = {}
@@ -499,16 +423,12 @@ def export_hf(chunks, hf_config, attr: str = "param", main_params=None) -> Itera
     shapes = hf_shapes(hf_config, value_head)
     device = next(iter(local.values()))[1].device if local else torch.device("cpu")
 
-    names = list(shapes)
-    done = set()
-    for name in names:
-        if name in done:
-            continue
+    for entry in _global_entries(hf_config, value_head):
+        name = entry.hf_names[0]
         if name not in owners:
             raise KeyError(f"no pipeline stage holds {name!r}; model and HF config disagree")
         owner, dtype_str = owners[name]
         dtype = getattr(torch, dtype_str.replace("torch.", ""))
-        entry = local[name][0] if name in local else _entry_for(name, hf_config, value_head)
         if owner == pp_rank and entry.kind in EXPERT_KINDS:  # experts: split over EP, whole per expert
             full = _export_expert(entry, name, local, read, shapes, dtype, device, hf_config)
         elif owner == pp_rank:
@@ -525,36 +445,13 @@ def export_hf(chunks, hf_config, attr: str = "param", main_params=None) -> Itera
             src = dist.get_global_rank(pp_group, owner)
             for t in full:
                 dist.broadcast(t, src=src, group=pp_group)
-        for n, t in zip(entry.hf_names, full):
-            done.add(n)
-            yield n, t
-
-
-def _entry_for(hf_name: str, hf_config, value_head: bool) -> _Entry:
-    """The entry whose first HF name is ``hf_name`` (for ranks that do not hold it)."""
-    if hf_name == "model.embed_tokens.weight":
-        return _Entry("embedding.word_embeddings.weight", (hf_name,), "vocab")
-    if hf_name == "model.norm.weight":
-        return _Entry("decoder.final_layernorm.weight", (hf_name,), "replicated")
-    if hf_name == "lm_head.weight":
-        return _Entry("output_layer.weight", (hf_name,), "vocab")
-    if hf_name == "score.weight":
-        return _Entry("output_layer.weight", (hf_name,), "head")
-    i = int(hf_name.split(".")[2])
-    mt = _get(hf_config, "model_type")
-    qkv_bias = mt in ("qwen2", "qwen2_moe") or bool(_get(hf_config, "attention_bias", False))
-    for e in _layer_entries(0, i, qkv_bias, mt in ("qwen3", "qwen3_moe"), _moe_layout(hf_config, global_view=True)):
-        if e.hf_names[0] == hf_name:
-            return e
-    raise KeyError(hf_name)
+        yield from zip(entry.hf_names, full)
 
 
 def fused_expert_view(targets: Mapping[str, torch.Tensor], hf_name: str) -> tuple[str, torch.Tensor] | None:
-    """Where a checkpoint-format expert tensor (``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``,
-    what ``export_hf`` yields) lives in a transformers-5 in-memory model, whose experts are fused:
-    ``mlp.experts.gate_up_proj [E, 2I, h]`` (gate rows first) and ``mlp.experts.down_proj [E, h, I]``.
-    Returns (fused parameter name, a view of its data to copy into), or None when ``hf_name`` is not such
-    a tensor or ``targets`` (a state dict) has no fused parameter for it."""
+    """Where an exported expert tensor (``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``) lives in a
+    transformers-5 model's fused ``gate_up_proj [E, 2I, h]`` / ``down_proj [E, h, I]``: (fused parameter name, a
+    view of its data to copy into), or None when it is not such a tensor or ``targets`` has no fused parameter."""
     parts = hf_name.split(".")
     if len(parts) != 8 or parts[3:5] != ["mlp", "experts"] or parts[7] != "weight":
         return None

@@ -1,47 +1,22 @@
 """LoRA adapters on megatron's column- and row-parallel linears, PEFT-compatible in and out.
 
-An adapter adds ``delta(x) = scaling * B (A dropout(x))`` (``scaling = alpha / rank``, PEFT's default)
-to the output of one HF projection. The user names HF projections (``q_proj`` ... ``down_proj``,
-``all-linear``, or megatron's fused names ``linear_qkv`` / ``linear_proj`` / ``linear_fc1`` /
-``linear_fc2``, see :data:`TARGETS`); each is one independent (A, B) pair exactly as PEFT builds it on
-the HF model, so a PEFT adapter loads and exports unchanged. Megatron fuses some of them:
+An adapter adds ``delta(x) = scaling * B (A dropout(x))`` (``scaling = alpha / rank``) to the output of one
+HF projection (``config.LORA_TARGETS`` names them); each projection is one (A, B) pair exactly as PEFT builds
+it, so a PEFT adapter loads and exports unchanged. On megatron's fused linears:
 
-- ``linear_qkv`` (column-parallel) carries up to three pairs (q, k, v). Each A ``[r, hidden]`` is
-  replicated over TP; each B is split on its output rows like the base weight: rank t holds rows
-  ``chunk(tp)[t]`` of ``B_q`` (the query heads of its KV groups), of ``B_k`` and of ``B_v``, and the three
-  deltas are interleaved per KV group into megatron's ``[q heads of g; k_g; v_g]`` order (``hf_bridge``).
-- ``linear_fc1`` (column-parallel, fused SwiGLU) carries gate and up: A replicated, B split on rows,
-  the local output ``[gate rows of shard t; up rows of shard t]``.
-- ``linear_proj`` (o_proj) and ``linear_fc2`` (down_proj) (row-parallel): A ``[r, in]`` split on its
-  input columns like the base weight, B ``[out, r]`` replicated.
+- column-parallel (``linear_qkv``: q, k, v; ``linear_fc1``: gate, up): A replicated, B split on its output
+  rows like the base weight; the q/k/v deltas are interleaved per KV group as megatron's (``hf_bridge``).
+  The linear sees the whole input, so ``h = A x`` is whole and the backward sums ``dL/dh`` over TP.
+- row-parallel (``linear_proj``, ``linear_fc2``): A split on its input columns, B replicated; ``h`` is a
+  partial sum, reduced over TP before B.
+- Under sequence parallelism those reductions are the sequence all-gather / reduce-scatter, and the
+  replicated factor is marked ``sequence_parallel`` so ``finalize_model_grads`` sums its gradient over TP.
+- MoE: a pair per projection on every routed expert (``mlp.experts.{e}.*``), whole on the expert's EP rank
+  with the expert weights' attributes (``allreduce=False`` under EP, ``tensor_model_parallel``), and on the
+  shared expert (sharded like the dense MLP). Export gathers them over EP.
 
-Why this split. A column-parallel linear sees the whole input on every TP rank and produces a slice
-of the output, so the low-rank input ``h = A x`` is computed whole (A replicated) and only B needs the
-output split; the backward sums ``dL/dh`` over TP (``copy_to_tensor_model_parallel_region``) so every
-rank's A gets the full gradient. A row-parallel linear sees a slice of the input, so A is split the
-same way and ``h`` is a partial sum, reduced over TP (``reduce_from_tensor_model_parallel_region``)
-before the replicated B. Under sequence parallelism the same reductions are the sequence
-all-gather / reduce-scatter, and the replicated factor whose gradient then comes from this rank's
-tokens only (column A, row B) is marked ``sequence_parallel`` so megatron's ``finalize_model_grads``
-sums it over TP, as it does for the norms. Sharding A (column) or B (row) as well would need an extra
-collective per layer for a few thousand parameters.
-
-The base model is frozen (``requires_grad=False`` before DDP is built), so megatron allocates no
-gradient buffer and the (distributed) optimizer holds state for the adapters only. Dropout 0 is the
-deterministic path; with dropout > 0 each rank draws its own mask (under TP the column-parallel
-inputs are replicated and the masks then differ between ranks: TP > 1 requires dropout 0).
-:func:`adapters_disabled` switches every adapter off (the KL reference of a LoRA run).
-
-Mixture-of-experts layers (``SequentialMLP``): the MLP targets put one (A, B) pair per HF projection on
-every routed expert, ``mlp.experts.{e}.gate_proj`` ... as the HF checkpoint names them (PEFT's names on a
-per-expert-linear HF model), and on the shared expert (``mlp.shared_expert.*``, sharded over TP exactly
-like the dense MLP). A routed expert is whole on one rank (expert tensor parallelism is 1): its adapters
-are whole too, live on the rank that holds the expert (expert parallelism splits the experts, so the
-adapters follow them), and carry the expert weights' attributes: ``allreduce=False`` under EP (megatron
-reduces their gradients over the expert-data-parallel group and gives them the expert optimizer) and
-``tensor_model_parallel`` (no rank's expert is a duplicate in the gradient norm). An expert adapter sees
-the tokens routed to that expert, after the dispatcher, like the expert itself; there is no TP collective
-in it. Export gathers them over the EP group.
+The base is frozen before DDP is built, so the optimizer holds the adapters only. With dropout > 0 each
+rank draws its own mask (so TP > 1 requires dropout 0).
 """
 
 from __future__ import annotations
@@ -56,15 +31,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from verl_lite.engine.model import _get, head_dim, unwrap_model
-from verl_lite.engine.config import LORA_ALL_LINEAR, LORA_ATTENTION, LORA_MLP, LORA_TARGETS, LoraConfig
-from verl_lite.engine.config import as_names as _as_names
+from verl_lite.engine.config import LORA_ATTENTION, LORA_TARGETS, LoraConfig, as_names
+from verl_lite.engine.model import _get, projection_shapes, qkv_heads, unwrap_model
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
-ATTENTION_PROJS, MLP_PROJS, ALL_LINEAR, TARGETS = LORA_ATTENTION, LORA_MLP, LORA_ALL_LINEAR, LORA_TARGETS
 # megatron linear (attribute path inside a TransformerLayer) -> (parallel style, its HF projections in
 # output order, HF module prefix inside model.layers.{i})
 LINEARS = {
@@ -78,9 +51,9 @@ MLP_LINEARS = {"linear_fc1": ("column", ("gate_proj", "up_proj")), "linear_fc2":
 ADAPTER_ATTR = "lora"  # the adapter module's attribute name on a megatron linear
 
 
-# ------------------------------------------------------------------------------------------
-# The adapter module
-# ------------------------------------------------------------------------------------------
+def _split_dim(style: str, factor: str) -> int | None:
+    """The dim a factor of a TP-sharded linear is split on (column B on rows, row A on columns), else None."""
+    return {("column", "B"): 0, ("row", "A"): 1}.get((style, factor))
 
 
 class _Pair(torch.nn.Module):
@@ -93,11 +66,9 @@ class _Pair(torch.nn.Module):
 
 
 class LinearAdapter(torch.nn.Module):
-    """The adapters of one megatron linear: ``pairs[proj]`` for each targeted HF projection.
-
-    ``style`` 'column' or 'row'; ``projs``: the linear's HF projections in output order (all of them,
-    targeted or not: an untargeted one contributes zeros); ``out_sizes``: each projection's local
-    output rows; ``qkv_groups``: local KV groups when the linear is ``linear_qkv`` (interleaving)."""
+    """The adapters of one megatron linear: ``pairs[proj]`` for each targeted HF projection; ``projs``: all
+    the linear's projections in output order (an untargeted one contributes zeros), ``out_sizes`` their
+    local output rows; ``qkv_groups``: local KV groups of ``linear_qkv`` (interleaving)."""
 
     def __init__(self, style, projs, pairs: dict, out_sizes, scaling, dropout, tp_group, sequence_parallel,
                  qkv_groups=None, expert_allreduce=None):
@@ -119,10 +90,7 @@ class LinearAdapter(torch.nn.Module):
             # the replicated factor's grad comes from this rank's tokens only under SP: summed over TP
             getattr(pair, replicated).sequence_parallel = self.sequence_parallel
             # the split factor is TP-parallel (counted on every rank in megatron's grad norm)
-            set_tensor_model_parallel_attributes(getattr(pair, split), True, 0 if split == "B" else 1, 1)
-
-    def _tp(self) -> int:
-        return self.tp_group.size() if self.tp_group is not None else 1
+            set_tensor_model_parallel_attributes(getattr(pair, split), True, _split_dim(style, split), 1)
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """The adapters' contribution to the linear's local output for its input ``x``."""
@@ -131,13 +99,13 @@ class LinearAdapter(torch.nn.Module):
         if self.dropout > 0 and self.training:
             x = F.dropout(x, p=self.dropout)
         parts = []
-        for proj, rows in zip(self.projs, self.out_sizes):
-            pair = self.pairs[proj] if proj in self.pairs else None
-            if pair is None:
+        for proj in self.projs:
+            if proj not in self.pairs:
                 parts.append(None)
                 continue
+            pair = self.pairs[proj]
             h = F.linear(x, pair.A)
-            if self._tp() > 1:
+            if self.tp_group is not None and self.tp_group.size() > 1:
                 if self.style == "column" and self.sequence_parallel:
                     h = tpl.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True, group=self.tp_group)
                 elif self.style == "column":
@@ -156,29 +124,18 @@ class LinearAdapter(torch.nn.Module):
         return torch.cat(grouped, dim=-1).reshape(*lead, -1)
 
 
-def _column_forward(self, input_, weight=None, runtime_gather_output=None):
-    out, bias = self._lora_base_forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
+def _adapted_forward(self, input_, *args, **kwargs):
+    """A megatron linear's forward with its adapter's delta added (bound to the linear by :func:`add_adapters`)."""
+    out, bias = self._lora_base_forward(input_, *args, **kwargs)
     adapter = getattr(self, ADAPTER_ATTR)
     return (out + adapter.delta(input_) if adapter.enabled else out), bias
-
-
-def _row_forward(self, input_):
-    out, bias = self._lora_base_forward(input_)
-    adapter = getattr(self, ADAPTER_ATTR)
-    return (out + adapter.delta(input_) if adapter.enabled else out), bias
-
-
-# ------------------------------------------------------------------------------------------
-# Building
-# ------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class _Site:
-    """One adaptable megatron linear of a layer: ``style`` 'column' / 'row', its HF projections in output
-    order, ``hf_module`` the HF module path inside ``model.layers.{i}`` (``self_attn.``, ``mlp.``,
-    ``mlp.experts.{e}.`` with the global expert index, ``mlp.shared_expert.``), ``ffn`` that MLP's
-    intermediate size, ``expert``: a routed expert (whole on this rank, no TP split, gathered over EP)."""
+    """One adaptable megatron linear of a layer: its HF projections in output order, ``hf_module`` the HF
+    module path inside ``model.layers.{i}`` (e.g. ``mlp.experts.{e}.``), ``ffn`` that MLP's intermediate
+    size, ``expert``: a routed expert (whole on this rank, gathered over EP)."""
 
     linear: torch.nn.Module
     style: str
@@ -201,9 +158,8 @@ def _attr(obj, path: str):
 
 
 def _layer_sites(layer, hf_config=None):
-    """The layer's adaptable linears that exist: attention and a dense MLP (:data:`LINEARS`), or a MoE
-    layer's local routed experts (global index = EP rank x local experts + k) and its shared expert.
-    ``hf_config`` gives the sites' ``ffn`` (0 without it: naming only)."""
+    """The layer's adaptable linears: attention and a dense MLP (:data:`LINEARS`), or a MoE layer's local
+    routed experts and its shared expert. ``hf_config`` gives the sites' ``ffn`` (0 without it: naming only)."""
     for path, (style, projs, prefix) in LINEARS.items():
         linear = _attr(layer, path)
         if linear is not None:
@@ -224,22 +180,10 @@ def _layer_sites(layer, hf_config=None):
             yield _Site(getattr(shared, fc), style, projs, "mlp.shared_expert.", ffn)
 
 
-def _full_shapes(hf_config, proj: str, ffn: int | None = None) -> tuple[int, int]:
-    """(out, in) of an HF projection's weight (``ffn``: the MLP's intermediate size, default the dense one)."""
-    h = _get(hf_config, "hidden_size")
-    n_heads = _get(hf_config, "num_attention_heads")
-    n_kv = _get(hf_config, "num_key_value_heads") or n_heads
-    hn = head_dim(hf_config)
-    ffn = ffn or _get(hf_config, "intermediate_size")
-    return {"q_proj": (n_heads * hn, h), "k_proj": (n_kv * hn, h), "v_proj": (n_kv * hn, h),
-            "o_proj": (h, n_heads * hn), "gate_proj": (ffn, h), "up_proj": (ffn, h), "down_proj": (h, ffn)}[proj]
-
-
 def peft_name(layer_index: int, proj: str, factor: str, module: str | None = None) -> str:
-    """PEFT's saved name of one factor: ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight``;
-    ``module`` the HF module path inside the layer (default ``self_attn.`` / ``mlp.``; an expert's
-    ``mlp.experts.{e}.``)."""
-    prefix = module if module is not None else ("self_attn." if proj in ATTENTION_PROJS else "mlp.")
+    """PEFT's saved name of one factor (``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight``);
+    ``module``: the HF module path inside the layer (default ``self_attn.`` / ``mlp.``)."""
+    prefix = module if module is not None else ("self_attn." if proj in LORA_ATTENTION else "mlp.")
     return f"{PEFT_PREFIX}model.layers.{layer_index}.{prefix}{proj}.lora_{factor}.weight"
 
 
@@ -247,7 +191,7 @@ def initial_factors(hf_config, cfg: LoraConfig, layer_index: int, proj: str, see
                     ffn: int | None = None):
     """Full (A, B) of a fresh adapter: A ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's kaiming_uniform(a=sqrt(5))),
     B = 0, drawn from a generator seeded by ``seed`` and the PEFT name (the same in every layout)."""
-    out_f, in_f = _full_shapes(hf_config, proj, ffn)
+    out_f, in_f = projection_shapes(hf_config, ffn)[proj]
     name = peft_name(layer_index, proj, "A", module)
     g = torch.Generator().manual_seed(int(seed) * 1_000_003 + zlib.crc32(name.encode()))
     bound = 1.0 / in_f**0.5
@@ -256,32 +200,22 @@ def initial_factors(hf_config, cfg: LoraConfig, layer_index: int, proj: str, see
 
 
 def shard_factor(style: str, factor: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
-    """This TP rank's piece of a full factor: column B / row A split (rows / columns), the other replicated."""
-    if style == "column" and factor == "B":
-        return full.chunk(tp, dim=0)[rank]
-    if style == "row" and factor == "A":
-        return full.chunk(tp, dim=1)[rank]
-    return full
-
-
-def _check_model(hf_config, cfg: LoraConfig, tp: int) -> None:
-    """``LoraConfig.layout_problems`` (pre-flight checks the same before any worker starts)."""
-    n_kv = _get(hf_config, "num_key_value_heads") or _get(hf_config, "num_attention_heads")
-    problems = cfg.layout_problems("lora", n_kv, tp)
-    if problems:
-        raise ValueError("; ".join(problems))
+    """This TP rank's piece of a full factor (:func:`_split_dim`); the other factor is replicated."""
+    dim = _split_dim(style, factor)
+    return full if dim is None else full.chunk(tp, dim=dim)[rank]
 
 
 def add_adapters(chunks, hf_config, cfg: LoraConfig, seed: int) -> int:
-    """Freeze every parameter of ``chunks`` and attach fresh adapters (:func:`initial_factors`) to the
-    targeted linears, in place, before DDP and the optimizer are built. Returns the number of adapter
-    parameters this rank holds."""
+    """Freeze ``chunks`` and attach fresh adapters (:func:`initial_factors`) to the targeted linears, before DDP
+    and the optimizer are built. Returns the number of adapter parameters this rank holds."""
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
-    _check_model(hf_config, cfg, tp)
+    n_kv = qkv_heads(hf_config)[1]
+    problems = cfg.layout_problems("lora", n_kv, tp)  # pre-flight checks the same before any worker starts
+    if problems:
+        raise ValueError("; ".join(problems))
     rank = ps.get_tensor_model_parallel_rank()
-    n_kv = _get(hf_config, "num_key_value_heads") or _get(hf_config, "num_attention_heads")
     count = 0
     for chunk in chunks:
         model = unwrap_model(chunk)
@@ -304,7 +238,7 @@ def add_adapters(chunks, hf_config, cfg: LoraConfig, seed: int) -> int:
                     pairs[proj] = _Pair(shard_factor(style, "A", a, site_tp, site_rank).to(device, dtype).contiguous(),
                                         shard_factor(style, "B", b, site_tp, site_rank).to(device, dtype).contiguous())
                     count += pairs[proj].A.numel() + pairs[proj].B.numel()
-                out_sizes = [_full_shapes(hf_config, p, site.ffn)[0] // (site_tp if style == "column" else 1)
+                out_sizes = [projection_shapes(hf_config, site.ffn)[p][0] // (site_tp if style == "column" else 1)
                              for p in site.projs]
                 adapter = LinearAdapter(style, site.projs, pairs, out_sizes, cfg.scaling, cfg.dropout,
                                         linear.tp_group if site_tp > 1 else None,
@@ -313,15 +247,14 @@ def add_adapters(chunks, hf_config, cfg: LoraConfig, seed: int) -> int:
                                         expert_allreduce=getattr(linear.weight, "allreduce", True) if site.expert else None)
                 setattr(linear, ADAPTER_ATTR, adapter)
                 linear._lora_base_forward = linear.forward
-                linear.forward = types.MethodType(_column_forward if style == "column" else _row_forward, linear)
+                linear.forward = types.MethodType(_adapted_forward, linear)
                 _declare_sharding(linear, style, split=not site.expert)
     return count
 
 
 def _declare_sharding(linear, style: str, split: bool = True) -> None:
-    """The linear's ``sharded_state_dict`` (dist checkpointing) with its adapter factors declared with
-    their TP split (megatron declares a linear's children replicated). ``split=False``: a routed expert's
-    adapters are whole (``SequentialMLP`` adds the global expert axis and the expert-DP replica ids)."""
+    """The linear's ``sharded_state_dict`` with its adapter factors declared with their TP split (megatron declares
+    a linear's children replicated); ``split=False``: a routed expert's whole adapters."""
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
     base = linear.sharded_state_dict
@@ -334,8 +267,8 @@ def _declare_sharding(linear, style: str, split: bool = True) -> None:
             for factor in ("A", "B"):
                 key = f"{ADAPTER_ATTR}.pairs.{proj}.{factor}"
                 state[key] = getattr(pair, factor)
-                if split and ((style == "column" and factor == "B") or (style == "row" and factor == "A")):
-                    axes[key] = 0 if factor == "B" else 1
+                if split and _split_dim(style, factor) is not None:
+                    axes[key] = _split_dim(style, factor)
         out.update(make_sharded_tensors_for_checkpoint(state, prefix, axes, sharded_offsets))
         return out
 
@@ -347,18 +280,10 @@ def is_adapter_name(name: str) -> bool:
     return f".{ADAPTER_ATTR}.pairs." in name
 
 
-def adapter_modules(chunks):
-    """Every ``LinearAdapter`` of the chunks."""
-    for chunk in chunks:
-        for m in unwrap_model(chunk).modules():
-            if isinstance(m, LinearAdapter):
-                yield m
-
-
 @contextlib.contextmanager
 def adapters_disabled(chunks):
     """Inside: the chunks compute the base model (the adapters contribute nothing)."""
-    mods = list(adapter_modules(chunks))
+    mods = [m for chunk in chunks for m in unwrap_model(chunk).modules() if isinstance(m, LinearAdapter)]
     for m in mods:
         m.enabled = False
     try:
@@ -366,16 +291,6 @@ def adapters_disabled(chunks):
     finally:
         for m in mods:
             m.enabled = True
-
-
-# ------------------------------------------------------------------------------------------
-# PEFT names <-> this rank's factors
-# ------------------------------------------------------------------------------------------
-
-
-def _is_split(style: str, factor: str) -> bool:
-    """Whether a factor is split over TP in a TP-sharded linear (column B on rows, row A on columns)."""
-    return (style == "column" and factor == "B") or (style == "row" and factor == "A")
 
 
 def local_factors(chunks):
@@ -389,7 +304,7 @@ def local_factors(chunks):
                     continue
                 for proj, pair in adapter.pairs.items():
                     for factor in ("A", "B"):
-                        dim = None if site.expert or not _is_split(site.style, factor) else (0 if factor == "B" else 1)
+                        dim = None if site.expert else _split_dim(site.style, factor)
                         yield (peft_name(layer.layer_number - 1, proj, factor, site.hf_module), dim, factor,
                                getattr(pair, factor), site.expert)
 
@@ -415,9 +330,8 @@ def load_adapter_state(chunks, state: dict, copy_fn=None) -> None:
 
 
 def export_adapter_state(chunks, read=None) -> dict:
-    """Full PEFT-named factors on every rank (float32 on cpu), gathered over TP, EP (routed experts' adapters)
-    and PP (collective). ``read(param) -> tensor`` chooses what is exported (default: the parameter; e.g.
-    its main_grad)."""
+    """Full PEFT-named factors on every rank (float32 on cpu), gathered over TP, EP and PP (collective);
+    ``read(param)`` chooses what is exported (default: the parameter)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -454,11 +368,6 @@ def merge_into(hf_stream, adapter_state: dict, scaling: float):
                 delta = (b.double() @ a.double()) * scaling
                 tensor = (tensor.double().cpu() + delta).to(tensor.dtype).to(tensor.device)
         yield name, tensor
-
-
-# ------------------------------------------------------------------------------------------
-# PEFT files
-# ------------------------------------------------------------------------------------------
 
 
 def peft_adapter_config(cfg: LoraConfig, base_model_path: str | None = None) -> dict:
@@ -504,7 +413,7 @@ def check_plain_lora(config: dict, where) -> None:
 
 def check_adapter_matches(cfg: LoraConfig, config: dict, where: str) -> None:
     """The run's LoRA settings must be the adapter's (rank, alpha and its target projections)."""
-    targets = sorted({p for t in _as_names(config.get("target_modules")) for p in TARGETS.get(t, (t,))})
+    targets = sorted({p for t in as_names(config.get("target_modules")) for p in LORA_TARGETS.get(t, (t,))})
     mismatch = []
     if int(config.get("r", -1)) != int(cfg.rank):
         mismatch.append(f"rank {cfg.rank} vs the adapter's r={config.get('r')}")

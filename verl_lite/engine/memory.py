@@ -1,29 +1,15 @@
 """A per-device memory estimate of one engine, from the model's config.json and the run's layout, before
-anything is built (the estimate is arithmetic on the config: nothing is imported or allocated; only
-``device_memory`` asks torch or psutil). docs/memory.md states the formula and its calibration against
-measured resident memory.
+anything is built (arithmetic on the config; only ``device_memory`` asks torch or psutil). docs/memory.md
+states the formula and its calibration against measured resident memory.
 
-    spec = EngineSpec(name="actor", model=config_json_dict, dtype="bfloat16", trains=True, tp=2, dp=4,
-                      lora_rank=16, lora_projections=("q_proj", ...), micro_batch_tokens=8192, ...)
-    estimate = estimate_engine(spec)        # Estimate: bytes per part (parameters, gradients, ...), .total
+    estimate = estimate_engine(EngineSpec(name="actor", model=config_json_dict, dtype="bfloat16", tp=2, ...))
     device_memory()                         # (bytes, what): a GPU's total memory, or the available RAM
 
-What is counted, per device (one rank of the layout):
-
-- parameters: the rank's share of the weights (TP splits the linears and the vocabulary, PP the layers,
-  EP the routed experts) in the parameter dtype;
-- gradients: megatron's gradient buffer, fp32 (``grad_reduce_in_fp32``), for what trains;
-- optimizer: Adam's two fp32 moments and the fp32 main copy of a bf16 run's trainable weights, sharded over
-  DP x CP with the distributed optimizer; optimizer step: the step's fp32 scratch of the trainable size, which
-  comes after backward freed the activations, so only what exceeds them counts;
-- LoRA factors: ``rank x (in + out)`` per targeted projection and layer (TP splits one factor of each pair);
-  they train, so their gradients and optimizer state are counted with the above;
-- activations: one micro-batch's saved tensors (see :func:`activation_bytes`), x PP micro-batches in
-  flight under 1F1B, the fp32 logits and their gradient; LoRA activations: ``A x`` per projection;
-- rollout: the generating model's full copy (HF rollout), which lives in the actor's process.
-
-What is not counted: the process's runtime (Python, torch, megatron, Ray, a CUDA context) and the
-allocator's fragmentation; docs/memory.md gives the measured runtime size.
+Counted per device (one rank of the layout): the rank's share of the parameters; megatron's fp32 gradient
+buffer and Adam's fp32 moments (plus a bf16 run's fp32 main copy, sharded over DP x CP with the
+distributed optimizer) for what trains, and the optimizer step's fp32 scratch beyond the freed
+activations; LoRA factors; activations (:func:`activation_bytes`); an HF rollout's full model copy in the
+actor's process. Not counted: the process's runtime (Python, torch, a CUDA context) and fragmentation.
 """
 
 from __future__ import annotations
@@ -49,16 +35,12 @@ MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """One engine as the run would build it. ``model``: its config.json; ``trains``: False for a forward-only
-    engine (reference, reward model); ``micro_batch_tokens``: the tokens of one micro-batch on one DP rank
-    (before the CP split), ``micro_batch_sequences``: the sequences in it, ``longest_sequence``: the longest;
-    ``flash_attention``: the attention kernel keeps no [L, L] score matrix; ``rollout_dtype``: the dtype of an
-    HF rollout's full model copy in the same process (None: no copy)."""
+    """One engine as the run would build it."""
 
     name: str
-    model: dict
+    model: dict  # its config.json
     dtype: str = "float32"
-    trains: bool = True
+    trains: bool = True  # False: a forward-only engine (reference, reward model)
     tp: int = 1
     pp: int = 1
     vpp: int | None = None
@@ -69,12 +51,12 @@ class EngineSpec:
     distributed_optimizer: bool = False
     lora_rank: int = 0
     lora_projections: tuple[str, ...] = ()
-    micro_batch_tokens: int = 0
+    micro_batch_tokens: int = 0  # one micro-batch on one DP rank, before the CP split
     micro_batch_sequences: int = 1
     longest_sequence: int = 0
-    flash_attention: bool = False
+    flash_attention: bool = False  # the attention kernel keeps no [L, L] score matrix
     value_head: bool = False
-    rollout_dtype: str | None = None
+    rollout_dtype: str | None = None  # an HF rollout's full model copy in the same process (None: no copy)
 
 
 @dataclass
@@ -150,9 +132,8 @@ def model_dims(model: dict) -> _Dims:
 
 
 def parameter_count(d: _Dims, tp: int = 1, pp: int = 1, ep: int = 1, value_head: bool = False) -> int:
-    """Weights one rank holds: its pipeline stage's layers (the larger of the first stage, with the
-    embedding, and the last, with the output layer), the linears and vocabulary split over TP (KV heads
-    replicated where TP exceeds them), the routed experts split over EP and kept whole (ETP = 1)."""
+    """Weights one rank holds: its stage's layers (the larger of the first stage and the last), the linears and
+    vocabulary split over TP (KV heads replicated where TP exceeds them), the routed experts split over EP."""
     kv_rows = max(1, d.kv_heads // tp) * d.head_dim
     attention = d.h * d.q // tp + 2 * d.h * kv_rows + d.q * d.h // tp + 2 * d.h  # q, k, v, o, the two norms
     attention += (d.q // tp + 2 * kv_rows if d.qkv_bias else 0) + (2 * d.head_dim if d.qk_norm else 0)
@@ -182,14 +163,10 @@ def lora_factor_count(d: _Dims, rank: int, projections, tp: int = 1, pp: int = 1
 
 
 def activation_bytes(spec: EngineSpec, d: _Dims) -> int:
-    """Saved activations of the micro-batches one rank holds at once (rough, documented in docs/memory.md):
-
-    per token and layer, in the parameter dtype: ``4 h`` (the two norms' inputs and the two linears' inputs
-    they feed; / TP under sequence parallelism) + ``2 q + 2 kv + 3 ffn_active`` inside the TP region (q, k,
-    v, the attention output, the SwiGLU input and output; ``ffn_active`` = top-k x expert size for MoE);
-    without flash attention the [L, L] softmax of each sequence and head (x 2: scores and probabilities);
-    x the stage's layers, x PP micro-batches in flight; plus the last stage's fp32 logits (x
-    ``LOGIT_COPIES``). A forward-only engine keeps one layer's at a time. LoRA's: :func:`lora_activation_bytes`."""
+    """Saved activations of the micro-batches one rank holds at once (rough; docs/memory.md): per token and
+    layer ``4 h`` (/ TP under SP) + ``(2 q + 2 kv + 3 ffn_active) / TP`` in the parameter dtype, plus without
+    flash attention the [L, L] scores and probabilities of each sequence and head; x :func:`_saved_layers`;
+    plus the last stage's fp32 logits (x ``LOGIT_COPIES``)."""
     tokens = _local_tokens(spec)
     if tokens <= 0:
         return 0
@@ -254,9 +231,8 @@ def estimate_engine(spec: EngineSpec) -> Estimate:
 
 
 def device_memory() -> tuple[int, str]:
-    """(bytes, what they are) of the device a worker runs on: GPU 0's total memory where CUDA is visible,
-    else the RAM available now (``psutil``), which every worker process of this machine shares. The GPU is
-    asked without a CUDA context in this process (the driver must not hold one on a worker's GPU)."""
+    """(bytes, what they are) of the device a worker runs on: GPU 0's total memory (asked without a CUDA context
+    in this process), else the RAM available now, which every worker process of this machine shares."""
     import torch
 
     if torch.cuda.is_available():

@@ -1,13 +1,8 @@
 """megatron's dense MLP with its SwiGLU activation as one autograd function.
 
-``SwiGLUMLP`` is megatron-core's ``MLP`` (same submodules, parameters, sharded state dict and TP
-layout) whose forward, for the gated SiLU the engine's models use, runs ``linear_fc1`` ->
-:func:`verl_lite.engine.elementwise.swiglu` -> ``linear_fc2``. Any other activation set-up (a clamp,
-a non-zero ``glu_linear_offset``, MoE's per-token scales, TE or fused-bias activations) takes
-megatron's own forward unchanged.
-
-The layer spec keeps megatron's ``MLP``, so megatron's layer builds it with its own arguments (its TP
-group); on the CPU speed paths ``speed_paths.adapt_built_model`` then makes the built MLPs this class.
+``SwiGLUMLP`` is megatron-core's ``MLP`` (same parameters, state dict and TP layout) whose forward, for the
+plain gated SiLU, runs ``linear_fc1`` -> :func:`elementwise.swiglu` -> ``linear_fc2``; any other set-up takes
+megatron's forward unchanged. ``speed_paths.adapt_built_model`` re-classes megatron's built MLPs to it.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""What an HF model directory must hold for the engine to load it, checked from its files before anything
-reads the model: config.json parses and has the architecture fields, and the vocabulary rows of the
-weights (from the safetensors headers: tensor names and shapes, no tensor is read) match its vocab_size.
-
-``model.path`` may also be an HF hub id: :func:`resolve_model_dir` (called by the config loader) turns it into
-its snapshot directory in the HF cache, and :func:`model_dir_problem` says why one could not be fetched.
-
-Each ``*_problems`` function takes ``key`` (the caller's name of the model path) and returns one line
-per problem, naming the file and the fix; ``verl_lite.config.preflight`` collects them for a run.
+"""What an HF model directory must hold for the engine to load it, checked from its files (config.json and
+the safetensors headers; no tensor is read) before anything reads the model. An HF hub id is resolved to
+its snapshot directory in the HF cache (:func:`resolve_model_dir`). Each ``*_problems`` function takes
+``key`` (the caller's name of the model path) and returns one line per problem, naming the file and the fix.
 """
 
 from __future__ import annotations
@@ -17,7 +12,7 @@ import os
 from pathlib import Path
 
 from verl_lite.engine import lora as engine_lora
-from verl_lite.engine.hf_bridge import hf_shapes
+from verl_lite.engine.hf_bridge import hf_shapes, weight_files
 from verl_lite.engine.config import lora_projections
 
 VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")  # [vocab_size, hidden] in an HF causal LM
@@ -178,31 +173,20 @@ def safetensors_header(file: Path) -> dict:
     return header
 
 
-def _weight_files(model_dir: Path) -> list[Path]:
-    """The model's safetensors files: those the index names, else every ``*.safetensors``."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        return sorted({model_dir / name for name in weight_map.values()})
-    return sorted(model_dir.glob("*.safetensors"))
-
-
 # what a model's output layer is, by the engine that loads it: "lm" (lm_head, or tied to the embedding),
 # "value" (a critic: score.weight when the checkpoint has one, else a fresh head), "reward" (score.weight required)
 HEADS = ("lm", "value", "reward")
 
 
 def model_weight_problems(key: str, model_path: str | None, head: str = "lm") -> list[str]:
-    """The weights of ``<model_path>`` (``*.safetensors``, or those its index names), read from the headers,
-    against its config.json, as the engine's loader would find them: there are weight files; the vocabulary
-    tensors (embed_tokens, lm_head) have ``vocab_size`` rows (the engine shards them by it); every other
-    tensor the engine loads exists with the shape the config implies (:func:`weight_shape_problems`); a
-    header that does not read as safetensors is named. ``head``: one of ``HEADS``."""
+    """The weights of ``<model_path>`` (from the safetensors headers) against its config.json, as the engine's
+    loader would find them: there are weight files, the vocabulary tensors have ``vocab_size`` rows, and
+    :func:`weight_shape_problems`. ``head``: one of ``HEADS``."""
     vocab = config_int(model_path, "vocab_size")
     if vocab is None:
         return []  # model_config_problems reports a broken config.json
     try:
-        files = _weight_files(Path(model_path))
+        files = weight_files(Path(model_path))
     except (OSError, ValueError, AttributeError) as e:
         return [f"{key}={model_path!r}: model.safetensors.index.json cannot be read ({e}); re-export the model"]
     if not files:
@@ -217,7 +201,7 @@ def model_weight_problems(key: str, model_path: str | None, head: str = "lm") ->
             continue
         headers[file] = header
         for name in VOCAB_TENSORS:
-            shape = header.get(name, {}).get("shape") if isinstance(header.get(name), dict) else None
+            shape = _shape_of(header.get(name))
             if shape and shape[0] != vocab:
                 problems.append(
                     f"{key}={model_path!r}: {file} holds {name} of shape {list(shape)} but config.json's "
@@ -232,11 +216,9 @@ def _shape_of(entry) -> list | None:
 
 
 def weight_shape_problems(key: str, model_path: str, headers: dict, head: str = "lm") -> list[str]:
-    """The tensors the engine loads (``engine.hf_bridge.hf_shapes`` of config.json, the one statement of
-    them) against the safetensors ``headers`` (file -> header): each must exist with its shape, except a
-    critic's ``score.weight`` (a fresh value head); a layer beyond ``num_hidden_layers`` means config.json
-    describes a smaller model than the weights (the loader would drop those layers silently). One line for
-    the first difference, with the count of the others. The vocabulary rows are ``model_weight_problems``'."""
+    """The tensors the engine loads (``hf_bridge.hf_shapes`` of config.json) against the safetensors ``headers``
+    (file -> header): each must exist with its shape (a critic's ``score.weight`` may be absent), and no layer
+    lies beyond ``num_hidden_layers`` (the loader would drop it silently). One line for the first difference."""
     config = read_config(model_path) or {}
     try:
         expected = hf_shapes(config, value_head=head != "lm")
@@ -296,10 +278,8 @@ ADAPTER_CONFIG_MAX_BYTES = 1_000_000  # an adapter_config.json is a few hundred 
 
 
 def lora_adapter_problems(key: str, lora) -> list[str]:
-    """``<key>.adapter_path`` (``key`` names a ``model.lora`` section with rank > 0 and valid settings) is a
-    PEFT adapter directory: ``adapter_config.json`` (size-bounded, a JSON object) and
-    ``adapter_model.safetensors`` exist, and the adapter is plain LoRA with the section's rank, alpha and
-    target projections (``engine.lora``'s own checks, the ones ``init_model`` applies on the workers)."""
+    """``<key>.adapter_path`` is a PEFT adapter directory of plain LoRA with the section's rank, alpha and
+    target projections (``engine.lora``'s own checks, as the workers apply them)."""
     path = lora.adapter_path
     if not path:
         return []

@@ -3,36 +3,21 @@ way back from packed per-token outputs to right-padded response tensors.
 
 Layout of one micro-batch of b sequences (ids_i of length L_i, the last R_i tokens the response):
 
-1. Each sequence is padded (pad id 0) to P_i = ceil(L_i / m) * m, with m = ``pad_multiple``:
-   2*CP (times TP under sequence parallelism) when CP > 1, TP under sequence parallelism, else 1.
+1. Each sequence is padded (pad id 0) to P_i = ceil(L_i / m) * m, m = :func:`pad_multiple`.
 2. Labels are computed on the full padded sequence BEFORE any split: label[t] = ids[t+1] for
-   t < L_i - 1, else 0 (padding; never read). So the label shift is right across zig-zag chunk
-   boundaries by construction.
-3. ``cu_seqlens`` = [0, P_0, P_0+P_1, ...] (global, padded; int32), ``max_seqlen`` = max P_i. Under CP
-   megatron's THD RoPE and our attention take these GLOBAL values.
-4. Zig-zag (CP > 1): each padded sequence is cut into 2*CP chunks of h_i = P_i / (2*CP) tokens;
-   CP rank r holds chunks r and 2*CP-1-r (early and late tokens together balance the causal
-   attention work). The local pack is the concatenation over sequences of those two chunks.
+   t < L_i - 1, else 0 (never read), so the shift is right across zig-zag chunk boundaries.
+3. ``cu_seqlens`` = [0, P_0, P_0+P_1, ...] (global, padded; int32), ``max_seqlen`` = max P_i.
+4. Zig-zag (CP > 1): CP rank r holds chunks r and 2*CP-1-r of the 2*CP chunks of each padded sequence.
 
-Way back (``unpack_response``): a per-token tensor over the local pack ([T_local] or [1, T_local])
-is all-gathered over CP (detached copies; the local shard is re-inserted WITH autograd, so the
-gradient flows only through the local chunks and each token's gradient is counted once over the
-CP group), un-zig-zagged, trimmed to L_i, and sliced to the response positions: the output at
-position p predicts token p+1, so response token t (at position L_i - R_i + t) is scored at
+Way back (``unpack_response``): the per-token tensor is all-gathered over CP (only the local shard keeps
+autograd, so each token's gradient counts once), un-zig-zagged and sliced: response token t is scored at
 position L_i - R_i - 1 + t. Result: [b, W] right-padded with 0.
 
-Shared prompts (``share_prompts=True``, CP = 1): sequences with the same prompt (the first L_i - R_i
-tokens; in RL, the n samples of one prompt) are packed with that prompt's first S = L_i - R_i - 1
-tokens ONCE, as a segment of its own, followed by each sequence's own segment ``ids[S:]`` (the last
-prompt token and the response). A sequence is then a *virtual sequence*: the rows of its group's
-prefix segment followed by the rows of its own segment (:class:`SharedPrompts`). Every row still has
-one label (a prefix row's next token is a prompt token, the same in the whole group, and the last
-prompt token, whose next token differs per sequence, is in each own segment) and one position
-(its index in its virtual sequence), and every response token is scored in its own segment. The
-model computes each prefix row once instead of once per sequence; the attention gathers each virtual
-sequence (``engine/attention.py``) and RoPE takes each row's position (``compat/megatron_internals``),
-so every output and every gradient is the one of the unshared pack (to float rounding: sums taken in
-another order). ``cu_seqlens`` then bounds the segments, ``max_seqlen`` is the longest virtual sequence.
+Shared prompts (``share_prompts=True``, CP = 1): sequences with the same prompt are packed with its first
+S = L_i - R_i - 1 tokens ONCE, as a segment of its own, followed by each sequence's own segment ``ids[S:]``.
+A sequence is then a *virtual sequence* (:class:`SharedPrompts`); every row keeps one label and one position,
+the attention and RoPE read the virtual sequences, so every output and gradient is the unshared pack's (to
+float rounding). ``cu_seqlens`` then bounds the segments, ``max_seqlen`` is the longest virtual sequence.
 """
 
 from __future__ import annotations
@@ -57,29 +42,19 @@ def _ceil_to(x: int, m: int) -> int:
 
 @dataclass
 class PackedMicroBatch:
-    """One micro-batch packed THD, as seen by one CP rank.
+    """One micro-batch packed THD, as seen by one CP rank (T_local = sum_i P_i / CP)."""
 
-    input_ids, labels: [1, T_local] (the local zig-zag shard; T_local = sum_i P_i / CP).
-    real_mask: [1, T_local] bool, True on real (non-padding) positions of the local shard.
-    cu_seqlens: [b+1] int32, global padded; max_seqlen: max P_i.
-    lengths, padded_lengths, response_lengths: per-sequence L_i, P_i, R_i.
-    shared: None, or the layout of a pack with shared prompts (:class:`SharedPrompts`; its
-        ``cu_seqlens`` bound segments, and the sequences are its virtual sequences, not row ranges;
-        its ``padded_lengths`` are per sequence as if unshared, read only by the CP and MoE paths,
-        which never get such a pack).
-    """
-
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    real_mask: torch.Tensor
-    cu_seqlens: torch.Tensor
+    input_ids: torch.Tensor  # [1, T_local], the local zig-zag shard
+    labels: torch.Tensor  # [1, T_local]
+    real_mask: torch.Tensor  # [1, T_local] bool: the real (non-padding) positions
+    cu_seqlens: torch.Tensor  # [b+1] int32, global, padded (with ``shared``: the segments' bounds)
     max_seqlen: int
-    lengths: list[int]
-    padded_lengths: list[int]
-    response_lengths: list[int]
+    lengths: list[int]  # L_i
+    padded_lengths: list[int]  # P_i (with ``shared``: as if unshared; read only by the CP and MoE paths)
+    response_lengths: list[int]  # R_i
     cp_size: int
     cp_rank: int
-    shared: SharedPrompts | None = None
+    shared: SharedPrompts | None = None  # a pack with shared prompts: its sequences are virtual sequences
 
     @property
     def num_local_tokens(self) -> int:
@@ -96,49 +71,47 @@ class PackedMicroBatch:
 
 @dataclass
 class SharedPrompts:
-    """How the sequences of a pack with shared prompt prefixes read it (see the module docstring).
+    """How the sequences of a pack with shared prompt prefixes read it (see the module docstring). A slot is
+    an index into ``virtual_rows``: position p of sequence i is slot ``virtual_bounds[i] + p``."""
 
-    virtual_rows: [sum_i L_i] long, sequence-major: the pack row of position p of sequence i is
-        ``virtual_rows[virtual_bounds[i] + p]``.
-    virtual_bounds: [b+1] list, the cumulative L_i.
-    slot_of_row: [T] long: for each pack row, the index into ``virtual_rows`` (the slot) whose attention
-        output the row takes (a prefix row: its slot in the group's first sequence); -1 for padding.
-    row_of_slot: [sum_i L_i] long: the inverse, the pack row that takes slot j's output, or -1.
-    positions: [T] long: each row's position in its virtual sequence(s) (0 for padding).
-    """
-
-    virtual_rows: torch.Tensor
-    virtual_bounds: list[int]
-    slot_of_row: torch.Tensor
-    row_of_slot: torch.Tensor
-    positions: torch.Tensor
+    virtual_rows: torch.Tensor  # [sum_i L_i] long: the pack row each slot reads
+    virtual_bounds: list[int]  # [b+1]: the cumulative L_i
+    slot_of_row: torch.Tensor  # [T] long: the slot whose output each row takes (a prefix row: the first member's)
+    row_of_slot: torch.Tensor  # [sum_i L_i] long: the inverse, the row that takes each slot's output, or -1
+    positions: torch.Tensor  # [T] long: each row's position in its virtual sequence(s) (0 for padding)
 
     def to(self, device) -> SharedPrompts:
         return SharedPrompts(self.virtual_rows.to(device), self.virtual_bounds, self.slot_of_row.to(device),
                              self.row_of_slot.to(device), self.positions.to(device))
 
 
-def zigzag_positions(padded_length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+def zigzag_positions(padded_length: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
     """Positions (within one padded sequence) held by ``cp_rank``: chunks r and 2*CP-1-r."""
     if cp_size == 1:
-        return torch.arange(padded_length)
+        return torch.arange(padded_length, device=device)
     if padded_length % (2 * cp_size):
-        raise ValueError(f"padded length {padded_length} is not a multiple of 2*CP={2 * cp_size}")
+        raise ValueError(f"sequence length {padded_length} is not divisible by 2*cp = {2 * cp_size}; the packer "
+                         f"must pad every sequence to a multiple of 2*cp before the zig-zag split")
     h = padded_length // (2 * cp_size)
-    first = torch.arange(cp_rank * h, (cp_rank + 1) * h)
-    second = torch.arange((2 * cp_size - 1 - cp_rank) * h, (2 * cp_size - cp_rank) * h)
+    first = torch.arange(cp_rank * h, (cp_rank + 1) * h, device=device)
+    second = torch.arange((2 * cp_size - 1 - cp_rank) * h, (2 * cp_size - cp_rank) * h, device=device)
     return torch.cat([first, second])
 
 
-def pack_micro_batch(
-    input_ids: list[torch.Tensor],
-    response_lengths: list[int],
-    *,
-    multiple: int = 1,
-    cp_size: int = 1,
-    cp_rank: int = 0,
-    share_prompts: bool = False,
-) -> PackedMicroBatch:
+def _check_response_length(k: int, length: int, response: int) -> None:
+    if response < 0 or response > length - 1:
+        raise ValueError(
+            f"sequence {k}: response length {response} must be in [0, L-1] with L={length} (the first token is "
+            f"prompt: the response is scored from the token before it)")
+
+
+def _cu_seqlens(padded: torch.Tensor) -> torch.Tensor:
+    """[0, P_0, P_0+P_1, ...] as int32."""
+    return torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(padded, 0).to(torch.int32)])
+
+
+def pack_micro_batch(input_ids: list[torch.Tensor], response_lengths: list[int], *, multiple: int = 1,
+                     cp_size: int = 1, cp_rank: int = 0, share_prompts: bool = False) -> PackedMicroBatch:
     """Pack sequences THD (see module docstring). ``multiple`` must divide by 2*CP when CP > 1.
     ``share_prompts`` (CP = 1 only) packs each prompt shared by two or more sequences once."""
     if share_prompts and cp_size == 1:
@@ -156,11 +129,7 @@ def pack_micro_batch(
     for k, (ids, r) in enumerate(zip(input_ids, response_lengths)):
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
         n, r = int(ids.numel()), int(r)
-        if r < 0 or r > n - 1:
-            raise ValueError(
-                f"sequence {k}: response length {r} must be in [0, L-1] with L={n} (the first token is "
-                f"prompt: the response is scored from the token before it)"
-            )
+        _check_response_length(k, n, r)
         p = _ceil_to(n, multiple)
         full_ids = torch.zeros(p, dtype=torch.long)
         full_ids[:n] = ids
@@ -174,33 +143,22 @@ def pack_micro_batch(
         real_out.append(full_real[pos])
         lengths.append(n)
         padded.append(p)
-    cu = torch.zeros(len(padded) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(padded, dtype=torch.int32), 0)
     return PackedMicroBatch(
-        input_ids=torch.cat(ids_out).unsqueeze(0),
-        labels=torch.cat(labels_out).unsqueeze(0),
-        real_mask=torch.cat(real_out).unsqueeze(0),
-        cu_seqlens=cu,
-        max_seqlen=max(padded),
-        lengths=lengths,
-        padded_lengths=padded,
-        response_lengths=[int(r) for r in response_lengths],
-        cp_size=cp_size,
-        cp_rank=cp_rank,
-    )
+        input_ids=torch.cat(ids_out).unsqueeze(0), labels=torch.cat(labels_out).unsqueeze(0),
+        real_mask=torch.cat(real_out).unsqueeze(0), cu_seqlens=_cu_seqlens(torch.tensor(padded, dtype=torch.int32)),
+        max_seqlen=max(padded), lengths=lengths, padded_lengths=padded,
+        response_lengths=[int(r) for r in response_lengths], cp_size=cp_size, cp_rank=cp_rank)
 
 
 def shared_prefix_length(prompt_length: int) -> int:
-    """The tokens of a prompt of ``prompt_length`` that a pack with shared prompts holds once: all but the
-    last (module docstring); 0, nothing shared, for a prompt of one token."""
+    """The tokens of a prompt that a pack with shared prompts holds once: all but the last (0 for one token)."""
     return prompt_length - 1 if prompt_length >= 2 else 0
 
 
 def prompt_groups(prompts: Sequence[Sequence[int]] | None) -> list[tuple[int, int]] | None:
-    """Each sequence's ``(group, shared)`` from its prompt token ids (a list or a tensor), each prompt read once:
-    ``shared`` = :func:`shared_prefix_length` of its prompt, and ``group`` an id that the sequences whose equal
-    prompts a pack can share have in common (a sequence with nothing to share has an id of its own). The packer
-    and the micro-batch planner group by it. None: no prompts."""
+    """Each sequence's ``(group, shared)`` from its prompt token ids: ``shared`` = :func:`shared_prefix_length`,
+    ``group`` an id common to the sequences with equal shareable prompts (else an id of its own); the packer and
+    the micro-batch planner group by it. None: no prompts."""
     if prompts is None:
         return None
     ids: dict[tuple, int] = {}
@@ -228,16 +186,11 @@ def _prompt_groups(sequences: list[torch.Tensor], response_lengths) -> dict[int,
 
 def _pack_shared(sequences: list[torch.Tensor], response_lengths, groups: dict[int, list[int]],
                  multiple: int) -> PackedMicroBatch:
-    """The pack with shared prompts (module docstring): in batch order, each sequence's own segment,
-    preceded by its group's prefix segment where it is the group's first member. Every segment is
-    padded to ``multiple``. Built with whole-pack index arithmetic (no per-segment tensor ops)."""
+    """The pack with shared prompts: in batch order, each sequence's own segment, preceded by its group's
+    prefix segment at the group's first member; every segment padded to ``multiple`` (whole-pack index math)."""
     lengths = [int(ids.numel()) for ids in sequences]
     for k, (n, r) in enumerate(zip(lengths, response_lengths)):
-        if int(r) < 0 or int(r) > n - 1:
-            raise ValueError(
-                f"sequence {k}: response length {int(r)} must be in [0, L-1] with L={n} (the first token is "
-                f"prompt: the response is scored from the token before it)"
-            )
+        _check_response_length(k, n, int(r))
     first_of = {k: first for first, members in groups.items() for k in members}
     shared_len = [shared_prefix_length(lengths[k] - int(response_lengths[k])) if k in first_of else 0
                   for k in range(len(lengths))]
@@ -283,52 +236,28 @@ def _pack_shared(sequences: list[torch.Tensor], response_lengths, groups: dict[i
     slot_of_row = torch.full((rows,), -1, dtype=torch.long)
     slot_of_row[virtual_rows[owns]] = torch.arange(slot_seq.numel())[owns]
     row_of_slot = torch.where(owns, virtual_rows, -1)
-    cu = torch.zeros(len(seg_seq) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(seg_padded, 0).to(torch.int32)
     return PackedMicroBatch(
-        input_ids=input_ids.unsqueeze(0),
-        labels=labels.unsqueeze(0),
-        real_mask=real.unsqueeze(0),
-        cu_seqlens=cu,
-        max_seqlen=max(max(lengths), int(seg_padded.max())),
-        lengths=lengths,
-        padded_lengths=[_ceil_to(n, multiple) for n in lengths],
-        response_lengths=[int(r) for r in response_lengths],
-        cp_size=1,
-        cp_rank=0,
+        input_ids=input_ids.unsqueeze(0), labels=labels.unsqueeze(0), real_mask=real.unsqueeze(0),
+        cu_seqlens=_cu_seqlens(seg_padded), max_seqlen=max(max(lengths), int(seg_padded.max())), lengths=lengths,
+        padded_lengths=[_ceil_to(n, multiple) for n in lengths], response_lengths=[int(r) for r in response_lengths],
+        cp_size=1, cp_rank=0,
         shared=SharedPrompts(virtual_rows, [0, *torch.cumsum(length_t, 0).tolist()], slot_of_row, row_of_slot,
-                             torch.where(real, position, 0)),
-    )
+                             torch.where(real, position, 0)))
 
 
-def gather_over_cp(local: torch.Tensor, cp_size: int, cp_rank: int, cp_group) -> list[torch.Tensor]:
-    """All-gather a per-token tensor over CP; only this rank's entry keeps autograd."""
-    if cp_size == 1:
-        return [local]
+def unpack_response(local: torch.Tensor, packed: PackedMicroBatch, width: int, cp_group=None) -> torch.Tensor:
+    """Per-token tensor on the local pack ([T_local] or [1, T_local]) -> [b, width] response tensor,
+    right-padded with 0 (module docstring)."""
     import torch.distributed as dist
 
-    shards = [torch.empty_like(local) for _ in range(cp_size)]
-    dist.all_gather(shards, local.detach().contiguous(), group=cp_group)
-    shards[cp_rank] = local
-    return shards
-
-
-def unpack_response(
-    local: torch.Tensor,
-    packed: PackedMicroBatch,
-    width: int,
-    cp_group=None,
-) -> torch.Tensor:
-    """Per-token tensor on the local pack -> [b, width] response tensor, right-padded with 0.
-
-    ``local`` is [T_local] or [1, T_local] (trailing feature dims are not supported).
-    """
     local = local.reshape(-1)
     if local.numel() != packed.num_local_tokens:
         raise ValueError(f"per-token tensor has {local.numel()} entries, pack has {packed.num_local_tokens}")
     if packed.cp_size == 1:
         return _gather_responses(local, packed, width)
-    shards = gather_over_cp(local, packed.cp_size, packed.cp_rank, cp_group)
+    shards = [torch.empty_like(local) for _ in range(packed.cp_size)]
+    dist.all_gather(shards, local.detach().contiguous(), group=cp_group)
+    shards[packed.cp_rank] = local  # only this rank's entry keeps autograd
     return assemble_response(shards, packed, width)
 
 
@@ -364,16 +293,13 @@ def assemble_response(shards: list[torch.Tensor], packed: PackedMicroBatch, widt
     offset = 0  # offset of the current sequence inside every rank's local pack
     for n, p, r in zip(packed.lengths, packed.padded_lengths, packed.response_lengths):
         local_len = p // cp
-        if cp == 1:
-            full = shards[0][offset : offset + p]
-        else:
-            h = p // (2 * cp)
-            chunks: list[torch.Tensor | None] = [None] * (2 * cp)
-            for rank, shard in enumerate(shards):
-                piece = shard[offset : offset + local_len]
-                chunks[rank] = piece[:h]
-                chunks[2 * cp - 1 - rank] = piece[h:]
-            full = torch.cat(chunks)
+        h = p // (2 * cp)
+        chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+        for rank, shard in enumerate(shards):
+            piece = shard[offset : offset + local_len]
+            chunks[rank] = piece[:h]
+            chunks[2 * cp - 1 - rank] = piece[h:]
+        full = torch.cat(chunks)
         offset += local_len
         resp = full[n - r - 1 : n - 1]
         if r > width:

@@ -1,15 +1,9 @@
 """Row gathers whose backward is a gather too (no scatter-add).
 
-``gather_rows(x, index, inverse)`` is ``x.index_select(0, index)`` for an index that reads every
-row of ``x`` at most once where it matters. Autograd's own backward of a gather is an
-accumulating scatter (``index_put_`` / ``index_add_``), slow on CPU; when each row of ``x`` lands
-in at most one output row, the gradient is a gather again: ``dx[r] = dy[inverse[r]]``, or 0 where
-``inverse[r] < 0`` (row r is not read).
-
-Output rows that are padding (read some arbitrary row, e.g. 0, and are never used by the loss)
-are simply not listed in ``inverse``: their gradient is dropped, which is exact when the caller
-guarantees those rows do not influence any real output (THD attention pads at sequence ends,
-hidden by causality) or zeroes them itself.
+Autograd's backward of a gather is an accumulating scatter, slow on CPU; when each row of ``x`` lands in at
+most one output row that counts, the gradient is a gather again: ``dx[r] = dy[inverse[r]]``, or 0 where
+``inverse[r] < 0``. Padding output rows (reading an arbitrary row) are simply not listed in ``inverse``:
+their gradient is dropped, exact when they influence no real output or the caller zeroes them.
 """
 
 from __future__ import annotations
@@ -39,10 +33,8 @@ def gather_with_zeros(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    """``x.index_select(0, index)`` with the gradient ``dx[r] = dy[inverse[r]]`` (0 where inverse[r] < 0).
-
-    ``inverse`` ([x.shape[0]] long) must give, for each row r of x, the one output row that reads it
-    and whose gradient counts (-1 for none); see the module docstring for when that is exact."""
+    """``x.index_select(0, index)`` with the gradient ``dx[r] = dy[inverse[r]]`` (0 where inverse[r] < 0);
+    ``inverse`` ([x.shape[0]] long): for each row of x, the one output row whose gradient counts, or -1."""
     return _GatherRows.apply(x, index, inverse)
 
 

@@ -1,23 +1,16 @@
 """The one door to the engine's CPU speed paths: every piece that has one asks :func:`cpu_speed_paths`.
 
-The CPU speed paths (each proven exact against the standard path: ``tests/engine/test_elementwise.py``,
-``tests/engine/test_model_attention.py``, ``tests/engine/test_speed_paths.py``):
+The CPU speed paths, each proven exact against the standard path (``tests/engine/test_speed_paths.py`` and
+its neighbours): the norm :class:`elementwise.RMSNorm`; megatron's dense MLPs re-classed as
+:class:`mlp.SwiGLUMLP`; megatron's RoPE routed through :func:`elementwise.rotary` (a process-wide patch,
+``compat.megatron_internals.use_rotary_kernel``); short causal attention as two matmuls
+(``attention.causal_matmul_attention``).
 
-- norm: :class:`verl_lite.engine.elementwise.RMSNorm` (a hand-written backward);
-- MLP: megatron's dense ``MLP``s re-classed as :class:`verl_lite.engine.mlp.SwiGLUMLP` (SwiGLU as one function);
-- RoPE: megatron's unfused RoPE routed through :func:`verl_lite.engine.elementwise.rotary`
-  (``compat.megatron_internals.use_rotary_kernel``, a process-wide patch);
-- attention: causal attention over short sequences as two matmuls (``attention.causal_matmul_attention``).
-
-On: the engine runs on the CPU (no CUDA device). Off (CUDA): megatron's own pieces, as its layer specs build
-them: the norm is ``TENorm`` with Transformer Engine installed, else megatron's local ``WrappedTorchNorm``;
-megatron's ``MLP``; megatron's RoPE function; torch SDPA or flash-attn. Two exceptions keep features working:
-
-- sequence parallelism without Transformer Engine: megatron's local norm refuses it, so the engine's RMSNorm is
-  built (it marks its weight for megatron's sequence-parallel gradient all-reduce);
-- shared prompts (``engine/packing.py``): a pack's rows carry their own RoPE positions, which megatron's function
-  cannot be told. The RoPE routing is installed, but it takes only such a pack, and hands its per-row frequencies
-  to megatron's own function; every other call is megatron's unchanged.
+On: the engine runs on the CPU. Off (CUDA): megatron's own pieces (``TENorm`` with Transformer Engine, else
+``WrappedTorchNorm``; ``MLP``; megatron's RoPE; SDPA or flash-attn), with two exceptions that keep features
+working: sequence parallelism without Transformer Engine builds the engine's RMSNorm (megatron's local norm
+refuses SP), and packs with shared prompts (``engine/packing.py``) still go through the RoPE routing, which
+hands their per-row frequencies to megatron's own function and leaves every other call unchanged.
 """
 
 from __future__ import annotations

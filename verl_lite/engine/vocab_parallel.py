@@ -1,14 +1,10 @@
 """Per-token log-probs and entropy from vocab-parallel logits, never gathering the full vocabulary.
 
-The LM head is a megatron ``ColumnParallelLinear`` with ``parallel_output=True``: TP rank r holds
-logits for the vocabulary slice ``[r*Vp/tp, (r+1)*Vp/tp)`` of the *padded* vocabulary
-``Vp = padded_vocab_size(V, tp)`` (the one padding rule of the engine, used by the model, the HF
-bridge and checkpoints). Both functions take that local slice, ``[..., Vp/tp]``, and the true vocabulary size ``V``;
-the padded columns (global index >= V) are masked out of every softmax, so they never enter a
-log-prob, an entropy or a gradient (their gradient is exactly 0). They return per-token values
-``[...]``, identical on every TP rank, in float32 (float64 for float64 input).
-Gradients flow to the local slice only; megatron's column-parallel backward sums the slices'
-contributions to the hidden states over TP.
+TP rank r holds logits for the slice ``[r*Vp/tp, (r+1)*Vp/tp)`` of the *padded* vocabulary
+``Vp = padded_vocab_size(V, tp)`` (the engine's one padding rule). Both functions take that local slice
+``[..., Vp/tp]`` and the true vocabulary size ``V``; the padded columns are masked out of every softmax
+(their gradient is exactly 0). They return per-token values ``[...]``, identical on every TP rank, in
+float32 (float64 for float64 input); gradients flow to the local slice only.
 """
 
 from __future__ import annotations
@@ -24,15 +20,11 @@ MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY) -> int:
-    """The vocabulary size the engine builds: ``vocab_size`` rounded up to a multiple of
-    ``lcm(divisible_by, tp)``, so every TP rank holds the same number of rows.
+    """``vocab_size`` rounded up to a multiple of ``lcm(divisible_by, tp)``, so every TP rank holds the same rows.
 
-    megatron rounds up to a multiple of ``divisible_by * tp``, which gives every TP layout its own
-    padded size. The lcm is the same for every power-of-two TP up to ``divisible_by``, so the padded
-    size, and with it every checkpoint shape, is the same at TP 1, 2, 4, ..., 128 (checkpoints reshard
-    between them), and a vocabulary that is a multiple of 128 (every shipped config's) is never
-    padded at those TPs. Other TPs (3, 7, ...) may pad further.
-    """
+    megatron rounds to ``divisible_by * tp``, a different size per TP layout; the lcm is the same at every
+    power-of-two TP up to ``divisible_by``, so checkpoints reshard between them and a vocabulary that is a
+    multiple of 128 is never padded there. Other TPs (3, 7, ...) may pad further."""
     if vocab_size < 1 or tp < 1 or divisible_by < 1:
         raise ValueError(f"padded_vocab_size: vocab_size={vocab_size}, tp={tp}, divisible_by={divisible_by} must be >= 1")
     multiple = math.lcm(divisible_by, tp)
@@ -65,10 +57,8 @@ def _padding_mask(local_size: int, vocab_size: int | None, group, device) -> tor
     world = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
     if vocab_size > local_size * world:
-        raise ValueError(
-            f"vocab_size={vocab_size} exceeds the logits' vocabulary ({local_size} columns x tp={world}); "
-            "pass the model's true vocabulary size"
-        )
+        raise ValueError(f"vocab_size={vocab_size} exceeds the logits' vocabulary ({local_size} columns x tp={world}); "
+                         "pass the model's true vocabulary size")
     start = rank * local_size
     if start + local_size <= vocab_size:
         return None
@@ -76,13 +66,8 @@ def _padding_mask(local_size: int, vocab_size: int | None, group, device) -> tor
 
 
 def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
-    """log softmax(logits)[labels] over the true vocabulary (TP-sharded, padding excluded).
-
-    logits: ``[..., Vp/tp]`` local slice; labels: ``[...]`` global token ids < ``vocab_size``;
-    ``vocab_size``: the true vocabulary size V (None: no padding, every column is a token).
-    Returns ``[...]`` (>= float32). Uses megatron's ``vocab_parallel_cross_entropy`` (which
-    overwrites its input, hence the copy) on the copy with padded columns set to -inf.
-    """
+    """log softmax(logits)[labels] over the true vocabulary; labels: ``[...]`` global token ids < ``vocab_size``
+    (None: no padding). megatron's ``vocab_parallel_cross_entropy`` overwrites its input, hence the copy."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     if logits.shape[:-1] != labels.shape:
@@ -97,12 +82,9 @@ def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_s
 
 
 class _VocabParallelEntropy(torch.autograd.Function):
-    """H = log Z - sum_v p_v x_v with Z = sum_v exp(x_v), p = softmax(x), sums over the full vocab.
-
-    Forward: all-reduce MAX of the local maxima, SUM of the local partition sums and of the local
-    sum_v p_v x_v. Backward (local, no communication): dH/dx_v = p_v * (sum_u p_u x_u - x_v).
-    Padded columns (``pad``, True where masked) take no part: p_v = 0 there, and so is their gradient.
-    """
+    """H = log Z - sum_v p_v x_v with Z = sum_v exp(x_v), p = softmax(x), over the full vocabulary: all-reduce MAX
+    of the local maxima, SUM of the local Z and sum_v p_v x_v. Backward (local): dH/dx_v = p_v (sum_u p_u x_u - x_v).
+    Padded columns (``pad``) take no part: p_v = 0 there, and so is their gradient."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, group, pad) -> torch.Tensor:
@@ -142,11 +124,7 @@ def _zeroed(x: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
 
 
 def vocab_parallel_entropy(logits: torch.Tensor, group=None, vocab_size: int | None = None) -> torch.Tensor:
-    """Entropy of softmax(logits) over the true vocabulary; logits ``[..., Vp/tp]`` -> ``[...]`` (>= float32).
-
-    ``group`` defaults to megatron's tensor-parallel group; ``vocab_size`` is the true vocabulary
-    size V (None: no padding): columns with global index >= V are excluded.
-    """
+    """Entropy of softmax(logits) over the true vocabulary; ``group`` defaults to megatron's TP group."""
     group = _tp_group(group)
     pad = _padding_mask(logits.shape[-1], vocab_size, group, logits.device)
     return _VocabParallelEntropy.apply(logits, group, pad)

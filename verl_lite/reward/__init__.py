@@ -4,34 +4,10 @@
     scores, extra = manager(response_ids_list, data_sources, ground_truths, extra_infos)
 """
 
-from verl_lite.reward.manager import (
-    REWARD_MANAGERS,
-    RewardConfigError,
-    RewardError,
-    RewardManager,
-    load_reward_function,
-)
-from verl_lite.reward.scorers import (
-    boxed_math_score,
-    default_compute_score,
-    extract_gsm8k_answer,
-    gsm8k_score,
-    is_equiv,
-    last_boxed_content,
-    normalize_math_answer,
-)
+from verl_lite.reward.manager import REWARD_MANAGERS, RewardConfigError, RewardError, RewardManager
+from verl_lite.reward.scorers import (boxed_math_score, default_compute_score, extract_gsm8k_answer, gsm8k_score,
+                                      is_equiv, last_boxed_content, normalize_math_answer)
 
-__all__ = [
-    "REWARD_MANAGERS",
-    "RewardConfigError",
-    "RewardError",
-    "RewardManager",
-    "boxed_math_score",
-    "default_compute_score",
-    "extract_gsm8k_answer",
-    "gsm8k_score",
-    "is_equiv",
-    "last_boxed_content",
-    "load_reward_function",
-    "normalize_math_answer",
-]
+__all__ = ["REWARD_MANAGERS", "RewardConfigError", "RewardError", "RewardManager", "boxed_math_score",
+           "default_compute_score", "extract_gsm8k_answer", "gsm8k_score", "is_equiv", "last_boxed_content",
+           "normalize_math_answer"]

@@ -1,10 +1,6 @@
 """The ``reward`` and ``reward_model`` sections: their fields, defaults and rules, stated once here (``problems``:
-one line per problem, naming the key and the fix; no reward code runs while the config is checked).
-
-    reward_input_problems(reward, {"data.train_files": dataset, ...}) -> list[str]
-                                                   # the reward's inputs vs the built datasets' rows
-    judge_input_problems(reward_model_section, datasets) -> list[str]  # the judge template's {reference} vs the rows
-"""
+one line per problem, naming the key and the fix; no reward code runs while the config is checked), and their
+inputs checked against the built datasets' rows (``reward_input_problems``, ``judge_input_problems``)."""
 
 from __future__ import annotations
 
@@ -30,8 +26,7 @@ class CustomRewardFunctionConfig:
 
     def problems(self, key: str = "reward.custom_reward_function") -> list[str]:
         """With a ``path``: the file exists, parses, and names ``name`` at top level, checked WITHOUT running it
-        (the reward manager imports it exactly once, in the reward process, and reports import errors and a
-        signature that does not fit reward_kwargs there, still before anything starts). Without one: no name
+        (the reward manager's one import reports the rest, still before anything starts). Without one: no name
         of the user's own (the built-in scorer would run)."""
         path, name = self.path, self.name
         if not path:
@@ -110,10 +105,9 @@ ALWAYS_GIVEN = ("prompts", "completions", "data_source", "extra_info")  # what e
 
 
 def reward_input_problems(reward, datasets: dict) -> list[str]:
-    """What the reward needs from the rows, checked against the built datasets before the run starts:
-    ``reward.required_inputs()`` ({function: [row fields]}) must be in every row (``ground_truth`` in
-    ``dataset.rows_without_ground_truth``' complement, any other name among ``dataset.columns``), and
-    with the built-in scorer every ``data_source`` must have one. ``datasets``: config key -> dataset."""
+    """What the reward needs from the rows, checked against the built datasets (config key -> dataset) before the
+    run starts: ``reward.required_inputs()`` ({function: [row fields]}) in every row, and with the built-in
+    scorer a scorer for every ``data_source``."""
     from verl_lite.reward.scorers import builtin_scorer
 
     p = []
@@ -205,9 +199,6 @@ class JudgeConfig:
         return p
 
 
-JUDGE_SECTIONS = ("rollout", "judge")  # the generative judge's own sections of reward_model
-
-
 @dataclass
 class RewardModelConfig:
     """A reward model: a discriminative score head read at the last token, on the actor's workers, or (generative=true) an LLM judge behind a rollout (docs/reward_models.md)."""
@@ -223,14 +214,13 @@ class RewardModelConfig:
 
     def problems(self, world: int, cuda: bool = False) -> list[str]:
         """When enabled: an HF sequence-classification checkpoint with ONE logit (its ``score.weight`` is the
-        engine's value head), a tokenizer, a micro-batch size and a layout of its own over the actor's ``world``
-        workers (colocated; ``MegatronConfig``'s rules); or, generative, the judge's (``judge_problems``)."""
+        engine's value head) and a layout of its own over the actor's ``world`` workers; or the judge's."""
         key = "reward_model"
         if not self.enable:
             return []
         if self.generative:
             return self.judge_problems(cuda)
-        p = [f"{key}.{name}: {why}" for name, why in self._set_judge_keys()]
+        p = self._set_judge_keys()
         if not self.model.path:
             return p + [f"{key}.enable=true needs {key}.model.path: an HF AutoModelForSequenceClassification "
                         f"directory with one logit (e.g. Qwen2ForSequenceClassification, as Skywork-Reward ships)"]
@@ -247,7 +237,7 @@ class RewardModelConfig:
                          f"(num_labels=1, score.weight [1, hidden])")
         p += self._tokenizer_problems()
         mb = self.micro_batch_size_per_gpu
-        if mb is None or not isinstance(mb, int) or isinstance(mb, bool) or mb < 1:
+        if not _ints(mb) or mb < 1:
             p.append(f"{key}.micro_batch_size_per_gpu={mb} must be an integer >= 1 (sequences per forward micro-batch)")
         if not _finite(self.rule_reward_weight):
             p.append(f"{key}.rule_reward_weight={self.rule_reward_weight!r} must be a finite number (0 = the reward "
@@ -264,17 +254,15 @@ class RewardModelConfig:
             return [f"reward_model.model.tokenizer_path={tok!r} holds no tokenizer.json/tokenizer_config.json"]
         return []
 
-    def _set_judge_keys(self) -> list[tuple[str, str]]:
+    def _set_judge_keys(self) -> list[str]:
         """A discriminative RM with judge settings: each set key and why it does not apply (none is ignored)."""
-        why = ("configures the generative judge (reward_model.generative=true); the discriminative reward model runs "
-               "on the megatron engine (its layout: reward_model.megatron.*): drop it, or set "
-               "reward_model.generative=true with a causal-LM judge")
-        return [(f"{sec}.{name}={value!r}", why) for sec in JUDGE_SECTIONS
-                for name, value in _differing(getattr(self, sec))]
+        return [f"reward_model.{sec}.{name}={value!r}: configures the generative judge (reward_model.generative=true); "
+                f"the discriminative reward model runs on the megatron engine (its layout: reward_model.megatron.*): "
+                f"drop it, or set reward_model.generative=true with a causal-LM judge"
+                for sec in ("rollout", "judge") for name, value in _differing(getattr(self, sec))]
 
     def judge_problems(self, cuda: bool = False) -> list[str]:
-        """``generative=true``: a causal-LM judge directory and tokenizer, a known backend that runs here, sampling
-        and length bounds that fit the judge model, the judge section's rules, a finite rule weight; the
+        """``generative=true``: a causal-LM judge, a backend that runs here, bounds that fit the judge model; the
         discriminative RM's engine settings (``reward_model.megatron.*``) must stay unset."""
         key, R = "reward_model", "reward_model.rollout"
         r, p = self.rollout, []
@@ -318,8 +306,6 @@ def _differing(section) -> list[tuple[str, object]]:
 def judge_input_problems(rm, datasets: dict) -> list[str]:
     """A judge template that names ``{reference}`` needs a ground truth in every training row (validation is
     scored by the reward function). ``datasets``: config key -> dataset (``RLDataset``)."""
-    from verl_lite.reward.judge import template_placeholders
-
     if not (rm.enable and rm.generative) or "reference" not in template_placeholders(rm.judge.prompt_template):
         return []
     ds = datasets.get("data.train_files")

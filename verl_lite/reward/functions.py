@@ -15,21 +15,21 @@ Each function is called ONCE per batch with the keyword arguments its signature 
                   dataset column other than the prompt, data_source and reward_model arrives there,
                   so TRL-style rows' ``answer`` column is the keyword ``answer``
 
-It returns one number per sample (or a dict with ``"score"`` per sample). Async functions of a
-batch run concurrently. The step's score is sum_k weight_k * f_k; every function's own scores
-are reported too (``reward/<name>/mean`` in the metrics). The whole batch call is bounded by
-``reward.timeout_s``; a raise, a timeout, a wrong count or a non-finite score is a
-``RewardError`` naming the function.
+It returns one number per sample (or a dict with ``"score"`` per sample; None: the function does not
+apply to that sample, TRL's meaning, and adds nothing there). Async functions of a batch run
+concurrently. The step's score is sum_k weight_k * f_k; every function's own scores are reported too
+(``reward/<name>/mean`` in the metrics). The whole batch call is bounded by ``reward.timeout_s``; a
+raise, a timeout, a wrong count or a non-finite score is a ``RewardError`` naming the function.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import concurrent.futures
 import inspect
+import math
 import sys
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -43,28 +43,27 @@ def _name(fn: Callable) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
+def _required(fn: Callable) -> list[str]:
+    """The keyword arguments ``fn`` cannot be called without (its parameters without a default)."""
+    return [n for n, p in inspect.signature(fn).parameters.items()
+            if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
 def _accepted(fn: Callable, available: dict[str, list]) -> dict[str, list]:
     params = inspect.signature(fn).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return available
-    missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty
-               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in available]
+    missing = [n for n in _required(fn) if n not in available]
     if missing:
         raise RewardError(f"reward function {_name(fn)} needs {missing}, which no sample provides; it can take "
                           f"{sorted(available)}")
     return {k: v for k, v in available.items() if k in params}
 
 
-def _finite(value: Any, where: str) -> float:
-    if isinstance(value, dict):
-        if "score" not in value:
-            raise RewardError(f"{where} returned a dict without 'score' (keys: {sorted(value)})")
-        value = value["score"]
-    return _as_score(value, where)
-
-
 class RewardFunctions:
     """Weighted batched reward functions, called like ``RewardManager`` (plus ``prompts``)."""
+
+    builtin = False
 
     def __init__(self, funcs: Callable | Sequence[Callable], tokenizer, weights: Sequence[float] | None = None,
                  timeout_s: float | None = None):
@@ -72,40 +71,26 @@ class RewardFunctions:
         if not self.funcs or not all(callable(f) for f in self.funcs):
             raise ValueError("reward_funcs must be a callable or a non-empty list of callables")
         self.weights = [1.0] * len(self.funcs) if weights is None else [float(w) for w in weights]
-        self.warned_unscored = False
         if len(self.weights) != len(self.funcs):
             raise ValueError(f"reward_weights has {len(self.weights)} entries for {len(self.funcs)} reward_funcs")
         names = [_name(f) for f in self.funcs]
         self.names = [n if names.count(n) == 1 else f"{n}_{k}" for k, n in enumerate(names)]
         self.fn_name = " + ".join(self.names)
         self.tokenizer, self.timeout_s = tokenizer, timeout_s
-
-    def pids(self) -> list[int]:
-        return []
+        self.warned_unscored = False
 
     def close(self) -> None:
         pass
 
-    def signature_problem(self) -> None:
-        return None
-
-    builtin = False
-
     def required_inputs(self) -> dict[str, list[str]]:
-        """Per function, the keyword arguments it cannot run without (its parameters without a default),
-        checked against the dataset's columns before the run starts."""
-        out = {}
-        for name, fn in zip(self.names, self.funcs):
-            params = inspect.signature(fn).parameters.values()
-            out[name] = [p.name for p in params if p.default is inspect.Parameter.empty
-                         and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        return out
+        """Per function, the keyword arguments it cannot run without, checked against the dataset's columns
+        before the run starts."""
+        return {name: _required(fn) for name, fn in zip(self.names, self.funcs)}
 
     def _kwargs(self, responses, data_sources, ground_truths, extra_infos, prompts) -> dict[str, list]:
-        decode = lambda ids: self.tokenizer.decode(list(ids), skip_special_tokens=True)  # noqa: E731
         extra_infos = [e or {} for e in extra_infos]
-        out = {"completions": [decode(r) for r in responses], "ground_truth": list(ground_truths),
-               "data_source": list(data_sources), "extra_info": extra_infos}
+        out = {"completions": [self.tokenizer.decode(list(r), skip_special_tokens=True) for r in responses],
+               "ground_truth": list(ground_truths), "data_source": list(data_sources), "extra_info": extra_infos}
         if prompts is not None:
             out["prompts"] = [self.tokenizer.decode(list(p), skip_special_tokens=False) for p in prompts]
         for key in sorted({k for e in extra_infos for k in e} - set(FIXED_KWARGS)):
@@ -135,14 +120,12 @@ class RewardFunctions:
         if e is not None:
             raise RewardError(f"reward functions {self.fn_name} raised {type(e).__name__}: {e} on a batch of {n} "
                               f"samples") from e
-        all_results = future.result()
         total = torch.zeros(n, dtype=torch.float64)
         scored = torch.zeros(n, dtype=torch.bool)
         extra: dict[str, list] = {}
-        for name, weight, results in zip(self.names, self.weights, all_results):
+        for name, weight, results in zip(self.names, self.weights, future.result()):
             results = as_score_list(results, n, f"reward function {name}")
-            # None: the function does not apply to that sample (TRL's meaning): it adds nothing there
-            scores = [None if r is None else _finite(r, f"reward function {name} on sample {i}")
+            scores = [None if r is None else _as_score(r, f"reward function {name} on sample {i}")
                       for i, r in enumerate(results)]
             extra[name] = [math.nan if x is None else x for x in scores]
             total += weight * torch.tensor([0.0 if x is None else x for x in scores], dtype=torch.float64)

@@ -1,11 +1,8 @@
 """Scores from a generative reward model, an LLM judge (``reward_model.generative=true``; docs/reward_models.md).
 
-The driver's side of the judge. The judge model runs behind a rollout (``reward_model.rollout.name``: hf or
-vllm) in ONE worker process of its own (``workers/rollout_worker.RolloutWorker``, the split-placement
-rollout host), never in the actor's processes: vLLM allows one in-process engine per process, so a vLLM
-judge cannot share a process with a vLLM policy.
-
-Per training step (``JudgeReward.score``):
+The judge model runs behind a rollout (``reward_model.rollout.name``: hf or vllm) in ONE worker process of its
+own (``workers/rollout_worker.RolloutWorker``), never in the actor's processes: vLLM allows one in-process
+engine per process. Per training step (``JudgeReward.score``):
 
 1. the judge prompt of every trajectory (``render_prompt``): ``reward_model.judge.prompt_template`` with
    ``{question}`` (the prompt's last user message; a plain-text prompt as it is), ``{response}`` (the
@@ -13,36 +10,39 @@ Per training step (``JudgeReward.score``):
    row's ground truth) filled in ONE pass, so text inside the response that looks like a placeholder is
    never replaced; other braces stay as they are. With ``judge.apply_chat_template`` (and a tokenizer that
    has a chat template) the text is one user turn of the judge's chat template, generation prompt added;
-2. ONE generate call for all the step's prompts on the judge worker, with the judge's own sampling
-   (``reward_model.rollout.temperature/top_p/top_k/do_sample``) and ``response_length`` new tokens at most,
-   bounded by ``reward_model.judge.timeout_s``: past it the worker is stopped and the step fails with
-   :class:`JudgeTimeout` (the scores of a step are never made up);
+2. ONE generate call for all the step's prompts, with the judge's own sampling and ``response_length`` new
+   tokens at most, bounded by ``reward_model.judge.timeout_s``: past it the worker is stopped and the step
+   fails with :class:`JudgeTimeout` (the scores of a step are never made up);
 3. the score of every judgement (``parse_score``): ``tag`` = the number in the LAST ``<score>x</score>``,
    ``last_number`` = the last number of the output; a judgement without one, or whose number lies outside
    [``score_min``, ``score_max``], is unparsable: it scores ``judge.unparsable_score`` and is counted in
    ``reward_model/judge_unparsable_rate``; it never stops the run.
 
-The training score combines with the reward function's by the RM's rule (``model_reward.combine_scores``,
-``reward_model.rule_reward_weight``); validation is scored by the reward function.
+The training score combines with the reward function's by ``model_reward.combine_scores``.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Sequence
 
 from verl_lite.errors import RunFailure
 
 PLACEHOLDERS = ("question", "response", "reference")
-SCORE_PARSERS = ("tag", "last_number")
 _PLACEHOLDER = re.compile(r"\{(" + "|".join(PLACEHOLDERS) + r")\}")
-_NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
-_NUMBER_RE = re.compile(_NUMBER)
-_TAG_RE = re.compile(r"<score>\s*(" + _NUMBER + r")\s*</score>", re.IGNORECASE)
+_NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"  # always parses as a float
+_PARSERS = {"tag": re.compile(r"<score>\s*(" + _NUMBER + r")\s*</score>", re.IGNORECASE),
+            "last_number": re.compile(_NUMBER)}
+SCORE_PARSERS = tuple(_PARSERS)
 
 
 class JudgeTimeout(RunFailure):
     """The judge's generate call of a step did not finish within ``reward_model.judge.timeout_s``."""
+
+
+class JudgeInputTooLong(RunFailure):
+    """A rendered judge prompt is longer than ``reward_model.rollout.prompt_length``."""
 
 
 def template_placeholders(template: str) -> set[str]:
@@ -59,21 +59,12 @@ def render_prompt(template: str, question: str, response: str, reference: Any = 
 def parse_score(text: str, parser: str = "tag", score_min: float | None = None,
                 score_max: float | None = None) -> float | None:
     """The score in a judgement, or None when it is unparsable (module docstring, step 3)."""
-    if parser == "tag":
-        found = _TAG_RE.findall(text)
-    elif parser == "last_number":
-        found = _NUMBER_RE.findall(text)
-    else:
+    if parser not in _PARSERS:
         raise ValueError(f"unknown score parser {parser!r}; choose one of {list(SCORE_PARSERS)}")
-    if not found:
-        return None
-    try:
-        value = float(found[-1])
-    except ValueError:
-        return None
-    if value != value or value in (float("inf"), float("-inf")):
-        return None
-    if (score_min is not None and value < score_min) or (score_max is not None and value > score_max):
+    found = _PARSERS[parser].findall(text)
+    value = float(found[-1]) if found else math.nan
+    if not math.isfinite(value) or (score_min is not None and value < score_min) or (
+            score_max is not None and value > score_max):
         return None
     return value
 
@@ -105,10 +96,8 @@ def judge_prompt_ids(text: str, judge_tokenizer, apply_chat_template: bool) -> l
 
 
 class JudgeReward:
-    """Scores [n] of a rollout batch from the judge worker (a one-rank ``RoleGroup`` of ``RolloutWorker``).
-
-    ``rm_cfg``: the ``reward_model`` section (``rollout`` = sampling and bounds, ``judge`` = template, parser,
-    timeout)."""
+    """Scores [n] of a rollout batch from the judge worker (a one-rank ``RoleGroup`` of ``RolloutWorker``);
+    ``rm_cfg``: the ``reward_model`` section."""
 
     def __init__(self, group, policy_tokenizer, judge_tokenizer, rm_cfg):
         self.group, self.policy_tokenizer, self.judge_tokenizer = group, policy_tokenizer, judge_tokenizer
@@ -141,7 +130,7 @@ class JudgeReward:
             raise JudgeInputTooLong(
                 f"a judge prompt has {longest} tokens, over reward_model.rollout.prompt_length="
                 f"{self.rollout.prompt_length}", "raise reward_model.rollout.prompt_length (within the judge model's "
-                f"max_position_embeddings, with reward_model.rollout.response_length) or shorten the template")
+                "max_position_embeddings, with reward_model.rollout.response_length) or shorten the template")
         return ids
 
     def sampling(self) -> dict:
@@ -172,17 +161,10 @@ class JudgeReward:
         outs = self.generate(self.inputs(batch), seed)
         texts = [self.judge_tokenizer.decode(o["response_ids"], skip_special_tokens=True) for o in outs]
         scores, parsed = judgement_scores(texts, self.judge)
-        eos = self.judge_tokenizer.eos_token_id
-        lengths = [len(o["response_ids"]) for o in outs]
-        truncated = [not (o["response_ids"] and o["response_ids"][-1] == eos) for o in outs]
-        n = max(1, len(outs))
-        metrics = {"reward_model/judge_unparsable_rate": sum(not p for p in parsed) / n,
-                   "reward_model/judge_unparsable": float(sum(not p for p in parsed)),
-                   "reward_model/judge_response_length/mean": sum(lengths) / n,
-                   "reward_model/judge_truncated_rate": sum(truncated) / n}
-        self.last_judgements = texts
+        eos, n, unparsable = self.judge_tokenizer.eos_token_id, max(1, len(outs)), sum(not p for p in parsed)
+        truncated = sum(not (o["response_ids"] and o["response_ids"][-1] == eos) for o in outs)
+        metrics = {"reward_model/judge_unparsable_rate": unparsable / n,
+                   "reward_model/judge_unparsable": float(unparsable),
+                   "reward_model/judge_response_length/mean": sum(len(o["response_ids"]) for o in outs) / n,
+                   "reward_model/judge_truncated_rate": truncated / n}
         return torch.tensor(scores, dtype=torch.float32), metrics
-
-
-class JudgeInputTooLong(RunFailure):
-    """A rendered judge prompt is longer than ``reward_model.rollout.prompt_length``."""

@@ -15,18 +15,14 @@ Any failure raises `RewardError` naming the function (file:name) and the sample 
 data_source): the function raising (original exception chained), a non-number, NaN or inf,
 a dict without "score", a batched function returning the wrong number of scores, a call that
 does not return within `reward.timeout_s` (per batch call), or the reward process dying.
-
-Where the code runs (`verl_lite.reward.sandbox`): a reward FILE (`custom_reward_function.path`)
-is imported once, in its own process, started when the manager is built (before Ray); a hang
-is killed there, a crash cannot take the driver down. A Python callable (`compute_score=`) and
-the built-in scorer run in a thread of the driver under the same time bound. Set-up problems
-(the file fails to import, defines no such function, or cannot take `reward_kwargs`) raise
-`RewardConfigError`, a `ConfigError` (exit 2), before anything starts. Call `close()` when done.
+A reward FILE runs in a process of its own, a Python callable (`compute_score=`) and the built-in
+scorer in a thread of the driver (`verl_lite.reward.sandbox`). Set-up problems (the file fails to
+import, defines no such function, or cannot take `reward_kwargs`) raise `RewardConfigError`, a
+`ConfigError` (exit 2), before anything starts. Call `close()` when done.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import numbers
 from pathlib import Path
@@ -51,25 +47,13 @@ class RewardConfigError(ConfigError, RewardError):
     """The reward function cannot be set up as configured (found before the run starts)."""
 
 
-def load_reward_function(path: str, name: str) -> Callable:
-    """Import `name` from the python file at `path` (verl's custom_reward_function.{path,name})."""
-    file = Path(path)
-    if not file.is_file():
-        raise RewardError(f"reward function file {path!r} does not exist (reward.custom_reward_function.path)")
-    spec = importlib.util.spec_from_file_location(f"verl_lite_user_reward_{abs(hash(str(file.resolve())))}", file)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:
-        raise RewardError(f"importing reward function file {path!r} failed: {type(e).__name__}: {e}") from e
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise RewardError(f"{path!r} defines no function {name!r} (reward.custom_reward_function.name)")
-    return fn
-
-
 def _as_score(value: Any, where: str) -> float:
-    """A finite float from a number (bool, int, float, numpy scalar, 0-d tensor); else RewardError."""
+    """A finite float from a number (bool, int, float, numpy scalar, 0-d tensor) or a dict's "score"; else
+    RewardError."""
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise RewardError(f"{where} returned a dict without 'score' (keys: {sorted(value)}); add 'score'")
+        value = value["score"]
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if not isinstance(value, numbers.Real):
@@ -109,21 +93,12 @@ class RewardManager:
                 self.runner = RewardProcess(custom.path, custom.name, self.mode, list(self.reward_kwargs),
                                             max_memory_gb=getattr(reward_cfg, "max_memory_gb", None))
             except RewardCallFailed as e:
-                if e.kind == "load" and str(e).startswith("not callable: "):
-                    raise RewardConfigError([f"{KEY}.name={custom.name!r}: {custom.path} binds {custom.name!r} to a value of type "
-                                             f"{str(e).split(': ', 1)[1]}, not a function; set {KEY}.name to a function "
-                                             f"of that file"]) from None
-                if e.kind == "load" and str(e) == "missing":
-                    raise RewardConfigError([f"{KEY}.name={custom.name!r}: {custom.path} defines no function "
-                                             f"{custom.name!r}; set {KEY}.name to a function of that file"]) from None
-                if e.kind == "load":
-                    raise RewardConfigError([f"{KEY}.path={custom.path!r} fails to import ({e}); fix the file"]) from None
-                raise RewardError(f"the reward process for {self.fn_name} could not start: {e}") from None
+                raise _load_failure(e, custom.path, custom.name, self.fn_name) from None
         else:
             self.fn_name = "verl_lite.reward.default_compute_score"
-            self.runner = InProcessReward(default_compute_score if self.mode == "naive"
-                                          else _batched(default_compute_score))
-        problem = self.runner.signature_problem(self.mode, list(self.reward_kwargs))
+            self.runner = InProcessReward(default_compute_score)
+        self.call_mode = "naive" if self.builtin else self.mode  # the built-in scorer is per sample in both modes
+        problem = self.runner.signature_problem(self.call_mode, list(self.reward_kwargs))
         if problem:
             self.close()
             raise RewardConfigError([
@@ -150,9 +125,6 @@ class RewardManager:
         """Stop the reward process (idempotent)."""
         self.runner.close()
 
-    def decode(self, responses: list[list[int]]) -> list[str]:
-        return [self.tokenizer.decode(list(r), skip_special_tokens=True) for r in responses]
-
     def __call__(self, responses, data_sources, ground_truths, extra_infos=None):
         from verl_lite.reward.sandbox import RewardCallFailed
 
@@ -160,32 +132,27 @@ class RewardManager:
         extra_infos = list(extra_infos) if extra_infos is not None else [None] * n
         data_sources, ground_truths = list(data_sources), list(ground_truths)
         if not (len(data_sources) == len(ground_truths) == len(extra_infos) == n):
-            raise ValueError(
-                f"RewardManager: {n} responses but {len(data_sources)} data_sources, {len(ground_truths)} "
-                f"ground_truths, {len(extra_infos)} extra_infos; pass one of each per response"
-            )
-        texts = self.decode(responses)
-        batched = self.mode == "batch"
-        label = f"batched reward function {self.fn_name}" if batched else f"reward function {self.fn_name}"
+            raise ValueError(f"RewardManager: {n} responses but {len(data_sources)} data_sources, {len(ground_truths)} "
+                             f"ground_truths, {len(extra_infos)} extra_infos; pass one of each per response")
+        texts = [self.tokenizer.decode(list(r), skip_special_tokens=True) for r in responses]
+        label = f"{'batched ' if self.mode == 'batch' else ''}reward function {self.fn_name}"
         try:
-            results = self.runner(self.mode, texts, data_sources, ground_truths, extra_infos, self.reward_kwargs,
+            results = self.runner(self.call_mode, texts, data_sources, ground_truths, extra_infos, self.reward_kwargs,
                                   self.timeout_s)
         except RewardCallFailed as e:
             i = e.sample
             at = (f"on sample {i} (data_source={data_sources[i]!r}) of a batch of {n}" if i is not None
                   else f"on a batch of {n} samples (samples 0..{n - 1}, data_sources={sorted(set(map(str, data_sources)))})")
             if e.kind == "timeout":
-                raise RewardError(
-                    f"{label} did not return within reward.timeout_s={self.timeout_s}s {at}; the call was "
-                    f"abandoned; make the function faster or raise reward.timeout_s"
-                ) from None
+                raise RewardError(f"{label} did not return within reward.timeout_s={self.timeout_s}s {at}; the call "
+                                  f"was abandoned; make the function faster or raise reward.timeout_s") from None
             if e.kind == "died":
                 raise RewardError(f"{label}: {e} {at}; a fresh reward process starts on the next call") from None
             if e.kind == "bad_result":
                 raise RewardError(f"{label} {e}") from None
             raise RewardError(f"{label} raised {e} {at}") from e.cause
-        if batched:
-            results = as_score_list(results, n, f"batched reward function {self.fn_name}")
+        if self.mode == "batch":
+            results = as_score_list(results, n, label)
         return self._collect(results, data_sources)
 
     def _collect(self, results, data_sources):
@@ -193,16 +160,23 @@ class RewardManager:
         extra: dict[str, list] = {}
         for i, r in enumerate(results):
             where = f"reward function {self.fn_name} on sample {i} (data_source={data_sources[i]!r})"
-            if isinstance(r, dict):
-                if "score" not in r:
-                    raise RewardError(f"{where} returned a dict without 'score' (keys: {sorted(r)}); add 'score'")
-                scores.append(_as_score(r["score"], where))
-                for k, v in r.items():
-                    if k != "score":
-                        extra.setdefault(k, [None] * len(results))[i] = v
-            else:
-                scores.append(_as_score(r, where))
+            scores.append(_as_score(r, where))
+            for k, v in (r.items() if isinstance(r, dict) else ()):
+                if k != "score":
+                    extra.setdefault(k, [None] * len(results))[i] = v
         return torch.tensor(scores, dtype=torch.float32), extra
+
+
+def _load_failure(e, path: str, name: str, fn_name: str) -> RewardError:
+    """The error of a reward process that could not load ``path``:``name`` (``e``: its RewardCallFailed)."""
+    fix = f"set {KEY}.name to a function of that file"
+    problem = {"import": f"{KEY}.path={path!r} fails to import ({e}); fix the file",
+               "missing": f"{KEY}.name={name!r}: {path} defines no function {name!r}; {fix}",
+               "not_callable": f"{KEY}.name={name!r}: {path} binds {name!r} to a value of type {e}, not a function; "
+                               f"{fix}"}.get(e.kind)
+    if problem is None:
+        return RewardError(f"the reward process for {fn_name} could not start: {e}")
+    return RewardConfigError([problem])
 
 
 def as_score_list(results, n: int, label: str) -> list:
@@ -215,13 +189,3 @@ def as_score_list(results, n: int, label: str) -> list:
         raise RewardError(f"{label} returned {len(results)} scores for {n} samples; return one score per sample")
     return results
 
-
-def _batched(fn: Callable) -> Callable:
-    """A per-sample compute_score as a batched one."""
-
-    def batched(data_sources, solution_strs, ground_truths, extra_infos, **kw):
-        return [fn(data_source=d, solution_str=s, ground_truth=g, extra_info=e, **kw)
-                for d, s, g, e in zip(data_sources, solution_strs, ground_truths, extra_infos)]
-
-    batched.__qualname__ = f"batched({getattr(fn, '__qualname__', fn)})"
-    return batched

@@ -1,6 +1,5 @@
-"""Scores from a discriminative reward model (``reward_model.*``; docs/reward_models.md).
-
-The driver's side of the reward-model role (``workers/reward_model.py``):
+"""Scores from a discriminative reward model (``reward_model.*``; docs/reward_models.md), the driver's side of
+the reward-model role (``workers/reward_model.py``):
 
 1. the RM's input for each trajectory (``rm_inputs``): the policy's own tokens (prompt + valid
    response) when the RM reads text exactly as the policy writes it (same vocabulary and chat
@@ -10,9 +9,8 @@ The driver's side of the reward-model role (``workers/reward_model.py``):
 2. one forward over the step's trajectories (``ModelReward``): score_i = w . h_i[last token], the
    one logit ``AutoModelForSequenceClassification`` returns for the unpadded input;
 3. the training score (``combine_scores``): RM score + ``rule_reward_weight`` x the reward function's
-   score; weight 0 (verl's behaviour: its reward manager returns ``rm_scores`` as they are) is the RM
-   alone and the reward function is not called for training. Validation is scored by the reward
-   function (verl validates with its rule-based reward).
+   score; weight 0 (verl's behaviour) is the RM alone and the reward function is not called for
+   training. Validation is scored by the reward function (verl validates with its rule-based reward).
 """
 
 from __future__ import annotations
@@ -51,12 +49,12 @@ def rm_inputs(prompt_ids: Sequence[Sequence[int]], responses: Sequence[Sequence[
             for m, r in zip(messages, responses)]
 
 
-def rm_batch(inputs: Sequence[Sequence[int]], placeholder: int = 0) -> Batch:
-    """The rows the role reads: ``prompt_ids`` = the RM input, one placeholder response token after it
+def rm_batch(inputs: Sequence[Sequence[int]]) -> Batch:
+    """The rows the role reads: ``prompt_ids`` = the RM input, one placeholder response token (0) after it
     (its value-head output is the score at the input's last token; workers/reward_model.py)."""
     n = len(inputs)
-    return Batch.from_dict({"responses": torch.full((n, 1), placeholder, dtype=torch.long),
-                            "response_mask": torch.ones(n, 1)}, {"prompt_ids": [list(x) for x in inputs]})
+    return Batch.from_dict({"responses": torch.zeros((n, 1), dtype=torch.long), "response_mask": torch.ones(n, 1)},
+                           {"prompt_ids": [list(x) for x in inputs]})
 
 
 def combine_scores(rm_scores: torch.Tensor, rule_scores: torch.Tensor | None, rule_reward_weight: float) -> torch.Tensor:
@@ -69,8 +67,8 @@ def combine_scores(rm_scores: torch.Tensor, rule_scores: torch.Tensor | None, ru
 class ModelReward:
     """Scores [n] of a rollout batch from the reward-model role (``RoleGroup`` of ``RewardModelWorker``)."""
 
-    def __init__(self, group, policy_tokenizer, rm_tokenizer, sizing, placeholder: int = 0):
-        self.group, self.sizing, self.placeholder = group, sizing, placeholder
+    def __init__(self, group, policy_tokenizer, rm_tokenizer, sizing):
+        self.group, self.sizing = group, sizing
         self.policy_tokenizer, self.rm_tokenizer = policy_tokenizer, rm_tokenizer
         self.rerender = not renders_alike(policy_tokenizer, rm_tokenizer)
 
@@ -82,8 +80,7 @@ class ModelReward:
                          self.rerender)
 
     def __call__(self, batch: Batch) -> torch.Tensor:
-        out = self.group.infer(RM_METHOD, rm_batch(self.inputs(batch), self.placeholder), self.sizing)
-        return out["rm_scores"].float()
+        return self.group.infer(RM_METHOD, rm_batch(self.inputs(batch)), self.sizing)["rm_scores"].float()
 
     def score(self, batch: Batch, seed: int | None = None) -> tuple[torch.Tensor, dict]:
         """(scores, metrics) as ``reward.judge.JudgeReward.score`` gives them (``seed``: unused, a forward draws nothing)."""

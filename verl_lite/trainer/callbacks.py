@@ -1,13 +1,6 @@
-"""Callbacks of the Python API, under TRL's / transformers' event names.
-
-    class Printer:                                   # a plain object: any subset of the four methods
-        def on_step_end(self, step, metrics, **kwargs): ...
-        def on_log(self, step, logs, **kwargs): ...
-
-    PPOTrainer(cfg, ..., callbacks=[Printer()]).fit()
-
-Each method is called with the keyword arguments its signature names (a ``**kwargs`` parameter
-receives all of them); none has to be declared. Per record of the run, in this order:
+"""Callbacks of the Python API, under TRL's / transformers' event names: ``PPOTrainer(cfg, callbacks=[...])``
+takes plain objects with any subset of the four methods, each called with the keyword arguments its signature
+names (a ``**kwargs`` parameter receives all of them). Per record of the run, in this order:
 
     on_step_end(trainer, step, metrics)         after RL step ``step`` (1, 2, ...): its training metrics
     on_evaluate(trainer, step, metrics)         when the record holds a validation (step 0 with
@@ -15,9 +8,8 @@ receives all of them); none has to be declared. Per record of the run, in this o
     on_save(trainer, step, checkpoint_dir)      when a checkpoint of ``step`` was written
     on_log(trainer, step, logs)                 every record (what the trackers log), last
 
-``step`` is the RL step the record belongs to (``trainer.global_step`` after it). The callbacks see
-the record after the trainer has finished it (``fit()`` calls them before the trackers log it).
-A callback that raises stops the run with :class:`CallbackError` naming it.
+``step`` is the RL step of the record (``trainer.global_step`` after it); ``fit()`` calls them before the
+trackers log it. A callback that raises stops the run with :class:`CallbackError` naming it.
 
 A ``transformers.TrainerCallback`` (what TRL's trainers take) is called as transformers calls it:
 ``event(args, state, control, **kwargs)`` with ``state.global_step`` = the step, ``state.max_steps``,
@@ -48,18 +40,23 @@ def _name(cb) -> str:
     return getattr(cb, "__name__", None) or type(cb).__name__
 
 
-def _call(cb, event: str, kwargs: dict[str, Any]) -> None:
+def _call(cb, event: str, at_step, /, *args, **kwargs) -> None:
+    try:
+        getattr(cb, event)(*args, **kwargs)
+    except Exception as e:
+        raise CallbackError(f"callback {_name(cb)}.{event} raised {type(e).__name__}: {e} at step {at_step}",
+                            "fix the callback") from e
+
+
+def _call_plain(cb, event: str, kwargs: dict[str, Any]) -> None:
+    """The event with the keyword arguments its signature names (all of them with a ``**kwargs``)."""
     method = getattr(cb, event, None)
     if method is None:
         return
     params = inspect.signature(method).parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         kwargs = {k: v for k, v in kwargs.items() if k in params}
-    try:
-        method(**kwargs)
-    except Exception as e:
-        raise CallbackError(f"callback {_name(cb)}.{event} raised {type(e).__name__}: {e} at step {kwargs.get('step')}",
-                            "fix the callback") from e
+    _call(cb, event, kwargs.get("step"), **kwargs)
 
 
 def is_transformers_callback(cb) -> bool:
@@ -92,11 +89,7 @@ class CallbackList:
         args = SimpleNamespace(output_dir=trainer.cfg.trainer.output_dir, seed=trainer.cfg.trainer.seed,
                                max_steps=trainer.total_steps())
         passed = {k: v for k, v in kwargs.items() if k in ("metrics", "logs")}
-        try:
-            getattr(cb, event)(args, self.state, self.control, **passed)
-        except Exception as e:
-            raise CallbackError(f"callback {_name(cb)}.{event} raised {type(e).__name__}: {e} at step {step}",
-                                "fix the callback") from e
+        _call(cb, event, step, args, self.state, self.control, **passed)
 
     def dispatch(self, trainer, record: dict) -> None:
         if not self.callbacks:
@@ -118,4 +111,4 @@ class CallbackList:
                 if is_transformers_callback(cb):
                     self._call_transformers(cb, event, trainer, step, kwargs)
                 else:
-                    _call(cb, event, {"trainer": trainer, "step": step, **kwargs})
+                    _call_plain(cb, event, {"trainer": trainer, "step": step, **kwargs})

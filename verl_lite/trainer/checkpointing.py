@@ -1,57 +1,26 @@
-"""Driver-side checkpoints: where they live, atomic writes, retention, resume, and the driver state.
+"""Driver-side checkpoints: where they live, atomic writes, retention, resume, and the driver state
+(docs/checkpoints.md has the layout of ``<trainer.default_local_dir>/global_step_K/``).
 
-Layout (``trainer.default_local_dir``, verl's name; relative paths resolve against the driver's
-working directory, so give an absolute one under ``ray job submit``)::
+Atomicity: a checkpoint is written into ``.tmp-global_step_K-<id>/``, every file fsynced, the ``complete``
+marker (step, time and the manifest: size and sha256 of every other file) written last, then the directory
+renamed to ``global_step_K``. Resume skips, with a message, a ``.tmp-*`` directory or a ``global_step_*`` one
+without ``complete``.
 
-    <default_local_dir>/
-        latest_checkpointed_iteration.txt    the newest complete step (verl's file; informative)
-        global_step_K/
-            actor/dist/                      megatron dist_checkpointing shards (model, optimizer, LR schedule)
-            actor/rng/rank_R.safetensors     each worker's torch RNG state(s)
-            actor/hf_config/                 config.json + tokenizer (what an offline export needs)
-            critic/...                       the same for the critic, when the run has one
-            huggingface/                     the policy: model.safetensors + config + tokenizer
-            driver_state.json                step, data position, KL controller, python RNG, ...
-            driver_rng.safetensors           the driver's torch (and numpy) RNG states
-            fingerprint.json                 the model, train data and math keys it was trained from
-                                             (resume refuses another run's: verl_lite.trainer.fingerprint)
-            complete                         written last (JSON: step, time, and the manifest: the
-                                             size and sha256 of every other file)
+Integrity: a checkpoint is treated as hostile. Before anything reads one (resume, before Ray starts; the
+export command), :func:`verify_checkpoint` refuses it with one :class:`CheckpointRefused` naming the file
+(exit 2). Nothing falls back on its own: the message names the previous complete checkpoint to resume from
+with ``trainer.resume_mode=resume_path``.
 
-Atomicity: a checkpoint is written into ``.tmp-global_step_K-<id>/``, every file is fsynced, the
-``complete`` marker is written and fsynced, then the directory is renamed to ``global_step_K``
-(rename is atomic on POSIX file systems). A killed save leaves only a ``.tmp-*`` directory, which
-resume ignores (and says so); a ``global_step_*`` directory without ``complete`` is skipped with a
-message and the previous complete checkpoint is used.
-
-Integrity and safety: a checkpoint is treated as hostile. Before anything reads one (resume, before Ray
-starts; the export command), :func:`verify_checkpoint` refuses any link or special file in it, any file
-outside its manifest, any file whose size or sha256 differs from what the save recorded, and any file a
-load parses that is not what its reader trusts (bounded JSON, safetensors headers inside their files, the
-dist-checkpoint index through the restricted unpickler with every storage entry inside its directory,
-``common.pt`` and the split-placement state as plain data). Each refusal is one message naming the file
-(:class:`CheckpointRefused`, exit 2). Nothing falls back on its own: the message names the previous
-complete checkpoint, which the user resumes from with ``trainer.resume_mode=resume_path``. A checkpoint
-written before manifests skips only the manifest comparison, and resume says so.
-
-What the run draws random numbers from, and how each is restored:
-
-- rollout sampling: seeds derived from ``trainer.seed`` and the step (``verl_lite.utils.seeds``),
-  validation seeds from ``trainer.seed``; mini-batch shuffling from ``trainer.seed`` and the step:
-  all restored by restoring ``global_step``;
-- data order: ``data.seed`` and the epoch (``verl_lite.data.iterate_batches``): restored by the data
-  position (epoch, batches consumed in it), which also covers DAPO's extra generation batches;
-- anything that uses the driver's global RNGs (e.g. a reward function calling ``random``): python
-  ``random``, torch and numpy global states are saved and restored;
-- each worker's torch RNG (dropout, if a model had any): saved per rank, restored when the layout is
-  the same (a per-rank stream means nothing in another layout).
-
-Never unpickled: the driver state is JSON + safetensors; the engine side is described in
-``verl_lite.engine.checkpoint``.
+Random numbers: rollout, validation and shuffle seeds derive from ``trainer.seed`` and the step, the data
+order from ``data.seed`` and the epoch, so restoring ``global_step`` and the data position (which also covers
+DAPO's extra generation batches) restores them. The driver's python, torch and numpy global RNGs are saved;
+each worker's torch RNG is saved per rank and restored when the layout is the same. Nothing is unpickled: the
+driver state is JSON + safetensors (the engine side: ``verl_lite.engine.checkpoint``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -66,6 +35,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from verl_lite.errors import BadInput
@@ -104,11 +74,8 @@ def is_complete(path: Path) -> bool:
 
 
 def step_of(path: Path) -> int | None:
-    name = path.name
-    if not name.startswith(PREFIX):
-        return None
-    tail = name[len(PREFIX):]
-    return int(tail) if tail.isdigit() else None
+    tail = path.name.removeprefix(PREFIX)
+    return int(tail) if tail != path.name and tail.isdigit() else None
 
 
 def list_checkpoints(root: Path, quiet: bool = False) -> list[tuple[int, Path]]:
@@ -161,19 +128,15 @@ def build_manifest(directory: Path) -> dict[str, dict]:
     return {rel: {"size": sizes[rel], HASH_NAME: digests[rel]} for rel in sorted(sizes)}
 
 
-def _read_marker(path: Path, fix: str | None) -> dict:
-    try:
-        data = safe_files.read_json(path, COMPLETE)
-    except safe_files.UnsafeFile as e:
-        raise CheckpointRefused(f"checkpoint marker {e}", fix) from None
-    if not isinstance(data, dict):
-        raise CheckpointRefused(f"checkpoint marker {path / COMPLETE} holds no JSON object", fix)
-    return data
-
-
 def _manifest(path: Path, fix: str | None) -> dict[str, dict] | None:
     """The marker's manifest (None: written before manifests), each entry checked to be well formed."""
-    files = _read_marker(path, fix).get(MANIFEST_KEY)
+    try:
+        marker = safe_files.read_json(path, COMPLETE)
+    except safe_files.UnsafeFile as e:
+        raise CheckpointRefused(f"checkpoint marker {e}", fix) from None
+    if not isinstance(marker, dict):
+        raise CheckpointRefused(f"checkpoint marker {path / COMPLETE} holds no JSON object", fix)
+    files = marker.get(MANIFEST_KEY)
     if files is None:
         return None
     ok = isinstance(files, dict) and all(
@@ -202,14 +165,10 @@ def _damage(path: Path, manifest: dict[str, dict], on_disk: dict[str, int]) -> l
 
 def verify_checkpoint(path: Path, fix: str | None = None, under: str | None = None) -> int:
     """Check checkpoint ``path`` before anything reads it; raise :class:`CheckpointRefused` naming the first
-    file that fails, with ``fix`` as the remedy. Returns how many files the manifest verified (0: a checkpoint
-    written before manifests, which is said once; its structure and contents are checked all the same).
-
-    1. the tree holds only regular files and directories (no link, FIFO or device anywhere);
-    2. with a manifest: no file outside it, and each file's size, then sha256, as the save recorded;
-    3. the contents a load trusts (:func:`check_contents`): each role's dist-checkpoint directory, every
-       safetensors header, every JSON file, the split-placement state.
-    ``under`` (e.g. the role an export reads) limits the manifest's hashing to that sub-directory."""
+    file that fails, with ``fix`` as the remedy: 1. only regular files and directories (no link, FIFO or
+    device); 2. with a manifest: no file outside it, each file's size, then sha256, as the save recorded;
+    3. :func:`check_contents`. ``under`` (the role an export reads) limits the hashing to that directory.
+    Returns how many files the manifest verified (0: a checkpoint written before manifests, which is said)."""
     path = Path(path)
     try:
         on_disk = safe_files.scan_tree(path)
@@ -238,8 +197,8 @@ CONFIG_FILE_LIMIT = 256 * safe_files.MIB  # a file of hf_config/ (config.json, t
 
 
 def check_contents(path: Path, on_disk: dict[str, int], fix: str | None = None) -> None:
-    """Every file of the checkpoint that a load parses, checked as its reader will trust it (see
-    :func:`verify_checkpoint`); :class:`CheckpointRefused` naming the file otherwise."""
+    """Every file a load parses, checked as its reader will trust it: each role's dist-checkpoint index
+    through the restricted unpickler, every safetensors header, every JSON file (bounded)."""
     from verl_lite.engine.checkpoint import UnsafeCheckpointFile, check_dist_dir
 
     try:
@@ -260,9 +219,8 @@ def check_contents(path: Path, on_disk: dict[str, int], fix: str | None = None) 
 
 
 def read_async_state(path: Path, fix: str | None = None) -> dict:
-    """``path/ASYNC_FILE`` (split placement: the policy version and the batches generated ahead), loaded with
-    ``weights_only=True`` and rebuilt into rollout items; :class:`CheckpointRefused` naming the file when it
-    does not hold that."""
+    """``path/ASYNC_FILE`` (the policy version and the rollouts ahead), loaded with ``weights_only=True`` and
+    rebuilt into rollout items; :class:`CheckpointRefused` naming the file when it does not hold that."""
     from verl_lite.controller.pipeline import RolloutItem
 
     file = path / ASYNC_FILE
@@ -318,35 +276,22 @@ def read_driver_state(path: Path, fix: str | None = None) -> DriverState:
     return state
 
 
-def _python_state_to_json(state) -> list:
-    version, internal, gauss = state
-    return [version, list(internal), gauss]
-
-
 def _python_state_from_json(data) -> tuple:
+    """``random.getstate()`` from its JSON form (lists for tuples)."""
     version, internal, gauss = data
     return (version, tuple(internal), gauss)
 
 
 def _global_rng_tensors() -> dict[str, torch.Tensor]:
-    out = {"torch": torch.get_rng_state()}
-    try:
-        import numpy as np
-
-        name, keys, pos, has_gauss, cached = np.random.get_state()
-        out["numpy_keys"] = torch.from_numpy(keys.astype("int64"))
-        out["numpy_meta"] = torch.tensor([pos, has_gauss], dtype=torch.int64)
-        out["numpy_cached"] = torch.tensor([cached], dtype=torch.float64)
-    except ImportError:  # pragma: no cover
-        pass
-    return out
+    _name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(keys.astype("int64")),
+            "numpy_meta": torch.tensor([pos, has_gauss], dtype=torch.int64),
+            "numpy_cached": torch.tensor([cached], dtype=torch.float64)}
 
 
 def _restore_global_rng(t: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(t["torch"])
     if "numpy_keys" in t:
-        import numpy as np
-
         pos, has_gauss = (int(x) for x in t["numpy_meta"].tolist())
         np.random.set_state(("MT19937", t["numpy_keys"].numpy().astype("uint32"), pos, has_gauss,
                              float(t["numpy_cached"][0])))
@@ -398,16 +343,12 @@ def _fsync_tree(path: Path) -> None:
 
 
 def _fsync_dir(path: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # some file systems refuse a directory's fsync
         fd = os.open(str(path), os.O_RDONLY)
-    except OSError:  # pragma: no cover
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover - some file systems refuse directory fsync
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def fresh_dir_beside(final: Path) -> Path:
@@ -418,16 +359,21 @@ def fresh_dir_beside(final: Path) -> Path:
     return tmp
 
 
+def _remove_aside(path: Path) -> None:
+    """Rename ``path`` (a directory, a file or a link) aside, atomically: never a half-deleted checkpoint that
+    looks complete; then remove it without following any link in it."""
+    old = path.parent / f".old-{path.name}-{uuid.uuid4().hex[:8]}"
+    os.replace(path, old)
+    if old.is_symlink() or not old.is_dir():
+        old.unlink()
+    else:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def publish_dir(tmp: Path, final: Path) -> None:
-    """Put the finished directory ``tmp`` at ``final``: whatever is there (a directory, a file or a link) is
-    first renamed aside and then removed without following any link in it; nothing is written through it."""
+    """Put the finished directory ``tmp`` at ``final``; whatever is there is removed aside, never written through."""
     if os.path.lexists(final):
-        old = final.parent / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
-        os.replace(final, old)
-        if old.is_symlink() or not old.is_dir():
-            old.unlink()
-        else:
-            shutil.rmtree(old, ignore_errors=True)
+        _remove_aside(final)
     os.replace(tmp, final)
     _fsync_dir(final.parent)
 
@@ -451,15 +397,17 @@ class CheckpointManager:
         tr = cfg.trainer
         self.cfg, self.train_dataset = cfg, train_dataset  # the dataset: for the fingerprint of in-memory rows
         self.ignore_fingerprint = bool(getattr(tr, "resume_ignore_fingerprint", False))
-        self._fingerprint: dict | None = None
-        self.root = checkpoint_root(tr)
-        self.save_freq = tr.save_freq
-        self.keep = tr.max_actor_ckpt_to_keep
+        self.root, self.save_freq, self.keep = checkpoint_root(tr), tr.save_freq, tr.max_actor_ckpt_to_keep
         self.resume_mode = tr.resume_mode
         self.resume_from = Path(tr.resume_from_path).expanduser().resolve() if tr.resume_from_path else None
-        self.resumed_from: Path | None = None
         self.last_saved_step: int | None = None
+        self._fingerprint: dict | None = None
         self._checked: tuple | None = None  # prepare_resume()'s result: (path, driver state, async state, what was verified)
+
+    def data_cursor(self) -> DataCursor:
+        """The train prompt batches from the start of the data order (``data.seed``, ``data.shuffle``)."""
+        d = self.cfg.data
+        return DataCursor(self.train_dataset, d.train_batch_size, d.shuffle, d.seed)
 
     # ---------------------------------------------------------------- resume
     def resume_path(self) -> Path | None:
@@ -485,11 +433,9 @@ class CheckpointManager:
         return "restore it from a copy, or start afresh with trainer.resume_mode=disable"
 
     def prepare_resume(self) -> None:
-        """Choose the checkpoint ``resume_mode`` selects and check it before any process reads it: every file
-        against its manifest (:func:`verify_checkpoint`), each role's dist-checkpoint index through the
-        restricted unpickler, the driver state, and the keys that must not change. Raises
-        :class:`CheckpointRefused` naming the file. ``PPOTrainer.start`` calls it before Ray starts;
-        :meth:`resume` uses its result (and calls it itself when nothing did)."""
+        """Choose the checkpoint ``resume_mode`` selects and check it before Ray starts (``PPOTrainer.start``):
+        :func:`verify_checkpoint`, the driver and pipeline state, the keys that must not change, the fingerprint.
+        :meth:`resume` uses the result (and calls it itself when nothing did)."""
         path = self.resume_path()
         if path is None:
             self._checked = (None, None, None, "")
@@ -519,8 +465,7 @@ class CheckpointManager:
                          f"{n} files verified in {time.perf_counter() - t0:.1f}s" if n else "unverified")
 
     def _check_roles(self, path: Path, fix: str) -> None:
-        """The files a resume loads exist: the driver's RNG, the actor's state, and the critic's when this run
-        trains one (:class:`CheckpointRefused` naming what is missing)."""
+        """The files a resume loads exist: the driver's RNG, the actor's state, the critic's when this run has one."""
         from verl_lite.algorithms import estimator_needs
 
         needed = [DRIVER_RNG, "actor/dist"]
@@ -540,8 +485,8 @@ class CheckpointManager:
         return self._fingerprint
 
     def _check_fingerprint(self, path: Path) -> None:
-        """Refuse (:class:`CheckpointRefused`) a checkpoint of another model, train data or math keys, naming
-        each difference, unless ``trainer.resume_ignore_fingerprint``; one without a fingerprint is said."""
+        """Refuse a checkpoint of another model, train data or math keys, naming each difference, unless
+        ``trainer.resume_ignore_fingerprint``; one without a fingerprint is said."""
         from verl_lite.trainer import fingerprint as fp
 
         file = path / fp.FILE
@@ -563,8 +508,7 @@ class CheckpointManager:
 
     def resume(self, trainer) -> DataCursor:
         """Load the checkpoint ``resume_mode`` selects (if any) into the trainer; return the data cursor."""
-        d = self.cfg.data
-        cursor = DataCursor(trainer.train_dataset, d.train_batch_size, d.shuffle, d.seed)
+        cursor = self.data_cursor()
         if self._checked is None:
             self.prepare_resume()
         (path, state, async_state, verified), self._checked = self._checked, None
@@ -583,7 +527,6 @@ class CheckpointManager:
         _restore_global_rng(load_file(str(path / DRIVER_RNG)))
         cursor.epoch, cursor.batch = state.data_epoch, state.data_batch
         trainer.resumed_async_state = async_state  # split placement: its in-flight rollout batches, or None
-        self.resumed_from = path
         self.last_saved_step = trainer.global_step
         layout = infos["actor"][0]["layout"]
         rng = all(i["rng_restored"] for role in infos.values() for i in role)
@@ -623,15 +566,14 @@ class CheckpointManager:
         step = trainer.global_step
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"{PREFIX}{step}"
-        tmp = self.root / f".tmp-{PREFIX}{step}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
+        tmp = fresh_dir_beside(final)
         trainer.actor.call_all("save_checkpoint", str(tmp / "actor"), str(tmp / HF_DIR))
         if getattr(trainer, "critic", None) is not None:
             trainer.critic.call_all("save_checkpoint", str(tmp / "critic"))
         state = DriverState(
             global_step=step, data_epoch=cursor.epoch, data_batch=cursor.batch,
             kl_coef=None if trainer.kl_ctrl is None else float(trainer.kl_ctrl.value),
-            python_random=_python_state_to_json(random.getstate()), config_digest=_config_digest(self.cfg),
+            python_random=list(random.getstate()), config_digest=_config_digest(self.cfg),
         )
         (tmp / DRIVER_STATE).write_text(json.dumps(asdict(state)))
         from verl_lite.trainer.fingerprint import FILE as FINGERPRINT
@@ -652,22 +594,7 @@ class CheckpointManager:
         return final
 
     def _retain(self) -> None:
-        if self.keep is None:
-            return
-        found = list_checkpoints(self.root, quiet=True)
-        for _step, path in found[:-self.keep]:
-            if path == self.resumed_from and len(found) <= self.keep:  # pragma: no cover
-                continue
-            doomed = self.root / f".old-{path.name}-{uuid.uuid4().hex[:8]}"
-            os.replace(path, doomed)  # atomic: never a half-deleted checkpoint that looks complete
-            shutil.rmtree(doomed, ignore_errors=True)
-
-    def export_final(self, trainer) -> Path:
-        """The current policy as ``<root>/huggingface`` (replaced atomically), without a checkpoint."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        final = self.root / HF_DIR
-        tmp = fresh_dir_beside(final)
-        trainer.actor.call_all("export_hf_dir", str(tmp))
-        _fsync_tree(tmp)
-        publish_dir(tmp, final)
-        return final
+        """``trainer.max_actor_ckpt_to_keep``: only the newest complete checkpoints stay."""
+        if self.keep is not None:
+            for _step, path in list_checkpoints(self.root, quiet=True)[:-self.keep]:
+                _remove_aside(path)

@@ -3,16 +3,10 @@
     python -m verl_lite.trainer.export <checkpoint> [--out DIR]
 
 ``<checkpoint>`` is a ``global_step_K`` directory, or a ``trainer.default_local_dir`` (then its newest
-complete checkpoint). ``--out`` defaults to ``<checkpoint>/huggingface``. The checkpoint's shards
-are resharded by megatron's dist_checkpointing into one process (whatever TP/PP/VPP/CP/DP wrote
-them), then written as ``model.safetensors`` + ``config.json`` + the tokenizer, loadable with
-``transformers.AutoModelForCausalLM.from_pretrained(DIR)``. Only the model weights are read (no
-optimizer state); nothing is unpickled (see ``verl_lite.engine.checkpoint``). Runs on CPU. It prints
-the step it exported, the parallel layout the shards were saved at, and the files it wrote.
-
-Before anything is read, the role's files are checked against the checkpoint's manifest and its
-dist-checkpoint index through the restricted unpickler (``verl_lite.trainer.checkpointing``); a
-damaged or unsafe checkpoint is refused naming the file (exit 2).
+complete checkpoint). The shards (any TP/PP/VPP/CP/DP) are resharded by megatron's dist_checkpointing into
+one CPU process and written as ``model.safetensors`` + ``config.json`` + the tokenizer (``--out``, default
+``<checkpoint>/huggingface``). Only the model weights are read, after the checkpoint is verified
+(``checkpointing.verify_checkpoint``: a damaged or unsafe one is refused naming the file, exit 2).
 """
 
 from __future__ import annotations
@@ -87,7 +81,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path | None = None, rol
 
             merged = dict(merge_into(export_hf(chunks, hf_config), export_adapter_state(chunks), lora.scaling))
             save_hf_pretrained(merged, hf_config, out, tokenizer_path=str(config_dir))
-            save_lora_adapter(chunks, lora, out / LORA_ADAPTER_DIR)
+            save_lora_adapter(chunks, lora, out / LORA_ADAPTER_DIR, base_model_path=_base_model_path(ckpt, role))
         publish_dir(out, final)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
@@ -95,6 +89,20 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path | None = None, rol
     finally:
         destroy_distributed()
     return final
+
+
+def _base_model_path(ckpt: Path, role: str) -> str | None:
+    """The model a role's adapter applies to (PEFT's ``base_model_name_or_path``, which
+    ``AutoPeftModelForCausalLM`` loads): the run's ``actor_rollout_ref.model.path`` from the checkpoint's
+    fingerprint for the actor; None for a critic or a checkpoint saved without one."""
+    from verl_lite.trainer import fingerprint
+
+    if role != "actor" or not (ckpt / fingerprint.FILE).is_file():
+        return None
+    saved = safe_files.read_json(ckpt, fingerprint.FILE)
+    model = saved.get("model") if isinstance(saved, dict) else None
+    path = model.get("path") if isinstance(model, dict) else None
+    return path if isinstance(path, str) else None
 
 
 def _checkpoint_lora(role_dir: Path):

@@ -3,24 +3,18 @@
     fp = run_fingerprint(cfg, train_dataset)       # a JSON-able dict; saved as global_step_K/fingerprint.json
     differences(saved_fp, fp) -> list[str]          # one line per part that differs; [] = the same run
 
-A fingerprint has three parts, each cheap to compute (no tensor is read):
+Three parts, none of which reads a tensor:
 
-- ``model``: sha256 of the model's ``config.json``, of each ``*.safetensors`` file's header (tensor names,
-  dtypes, shapes, offsets) with the file's size, and of the tokenizer's ``tokenizer.json`` /
-  ``tokenizer_config.json`` (the chat template lives there);
-- ``data``: sha256 of each file of ``data.train_files`` (parquet is compressed, so hashing it is fast),
-  or of the rows themselves for an in-memory dataset (the Python API). The validation files are not
-  part of it: a resumed run may validate on other prompts without changing what it trains;
-- ``config``: the values of :data:`MATH_KEYS`, the keys that change the objective, the samples or the
-  update (estimator, loss mode and aggregation, clip ranges, KL, lr, batch sizes, sampling, lengths,
-  reward function). Keys that only change how the same math is computed (layouts, micro-batch sizes,
-  dtypes, step counts, logging) are not in it, nor the data position keys that the driver state
-  already pins (``data.train_batch_size``, ``data.seed``, ``data.shuffle``, ``trainer.seed``).
+- ``model``: sha256 of ``config.json``, of each ``*.safetensors`` header (with the file's size) and of the
+  tokenizer files (the chat template lives there);
+- ``data``: sha256 of each ``data.train_files`` file, or of the in-memory rows (the Python API); not the
+  validation files: a resumed run may validate on other prompts without changing what it trains;
+- ``config``: the values of :data:`MATH_KEYS`, the keys that change the objective, the samples or the update.
+  Keys that only change how the same math is computed (layouts, micro-batch sizes, dtypes, step counts,
+  logging) are not in it, nor the data position keys the driver state already pins.
 
-Resuming (``trainer.resume_mode=auto`` or ``resume_path``) from a checkpoint whose fingerprint differs
-is refused before Ray starts (``CheckpointManager.prepare_resume``, exit 2), naming every difference;
-``trainer.resume_ignore_fingerprint=true`` resumes anyway. A checkpoint without ``fingerprint.json``
-(saved by an older verl_lite) is resumed unchecked, and resume says so.
+A differing fingerprint is refused by ``CheckpointManager.prepare_resume``, naming every difference, unless
+``trainer.resume_ignore_fingerprint=true``.
 """
 
 from __future__ import annotations
@@ -111,8 +105,7 @@ def differences(saved: dict, now: dict) -> list[str]:
     """One line per part of the fingerprint that differs, naming the key and both sides; [] = the same run."""
     out = []
     sm, nm = saved.get("model", {}), now["model"]
-    if {k: sm.get(k) for k in ("config", "weights", "tokenizer")} != {k: nm[k] for k in ("config", "weights", "tokenizer")}:
-        what = [part for part in ("config", "weights", "tokenizer") if sm.get(part) != nm[part]]
+    if what := [part for part in ("config", "weights", "tokenizer") if sm.get(part) != nm[part]]:
         out.append(f"the model (actor_rollout_ref.model.path: saved from {sm.get('path')!r}, now {nm['path']!r}; "
                    f"its {' and '.join('config.json' if p == 'config' else p for p in what)} differ)")
     sd, nd = saved.get("data", {}), now["data"]

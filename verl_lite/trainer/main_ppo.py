@@ -17,7 +17,8 @@ it is created and checked writable before Ray starts. It also holds ``config.jso
 ``--recipe FILE.yaml`` (repeatable) applies a YAML file of overrides (nested keys, as in
 docs/config.md) before the command-line ones, e.g. ``--recipe recipes/gspo.yaml``; a shipped
 recipe can be named from any directory: ``--recipe gspo``. verl's ``--config-path`` / ``--config-name
-ppo_megatron_trainer`` head is passed over (it names the one config there is).
+ppo_megatron_trainer`` head is passed over (it names the one config there is); a config of one's own
+(``--config-name my_grpo``) is read as the first recipe.
 
 Failures end as one readable block on stderr (what failed, the key or file/row, the fix) with
 exit code 2 for bad input (config, data, output dir) and 1 for runtime failures; ``--debug`` or
@@ -37,6 +38,7 @@ if __name__ == "__main__":  # the CLI: a signal before the run's own handler end
 
     exit_on_early_signals()
 
+import contextlib
 import os
 import sys
 import threading
@@ -44,7 +46,7 @@ import traceback
 from pathlib import Path
 
 from verl_lite.errors import ConfigError, RunInterrupted, describe
-from verl_lite.trainer.stop_signals import SIGNALS, STOP_GRACE_S  # noqa: F401 (STOP_GRACE_S: part of the CLI's API)
+from verl_lite.trainer.stop_signals import SIGNALS
 from verl_lite.utils.quiet import quiet_process
 
 DEBUG_ENV = "VERL_LITE_DEBUG"
@@ -53,27 +55,25 @@ DEBUG_ENV = "VERL_LITE_DEBUG"
 class RunState:
     """What a run has got to: filled by :func:`run`, read by :func:`main` to report a failure."""
 
-    def __init__(self):
-        self.run_dir: Path | None = None
-        self.trainer = None
+    trainer = None
+
+    @property
+    def run_dir(self) -> Path | None:
+        return getattr(self.trainer, "run_dir", None)
 
 
 def run(overrides: list[str], state: RunState | None = None) -> dict:
     """Train with the given overrides; returns the summary dict (raises on any error)."""
     from verl_lite.config.loader import Problems, load_config  # inside: an incompatible library is reported like any error
     from verl_lite.trainer.ppo_trainer import PPOTrainer
-    from verl_lite.trainer.training_run import train_and_summarize
-    from verl_lite.trainer.run_dir import make_run_dir
+    from verl_lite.trainer.training_run import train_in_run_dir
 
     state = state if state is not None else RunState()
     problems = Problems()
     cfg = load_config(overrides, problems)  # the config of the overrides that fit; their problems kept
-    trainer = PPOTrainer(cfg, problems=problems)  # pre-flight: every problem at once; nothing started yet
-    state.trainer = trainer
+    trainer = state.trainer = PPOTrainer(cfg, problems=problems)  # pre-flight: every problem at once
     try:
-        out = make_run_dir(cfg.trainer.output_dir, cfg.trainer.experiment_name)
-        state.run_dir = trainer.run_dir = out  # as fit() does: the trainer writes its files there too
-        return train_and_summarize(cfg, trainer, out)
+        return train_in_run_dir(trainer)
     finally:
         trainer.reward_manager.close()
 
@@ -99,17 +99,17 @@ def resolve_recipe(name_or_path: str) -> Path:
                        f"path or one of {shipped}"])
 
 
-VERL_TRAINER_CONFIGS = ("ppo_megatron_trainer", "ppo_trainer")  # verl's --config-name values the schema stands for
+def verl_config_file(config_path: str | None, config_name: str) -> Path | None:
+    """verl's Hydra head ``--config-path P --config-name N``: None where N is verl's trainer config (the one config
+    verl_lite has, in verl's vocabulary); else the user's YAML ``P/N.yaml`` (P relative to the working directory),
+    which ``load_config`` applies first, as Hydra composes it under the command line's overrides."""
+    from verl_lite.config.loader import VERL_TRAINER_CONFIGS  # inside: as run()'s, a library failure is reported
 
-
-def _check_verl_config_name(value: str) -> None:
-    """verl's Hydra head, ``--config-path=config --config-name=ppo_megatron_trainer``, names the one config verl_lite
-    has (verl's trainer config, in its vocabulary): passed over. A config of the user's own is refused with the fix:
-    it is a Hydra composition (``defaults:``), which is not read; its settings go in as overrides or a recipe."""
-    if Path(value.strip("'\"")).stem not in VERL_TRAINER_CONFIGS:
-        raise ConfigError([f"--config-name={value}: verl_lite has one config, verl's trainer config "
-                           f"({' / '.join(VERL_TRAINER_CONFIGS)}); give your settings as key=value overrides or as a "
-                           f"YAML of nested keys with --recipe FILE.yaml (docs/config.md)"])
+    name = config_name.strip("'\"")
+    if Path(name).stem in VERL_TRAINER_CONFIGS:
+        return None
+    file = Path(config_path.strip("'\"") if config_path else ".") / name
+    return file if file.suffix in (".yaml", ".yml") else file.with_name(file.name + ".yaml")
 
 
 FLAG_VALUES = {"--recipe": "a file path", "--config-path": "a value", "--config-name": "a value"}  # flags with a value
@@ -130,9 +130,9 @@ def _flag_at(argv: list[str], i: int) -> tuple[str, str, int] | None:
 
 def expand_recipes(argv: list[str]) -> list[str]:
     """``--recipe FILE`` / ``--recipe=FILE`` arguments -> ``--recipe=<resolved path>`` items, which ``load_config``
-    merges (OmegaConf.merge) where it stands: later items override it. verl's ``--config-path`` / ``--config-name``
-    (``_check_verl_config_name``) are passed over."""
-    out, i = [], 0
+    applies where it stands: later items override it. verl's ``--config-path`` / ``--config-name`` head: a config of
+    the user's own goes first (``verl_config_file``), verl's trainer config is passed over."""
+    out, i, config_path, config_name = [], 0, None, None
     while i < len(argv):
         found = _flag_at(argv, i)
         if found is None:
@@ -142,9 +142,12 @@ def expand_recipes(argv: list[str]) -> list[str]:
         flag, value, i = found
         if flag == "--recipe":
             out.append(f"--recipe={resolve_recipe(value)}")
-        elif flag == "--config-name":
-            _check_verl_config_name(value)
-    return out
+        elif flag == "--config-path":
+            config_path = value
+        else:
+            config_name = value
+    own = verl_config_file(config_path, config_name) if config_name else None
+    return [f"--recipe={own}"] * (own is not None) + out
 
 
 def _report(err: BaseException, state: RunState, debug: bool) -> int:
@@ -153,12 +156,10 @@ def _report(err: BaseException, state: RunState, debug: bool) -> int:
     tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))
     log_note = ""
     if state.run_dir is not None:
-        try:
+        with contextlib.suppress(OSError):
             with open(state.run_dir / "run.log", "a") as f:
                 f.write(f"{block}\n\n{tb}")
             log_note = f"; log: {state.run_dir / 'run.log'}"
-        except OSError:
-            pass
     if debug:
         print(tb, file=sys.stderr)
     elif not isinstance(err, RunInterrupted):

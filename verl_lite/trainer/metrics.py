@@ -1,8 +1,5 @@
-"""Step metrics: timing, masked statistics for logging, and the metrics.jsonl / curve writers.
-
-Only logging statistics live here (means and maxima of tensors that already exist); the RL math
-is in ``verl_lite.algorithms``.
-"""
+"""Step metrics: timing, logging statistics of tensors that already exist (the RL math is in
+``verl_lite.algorithms``), and the metrics.jsonl / curve writers."""
 
 from __future__ import annotations
 
@@ -65,7 +62,7 @@ class JsonlWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "w")
 
-    def write(self, record: dict) -> None:
+    def log(self, record: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self._file.write(json.dumps(clean) + "\n")
         self._file.flush()
@@ -82,14 +79,15 @@ REWARD_PANEL = (  # (metric, label, line style, color) of the first panel; all l
 )
 
 
+def _series(records: list[dict], key: str) -> list[tuple]:
+    """(step, value) of every record holding a number under ``key``."""
+    return [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+
+
 def reward_panel_lines(records: list[dict]) -> list[tuple[str, list, str, str]]:
     """(label, [(step, value)], style, color) of every REWARD_PANEL metric the records hold."""
-    out = []
-    for key, label, style, color in REWARD_PANEL:
-        points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
-        if points:
-            out.append((label, points, style, color))
-    return out
+    lines = [(label, _series(records, key), style, color) for key, label, style, color in REWARD_PANEL]
+    return [line for line in lines if line[1]]
 
 
 def plot_curves(records: list[dict], path: str | Path) -> Path:
@@ -99,10 +97,7 @@ def plot_curves(records: list[dict], path: str | Path) -> Path:
     own matplotlib settings are left alone."""
     from matplotlib.figure import Figure
 
-    def series(key):
-        return [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
-
-    critic = series("critic/vf_loss")
+    critic = _series(records, "critic/vf_loss")
     fig = Figure(figsize=(12 if critic else 7, 4))
     axes = fig.subplots(1, 2 if critic else 1, squeeze=False)
     ax = axes[0][0]
@@ -115,7 +110,7 @@ def plot_curves(records: list[dict], path: str | Path) -> Path:
     if critic:
         ax = axes[0][1]
         ax.plot(*zip(*critic), label="critic value loss", color="tab:red")
-        explained = series("critic/explained_variance")
+        explained = _series(records, "critic/explained_variance")
         if explained:
             ax.plot(*zip(*explained), label="explained variance", color="tab:green")
         ax.set_xlabel("RL step")

@@ -24,18 +24,15 @@ One RL step:
    10. weight sync   the rollout source's ``after_update`` (split placement: publish to the pipeline)
    11. metrics, validation every test_freq
 
-No formula lives here: the math is in ``verl_lite.algorithms``, the data movement in
-``verl_lite.controller`` (one ``RoleGroup`` per role, each with its own layout and process
-group). GRPO, GSPO, DAPO, PPO ... differ only by config. The stages live beside this module:
-``api`` (the Python API's translation), ``placement`` (Ray and the roles), ``rollout_stage`` (rollouts,
-scores and the rollout sources), ``update_stage`` (forward passes and updates), ``validation``.
+No formula lives here: the math is in ``verl_lite.algorithms``, the data movement in ``verl_lite.controller``
+and the stages beside this module (``placement``, ``rollout_stage``, ``rollout_sources``, ``update_stage``,
+``validation``). GRPO, GSPO, DAPO, PPO ... differ only by config.
 """
 
 from __future__ import annotations
 
-import sys
-
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -44,54 +41,36 @@ import torch
 from verl_lite.agent.metrics import agent_metrics
 from verl_lite.agent.preflight import single_turn_rows_warning, agent_spec, enable_for_python_tools
 from verl_lite.algorithms import (apply_kl_penalty, compute_advantage, estimator_needs, explained_variance,
-                                  get_kl_controller, rollout_correction, truncated_is_weights)
+                                  get_kl_controller)
 from verl_lite.config import validate_config
 from verl_lite.config.preflight import check_model_files, preflight
-from verl_lite.data import iterate_batches
 from verl_lite.errors import Problems
 from verl_lite.protocol import Batch, response_lengths
 from verl_lite.trainer import metrics as M
 from verl_lite.trainer import validation
-from verl_lite.trainer.api import check_reward_inputs, load_tokenizer, make_datasets, make_reward, use_api_arguments
+from verl_lite.trainer.api import (check_reward_inputs, load_tokenizer, make_datasets, make_reward,
+                                   reward_functions_only, use_api_arguments)
 from verl_lite.trainer.callbacks import CallbackList
-from verl_lite.trainer.checkpointing import CheckpointManager
+from verl_lite.trainer.checkpointing import CheckpointManager, DataCursor
 from verl_lite.trainer.placement import PlacedRole, Placement
 from verl_lite.trainer.rollout_sources import ColocatedRollouts, open_rollout_source
 from verl_lite.trainer.rollout_stage import Rollouts
 from verl_lite.trainer.run_lock import lock_checkpoint_dir
 from verl_lite.trainer.tracking import COMPLETIONS_KEY
 from verl_lite.trainer.training_run import train_in_run_dir
-from verl_lite.trainer.update_stage import Updates, correction_settings, off_policy, old_log_probs_from_update
+from verl_lite.trainer.update_stage import Updates, old_log_probs_from_update
 
 
 class PPOTrainer:
-    """The RL loop, and the Python API.
+    """The RL loop, and the Python API (docs/python_api.md: the rewards, datasets and TRL's argument names).
 
-        trainer = PPOTrainer(cfg, reward_funcs=[f, g], reward_weights=[1.0, 0.5],
-                             train_dataset=rows, val_dataset=held_out)
+        trainer = PPOTrainer(cfg, reward_funcs=[f, g], reward_weights=[1.0, 0.5], train_dataset=rows)
         trainer.fit()                      # writes the run directory, as the CLI does
         trainer.save_pretrained("out/")    # the trained policy as an HF model directory
 
-    Rewards, one of:
-    - ``reward_funcs``: TRL-style batched functions (optionally async) that take keyword
-      arguments (``prompts``, ``completions``, ``ground_truth``, ``data_source``, the row's
-      ``extra_info`` keys), combined with ``reward_weights``; a single such function over the whole
-      batch is the custom reward loop (``verl_lite.reward.functions``);
-    - ``reward_fn``: one function in verl's signature, ``reward_fn(data_source, solution_str,
-      ground_truth, extra_info) -> float | dict`` (``reward.reward_manager=naive``) or the batched
-      ``reward_fn(data_sources, solution_strs, ground_truths, extra_infos) -> list`` (``batch``);
-    - neither: the configured ``reward.custom_reward_function`` (or the built-in scorer).
-    Datasets: ``train_dataset`` / ``val_dataset`` as a parquet path, a list of dicts or an HF
-    ``datasets.Dataset`` (default: ``data.train_files`` / ``data.val_files``).
-
-    TRL's names: ``model`` (a local directory or hub id: ``actor_rollout_ref.model.path``; or a
-    ``transformers.PreTrainedModel``, saved under ``trainer.output_dir`` and used from there),
-    ``processing_class`` (the tokenizer, saved next to it: ``model.tokenizer_path``), ``callbacks``
-    (``verl_lite.trainer.callbacks``), ``generation_kwargs`` (passed to the rollout backend;
-    ``temperature``/``top_p``/``top_k`` set the rollout config's keys; what the backend cannot do is
-    refused before start: ``verl_lite.rollout.config.GENERATION_KWARGS``), ``log_completions`` (every
-    logging step's prompts, completions and rewards as a W&B table / TensorBoard text). ``push_to_hub``
-    is refused: nothing here uploads.
+    Rewards: ``reward_funcs`` (TRL-style, batched, keyword arguments; weighed by ``reward_weights``; a model entry,
+    with ``reward_processing_classes``, is the reward-model role: ``api.use_reward_models``), or
+    ``reward_fn`` in verl's signature, or neither: the configured ``reward.custom_reward_function``.
     """
 
     # the placement's started roles (None before start() and after close()); reward_model is the driver's scorer
@@ -102,7 +81,8 @@ class PPOTrainer:
                  train_dataset=None, val_dataset=None, problems=None,
                  model=None, processing_class=None, callbacks=None, generation_kwargs: dict | None = None,
                  log_completions: bool = False, push_to_hub: bool = False, tools=None, interactions=None,
-                 eval_dataset=None, peft_config=None, rollout_func=None, environment_factory=None):
+                 eval_dataset=None, peft_config=None, rollout_func=None, environment_factory=None,
+                 reward_processing_classes=None):
         """Pre-flight, before anything starts: every problem of the config (``problems``: the
         ``config.loader.Problems`` that ``load_config`` filled), the model files, the tokenizer, the
         reward and the data, in one error.
@@ -119,6 +99,7 @@ class PPOTrainer:
             val_dataset = eval_dataset
         self.generation_kwargs = problems.check(use_api_arguments, cfg, model, processing_class,
                                                 dict(generation_kwargs or {}), push_to_hub, peft_config,
+                                                reward_funcs, reward_weights, reward_processing_classes,
                                                 rollout_func=rollout_func, environment_factory=environment_factory) or {}
         self.layout = problems.check(validate_config, cfg, world_size=world_size)
         # a broken config.json, or a policy path already refused (a hub id that cannot be fetched: the tokenizer's
@@ -127,8 +108,8 @@ class PPOTrainer:
                     and not problems.mentions("actor_rollout_ref.model.path", "actor_rollout_ref.model.tokenizer_path"))
         self.tokenizer = problems.check(load_tokenizer, cfg) if model_ok else None
         if not problems.mentions("reward.custom_reward_function"):
-            self.reward_manager = problems.check(make_reward, cfg, self.tokenizer, reward_fn, reward_funcs,
-                                                 reward_weights)
+            self.reward_manager = problems.check(make_reward, cfg, self.tokenizer, reward_fn,
+                                                 *reward_functions_only(reward_funcs, reward_weights))
         if self.tokenizer is not None and not problems.mentions("multi_turn", "rollout.agent"):
             self.agent = problems.check(agent_spec, cfg, tools, interactions, self.tokenizer)  # AgentSpec or None
         data_ok = self.tokenizer is not None and not problems.mentions("data.train_files", "data.val_files")
@@ -168,8 +149,8 @@ class PPOTrainer:
 
     # ================================================================ start / close
     def start(self) -> None:
-        """Lock ``trainer.default_local_dir`` (a run that saves; ``run_lock``), check the checkpoint to resume,
-        start (or join) Ray, place the roles, build engines and rollouts."""
+        """Lock ``trainer.default_local_dir`` (``run_lock``), check the checkpoint to resume, start (or join)
+        Ray, place the roles, build engines and rollouts."""
         if self.actor is not None:
             return
         self._checkpoint_lock = self._checkpoint_lock or lock_checkpoint_dir(self.cfg.trainer)  # before Ray starts
@@ -214,20 +195,15 @@ class PPOTrainer:
         per_step = self.cfg.data.train_batch_size // c.ppo_mini_batch_size * c.ppo_epochs
         return self.total_steps() * per_step
 
-    def _train_batches(self) -> Iterator[list[dict]]:
+    def _train_batches(self) -> DataCursor:
         """Prompt batches (lists of dataset rows) forever, one epoch after another."""
-        d = self.cfg.data
-        epoch = 0
-        while True:
-            yield from iterate_batches(self.train_dataset, d.train_batch_size, d.shuffle, d.seed, epoch)
-            epoch += 1
+        return self.checkpoints.data_cursor()
 
     # ================================================================ one step
     def step(self, batches: Iterator[list[dict]]) -> dict[str, Any]:
-        """One RL step; returns its metrics. ``batches``: the data cursor (prompt batches) the colocated source
-        samples from (DAPO's dynamic sampling takes more); the split placement's pipeline pulls from the cursor
-        it was opened on."""
-        cfg, arr, step = self.cfg, self.cfg.actor_rollout_ref, self.global_step
+        """One RL step; returns its metrics. ``batches``: the data cursor the colocated source samples from
+        (a pipeline pulls from the cursor it was opened on)."""
+        cfg, step = self.cfg, self.global_step
         m: dict[str, Any] = {"step": step + 1}
         recompute_old = not old_log_probs_from_update(cfg)
         update_actor = step >= cfg.trainer.critic_warmup
@@ -248,21 +224,7 @@ class PPOTrainer:
                     baselines = self.rollouts.greedy_baseline(batch, step)
                 m.update(M.stats("remax/baseline_reward", baselines))
             if recompute_old:
-                with M.timer(m, "old_log_prob"):
-                    old = self.updates.compute_old_log_probs(batch)
-                    batch.set("old_log_probs", old["log_probs"]).set("entropy", old["entropy"])
-                # behaviour (rollout) vs old policy: the log-prob gap always; the correction's metrics, and its
-                # weights if asked, off-policy (else the update's forward computes them: Updates.loss_correction);
-                # on-policy the settings ask for neither weights nor rejection (off_policy)
-                corr = rollout_correction(old["log_probs"], batch["rollout_log_probs"], mask, **correction_settings(cfg))
-                m.update({k: float(v) for k, v in corr.metrics.items()
-                          if off_policy(cfg) or k.startswith("rollout/logprob_diff")})
-                cap = arr.actor.tis_imp_ratio_cap
-                if cap > 0:  # rollout/trainer mismatch correction on the policy loss
-                    batch.set("is_weights", truncated_is_weights(old["log_probs"], batch["rollout_log_probs"], mask, cap))
-                    m["rollout/is_weight_mean"] = M.masked_mean(batch["is_weights"], mask)
-                if corr.weights is not None:
-                    batch.set("is_weights", corr.weights)
+                self.updates.old_log_probs_and_correction(batch, m)
             m["actor/old_log_prob_recomputed"] = float(recompute_old)
             if self.need_ref:
                 with M.timer(m, "ref_log_prob"):
@@ -333,10 +295,8 @@ class PPOTrainer:
 
     # ================================================================ the loop
     def fit(self, on_step: Callable[[dict], None] | None = None) -> list[dict]:
-        """Train, writing the same run directory as the CLI (``trainer.output_dir``/<experiment>-<time>:
-        metrics.jsonl, the trainer.logger backends, curves.png, summary.json, config.json, and the
-        final policy as ``huggingface/``); returns every step's metrics. ``on_step(record)`` sees
-        each record as it is logged."""
+        """Train, writing the same run directory as the CLI (``training_run``); returns every step's metrics.
+        ``on_step(record)`` sees each record as it is logged."""
         history: list[dict] = []
 
         def record_step(record: dict) -> None:
@@ -366,11 +326,8 @@ class PPOTrainer:
 
     def run_loop(self, on_step: Callable[[dict], None] | None = None) -> list[dict]:
         """Train for ``total_steps()`` steps (validation per ``test_freq``); returns every step's metrics.
-        Writes no files of its own (checkpoints aside); ``fit()`` and the CLI wrap it with the run dir.
-
-        Starts the workers if needed and always tears them down at the end (also on error); before
-        that, the final policy is exported to ``<run dir>/huggingface`` when a run dir is set.
-        """
+        Starts the workers if needed and always tears them down (also on error), after exporting the final
+        policy to ``<run dir>/huggingface`` when a run dir is set (``fit()`` and the CLI set one)."""
         t = self.cfg.trainer
         history: list[dict] = []
         try:

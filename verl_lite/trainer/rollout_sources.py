@@ -6,11 +6,8 @@ which one runs (docs/async.md):
     source.checkpoint_state(step)                                 # what a checkpoint saves of it (or None)
     source.close()
 
-``ColocatedRollouts``: the actor's workers sample each step (synchronous). ``PipelinedRollouts``: a rollout pool
-samples whole batches ahead on a fixed schedule (one-step-off, ``controller.pipeline``). ``StreamedRollouts``
-(``trainer.v1.trainer_mode=separate_async``): the rollout pool's trajectory streams run continuously and each step
-takes the oldest complete prompt groups within the off-policy bound (``controller.stream``), with partial rollouts.
-``open_rollout_source`` picks one.
+``open_rollout_source`` picks ``ColocatedRollouts`` (synchronous), ``PipelinedRollouts`` (one-step-off, a fixed
+schedule) or ``StreamedRollouts`` (``trainer.v1.trainer_mode=separate_async``, partial rollouts).
 """
 
 from __future__ import annotations
@@ -34,8 +31,7 @@ from verl_lite.utils.seeds import rollout_seed, stream_group_seed
 
 class WeightSync:
     """The actor's weights to a rollout pool: exported once into Ray's object store, loaded by every rollout
-    worker; each call bounded by ``async_training.weight_sync_timeout_s`` (a failure or the bound passing is one
-    PipelineError saying what did not finish)."""
+    worker; each call bounded by ``async_training.weight_sync_timeout_s`` (else one PipelineError)."""
 
     def __init__(self, rollouts: Rollouts):
         self.placement, self.bound = rollouts.placement, rollouts.cfg.async_training.weight_sync_timeout_s
@@ -73,8 +69,7 @@ class ColocatedRollouts:
         return self.rollouts.generate_and_score(next(batches), lambda: next(batches), m, step)
 
     def after_update(self, step: int, m: dict) -> None:
-        """Nothing to send: each worker reloads its rollout from its actor as it next samples
-        (``ActorRolloutRefWorker._catch_up_rollout``, inside the next step's ``timing_s/generate``)."""
+        """Nothing to send: each worker reloads its rollout from its actor as it next samples."""
 
     def checkpoint_state(self, step: int) -> None:
         """Nothing beyond the model: the next step's rollouts are sampled after the resume."""
@@ -91,8 +86,7 @@ class PipelinedRollouts:
 
     def __init__(self, rollouts: Rollouts, batches: Iterator[list[dict]], step: int, total_steps: int,
                  resumed_state: dict | None):
-        """The pipeline over the data cursor ``batches`` from RL step ``step``; resumed (``step`` > 0): the
-        checkpoint's in-flight batches (``resumed_state``) come first, and the rollout pool loads its policy."""
+        """From RL step ``step`` over the data cursor ``batches``; resumed: the checkpoint's in-flight batches first."""
         self.rollouts, self.placement, a = rollouts, rollouts.placement, rollouts.cfg.async_training
         self.weights = WeightSync(rollouts)
         self.pipeline = RolloutPipeline(
@@ -104,8 +98,7 @@ class PipelinedRollouts:
         self.pipeline.start()
 
     def next(self, step: int, batches, m: dict) -> tuple[Batch, torch.Tensor, dict]:
-        """Step ``step``'s batch (generated already, tagged with its policy version), scored here. ``batches``
-        is unused: the pipeline pulls its prompt rows from the cursor it was opened on."""
+        """Step ``step``'s batch (generated already, tagged with its policy version), scored here."""
         item = self.pipeline.next(step)
         scores, extra = self.rollouts.shaped_scores(item.batch, m, step)
         m.update(item.metrics)
@@ -117,8 +110,7 @@ class PipelinedRollouts:
             self.pipeline.publish(step + 1, self.weights.export(step))
 
     def checkpoint_state(self, step: int) -> dict:
-        """The policy version and the batches generated ahead (sampled by older versions, so a checkpoint saves
-        them rather than regenerating them)."""
+        """The policy version and the batches generated ahead (sampled by older versions: saved, not regenerated)."""
         return {"policy_version": step, "in_flight": self.pipeline.in_flight()}
 
     def close(self) -> None:
@@ -133,9 +125,9 @@ class PipelinedRollouts:
 
 class StreamedRollouts:
     """Rollout workers run their trajectory streams continuously (single-turn rows through the single-turn agent
-    loop); each updated policy is loaded into them between backend calls, so trajectories in flight go on with it
-    (partial rollouts, every turn tagged with its version). A checkpoint saves the prompt rows pulled and not yet
-    trained; a resumed run submits them again first."""
+    loop); each step takes the oldest complete prompt groups within the off-policy bound (``controller.stream``).
+    Each updated policy is loaded between backend calls, so trajectories in flight go on with it (partial
+    rollouts). A checkpoint saves the prompt rows pulled and not yet trained; a resumed run submits them first."""
 
     def __init__(self, rollouts: Rollouts, batches: Iterator[list[dict]], step: int, total_steps: int,
                  resumed_state: dict | None):

@@ -141,8 +141,7 @@ class Rollouts:
         fg = cfg.algorithm.filter_groups
         if not fg.enable:
             batch = self.generate(rows, r.n, sampling, base_seed, step)
-            scores, extra = self.shaped_scores(batch, m, step)
-            return batch, scores, extra
+            return (batch, *self.shaped_scores(batch, m, step))
         kept: list[tuple[Batch, torch.Tensor, dict]] = []
         num_groups = dropped = 0
         for round_index in range(fg.max_num_gen_batches):

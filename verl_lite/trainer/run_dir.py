@@ -4,14 +4,14 @@
     # -> <output_dir>/<experiment_name>-<UTC yyyymmdd-HHMMSS>[-k], created atomically and checked writable;
     #    <output_dir>/latest points at it
 
-Two runs started in the same second (or from the same working directory) get different
-directories (``-2``, ``-3``, ... by ``mkdir`` without ``exist_ok``, which is atomic). A directory that
-cannot be created or written raises :class:`~verl_lite.errors.BadInput` naming
-``trainer.output_dir`` before anything else starts.
+Two runs started in the same second get different directories (``-2``, ``-3``, ... by ``mkdir`` without
+``exist_ok``, which is atomic). A directory that cannot be made or written is a :class:`BadInput` naming
+``trainer.output_dir``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -67,7 +67,5 @@ def _point_latest(root: Path, run: Path) -> None:
         tmp.symlink_to(run.name)
         os.replace(tmp, root / LATEST)
     except OSError:
-        try:
+        with contextlib.suppress(OSError):
             tmp.unlink()
-        except OSError:
-            pass

@@ -4,28 +4,19 @@
     ...                                       # start Ray and the workers, train, save global_step_K
     lock.release()                            # also released by the kernel when the driver dies
 
-Two runs given the same ``trainer.default_local_dir`` would both write ``global_step_K`` (and prune
-each other's checkpoints). The driver of a run that saves checkpoints takes an exclusive, non-blocking
-``fcntl.flock`` on the lock file before Ray or any worker starts and holds it until the run ends. A
-second run finds it taken and stops with :class:`CheckpointDirInUse` (exit 2), naming the holder's
-pid and host, which the holder writes into the file as JSON (``pid``, ``host``, ``started``).
-
-A killed holder never blocks: a flock belongs to the open file, which the kernel closes when the
-process dies, so a lock file left by a SIGKILLed driver is stale text and the next run takes the lock
-(and overwrites the text). The descriptor is close-on-exec and closed in forked children, so no
-process the driver starts (Ray, workers, the reward process) keeps the lock alive after the driver.
-The file itself stays (deleting a lock file lets two runs lock two different files); release empties it.
-On NFS, Linux maps flock onto the server's byte-range locks, so runs on different hosts exclude each
-other too.
-
-The lock file is opened with ``O_NOFOLLOW`` and must be a regular file: a symbolic link (or a FIFO)
-planted at its name is refused, never followed, so no file outside the directory is truncated or written.
-
-A run with ``save_freq <= 0`` takes no lock: it only reads complete checkpoints (``resume_mode``).
+Two runs given the same ``trainer.default_local_dir`` would both write ``global_step_K`` and prune each
+other's checkpoints. The driver of a run that saves takes an exclusive, non-blocking ``fcntl.flock`` before Ray
+starts; a second run stops with :class:`CheckpointDirInUse` (exit 2) naming the holder's pid and host, which the
+holder writes into the file as JSON. A flock belongs to the open file, which the kernel closes when its process
+dies, so a SIGKILLed driver never blocks the next run; the descriptor is close-on-exec and closed in forked
+children, so nothing the driver starts keeps it alive. On NFS, Linux maps flock onto the server's byte-range
+locks. The file stays (deleting it would let two runs lock two files); release empties it. It is opened with
+``O_NOFOLLOW`` and must be a regular file: a link or FIFO planted at its name is refused, never followed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -86,10 +77,8 @@ class RunLock:
         if fd is None or self._pid != os.getpid():
             return
         _FORKED_CLOSE.discard(fd)
-        try:
+        with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)
-        except OSError:
-            pass
         os.close(fd)  # closing the only descriptor of the open file releases the flock
 
     def __enter__(self) -> RunLock:
@@ -168,10 +157,8 @@ _FORKED_CLOSE: set[int] = set()
 
 def _close_in_child() -> None:
     for fd in list(_FORKED_CLOSE):
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass
     _FORKED_CLOSE.clear()
 
 

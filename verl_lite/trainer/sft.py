@@ -27,11 +27,12 @@ from pathlib import Path
 import torch
 
 from verl_lite.algorithms import NormalizationPlan
-from verl_lite.data import RLDataset, iterate_batches
+from verl_lite.data import RLDataset
 from verl_lite.engine import EngineConfig, MegatronConfig, MegatronEngine, OptimConfig, SequenceBatch, init_distributed
 from verl_lite.engine.distributed import destroy_distributed
 from verl_lite.reward import default_compute_score
 from verl_lite.rollout import HFRollout
+from verl_lite.trainer.checkpointing import DataCursor
 from verl_lite.utils.net import free_port as _free_port
 
 
@@ -138,7 +139,7 @@ def run_sft(cfg: SFTConfig) -> dict:
                                              seed=cfg.seed))
         rollout = HFRollout(cfg.model_path, tok) if val is not None else None
         history: list[dict] = []
-        t0, step, epoch = time.time(), 0, 0
+        t0 = time.time()
 
         def evaluate() -> float | None:
             if rollout is None:
@@ -146,27 +147,22 @@ def run_sft(cfg: SFTConfig) -> dict:
             rollout.load_weights(engine.export_hf())
             return greedy_accuracy(rollout, val, cfg.max_new_tokens)
 
-        done = False
-        while not done:
-            order = iterate_batches(list(range(len(examples))), cfg.batch_size, shuffle=True, seed=cfg.seed, epoch=epoch)
-            for idx in order:
-                step += 1
-                m = sft_step(engine, [examples[j] for j in idx], cfg.micro_batch_size)
-                rec = {"step": step, "nll": m.get("nll"), "grad_norm": m["grad_norm"], "lr": m["lr"],
-                       "time_s": round(time.time() - t0, 1)}
-                last = step >= cfg.steps
-                if (cfg.eval_every and step % cfg.eval_every == 0) or last:
-                    rec["val_accuracy"] = evaluate()
-                    if cfg.log:
-                        print(f"[sft] step {step} nll {rec['nll']:.4f} val_acc {rec['val_accuracy']} "
-                              f"t {rec['time_s']}s", flush=True)
-                    if cfg.target_accuracy is not None and (rec["val_accuracy"] or 0.0) >= cfg.target_accuracy:
-                        last = True
-                history.append(rec)
-                if last:
-                    done = True
-                    break
-            epoch += 1
+        batches = DataCursor(list(range(len(examples))), cfg.batch_size, shuffle=True, seed=cfg.seed)  # every epoch
+        for step, idx in enumerate(batches, start=1):
+            m = sft_step(engine, [examples[j] for j in idx], cfg.micro_batch_size)
+            rec = {"step": step, "nll": m.get("nll"), "grad_norm": m["grad_norm"], "lr": m["lr"],
+                   "time_s": round(time.time() - t0, 1)}
+            last = step >= cfg.steps
+            if (cfg.eval_every and step % cfg.eval_every == 0) or last:
+                rec["val_accuracy"] = evaluate()
+                if cfg.log:
+                    print(f"[sft] step {step} nll {rec['nll']:.4f} val_acc {rec['val_accuracy']} "
+                          f"t {rec['time_s']}s", flush=True)
+                if cfg.target_accuracy is not None and (rec["val_accuracy"] or 0.0) >= cfg.target_accuracy:
+                    last = True
+            history.append(rec)
+            if last:
+                break
 
         out = Path(cfg.out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -174,7 +170,7 @@ def run_sft(cfg: SFTConfig) -> dict:
         final.load_weights(engine.export_hf(), strict=True)
         final.model.save_pretrained(out, safe_serialization=True)
         tok.save_pretrained(out)
-        summary = {"config": {k: v for k, v in asdict(cfg).items()}, "steps": step,
+        summary = {"config": asdict(cfg), "steps": step,
                    "final_val_accuracy": next((h["val_accuracy"] for h in reversed(history) if "val_accuracy" in h), None),
                    "history": [h for h in history if "val_accuracy" in h]}
         (out / "sft_summary.json").write_text(json.dumps(summary, indent=1, default=str))

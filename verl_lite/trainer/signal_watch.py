@@ -1,8 +1,5 @@
-"""A warning, once, when a run has had no learning signal for k consecutive RL steps.
-
-A step carries no signal when every reward in it was equal (``reward/max == reward/min``: every
-group-relative advantage is zero and a critic-free update does nothing) or when every response
-was a single token (``response_length/mean <= 1``: the policy only learns its first token).
+"""A warning, once, when a run has had no learning signal for k consecutive RL steps: every reward of a step
+equal (every group-relative advantage is zero, a critic-free update does nothing) or every response one token.
 
     watch = ZeroSignalWatch(k=5)
     message = watch.update(step_metrics)   # the warning text the first time k steps in a row had none, else None
@@ -25,7 +22,7 @@ def zero_signal_reason(metrics: dict) -> str | None:
 
 
 class ZeroSignalWatch:
-    """Counts consecutive zero-signal steps; warns once (see module docstring)."""
+    """Counts consecutive zero-signal steps; warns once."""
 
     def __init__(self, k: int = ZERO_SIGNAL_STEPS):
         self.k = k

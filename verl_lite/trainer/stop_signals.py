@@ -6,15 +6,11 @@ middle of a metrics line, and a watchdog that force-stops the run if its teardow
     with SIGNALS.deferred(): ... # a block a signal must not cut (a metrics line)
     SIGNALS.restore()
 
-A library may install its own handler for a while: ``ray.init`` installs one for SIGTERM that calls
-``sys.exit(signum)`` for the whole of its start-up. :meth:`Signals.interruption` therefore takes a
-``SystemExit`` carrying SIGINT's or SIGTERM's number for that signal, so SIGTERM at any moment of
-start-up ends the run as :class:`RunInterrupted` (exit 143, one line), as later. Where such a handler's
-``SystemExit`` is swallowed (raised inside an at-fork callback or a finalizer, where Python only prints
-"Exception ignored", which this module silences for stop signals), the signal is still seen:
-:meth:`Signals.install` also sets a wakeup fd, and a signal that reached no handler of this module within
-:data:`UNSEEN_GRACE_S` starts the watchdog and is sent again once this module's handler is back (after
-``ray.init``), so the run unwinds as for any stop; the watchdog bounds it as always.
+A library may install its own handler for a while (``ray.init``'s SIGTERM handler calls ``sys.exit(signum)``),
+so :meth:`Signals.interruption` takes a ``SystemExit`` carrying a stop signal's number for that signal. Where
+such a ``SystemExit`` is swallowed (raised in an at-fork callback or a finalizer; its "Exception ignored" is
+silenced), the wakeup fd set by :meth:`Signals.install` still sees the signal: one that reached no handler of
+this module within :data:`UNSEEN_GRACE_S` starts the watchdog and is sent again once this module's handler is back.
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ import signal
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 from verl_lite.errors import RunInterrupted
 
@@ -95,10 +91,8 @@ class Signals:
         if self._wakeup is not None:
             write_end, previous = self._wakeup
             self._wakeup = None
-            try:
+            with suppress(ValueError):
                 signal.set_wakeup_fd(previous)
-            except ValueError:
-                pass
             os.close(write_end)  # the watcher reads the end and exits
 
     def _watch_deliveries(self) -> None:
@@ -136,12 +130,9 @@ class Signals:
             time.sleep(0.05)
 
     def interruption(self, err: BaseException) -> BaseException:
-        """What ``err`` means for the run: once a signal has arrived, :class:`RunInterrupted` (chained
-        to ``err``). The handler raises wherever the main thread is; inside a Cython call (``ray.wait``,
-        ``ray.get``) that surfaces as ``SystemError: <cyfunction CoreWorker.wait> returned a result
-        with an exception set``, and any error after the signal is the stop's consequence anyway. A
-        ``SystemExit`` carrying SIGINT's or SIGTERM's number is that signal, handled by a library's handler
-        (module docstring): also :class:`RunInterrupted`, and the watchdog bounds what is left of the stop."""
+        """What ``err`` means for the run: once a signal has arrived (or ``err`` is a library handler's
+        ``SystemExit`` of one), :class:`RunInterrupted` chained to ``err``. Inside a Cython call (``ray.wait``)
+        the handler's raise surfaces as a ``SystemError``; any error after the signal is the stop's consequence."""
         if self.received is None and (signum := _signal_exit(err)) is not None:
             self._stop_in(signum)
         if self.received is None or isinstance(err, RunInterrupted):

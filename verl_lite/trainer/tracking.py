@@ -1,26 +1,19 @@
-"""Experiment tracking: the ``trainer.logger`` backends behind one ``log(record)``.
+"""Experiment tracking: the ``trainer.logger`` backends (verl's names) behind one ``log(record)``.
 
     tracking = Tracking(cfg, run_dir, total_steps)     # opens every backend in trainer.logger
     tracking.log(record)                               # one step's metrics (``record["step"]`` = the RL step)
     tracking.close()                                   # (also a context manager)
 
-Backends (names as in verl):
-
-- ``console``: on a TTY a live progress bar (step/total, elapsed, time remaining, the key metrics);
-  without a TTY (a log file, ``ray job submit``) one plain line every ``trainer.log_freq`` steps (and
-  on every validation and the last step) with the same content, so a job log is never silent.
+- ``console``: a live progress bar on a TTY; else one plain line every ``trainer.log_freq`` steps (and on
+  every validation and the last step), so a job log is never silent.
 - ``jsonl``: ``<run_dir>/metrics.jsonl``, one JSON object per record (non-finite floats as null).
-- ``tensorboard``: ``<run_dir>/tensorboard/`` event files; every numeric key of a record is one
-  scalar at ``global_step = record["step"]`` (the same scalars as metrics.jsonl).
-- ``wandb``: ``wandb.init(project=trainer.project_name, name=trainer.experiment_name,
-  dir=<run_dir>, config=<the whole config>)``; ``WANDB_MODE=offline`` (or ``disabled``) works with no
-  network and writes ``<run_dir>/wandb/offline-run-*``. Imported only when selected
-  (``pip install wandb``).
+- ``tensorboard``: ``<run_dir>/tensorboard/``, every numeric key one scalar at ``record["step"]``.
+- ``wandb``: a run of ``trainer.project_name`` / ``trainer.experiment_name`` in ``<run_dir>`` with the whole
+  config; ``WANDB_MODE=offline`` needs no network.
 
-Sampled completions (the Python API's ``log_completions=True``, TRL's name): a record may carry
-``record["completions"]``, a list of ``{"prompt", "completion", "reward", <reward function>: score}``
-rows; it becomes the W&B table ``completions`` and the TensorBoard text ``completions`` (a markdown
-table) at that step, and is kept out of metrics.jsonl and the console.
+``record["completions"]`` (the Python API's ``log_completions=True``: rows of ``{"prompt", "completion",
+"reward", <reward function>: score}``) becomes the W&B table / TensorBoard text ``completions`` at that step,
+and is kept out of metrics.jsonl and the console.
 """
 
 from __future__ import annotations
@@ -47,9 +40,6 @@ SHOWN = (
 
 def _fmt(v) -> str:
     return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:.3f}"
-
-
-BACKENDS = LOGGER_BACKENDS  # the names trainer.logger accepts (the config schema owns the list)
 
 
 COMPLETIONS_KEY = "completions"
@@ -163,18 +153,6 @@ class ConsoleLogger:
             self.progress = None
 
 
-class JsonlLogger:
-    def __init__(self, path: Path):
-        self.writer = JsonlWriter(path)
-        self.path = self.writer.path
-
-    def log(self, record: dict) -> None:
-        self.writer.write(record)
-
-    def close(self) -> None:
-        self.writer.close()
-
-
 class TensorBoardLogger:
     def __init__(self, directory: Path):
         from torch.utils.tensorboard import SummaryWriter
@@ -197,16 +175,13 @@ class TensorBoardLogger:
 
 class WandbLogger:
     def __init__(self, project: str, name: str, directory: Path, config: dict | None):
-        try:
-            import wandb
-        except ImportError as e:  # pragma: no cover - wandb is a dependency
-            raise RuntimeError("trainer.logger has wandb but wandb is not installed: pip install wandb") from e
+        import wandb
+
         directory.mkdir(parents=True, exist_ok=True)
         self.wandb = wandb
         try:
             self.run = wandb.init(project=project, name=name, dir=str(directory), config=config or {})
         except Exception as e:  # no API key / no network: say what to do instead of a traceback
-
             raise BadInput(f"trainer.logger=wandb could not start a W&B run ({type(e).__name__}: {e})",
                            "log in with `wandb login`, or set WANDB_MODE=offline (no network needed), or drop "
                            "wandb from trainer.logger") from None
@@ -224,17 +199,16 @@ class WandbLogger:
 
 
 class Tracking:
-    """Every backend of ``trainer.logger`` (see the module docstring). ``run_dir`` holds the file
-    backends (it may be None when only ``console`` is selected). ``always_jsonl`` writes metrics.jsonl
-    even when ``jsonl`` is not listed (the CLI's summary reads it)."""
+    """Every backend of ``trainer.logger``; ``run_dir`` holds the file backends (None: ``console`` only).
+    ``always_jsonl`` writes metrics.jsonl even when ``jsonl`` is not listed (the run's summary points at it)."""
 
     def __init__(self, cfg, run_dir: str | Path | None, total_steps: int, config_dict: dict | None = None,
                  always_jsonl: bool = False, stream=None, tty: bool | None = None):
         tr = cfg.trainer
         names = list(tr.logger)
-        unknown = [n for n in names if n not in BACKENDS]
+        unknown = [n for n in names if n not in LOGGER_BACKENDS]
         if unknown:
-            raise ValueError(f"trainer.logger entries {unknown} are unknown; choose from {list(BACKENDS)}")
+            raise ValueError(f"trainer.logger entries {unknown} are unknown; choose from {list(LOGGER_BACKENDS)}")
         file_backends = [n for n in names if n != "console"] + (["jsonl"] if always_jsonl else [])
         if file_backends and run_dir is None:
             raise ValueError(f"trainer.logger={names} writes files but no run directory was given")
@@ -242,7 +216,7 @@ class Tracking:
         self.backends: dict[str, object] = {}
         try:
             if "jsonl" in names or always_jsonl:
-                self.backends["jsonl"] = JsonlLogger(self.run_dir / "metrics.jsonl")
+                self.backends["jsonl"] = JsonlWriter(self.run_dir / "metrics.jsonl")
             if "tensorboard" in names:
                 self.backends["tensorboard"] = TensorBoardLogger(self.run_dir / "tensorboard")
             if "wandb" in names:

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import os
 import signal
@@ -29,8 +31,8 @@ def _warn(message: str) -> None:
 
 
 def _seconds_since_process_start() -> float:
-    """Wall seconds since this process started, to a clock tick (``SC_CLK_TCK``): on Linux from /proc (the start tick vs the
-    uptime clock); psutil's ``create_time`` adds the boot time, which /proc/stat rounds to a whole second."""
+    """Wall seconds since this process started, to a clock tick: on Linux from /proc (start tick vs uptime);
+    psutil's ``create_time`` adds the boot time, which /proc/stat rounds to a whole second."""
     try:
         with open("/proc/self/stat") as f:
             start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
@@ -66,51 +68,48 @@ def accuracy_line(summary: dict) -> str:
 PLOT_TIMEOUT_S = 60.0  # the longest the run's end waits for curves.png
 
 
+def _in_background(target, name: str) -> threading.Thread:
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
 def _import_plotting_in_background(trainer, wait_s: float = 60.0) -> threading.Thread:
-    """matplotlib's import in a daemon thread while the driver waits for its workers to import and build, so
-    drawing curves.png at the end takes only the drawing. It waits until the workers are being created
-    (``trainer.actor`` is set): beside ``ray.init`` or the actors' creation it took the driver's CPU and Python's
-    lock from them, and the first step started later (docs/performance.md)."""
+    """matplotlib's import in a daemon thread while the driver waits for its workers, so drawing curves.png at
+    the end takes only the drawing. It waits until the workers are being created (``trainer.actor`` is set):
+    beside ``ray.init`` or the actors' creation it delayed the first step (docs/performance.md)."""
 
     def load():
         deadline = time.monotonic() + wait_s
         while getattr(trainer, "actor", None) is None and time.monotonic() < deadline:
             time.sleep(0.05)
         try:
-            import matplotlib.figure  # noqa: F401
-            import matplotlib.backends.backend_agg  # noqa: F401
+            for module in ("matplotlib.figure", "matplotlib.backends.backend_agg"):
+                importlib.import_module(module)
         except Exception:  # the drawing reports it, where it matters
             pass
 
-    thread = threading.Thread(target=load, name="verl-lite-plot-import", daemon=True)
-    thread.start()
-    return thread
+    return _in_background(load, "verl-lite-plot-import")
 
 
 def _draw_in_background(records: list[dict], path: Path) -> threading.Thread:
-    """``plot_curves`` in a daemon thread (matplotlib's import and the drawing overlap the workers'
-    shutdown); a failure is a warning: a plot never hides the run's own result or error."""
+    """``plot_curves`` in a daemon thread, overlapping the workers' shutdown; a failure is a warning: a plot
+    never hides the run's own result or error."""
     def draw():
         try:
             plot_curves(records, path)
         except Exception as e:
             _warn(f"could not draw {path}: {type(e).__name__}: {e}")
 
-    thread = threading.Thread(target=draw, name="verl-lite-curves", daemon=True)
-    thread.start()
-    return thread
+    return _in_background(draw, "verl-lite-curves")
 
 
 def train_in_run_dir(trainer, on_step=None) -> dict:
-    """What the CLI does after the config is loaded, for a built ``PPOTrainer`` (the Python API's
-    ``fit()``): a fresh run directory, trackers, curves, summary. Returns the summary."""
-    out = make_run_dir(trainer.cfg.trainer.output_dir, trainer.cfg.trainer.experiment_name)
-    trainer.run_dir = out
-    return train_and_summarize(trainer.cfg, trainer, out, user_on_step=on_step)
-
-
-def train_and_summarize(cfg, trainer, out: Path, user_on_step=None) -> dict:
-    """Train ``trainer`` (``start`` + ``run_loop``) writing the run's files into ``out``; returns the summary."""
+    """What the CLI does after the config is loaded, for a built ``PPOTrainer`` (also the Python API's
+    ``fit()``): train (``start`` + ``run_loop``) writing the run's files into a fresh run directory
+    (``trainer.run_dir``, set before anything starts). Returns the summary."""
+    cfg = trainer.cfg
+    out = trainer.run_dir = make_run_dir(cfg.trainer.output_dir, cfg.trainer.experiment_name)
     (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=1, default=str))
 
     # trainer.logger backends; metrics.jsonl always (the summary points at it)
@@ -118,10 +117,10 @@ def train_and_summarize(cfg, trainer, out: Path, user_on_step=None) -> dict:
     records: list[dict] = []
     watch = ZeroSignalWatch()
 
-    def on_step(record: dict) -> None:
+    def log_step(record: dict) -> None:
         records.append(record)
-        if user_on_step is not None:
-            user_on_step(record)
+        if on_step is not None:
+            on_step(record)
         with SIGNALS.deferred():
             try:
                 tracking.log(record)
@@ -137,7 +136,7 @@ def train_and_summarize(cfg, trainer, out: Path, user_on_step=None) -> dict:
     try:
         trainer.start()  # Ray + workers + engines (fit() finds them started)
         summary["startup_s"] = round(_seconds_since_process_start(), 2)
-        trainer.run_loop(on_step=on_step)
+        trainer.run_loop(on_step=log_step)
         summary["status"] = "completed"
     except BaseException as err:
         stop = SIGNALS.interruption(err)  # a signal inside ray.wait surfaces as a SystemError
@@ -150,21 +149,20 @@ def train_and_summarize(cfg, trainer, out: Path, user_on_step=None) -> dict:
     finally:
         plot = _draw_in_background(records, out / "curves.png") if records else None  # while the workers stop
         trainer.close()
-        try:
+        with contextlib.suppress(OSError):
             tracking.close()
-        except OSError:
-            pass
         if plot is not None:
             plot.join(PLOT_TIMEOUT_S)
         vals = [(r["step"], r["val/accuracy"]) for r in records if r.get("val/accuracy") is not None]
+        (first_step, first), (last_step, last) = (vals[0], vals[-1]) if vals else ((None, None), (None, None))
         summary.update({
             "val_steps": [step for step, _ in vals],
             "no_validation": None if vals else _why_no_validation(cfg, trainer),
             "steps": trainer.global_step,
-            "initial_val_accuracy": vals[0][1] if vals else None,
-            "initial_val_step": vals[0][0] if vals else None,
-            "final_val_accuracy": vals[-1][1] if vals else None,
-            "final_val_step": vals[-1][0] if vals else None,
+            "initial_val_accuracy": first,
+            "initial_val_step": first_step,
+            "final_val_accuracy": last,
+            "final_val_step": last_step,
             "total_time_s": sum(r.get("timing_s/step", 0.0) + r.get("timing_s/validate", 0.0) for r in records),
             "run_dir": str(out),
             "metrics": str(out / "metrics.jsonl"),

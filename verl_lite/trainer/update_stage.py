@@ -1,15 +1,14 @@
-"""The forward passes and optimizer steps of an RL step, on the placement's actor and critic: old / ref
-log-probs, values, and the updates. The driver cuts each update into mini-batches and builds every
-mini-batch's NormalizationPlan from the WHOLE mini-batch (and clip_cov / kl_cov's token selection); the role
-plans micro-batches per DP rank and its workers take one optimizer step per mini-batch. ``step``: the RL step
-(0-based); it seeds the shuffles and the token selection (``utils.seeds``) and names the step in errors."""
+"""The forward passes and optimizer steps of an RL step on the placement's actor and critic (steps 3-9 of
+``ppo_trainer``). ``step``: the RL step (0-based); it seeds the shuffles and the token selection
+(``utils.seeds``) and names the step in errors."""
 
 from __future__ import annotations
 
 import math
 import random
 
-from verl_lite.algorithms import LOSS_NEEDS, NormalizationPlan, select_cov_tokens
+from verl_lite.algorithms import (LOSS_NEEDS, NormalizationPlan, rollout_correction, select_cov_tokens,
+                                  truncated_is_weights)
 from verl_lite.controller import MicroBatching, RoleGroup
 from verl_lite.controller.worker_group import WorkerError
 from verl_lite.engine.engine import NonFiniteStepError
@@ -22,10 +21,9 @@ ROLLOUT_COLUMNS = ["prompt_ids", "responses", "response_mask"]
 
 
 def old_log_probs_from_update(cfg) -> bool:
-    """True when the old log-probs provably equal the current policy's at the update: one
-    epoch, one mini-batch per step, and nothing before the update reads them (no in-reward
-    KL, no clip_cov/kl_cov selection, no tis_imp_ratio_cap). An off-policy step's proximal
-    policy is then the update's own forward too, and its rollout correction is computed there."""
+    """True when the old log-probs provably equal the current policy's at the update: one epoch, one
+    mini-batch per step, and nothing before the update reads them (no in-reward KL, no clip_cov/kl_cov
+    selection, no tis_imp_ratio_cap). An off-policy step's rollout correction is then computed there too."""
     a = cfg.actor_rollout_ref.actor
     return (a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.data.train_batch_size
             and not cfg.algorithm.use_kl_in_reward and not LOSS_NEEDS[a.policy_loss.loss_mode]
@@ -57,21 +55,36 @@ class Updates:
         self.loss_correction = correction_settings(cfg) if off_policy(cfg) and old_log_probs_from_update(cfg) else None
 
     # ------------------------------------------------------------ forward passes (micro-batching: verl's keys)
-    @staticmethod
-    def _log_prob_sizing(section) -> MicroBatching:
-        """``section`` holds ``log_prob_*`` keys (rollout: old log-probs, ref)."""
-        return MicroBatching.of(section.log_prob_use_dynamic_bsz, section.log_prob_micro_batch_size_per_gpu,
-                                section.log_prob_max_token_len_per_gpu)
+    def _log_probs(self, method: str, section, batch: Batch) -> dict:
+        """The actor's ``method`` over ``batch``, micro-batched by ``section``'s ``log_prob_*`` keys."""
+        sizing = MicroBatching.of(section.log_prob_use_dynamic_bsz, section.log_prob_micro_batch_size_per_gpu,
+                                  section.log_prob_max_token_len_per_gpu)
+        return self.placement.actor.infer(method, batch.columns(ROLLOUT_COLUMNS), sizing,
+                                          self.cfg.actor_rollout_ref.rollout.temperature)
 
     def compute_old_log_probs(self, batch: Batch) -> dict:
-        arr = self.cfg.actor_rollout_ref
-        return self.placement.actor.infer("compute_log_prob", batch.columns(ROLLOUT_COLUMNS),
-                                          self._log_prob_sizing(arr.rollout), arr.rollout.temperature)
+        return self._log_probs("compute_log_prob", self.cfg.actor_rollout_ref.rollout, batch)
 
     def compute_ref_log_probs(self, batch: Batch) -> dict:
-        arr = self.cfg.actor_rollout_ref
-        return self.placement.actor.infer("compute_ref_log_prob", batch.columns(ROLLOUT_COLUMNS),
-                                          self._log_prob_sizing(arr.ref), arr.rollout.temperature)
+        return self._log_probs("compute_ref_log_prob", self.cfg.actor_rollout_ref.ref, batch)
+
+    def old_log_probs_and_correction(self, batch: Batch, m: dict) -> None:
+        """The old policy's log-probs and entropy into ``batch``, and the behaviour (rollout) policy against it:
+        the log-prob gap always; off-policy the rollout correction's metrics and weights (where the old
+        log-probs come from the update instead, its forward computes them: ``loss_correction``)."""
+        with M.timer(m, "old_log_prob"):
+            old = self.compute_old_log_probs(batch)
+            batch.set("old_log_probs", old["log_probs"]).set("entropy", old["entropy"])
+        mask = batch["response_mask"]
+        corr = rollout_correction(old["log_probs"], batch["rollout_log_probs"], mask, **correction_settings(self.cfg))
+        m.update({k: float(v) for k, v in corr.metrics.items()
+                  if off_policy(self.cfg) or k.startswith("rollout/logprob_diff")})
+        cap = self.cfg.actor_rollout_ref.actor.tis_imp_ratio_cap
+        if cap > 0:  # rollout/trainer mismatch correction on the policy loss
+            batch.set("is_weights", truncated_is_weights(old["log_probs"], batch["rollout_log_probs"], mask, cap))
+            m["rollout/is_weight_mean"] = M.masked_mean(batch["is_weights"], mask)
+        if corr.weights is not None:
+            batch.set("is_weights", corr.weights)
 
     def compute_values(self, batch: Batch):
         c = self.cfg.critic

@@ -1,8 +1,5 @@
-"""Small helpers shared by tests, examples and benchmarks (no RL, no parallelism).
-
-``make_tiny_hf_model`` is loaded on first use: importing a helper module of this package (``utils.quiet``,
-``utils.safe_files``, ...) does not import torch.
-"""
+"""Small helpers shared by tests, examples and benchmarks (no RL, no parallelism). ``make_tiny_hf_model`` loads
+on first use: importing a helper module of this package does not import torch."""
 
 __all__ = ["make_tiny_hf_model"]
 

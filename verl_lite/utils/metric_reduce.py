@@ -5,7 +5,11 @@ this way, the controller its DP ranks, and a mean over optimizer steps averages 
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import Iterable
+
+_COMBINE = {"max": max, "min": min, "sum": operator.add}
 
 
 def reduction(name: str) -> str:
@@ -17,17 +21,9 @@ def combine(total: dict[str, float], shard: dict[str, float]) -> dict[str, float
     """``total`` with ``shard``'s values combined into it (in place; returned)."""
     for name, value in shard.items():
         value = float(value)
-        if name not in total:
-            total[name] = value
-        else:
-            how = reduction(name)
-            total[name] = max(total[name], value) if how == "max" else min(total[name], value) if how == "min" \
-                else total[name] + value
+        total[name] = _COMBINE[reduction(name)](total[name], value) if name in total else value
     return total
 
 
 def combine_all(shards: Iterable[dict[str, float]]) -> dict[str, float]:
-    total: dict[str, float] = {}
-    for shard in shards:
-        combine(total, shard)
-    return total
+    return functools.reduce(combine, shards, {})

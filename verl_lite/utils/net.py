@@ -25,24 +25,16 @@ def _binds(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind((host, port))
+            return True
         except OSError:
             return False
-    return True
 
 
 def free_port(host: str = "127.0.0.1", exclude: set[int] | frozenset[int] = frozenset()) -> int:
-    """A TCP port that is free on ``host`` right now, for a server that binds it soon after
-    (a torch.distributed rendezvous, a Ray head).
-
-    The port is released before it is returned, so it must not be one the kernel may give away in
-    between: ports from ``bind(0)`` come from the ephemeral range, which every outgoing connection on
-    the machine draws from too (Ray alone opens hundreds). So the port is drawn at random from
-    ``[LISTEN_PORTS_FLOOR, ephemeral low)`` (20000-32767 on Linux's default), which no outgoing
-    connection takes, and checked by binding it. Two processes picking at once collide with
-    probability about 1/12768; a caller that still loses the race fails fast at rendezvous (process
-    groups have timeouts), it does not hang. Where the ephemeral range is unknown or leaves no room,
-    the kernel's ``bind(0)`` choice is returned.
-    """
+    """A TCP port free on ``host`` now, for a server that binds it soon after (a rendezvous, a Ray head). It is
+    released before it is returned, so it is drawn at random from ``[LISTEN_PORTS_FLOOR, ephemeral low)``, below
+    the range every outgoing connection draws from (Ray alone opens hundreds), and checked by binding it; a
+    caller that still loses a race fails fast at rendezvous. Without room there: the kernel's ``bind(0)`` choice."""
     low = _ephemeral_low()
     if low is not None and low - LISTEN_PORTS_FLOOR >= MIN_DRAW_RANGE:
         for _ in range(_PICK_ATTEMPTS):

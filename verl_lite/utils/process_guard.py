@@ -1,30 +1,22 @@
 """The guard of one user process tree (a reward file's process, a tool process): nothing that tree starts
-outlives it, and its memory stays under a limit whatever kind of allocation it makes.
-
-Run by path, standard library only (started by :class:`verl_lite.utils.processes.GuardedProcess`)::
+outlives it, and its memory stays under a limit whatever kind of allocation it makes. Run by path, standard
+library only (by :class:`verl_lite.utils.processes.GuardedProcess`)::
 
     python -S process_guard.py LIFELINE_FD MEMORY_LIMIT_BYTES|- -- ARGV...
 
-The guard makes itself a child subreaper (Linux ``PR_SET_CHILD_SUBREAPER``), spawns ``ARGV`` with its own
-stdin/stdout/stderr, then lets go of stdin/stdout (so its starter sees the child's end of input and of output
-as the child's own). Every process the child starts stays the guard's descendant: one that leaves the
-process group or the session (``start_new_session=True``, a double fork) is re-parented to the guard when
-its parent exits, never to init. The guard runs no user code, so it always answers:
+The guard is a child subreaper, so every process the child starts stays its descendant, also one that leaves
+the session. It spawns ``ARGV`` with its own stdin/stdout/stderr and lets go of stdin/stdout. It runs no user
+code, so it always answers; it SIGKILLs every descendant and exits when
 
-- ``LIFELINE_FD`` is one end of a socket pair whose other end only the starter holds. Its end (the
-  starter closed it, or the starter died however it died, SIGKILL included) makes the guard SIGKILL every
-  descendant and exit.
-- The child's exit makes the guard SIGKILL what is left of the tree and exit with the child's status (a
-  signal death is repeated on itself), so the starter reads the child's own exit status.
-- With a memory limit, every :data:`POLL_S` the guard sums the proportional set size (``Pss`` of
-  ``/proc/PID/smaps_rollup``: private, shared and shared-anonymous pages, each page split among the
-  processes that map it) of every descendant; over the limit, it writes ``memory USED_BYTES`` on the
-  lifeline, then kills the tree and exits as killed by SIGKILL. A tree can pass the limit by what it
-  allocates within one poll before it is stopped.
-- SIGTERM or SIGHUP to the guard ends the tree as the lifeline's end does; SIGINT is ignored (a terminal's
-  Ctrl-C reaches the starter, which ends the tree through the lifeline).
+- the lifeline (a socket pair whose other end only the starter holds) ends: the starter closed it or died,
+  SIGKILL included; or at SIGTERM / SIGHUP (SIGINT is ignored: a Ctrl-C reaches the starter, which ends the
+  tree through the lifeline);
+- the child exits: with the child's status (a signal death is repeated on itself);
+- the tree's proportional set size (``Pss``: shared memory included), summed every :data:`POLL_S`, passes the
+  limit: it writes ``memory USED_BYTES`` on the lifeline and exits as killed by SIGKILL.
 """
 
+import contextlib
 import ctypes
 import os
 import select
@@ -41,10 +33,8 @@ _stop_signal: list = []
 
 def become_subreaper() -> None:
     """Orphaned descendants are re-parented to this process (Linux; elsewhere nothing happens)."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _children(pid: int) -> list[int]:
@@ -88,10 +78,7 @@ def tree_memory(pids: list[int]) -> int:
     for pid in pids:
         try:
             with open(f"/proc/{pid}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Pss:"):
-                        total += int(line.split()[1]) * 1024
-                        break
+                total += next((int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:")), 0)
         except OSError:
             try:
                 with open(f"/proc/{pid}/statm") as f:
@@ -103,15 +90,10 @@ def tree_memory(pids: list[int]) -> int:
 
 def _reap(child: int, status: list) -> None:
     """Collect every exited child of the guard; the main child's wait status goes into ``status``."""
-    while True:
-        try:
-            pid, wait_status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        if pid == child:
-            status.append(wait_status)
+    with contextlib.suppress(ChildProcessError):  # no child left
+        while (reaped := os.waitpid(-1, os.WNOHANG))[0]:
+            if reaped[0] == child:
+                status.append(reaped[1])
 
 
 def kill_tree(child: int, status: list) -> None:
@@ -122,10 +104,8 @@ def kill_tree(child: int, status: list) -> None:
         if not pids:
             break
         for pid in pids:
-            try:
+            with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
         time.sleep(0.005)
         _reap(child, status)
     _reap(child, status)
@@ -145,46 +125,27 @@ def _exit_like(wait_status: int | None) -> None:
     os._exit(os.WEXITSTATUS(wait_status))
 
 
-def _on_stop_signal(signum, frame) -> None:
-    _stop_signal.append(signum)
-
-
-def _release_standard_streams() -> None:
-    """Point the guard's stdin/stdout at /dev/null: the child's pipes then end with the child."""
-    null = os.open(os.devnull, os.O_RDWR)
-    os.dup2(null, 0)
-    os.dup2(null, 1)
-    os.close(null)
-
-
 def watch(child: int, lifeline: socket.socket, limit: int | None) -> None:
     """Wait for the lifeline's end, a stop signal, the child's exit or the memory limit; then end the tree."""
     status: list = []
-    while True:
-        if _stop_signal:
-            break
+    while not _stop_signal:
         try:
             ready, _, _ = select.select([lifeline], [], [], POLL_S)
         except InterruptedError:
             ready = []
-        if ready:
-            try:
-                if not lifeline.recv(4096):
-                    break  # the starter closed it or died
-            except OSError:
-                break
+        try:
+            if ready and not lifeline.recv(4096):
+                break  # the starter closed it or died
+        except OSError:
+            break
         _reap(child, status)
         if status:
             break
-        if limit is not None:
-            used = tree_memory(descendants(os.getpid()))
-            if used > limit:
-                try:
-                    lifeline.sendall(f"memory {used}\n".encode())
-                except OSError:
-                    pass
-                kill_tree(child, status)
-                _exit_like(int(signal.SIGKILL))  # the wait status of a death by SIGKILL is the signal's number
+        if limit is not None and (used := tree_memory(descendants(os.getpid()))) > limit:
+            with contextlib.suppress(OSError):
+                lifeline.sendall(f"memory {used}\n".encode())
+            kill_tree(child, status)
+            _exit_like(int(signal.SIGKILL))  # the wait status of a death by SIGKILL is the signal's number
     kill_tree(child, status)
     _exit_like(status[0] if status else None)
 
@@ -192,14 +153,17 @@ def watch(child: int, lifeline: socket.socket, limit: int | None) -> None:
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for s in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(s, _on_stop_signal)
+        signal.signal(s, lambda signum, frame: _stop_signal.append(signum))
     lifeline_fd, limit_arg = int(sys.argv[1]), sys.argv[2]
     argv = sys.argv[sys.argv.index("--") + 1:]
     os.set_inheritable(lifeline_fd, False)
     lifeline = socket.socket(fileno=lifeline_fd)
     become_subreaper()
     child = os.posix_spawn(argv[0], argv, os.environ)
-    _release_standard_streams()
+    null = os.open(os.devnull, os.O_RDWR)  # the child's pipes end with the child, not with the guard
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    os.close(null)
     watch(child, lifeline, None if limit_arg == "-" else int(limit_arg))
 
 

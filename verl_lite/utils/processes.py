@@ -3,6 +3,7 @@ starting user code (a reward file, a tool) as a guarded process tree that cannot
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -17,23 +18,19 @@ GUARD_EXIT_S = 15.0  # the guard's kill loop is bounded by process_guard.KILL_WA
 
 
 def kill_and_wait(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
-    """SIGKILL every process of ``procs`` (gone ones are skipped) and wait up to ``timeout_s`` for
-    them to exit; returns those still alive."""
+    """SIGKILL every process of ``procs`` and wait up to ``timeout_s`` for them; returns those still alive."""
     for p in procs:
-        try:
+        with contextlib.suppress(psutil.Error):
             p.kill()
-        except psutil.Error:
-            pass
     _, alive = psutil.wait_procs(procs, timeout=timeout_s)
     return alive
 
 
 class GuardedProcess:
-    """``argv`` run under a guard (``process_guard.py``, see its docstring): every process the child starts,
-    also one that leaves its session, is SIGKILLed when the child exits, when :meth:`stop` is called, or
-    when this process dies (SIGKILL included); with ``memory_limit_bytes`` the tree's proportional set size
-    (shared memory included) is held under it. ``stdin`` / ``stdout`` are ``subprocess.Popen``'s arguments
-    and belong to the child; :attr:`proc` is the guard's ``Popen`` (its ``returncode`` is the child's)."""
+    """``argv`` run under a guard (``process_guard.py``): its whole tree is SIGKILLed when the child exits, at
+    :meth:`stop`, or when this process dies (SIGKILL included), and held under ``memory_limit_bytes``.
+    ``stdin`` / ``stdout`` (``Popen``'s) belong to the child; :attr:`proc` is the guard's ``Popen`` (its
+    ``returncode`` is the child's)."""
 
     def __init__(self, argv: list[str], stdin=None, stdout=None, env: dict | None = None,
                  memory_limit_bytes: int | None = None):
@@ -59,20 +56,17 @@ class GuardedProcess:
         """The bytes the tree used when the guard stopped it for its memory limit (None: it did not)."""
         if self._lifeline is not None:
             self._lifeline.setblocking(False)
-            try:
+            with contextlib.suppress(OSError):  # BlockingIOError: nothing more to read
                 while chunk := self._lifeline.recv(4096):
                     self._reports += chunk
-            except (BlockingIOError, OSError):
-                pass
         for line in self._reports.decode(errors="replace").splitlines():
             if line.startswith("memory "):
                 return int(line.split()[1])
         return None
 
     def stop(self) -> int | None:
-        """End the whole tree (idempotent) and return the guard's exit status. The guard is SIGKILLed with its
-        process group only if it does not exit in :data:`GUARD_EXIT_S` (then descendants that left the group
-        could be left: the guard never hangs, so this is a last resort)."""
+        """End the whole tree (idempotent); the guard's exit status. A guard that does not exit in
+        :data:`GUARD_EXIT_S` (it never hangs: a last resort) is SIGKILLed with its process group."""
         self.memory_used()  # keep a report that arrived before the end
         if self._lifeline is not None:
             self._lifeline.close()
@@ -80,8 +74,6 @@ class GuardedProcess:
         try:
             return self.proc.wait(timeout=GUARD_EXIT_S)
         except subprocess.TimeoutExpired:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
             return self.proc.wait()

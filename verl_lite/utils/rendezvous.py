@@ -1,10 +1,8 @@
 """The torch.distributed rendezvous store, listening on loopback when the rendezvous address is loopback.
 
-``init_process_group(init_method="tcp://127.0.0.1:port")`` makes rank 0's TCPStore listen on every
-interface (``::``), whatever the address. :func:`rendezvous_store` instead has rank 0 bind the
-listening socket itself, on ``master_addr``, and hands it to the store (``master_listen_fd``), so
-a local run exposes nothing beyond 127.0.0.1. Other addresses (a multi-node cluster) get the
-ordinary store.
+``init_method="tcp://127.0.0.1:port"`` makes rank 0's TCPStore listen on every interface. Here rank 0 binds the
+listening socket itself, on ``master_addr``, and hands it to the store (``master_listen_fd``), so a local run
+exposes nothing beyond 127.0.0.1. Other addresses (a multi-node cluster) get the ordinary store.
 """
 
 from __future__ import annotations

@@ -1,25 +1,17 @@
 """Reading a directory someone else wrote (a downloaded checkpoint) without being turned against its reader.
 
-A checkpoint is shared like a model: everything in it is treated as hostile. The rules, for every
-file a run reads from such a directory:
-
-- the path is resolved inside the directory: a relative path of plain names (no ``..``, no absolute
-  path), opened one component at a time relative to the directory with ``O_NOFOLLOW``, so no symbolic
-  link, anywhere on the way, is followed (:func:`open_inside`);
-- it is a regular file (not a FIFO that blocks, not ``/dev/zero`` behind a link), opened non-blocking;
-- a file read whole (JSON, the dist-checkpoint index, ``common.pt``) has a size bound, checked with
-  ``fstat`` on the open descriptor before a byte is read (:func:`read_bounded`);
-- a safetensors file's header is bounded and every tensor's byte range lies inside the file, with its
-  length equal to shape x dtype size (:func:`check_safetensors`).
-
-:func:`scan_tree` walks a whole directory without following links and refuses any link or special file.
-Files a run writes are created in directories it has just made itself, with ``O_EXCL | O_NOFOLLOW``
-where the name is not fresh (:func:`create_new`).
+Everything in a shared checkpoint is treated as hostile. Every file a run reads from one is resolved inside
+the directory (plain relative names, each component opened with ``O_NOFOLLOW``: no symbolic link anywhere
+on the way is followed), must be a regular file (opened non-blocking: no FIFO that blocks), and has a size
+bound checked on the open descriptor before a byte is read; a safetensors header is bounded and every
+tensor's byte range lies inside the file. :func:`scan_tree` refuses any link or special file in a whole
+tree. Files a run writes where the name is not fresh are created with ``O_EXCL | O_NOFOLLOW``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 import struct
@@ -39,8 +31,7 @@ class UnsafeFile(ValueError):
 
 
 def relative_parts(rel: str | os.PathLike) -> tuple[str, ...]:
-    """The components of ``rel``, refused unless it is a relative path of plain names (no ``..``, ``.``, empty
-    or absolute part)."""
+    """The components of ``rel``, refused unless it is a relative path of plain names (no ``..`` or ``.``)."""
     text = os.fspath(rel)
     parts = PurePosixPath(text).parts
     if not parts or text.startswith("/") or "\\" in text or "\x00" in text or any(p in ("..", ".", "") for p in parts):
@@ -58,15 +49,15 @@ def is_plain_relative(rel: str, depth: int | None = None) -> bool:
 
 
 def open_inside(root: str | os.PathLike, rel: str | os.PathLike) -> int:
-    """A read-only descriptor of the regular file ``root/rel``, resolved inside ``root``: each directory on the
-    way and the file itself are opened with ``O_NOFOLLOW`` (a symbolic link anywhere is refused), the file
-    non-blocking, and checked to be a regular file. The caller closes it."""
+    """A read-only, non-blocking descriptor of the regular file ``root/rel``, each component opened inside the
+    last with ``O_NOFOLLOW`` (a symbolic link anywhere is refused). The caller closes it."""
     parts = relative_parts(rel)
     where = Path(root, *parts)
     try:
         fd = os.open(root, _OPEN_DIR)
     except OSError as e:
-        raise UnsafeFile(f"{root}: cannot open the directory ({e.strerror or e}; a symbolic link is not followed)") from None
+        raise UnsafeFile(f"{root}: cannot open the directory ({e.strerror or e}; "
+                         f"a symbolic link is not followed)") from None
     try:
         for name in parts[:-1]:
             try:
@@ -92,30 +83,17 @@ def open_inside(root: str | os.PathLike, rel: str | os.PathLike) -> int:
 
 def size_inside(root: str | os.PathLike, rel: str | os.PathLike) -> int:
     """The size of the regular file ``root/rel`` (resolved as :func:`open_inside` does)."""
-    fd = open_inside(root, rel)
-    try:
-        return os.fstat(fd).st_size
-    finally:
-        os.close(fd)
+    with open(open_inside(root, rel), "rb") as f:
+        return os.fstat(f.fileno()).st_size
 
 
 def read_bounded(root: str | os.PathLike, rel: str | os.PathLike, limit: int) -> bytes:
     """The bytes of ``root/rel`` (see :func:`open_inside`), refused when the file holds more than ``limit``."""
-    fd = open_inside(root, rel)
-    try:
-        size = os.fstat(fd).st_size
+    with open(open_inside(root, rel), "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         if size > limit:
             raise UnsafeFile(f"{Path(root, rel)}: {size} bytes, more than the {limit} a file of this kind may hold")
-        chunks, left = [], size
-        while left > 0:
-            chunk = os.read(fd, min(left, 16 * MIB))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+        return f.read(size)
 
 
 def read_json(root: str | os.PathLike, rel: str | os.PathLike, limit: int = JSON_LIMIT):
@@ -128,23 +106,19 @@ def read_json(root: str | os.PathLike, rel: str | os.PathLike, limit: int = JSON
 
 
 def check_safetensors(root: str | os.PathLike, rel: str | os.PathLike) -> dict:
-    """Check a safetensors file's header against the file before a reader trusts it: the header is bounded
-    JSON, each tensor's dtype is known, its byte range lies in the data section and holds shape x dtype-size
-    bytes, and the ranges cover the data section exactly. Returns the header."""
+    """The header of a safetensors file, checked against the file: bounded JSON, known dtypes, byte ranges of
+    shape x dtype-size bytes that cover the data section exactly."""
     where = Path(root, rel)
-    fd = open_inside(root, rel)
-    try:
-        size = os.fstat(fd).st_size
-        head = os.pread(fd, 8, 0)
+    with open(open_inside(root, rel), "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
         if len(head) < 8:
             raise UnsafeFile(f"{where}: {size} bytes, too short for a safetensors file")
         (header_len,) = struct.unpack("<Q", head)
         if header_len > min(SAFETENSORS_HEADER_LIMIT, size - 8):
             raise UnsafeFile(f"{where}: its header claims {header_len} bytes, more than the file "
                              f"({size} bytes) or the format's bound holds")
-        raw = os.pread(fd, header_len, 8)
-    finally:
-        os.close(fd)
+        raw = f.read(header_len)
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -177,10 +151,8 @@ def _tensor_range(where: Path, name: str, info, data_size: int) -> tuple[int, in
     if not ok:
         raise UnsafeFile(f"{where}: tensor {name!r} has a malformed header entry")
     begin, end = info["data_offsets"]
-    numel = 1
-    for dim in info["shape"]:
-        numel *= dim
-    if not 0 <= begin <= end <= data_size or end - begin != numel * SAFETENSORS_DTYPE_BYTES[info["dtype"]]:
+    nbytes = math.prod(info["shape"]) * SAFETENSORS_DTYPE_BYTES[info["dtype"]]
+    if not 0 <= begin <= end <= data_size or end - begin != nbytes:
         raise UnsafeFile(f"{where}: tensor {name!r} claims bytes {begin}..{end} for shape {info['shape']} "
                          f"{info['dtype']}, outside or unlike the file's {data_size} data bytes")
     return begin, end
@@ -209,8 +181,7 @@ def scan_tree(root: str | os.PathLike) -> dict[str, int]:
 
 
 def create_new(path: str | os.PathLike, mode: int = 0o644) -> int:
-    """A write descriptor of a new file at ``path``: ``O_EXCL | O_NOFOLLOW``, so an existing file or a planted
-    link at that name is never written through. The caller closes it."""
+    """A write descriptor of a new file at ``path`` (``O_EXCL | O_NOFOLLOW``: never through a planted link)."""
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
 
 

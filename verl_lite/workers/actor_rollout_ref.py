@@ -1,23 +1,13 @@
-"""Actor + rollout + reference policy in ONE process per rank (one Ray actor per engine rank).
-
-- actor:    a trainable ``MegatronEngine`` (this rank's TP/PP/CP shard);
-- ref:      a frozen forward-only ``MegatronEngine`` on the same process groups (only when the
-            KL loss or the in-reward KL needs it);
-- rollout:  a full generation model per process (a ``verl_lite.rollout`` backend), weights
-            copied in-process from the actor's ``export_hf()`` after an update, before the rollout
-            next samples (the worker tracks that itself: no call from the controller).
-
-Every method is a thin shell: unpack what the controller sent, call the engine or the rollout,
-hand the result back. Which rows, which micro-batches, the normalization plan and the token
-counts all come from the controller; nothing here does RL math.
-
-Batches arrive as :class:`verl_lite.protocol.Batch` pieces holding ``prompt_ids`` (list of
-token lists), ``responses`` [n, W] (right-padded) and ``response_mask`` [n, W] (holes allowed),
-plus the per-token tensors the loss needs (``old_log_probs``, ``advantages``, ...).
+"""Actor + rollout + reference policy in ONE process per rank (one Ray actor per engine rank): the actor a
+trainable ``MegatronEngine`` shard; the ref a frozen forward-only one on the same process groups (only when a
+KL needs it; with LoRA, the actor with its adapters off); the rollout a full generation model, loaded with the
+actor's weights after an update before it next samples (no call from the controller). Thin shells: the rows,
+micro-batches, normalization plan and token counts come from the controller; no RL math here.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from functools import partial
 
@@ -49,14 +39,13 @@ class ActorRolloutRefWorker(EngineWorker):
         self.actor = self.ref = self.rollout = None
         self.rollout_behind = False  # the actor was updated since the rollout last loaded its weights
 
-    # ------------------------------------------------------------------ set-up
     def init_model(self) -> None:
         from transformers import AutoTokenizer
 
         c = self.cfg
         engine = self._init_world()
         self.actor = MegatronEngine(engine)
-        if c.need_ref and engine.lora is None:  # with LoRA the reference is the actor with its adapters off
+        if c.need_ref and engine.lora is None:
             self.ref = MegatronEngine(engine.forward_only_twin())
         tokenizer = AutoTokenizer.from_pretrained(c.tokenizer_path)
         self.rollout = make_rollout(c.rollout_name, engine.model_path, tokenizer, **c.rollout_kwargs)
@@ -64,14 +53,17 @@ class ActorRolloutRefWorker(EngineWorker):
     def _owner_engine(self):
         return self.actor
 
-    def engines(self) -> dict:
-        """The engines this worker holds and their parameter bytes: {"actor": n, "ref": n or None}
-        (with LoRA no reference engine exists; its log-probs come from the actor with adapters off)."""
-        def size(engine):
-            return None if engine is None else sum(p.numel() * p.element_size() for c in engine.chunks for p in c.parameters())
+    def _ref_is_actor_without_adapters(self) -> bool:
+        return bool(self.cfg.need_ref and self.actor.cfg.lora is not None)
 
-        return {"actor": size(self.actor), "ref": size(self.ref), "ref_is_actor_without_adapters":
-                bool(self.cfg.need_ref and self.actor.cfg.lora is not None)}
+    def engines(self) -> dict:
+        """The engines this worker holds and their parameter bytes: {"actor": n, "ref": n or None}."""
+        def size(engine):
+            return None if engine is None else sum(p.numel() * p.element_size() for c in engine.chunks
+                                                   for p in c.parameters())
+
+        return {"actor": size(self.actor), "ref": size(self.ref),
+                "ref_is_actor_without_adapters": self._ref_is_actor_without_adapters()}
 
     # ------------------------------------------------------------------ rollout
     def generate(self, prompt_ids: list[list[int]], seeds: list[int] | None, sampling: dict) -> list[dict]:
@@ -80,16 +72,9 @@ class ActorRolloutRefWorker(EngineWorker):
         return self.sample(prompt_ids, seeds, sampling)
 
     def sample(self, prompt_ids: list[list[int]], seeds: list[int] | None, sampling: dict) -> list[dict]:
-        """``sampling['n']`` responses per prompt from the rollout as loaded, prompt-major.
-
-        With ``seeds`` (one per prompt) sample k of prompt p is a function of (its seed, k,
-        position) only, so the samples do not depend on how prompts were split over workers: one
-        batched call where the rollout takes per-prompt ``seeds``, else one call per prompt.
-        Without seeds (greedy) all prompts go in one call. ``log_probs`` come back as lists of
-        floats (exact fp32 values): a list pickles without torch's per-tensor cost (controller/wire.py).
-        """
-        import inspect
-
+        """``sampling['n']`` responses per prompt from the rollout as loaded, prompt-major. With ``seeds`` (one per
+        prompt) a sample depends on its seed, index and position only, not on how prompts were split over
+        workers. ``log_probs`` come back as lists of floats (exact fp32 values, without torch's pickling cost)."""
         if not prompt_ids:
             return []
         if seeds is None:
@@ -116,24 +101,20 @@ class ActorRolloutRefWorker(EngineWorker):
         return self.agent.run(rows, seeds, sampling) if rows else []
 
     def sync_rollout_weights(self) -> int:
-        """Copy the actor's current weights (LoRA: merged into the base) into the rollout model (every rank
-        takes part: export gathers)."""
+        """Copy the actor's current weights (LoRA: merged into the base) into the rollout model. Collective."""
         self.rollout_behind = False
         with suspended():  # reading, gathering and copying tensors: no CUDA->CPU rewriting on the way
             return self.rollout.load_weights(self.actor.export_merged_hf())
 
     def _catch_up_rollout(self) -> None:
-        """Before the rollout samples: load the actor's weights into it if an update came since its last load.
-        A rollout never samples an older policy than the actor's, and the controller sends no call of its
-        own for it. Collective like :meth:`sync_rollout_weights`: every rank receives each generation call
-        (``RoleGroup.generate``), empty pieces included, and every rank took part in the update."""
+        """Load the actor's weights into the rollout if an update came since its last load. Collective: every rank
+        receives each generation call (empty pieces included) and took part in the update."""
         if self.rollout_behind:
             self.sync_rollout_weights()
 
     def export_rollout_weights(self) -> list | None:
-        """Split placement: the actor's current weights (LoRA merged) as [(hf_name, tensor)] on rank 0, None on
-        the other ranks (every rank takes part: export gathers). The driver hands them to the rollout pool."""
-        with suspended():  # reading, gathering and copying tensors: no CUDA->CPU rewriting on the way
+        """Split placement: the actor's weights (LoRA merged) as [(hf_name, tensor)] on rank 0. Collective."""
+        with suspended():
             weights = [(name, t.detach().cpu().clone()) for name, t in self.actor.export_merged_hf()]
         return weights if self.rank == 0 else None
 
@@ -144,20 +125,20 @@ class ActorRolloutRefWorker(EngineWorker):
 
     def compute_ref_log_prob(self, piece: Batch, micro_batches: list[list[int]], temperature: float) -> dict | None:
         """Reference log-probs [n, W]: the reference engine's, or with LoRA the actor's with its adapters off."""
-        if self.cfg.need_ref and self.actor.cfg.lora is not None:
+        if self._ref_is_actor_without_adapters():
             with self.actor.adapters_disabled():
                 out = self.actor.infer(sequence_batch(piece), micro_batches, temperature, outputs=("log_probs",))
-            return None if out is None else {"ref_log_probs": out["log_probs"]}
-        if self.ref is None:
+        elif self.ref is None:
             raise RuntimeError("compute_ref_log_prob: no reference engine was built (need_ref=False)")
-        out = self.ref.infer(sequence_batch(piece), micro_batches, temperature, outputs=("log_probs",))
+        else:
+            out = self.ref.infer(sequence_batch(piece), micro_batches, temperature, outputs=("log_probs",))
         return None if out is None else {"ref_log_probs": out["log_probs"]}
 
     # ------------------------------------------------------------------ update
-    def update_actor(self, jobs: list[dict], loss_cfg, temperature: float, correction: dict | None = None) -> list[dict]:
-        """One optimizer step per job (see ``RoleGroup.train``), in order, of ``actor_loss`` with the actor section
-        ``loss_cfg`` (and ``correction``). Returns the engine's step metrics per job (loss metrics on output owners
-        only)."""
+    def update_actor(self, jobs: list[dict], loss_cfg, temperature: float,
+                     correction: dict | None = None) -> list[dict]:
+        """One optimizer step per job (``RoleGroup.train``) of ``actor_loss`` with the actor section ``loss_cfg``
+        (and ``correction``). Returns the engine's step metrics per job (loss metrics on output owners only)."""
         results = []
         for job in jobs:
             loss_fn = partial(actor_loss, plan=job["plan"], cfg=loss_cfg, correction=correction)
@@ -166,24 +147,22 @@ class ActorRolloutRefWorker(EngineWorker):
                 temperature=temperature, global_token_count=job["global_token_count"],
             ))
         if jobs:
-            self.rollout_behind = True  # loaded before the rollout next samples (_catch_up_rollout)
+            self.rollout_behind = True
         return results
 
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ checkpoints (dist_checkpointing: on use)
     def save_checkpoint(self, path: str, hf_dir: str | None = None) -> None:
-        """The actor's engine state (+ this rank's RNG) into ``path``; with ``hf_dir`` also the policy as an
-        HF directory. Collective over the role. The reference policy is the initial model: not saved."""
-        # megatron's dist_checkpointing: on use
-        from verl_lite.engine.checkpoint import save_hf_pretrained, save_role_state
+        """The actor's engine state (+ this rank's RNG) into ``path``; with ``hf_dir`` also the policy as an HF
+        directory. Collective. The reference policy is the initial model: not saved."""
+        from verl_lite.engine.checkpoint import save_role_state
 
-        tokenizer = self.cfg.tokenizer_path or self.cfg.engine.model_path
-        save_role_state(self.actor, path, tokenizer_path=tokenizer)
+        save_role_state(self.actor, path, tokenizer_path=self.cfg.tokenizer_path or self.cfg.engine.model_path)
         if hf_dir is not None:
-            save_hf_pretrained(self.actor, self.actor.hf_config, hf_dir, tokenizer_path=tokenizer)
+            self.export_hf_dir(hf_dir)
 
     def load_checkpoint(self, path: str) -> dict:
         """Load a :meth:`save_checkpoint` directory (any layout) and refresh the rollout's weights. Collective."""
-        from verl_lite.engine.checkpoint import load_role_state  # megatron's dist_checkpointing: on use
+        from verl_lite.engine.checkpoint import load_role_state
 
         info = load_role_state(self.actor, path)
         self.sync_rollout_weights()
@@ -191,7 +170,7 @@ class ActorRolloutRefWorker(EngineWorker):
 
     def export_hf_dir(self, hf_dir: str) -> None:
         """The current policy as an HF directory (safetensors + config + tokenizer). Collective."""
-        from verl_lite.engine.checkpoint import save_hf_pretrained  # megatron's dist_checkpointing: on use
+        from verl_lite.engine.checkpoint import save_hf_pretrained
 
         save_hf_pretrained(self.actor, self.actor.hf_config, hf_dir,
                            tokenizer_path=self.cfg.tokenizer_path or self.cfg.engine.model_path)

@@ -1,11 +1,5 @@
-"""The critic role: a value-head ``MegatronEngine`` on its own workers and layout.
-
-Thin shell: the controller sends the rows, the micro-batch plan, the normalization plan and
-the token counts; the value loss itself is ``algorithms.critic_loss``.
-
-Initial weights: ``model_path`` (the actor's HF checkpoint or ``critic.model.path``); the value
-head ``score.weight`` is loaded when the checkpoint has one, else freshly initialised (the same
-in every layout, see ``engine.model.ValueHead``).
+"""The critic role: a value-head ``MegatronEngine`` on its own workers and layout, a thin shell over
+``algorithms.critic_loss``; ``score.weight`` comes from the checkpoint or a fresh init (``engine.model.ValueHead``).
 """
 
 from __future__ import annotations
@@ -41,9 +35,8 @@ class CriticWorker(EngineWorker):
             ))
         return results
 
-    # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str) -> None:
-        """The critic's engine state (+ this rank's RNG) into ``path``. Collective over the role."""
+        """The critic's engine state (+ this rank's RNG) into ``path``. Collective."""
         from verl_lite.engine.checkpoint import save_role_state  # megatron's dist_checkpointing: on use
 
         save_role_state(self.critic, path)

@@ -1,8 +1,6 @@
-"""The base of every worker role that hosts a ``MegatronEngine``: its own torch.distributed world.
-
-A role's workers (one Ray actor per engine rank) join ONE process group with the role's own
-TP/PP/VPP/CP layout (DP = world / (tp * pp * cp)); two roles never share a group, so the actor
-and the critic can use different layouts on the same machines.
+"""The base of every worker role that hosts a ``MegatronEngine``: a role's workers (one Ray actor per engine rank)
+join ONE torch.distributed world with the role's own TP/PP/VPP/CP layout; two roles never share one, so the
+actor and the critic can use different layouts on the same machines.
 """
 
 from __future__ import annotations
@@ -21,18 +19,14 @@ from verl_lite.protocol import Batch, response_lengths
 
 @dataclass
 class EngineWorkerConfig:
-    """What an engine role builds: its ``EngineConfig`` (the role's config sections as they are; plain data,
-    sent once by the controller)."""
+    """What an engine role builds: its ``EngineConfig`` (plain data, sent once by the controller)."""
 
     engine: EngineConfig
 
 
 def sequence_batch(piece: Batch, loss_keys: tuple[str, ...] = ()):
-    """A Batch piece -> the engine's ``SequenceBatch`` (input_ids = prompt + response tokens).
-
-    The response length of a row is its last valid position + 1 (``response_lengths``): a mask
-    may have holes, whose tokens stay in the sequence. ``loss_keys`` present in the piece travel
-    to the loss as per-token data."""
+    """A Batch piece -> the engine's ``SequenceBatch`` (prompt + response tokens up to the last valid position:
+    tokens in a mask's holes stay); ``loss_keys`` present in the piece travel to the loss as per-token data."""
     mask = piece["response_mask"]
     lengths = response_lengths(mask)
     responses = piece["responses"]
@@ -52,12 +46,13 @@ class EngineWorker(Worker):
         self.cfg = cfg
 
     def _init_world(self) -> EngineConfig:
-        """init_distributed with this role's layout; returns the role's ``EngineConfig``."""
+        """init_distributed with this role's layout; returns its ``EngineConfig``."""
         with compile_decorators_deferred():  # megatron's import-time torch.compile + wandb: not paid per worker
             import megatron.core  # noqa: F401
 
         engine = self.cfg.engine
-        init_distributed(self.rank, self.world_size, self.master_addr, self.master_port, engine.megatron, seed=engine.seed)
+        init_distributed(self.rank, self.world_size, self.master_addr, self.master_port, engine.megatron,
+                         seed=engine.seed)
         return engine
 
     def _owner_engine(self):

@@ -1,10 +1,4 @@
-"""What each role builds from the run config: its sections as they are, composed with what crosses sections.
-
-    actor_worker_config(cfg, total_steps, need_ref)   # WorkerConfig of the actor/rollout/ref role
-    critic_worker_config(cfg, total_steps)            # EngineWorkerConfig of the critic role
-    reward_model_worker_config(cfg)                   # EngineWorkerConfig of the reward-model role
-    rollout_worker_config(cfg) / judge_worker_config(cfg)   # RolloutWorkerConfig of a rollout pool / the judge
-"""
+"""What each role builds from the run config: its sections as they are, composed with what crosses sections."""
 
 from __future__ import annotations
 
@@ -27,7 +21,6 @@ def rollout_max_length(cfg) -> int:
 
 
 def actor_worker_config(cfg, total_steps: int, need_ref: bool) -> WorkerConfig:
-    """The actor role's ``WorkerConfig`` (engine layout, the colocated ref and rollout)."""
     from verl_lite.rollout import rollout_kwargs
 
     arr = cfg.actor_rollout_ref
@@ -37,7 +30,7 @@ def actor_worker_config(cfg, total_steps: int, need_ref: bool) -> WorkerConfig:
 
 
 def rollout_worker_config(cfg):
-    """The rollout pool's ``RolloutWorkerConfig`` (split placement: the rollout backend alone)."""
+    """The rollout pool's ``RolloutWorkerConfig`` (split placement)."""
     from verl_lite.rollout import rollout_kwargs
     from verl_lite.workers.rollout_worker import RolloutWorkerConfig
 
@@ -63,7 +56,6 @@ def judge_worker_config(cfg):
 
 
 def critic_worker_config(cfg, total_steps: int) -> EngineWorkerConfig:
-    """The critic role's ``EngineWorkerConfig`` (a value head on its model)."""
     c = cfg.critic
     return EngineWorkerConfig(role_engine(c.model, c.megatron, cfg.trainer.seed, c.optim, total_steps, value_head=True))
 

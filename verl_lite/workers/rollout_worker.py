@@ -1,10 +1,7 @@
-"""A rollout worker of split placement (``actor_rollout_ref.hybrid_engine=false``): a generation model
-and nothing else, on bundles of its own (no engine, no process group).
-
-It holds one policy version at a time. ``load_weights(named_tensors, version)`` replaces the whole
-model in place and only then sets the version; the worker is a Ray actor that runs one call at a
-time, so a generation never overlaps a load: every batch is sampled by exactly one version, which
-``generate`` reports with its outputs (``policy_version``).
+"""A rollout worker of split placement (``actor_rollout_ref.hybrid_engine=false``): a generation model and
+nothing else, on bundles of its own. It holds one policy version at a time: ``load_weights`` replaces the
+whole model, then sets the version; the worker runs one call at a time, so every batch is sampled by exactly
+one version, which ``generate`` reports with its outputs (``policy_version``).
 """
 
 from __future__ import annotations
@@ -34,30 +31,26 @@ class RolloutWorker(Worker):
         self.cfg, self.rollout, self.version = cfg, None, 0
 
     def init_model(self) -> None:
-        from transformers import AutoTokenizer
-
         c = self.cfg
         self.rollout = make_rollout(c.rollout_name, c.model_path, AutoTokenizer.from_pretrained(c.tokenizer_path),
                                     **c.rollout_kwargs)
 
-    _generate = ActorRolloutRefWorker.sample  # the same sampling contract as the colocated rollout
-
     def generate(self, prompt_ids: list[list[int]], seeds: list[int] | None, sampling: dict) -> list[dict]:
         """``ActorRolloutRefWorker.sample``'s outputs, each tagged with the policy version that sampled it."""
-        return [dict(o, policy_version=self.version) for o in self._generate(prompt_ids, seeds, sampling)]
+        samples = ActorRolloutRefWorker.sample(self, prompt_ids, seeds, sampling)  # the colocated contract
+        return [dict(o, policy_version=self.version) for o in samples]
 
     init_agent = ActorRolloutRefWorker.init_agent  # multi-turn: the same agent runner over this worker's rollout
 
     def generate_agent(self, rows: list[dict], seeds: list[int] | None, sampling: dict) -> list[dict]:
-        """Multi-turn trajectories (``ActorRolloutRefWorker.generate_agent``'s contract), each tagged with the policy
-        version that sampled every one of its turns (a load never runs while the agent loops do)."""
+        """``ActorRolloutRefWorker.generate_agent``'s trajectories, each tagged with the version that sampled it."""
         if getattr(self, "agent", None) is None:
             raise RuntimeError("generate_agent: init_agent was not called (multi_turn.enable needs it)")
         return [dict(o, policy_version=self.version) for o in (self.agent.run(rows, seeds, sampling) if rows else [])]
 
     def load_weights(self, named_tensors: list, version: int) -> int:
-        """The policy of ``version`` (the actor's whole export, as the colocated sync copies it), then the version.
-        With a stream running, applied between two of its backend calls (``agent.loop.VersionedRollout``)."""
+        """The policy of ``version`` (the actor's whole export), then the version; with a stream running, applied
+        between two of its backend calls (``agent.loop.VersionedRollout``)."""
         stream = getattr(self, "stream", None)
         n = stream.runner.rollout.load(named_tensors, version) if stream else self.rollout.load_weights(named_tensors)
         self.version = int(version)
@@ -65,8 +58,7 @@ class RolloutWorker(Worker):
 
     # ------------------------------------------------------------------ streaming (trainer.v1 separate_async)
     def stream_start(self, spec, sampling: dict) -> None:
-        """Start this worker's trajectory stream (``verl_lite.agent.stream``) with an agent spec (single-turn rows
-        run the single-turn loop) and the training sampling."""
+        """Start this worker's trajectory stream (``verl_lite.agent.stream``) with an agent spec and the sampling."""
         runner = AgentRunner(VersionedRollout(self.rollout, self.version),
                              AutoTokenizer.from_pretrained(self.cfg.tokenizer_path), spec)
         self.stream = TrajectoryStream(runner, sampling)
@@ -76,7 +68,4 @@ class RolloutWorker(Worker):
 
     def stream_collect(self) -> list[dict]:
         return self.stream.collect()
-
-    def policy_version(self) -> int:
-        return self.version
 
