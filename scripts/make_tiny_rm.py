@@ -195,6 +195,7 @@ def main() -> None:
                 order += rng.sample(range(len(train_ex)), len(train_ex))
             idx, order = order[: args.batch_size], order[args.batch_size:]
             chunk = [train_ex[j] for j in idx]
+            engine.advance_lr_schedule()  # the schedule counts optimizer steps here (SFT's order)
             m = engine.train_step(sequence_batch(chunk), [list(range(len(chunk)))], mse_loss_fn(len(chunk)))
             if step % args.eval_every == 0 or step == args.steps:
                 history.append({"step": step, "mse": float(m["mse"]), **evaluate(engine, val_ex, args.samples),

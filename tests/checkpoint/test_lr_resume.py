@@ -3,9 +3,9 @@
 A PPO run (actor + critic, both with warm-up 2 and linear decay) trains 2 steps and saves; the same
 command with ``trainer.total_training_steps=4`` resumes it. verl's default (false) keeps the step
 count and continues the NEW run's schedule, which decays over the new length; ``true`` keeps the
-checkpoint's schedule, which has already decayed to ``min_lr``. The expected lr of every step is
-megatron's formula written out here; a step's ``actor/lr`` / ``critic/lr`` is the mean over its
-optimizer steps (2 per RL step: 4 prompts, mini-batches of 2).
+checkpoint's schedule, which has already decayed to ``min_lr``. The schedule counts RL steps (verl's rule):
+RL step s trains at megatron's lr of schedule step s - 1 (the first step of a warm-up at 0), the same for its
+2 optimizer steps (4 prompts, mini-batches of 2); the formula is written out here.
 """
 
 from __future__ import annotations
@@ -14,13 +14,12 @@ import pytest
 
 from tests.checkpoint.conftest import Run, metrics, overrides, run_to_end
 
-LR, MIN_LR, WARMUP = 1e-4, 1e-5, 2
-OPT_STEPS_PER_RL_STEP = 2
+LR, MIN_LR, WARMUP = 1e-4, 1e-5, 1
 ROLES = {"actor": "actor_rollout_ref.actor.optim", "critic": "critic.optim"}
 
 
 def expected_lr(k: int, decay_steps: int) -> float:
-    """megatron's OptimizerParamScheduler at optimizer step k (init_lr 0 with warm-up, linear decay)."""
+    """megatron's OptimizerParamScheduler at schedule step k (init_lr 0 with warm-up, linear decay)."""
     if k <= WARMUP:
         return LR * k / WARMUP
     if k > decay_steps:
@@ -29,8 +28,7 @@ def expected_lr(k: int, decay_steps: int) -> float:
 
 
 def expected_step_lr(rl_step: int, total_rl_steps: int) -> float:
-    ks = range((rl_step - 1) * OPT_STEPS_PER_RL_STEP + 1, rl_step * OPT_STEPS_PER_RL_STEP + 1)
-    return sum(expected_lr(k, total_rl_steps * OPT_STEPS_PER_RL_STEP) for k in ks) / len(ks)
+    return expected_lr(rl_step - 1, total_rl_steps)
 
 
 def _args(assets, root, **extra) -> list[str]:
@@ -73,12 +71,12 @@ def test_extending_a_decaying_run_follows_the_new_schedule_unless_asked(tiny_ass
     for role in ROLES:
         line = next((ln for ln in text.splitlines() if f"{role} resumed at step 2:" in ln), None)
         assert line is not None, text[-3000:]
-        assert (f"optimizer step 4, lr schedule linear decay from {LR:g} to {MIN_LR:g} at step 8, warmup 2 "
-                f"(this run's), next lr {expected_lr(5, 8):.6g}; the checkpoint's was linear decay from {LR:g} to "
-                f"{MIN_LR:g} at step 4, warmup 2") in line, line
+        assert (f"schedule step 2, lr schedule linear decay from {LR:g} to {MIN_LR:g} at step 4, warmup 1 "
+                f"(this run's), next lr {expected_lr(2, 4):.6g}; the checkpoint's was linear decay from {LR:g} to "
+                f"{MIN_LR:g} at step 2, warmup 1") in line, line
 
     _check_lrs(metrics(other / "out"), [3], lambda s: expected_step_lr(s, 2))
     text = kept.text()
     for role in ROLES:
-        assert (f"{role} resumed at step 2: optimizer step 4, lr schedule linear decay from {LR:g} to {MIN_LR:g} "
-                f"at step 4, warmup 2 (kept from the checkpoint), next lr {MIN_LR:g}") in text, text[-3000:]
+        assert (f"{role} resumed at step 2: schedule step 2, lr schedule linear decay from {LR:g} to {MIN_LR:g} "
+                f"at step 2, warmup 1 (kept from the checkpoint), next lr {MIN_LR:g}") in text, text[-3000:]

@@ -39,3 +39,16 @@ def test_two_keys_for_one_setting_that_disagree_are_refused_naming_both():
     assert cfg.actor_rollout_ref.model.lora.rank == 8
     cfg = load_config([f"{M}.lora.rank=8", f"{M}.lora.rank=16"])  # one key twice: the last wins (Hydra's rule)
     assert cfg.actor_rollout_ref.model.lora.rank == 16
+
+
+def test_a_warm_up_longer_than_the_run_is_refused_before_start_in_rl_steps():
+    """The LR schedule counts RL steps (verl's rule; the engine test proves the lrs): a decaying schedule whose warm-up
+    does not end before the run's last step is refused at construction, not when the workers build the optimizer."""
+    from verl_lite.trainer.ppo_trainer import PPOTrainer
+
+    A = "actor_rollout_ref.actor.optim"
+    with pytest.raises(ConfigError) as err:
+        PPOTrainer(load_config([f"{A}.lr_warmup_steps=3", f"{A}.lr_decay_style=cosine",
+                                "trainer.total_training_steps=3"]))
+    assert err.value.problems == [f"{A}.lr_warmup_steps=3 must be < the run's RL steps=3 for lr_decay_style='cosine'"]
+    PPOTrainer(load_config([f"{A}.lr_warmup_steps=2", f"{A}.lr_decay_style=cosine", "trainer.total_training_steps=3"]))

@@ -55,10 +55,13 @@ def _rank(rank, port, model_dir, out_dir):
     attempt("good", lambda: res.update(engine.train_step(batch, [[0, 1], [2, 3]], _loss)))
     outcome["good_result"] = res
     outcome["owner"] = engine.is_output_owner
-    # LR schedule: warm-up 2 steps to 1e-3, then linear decay to 1e-4 at step 4
+    # LR schedule: warm-up 2 schedule steps to 1e-3, then linear decay to 1e-4 at step 4; the caller advances it
     sched = MegatronEngine(EngineConfig(model_dir, par, OptimConfig(
         lr=1e-3, min_lr=1e-4, lr_warmup_steps=2, lr_decay_style="linear"), total_steps=4))
-    outcome["lrs"] = [sched.train_step(batch, [[0, 1], [2, 3]], _loss)["lr"] for _ in range(4)]
+    outcome["lrs"] = []
+    for _ in range(4):
+        outcome["lrs"].append([sched.train_step(batch, [[0, 1], [2, 3]], _loss)["lr"] for _ in range(2)])
+        sched.advance_lr_schedule()  # after two optimizer steps (an RL step of two mini-batches)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcome))
     destroy_distributed()
 
@@ -84,7 +87,7 @@ def test_bad_micro_batches_and_counts_raise_on_every_rank(model_dir, tmp_path):
         assert "megatron reduced 27 tokens" in o["bad_count"] and "not taken" in o["bad_count"]
         assert o["good"] is None
         assert o["good_result"]["grad_norm"] > 0 and o["good_result"]["lr"] == pytest.approx(1e-3)
-        assert o["lrs"] == pytest.approx([5e-4, 1e-3, 5.5e-4, 1e-4])
+        assert o["lrs"] == [pytest.approx([lr, lr]) for lr in (0.0, 5e-4, 1e-3, 5.5e-4)]  # verl: 0 first
     owner = [o for o in outs if o["owner"]]
     assert len(owner) == 1 and "loss" in owner[0]["good_result"] and owner[0]["good_result"]["n"] == 16
     assert all("loss" not in o["good_result"] for o in outs if not o["owner"])

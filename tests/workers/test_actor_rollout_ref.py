@@ -45,6 +45,9 @@ class _CountingActor:
         self.version += 1
         return {"loss": 0.0}
 
+    def advance_lr_schedule(self):
+        pass
+
     def export_merged_hf(self):
         return [("w", torch.full((1,), float(self.version)))]
 

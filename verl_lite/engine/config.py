@@ -328,16 +328,17 @@ class MegatronConfig:
 class OptimConfig:
     """Adam(W) with decoupled weight decay, global-norm gradient clipping and an LR schedule.
 
-    Schedule (megatron ``OptimizerParamScheduler``), for optimizer step k = 1, 2, ...: warm-up lr_k = lr * k /
+    Schedule (megatron ``OptimizerParamScheduler``), for schedule step k = 0, 1, ...: warm-up lr_k = lr * k /
     lr_warmup_steps for k <= lr_warmup_steps; then "constant": lr; "linear"/"cosine": decays from lr to min_lr
-    at the engine's ``total_steps``. Weight decay skips biases and 1-D parameters (norms), as megatron does.
+    at the engine's ``total_steps``. RL: a schedule step is an RL step (verl's rule: every optimizer step of
+    RL step k uses lr_k, so the first RL step of a warm-up trains at 0); SFT: an optimizer step (k = 1, 2, ...). Weight decay skips biases and 1-D parameters (norms), as megatron does.
     Loading a checkpoint always restores the step count k; the schedule's shape is this config's unless
     ``use_checkpoint_opt_param_scheduler``."""
 
     lr: float = 1e-4  # peak learning rate (verl: 1e-6; see 'Defaults that differ')
     weight_decay: float = 0.0  # decoupled (AdamW) weight decay; biases and norms are skipped
     clip_grad: float = 1.0  # max global grad norm
-    lr_warmup_steps: int = 0  # optimizer steps of linear warm-up
+    lr_warmup_steps: int = 0  # schedule steps of linear warm-up (RL steps; SFT: optimizer steps)
     lr_decay_style: str = "constant"  # constant | linear | cosine
     min_lr: float = 0.0  # floor for linear/cosine decay
     betas: List[float] = field(default_factory=lambda: [0.9, 0.99])  # Adam betas
@@ -352,12 +353,16 @@ class OptimConfig:
                 value = getattr(self, name)
                 requirement += f" (lr={self.lr})" if name == "min_lr" else ""
                 out.append(f"{key}.{name}={list(value) if isinstance(value, tuple) else value!r} {requirement}")
-        if total_steps is not None and total_steps < 1:
-            out.append(f"{key}: total_steps={total_steps} must be >= 1")
-        elif total_steps is not None and self.lr_decay_style != "constant" and self.lr_warmup_steps >= total_steps:
-            out.append(f"{key}.lr_warmup_steps={self.lr_warmup_steps} must be < total_steps={total_steps} "
-                       f"for lr_decay_style={self.lr_decay_style!r}")
-        return out
+        return out + (self.schedule_problems(key, total_steps) if total_steps is not None else [])
+
+    def schedule_problems(self, key: str, total_steps: int, unit: str = "total_steps") -> list[str]:
+        """A schedule of ``total_steps`` steps: at least one, and a decaying one's warm-up ends before it."""
+        if total_steps < 1:
+            return [f"{key}: {unit}={total_steps} must be >= 1"]
+        if self.lr_decay_style != "constant" and self.lr_warmup_steps >= total_steps:
+            return [f"{key}.lr_warmup_steps={self.lr_warmup_steps} must be < {unit}={total_steps} "
+                    f"for lr_decay_style={self.lr_decay_style!r}"]
+        return []
 
 
 @dataclass

@@ -129,7 +129,7 @@ def format_lr_schedule(schedule: dict) -> str:
     where it stands, and the checkpoint's own schedule when that one is not used and differs."""
     own = schedule["source"] == "checkpoint"
     whose = "kept from the checkpoint" if own else "this run's"
-    text = (f"optimizer step {schedule['step']}, lr schedule {_schedule_shape(schedule)} ({whose}), "
+    text = (f"schedule step {schedule['step']}, lr schedule {_schedule_shape(schedule)} ({whose}), "
             f"next lr {schedule['next_lr']:.6g}")
     saved = schedule.get("saved")
     if not own and saved and None not in saved.values() and _schedule_shape(saved) != _schedule_shape(schedule):
@@ -198,6 +198,7 @@ class MegatronEngine:
             self.model = [Float16Module(self.tf_config, chunk) for chunk in self.chunks]
         self.optimizer = None
         self.scheduler = None
+        self.optimizer_steps = 0  # optimizer steps this engine took (the schedule counts the caller's steps)
         if not cfg.forward_only:
             self._wrap_ddp()
             self._build_optimizer()
@@ -302,16 +303,18 @@ class MegatronEngine:
                  "min_lr": state.get("min_lr")}
         return {**self.lr_schedule(), "saved": saved}
 
+    def advance_lr_schedule(self) -> None:
+        """One step of the LR schedule. The caller says when a schedule step ends: :meth:`train_step` uses the
+        lr of the schedule's current step (``OptimConfig``: the RL trainer advances after each RL step's
+        updates, verl's rule; SFT before each optimizer step)."""
+        self.scheduler.step(1)
+
     def lr_schedule(self) -> dict:
         """The LR schedule in use: ``style``, ``warmup_steps``, ``decay_steps`` (the step at which it reaches
-        ``min_lr``), ``max_lr``, ``min_lr``, ``step`` (optimizer steps taken), ``next_lr`` (the lr of the next
-        optimizer step, which :meth:`train_step` advances to before stepping) and ``source``."""
+        ``min_lr``), ``max_lr``, ``min_lr``, ``step`` (schedule steps taken), ``next_lr`` (the lr the next
+        :meth:`train_step` uses) and ``source``."""
         s = self.scheduler
-        s.num_steps += 1
-        try:
-            next_lr = float(s.get_lr({}))
-        finally:
-            s.num_steps -= 1
+        next_lr = float(s.get_lr({}))
         return {"style": s.lr_decay_style, "warmup_steps": int(s.lr_warmup_steps), "decay_steps": int(s.lr_decay_steps),
                 "max_lr": float(s.max_lr), "min_lr": float(s.min_lr), "step": int(s.num_steps), "next_lr": next_lr,
                 "source": "checkpoint" if self.cfg.optim.use_checkpoint_opt_param_scheduler else "config"}
@@ -485,9 +488,9 @@ class MegatronEngine:
                 f"megatron reduced {self._reduced_token_count} tokens over DP x CP but global_token_count="
                 f"{global_token_count}: the caller's count is not the sum of sequence lengths over the whole "
                 f"mini-batch (or DP ranks were given different counts); the optimizer step was not taken")
-        self.scheduler.step(1)
         lr = self.scheduler.get_lr({})
         success, grad_norm, _ = self.optimizer.step()
+        self.optimizer_steps += 1
         self._check_finite_step(success, grad_norm, store if owner and self._is_last_stage else None)
         result = {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": float(lr)}
         if router_step is not None:  # every rank: each MoE stage adds its layers
@@ -516,7 +519,7 @@ class MegatronEngine:
         if success and grad_norm is not None and math.isfinite(float(grad_norm)):
             return
         loss = None if reports is None else sum(float(d.get("loss", 0.0)) for d in reports)
-        raise NonFiniteStepError(int(self.scheduler.num_steps), None if grad_norm is None else float(grad_norm), loss)
+        raise NonFiniteStepError(self.optimizer_steps, None if grad_norm is None else float(grad_norm), loss)
 
     # ------------------------------------------------------------------ weights
     def export_hf(self, attr: str = "param"):

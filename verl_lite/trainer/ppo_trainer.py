@@ -118,6 +118,8 @@ class PPOTrainer:
         self.train_dataset, self.val_dataset = datasets or (None, None)
         if datasets is not None:
             problems.check(preflight, cfg, *datasets, self.tokenizer)
+            if not (problems.lines or problems.errors):  # LR schedules count RL steps: known with the data
+                problems.lines += self._schedule_problems()
             if self.reward_manager is not None:
                 problems.check(check_reward_inputs, cfg, self.reward_manager, *datasets)
         try:
@@ -156,8 +158,9 @@ class PPOTrainer:
         self._checkpoint_lock = self._checkpoint_lock or lock_checkpoint_dir(self.cfg.trainer)  # before Ray starts
         try:
             self.checkpoints.prepare_resume()  # a damaged or unsafe checkpoint is refused before Ray starts
-            self.placement.start(self.use_critic, self.need_ref, self.total_optimizer_steps(),
-                                 self.total_critic_steps(), self.tokenizer, self.agent)
+            # the LR schedules count RL steps (verl's rule: OptimConfig)
+            self.placement.start(self.use_critic, self.need_ref, self.total_steps(), self.total_steps(),
+                                 self.tokenizer, self.agent)
         except BaseException:
             self.close()
             raise
@@ -187,13 +190,12 @@ class PPOTrainer:
         t = self.cfg.trainer
         return t.total_training_steps if t.total_training_steps is not None else t.total_epochs * self.steps_per_epoch()
 
-    def total_optimizer_steps(self) -> int:
-        return self.total_steps() * self.layout.optimizer_steps_per_rl_step
-
-    def total_critic_steps(self) -> int:
-        c = self.cfg.critic
-        per_step = self.cfg.data.train_batch_size // c.ppo_mini_batch_size * c.ppo_epochs
-        return self.total_steps() * per_step
+    def _schedule_problems(self) -> list[str]:
+        roles = [("actor_rollout_ref.actor.optim", self.cfg.actor_rollout_ref.actor.optim)]
+        if "critic" in estimator_needs(self.cfg.algorithm.adv_estimator):
+            roles.append(("critic.optim", self.cfg.critic.optim))
+        unit = "the run's RL steps"
+        return [line for key, optim in roles for line in optim.schedule_problems(key, self.total_steps(), unit)]
 
     def _train_batches(self) -> DataCursor:
         """Prompt batches (lists of dataset rows) forever, one epoch after another."""

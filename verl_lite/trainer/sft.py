@@ -103,6 +103,7 @@ def nll_loss_fn(plan):
 
 def sft_step(engine, examples, micro_batch_size: int) -> dict:
     """One optimizer step of token-mean NLL over `examples` (one process, DP = 1)."""
+    engine.advance_lr_schedule()  # SFT's schedule counts optimizer steps
     batch = make_sequence_batch(examples)
     plan = NormalizationPlan.from_mask(batch.data["response_mask"], "token-mean")
     idx = list(range(len(examples)))

@@ -135,12 +135,12 @@ class Updates:
             return self._update_actor_with_cov_selection(plans, step)
         return self._train_actor(plans, step)
 
-    def _train_actor(self, plans, step: int) -> list[dict]:
+    def _train_actor(self, plans, step: int, end_of_step: bool = True) -> list[dict]:
         arr = self.cfg.actor_rollout_ref
         sizing = MicroBatching.of(arr.actor.use_dynamic_bsz, arr.actor.ppo_micro_batch_size_per_gpu,
                                   arr.actor.ppo_max_token_len_per_gpu)
         return self._train_role("actor", self.placement.actor, "update_actor", plans, step, sizing, arr.actor,
-                                arr.rollout.temperature, self.loss_correction)
+                                arr.rollout.temperature, self.loss_correction, end_of_step)
 
     def _update_actor_with_cov_selection(self, plans, step: int) -> list[dict]:
         """clip_cov / kl_cov: verl's token selection over each WHOLE mini-batch, from the current policy's
@@ -154,7 +154,7 @@ class Updates:
             selected = select_cov_tokens(a.policy_loss.loss_mode, mini["advantages"], mini["old_log_probs"],
                                          mini["response_mask"], a,
                                          seed=cov_selection_seed(self.cfg.trainer.seed, step, k), log_probs=current)
-            steps += self._train_actor([(mini.set("cov_mask", selected), plan)], step)
+            steps += self._train_actor([(mini.set("cov_mask", selected), plan)], step, k == len(plans) - 1)
         return steps
 
     def update_critic(self, batch: Batch, step: int) -> list[dict]:

@@ -136,9 +136,10 @@ class ActorRolloutRefWorker(EngineWorker):
 
     # ------------------------------------------------------------------ update
     def update_actor(self, jobs: list[dict], loss_cfg, temperature: float,
-                     correction: dict | None = None) -> list[dict]:
+                     correction: dict | None = None, end_of_step: bool = True) -> list[dict]:
         """One optimizer step per job (``RoleGroup.train``) of ``actor_loss`` with the actor section ``loss_cfg``
-        (and ``correction``). Returns the engine's step metrics per job (loss metrics on output owners only)."""
+        (and ``correction``), then, at ``end_of_step`` (the RL step's last call), one LR schedule step. Returns the
+        engine's step metrics per job (loss metrics on output owners only)."""
         results = []
         for job in jobs:
             loss_fn = partial(actor_loss, plan=job["plan"], cfg=loss_cfg, correction=correction)
@@ -148,6 +149,8 @@ class ActorRolloutRefWorker(EngineWorker):
             ))
         if jobs:
             self.rollout_behind = True
+        if jobs and end_of_step:
+            self.actor.advance_lr_schedule()
         return results
 
     # ------------------------------------------------------------------ checkpoints (dist_checkpointing: on use)

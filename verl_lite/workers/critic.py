@@ -25,7 +25,8 @@ class CriticWorker(EngineWorker):
         return self.critic.infer(sequence_batch(piece), micro_batches, outputs=("values",))
 
     def update_critic(self, jobs: list[dict], cliprange_value: float) -> list[dict]:
-        """One optimizer step per job (see ``RoleGroup.train``); loss metrics on output owners only."""
+        """One optimizer step per job (see ``RoleGroup.train``), then one LR schedule step (the RL step's one
+        call); loss metrics on output owners only."""
         results = []
         for job in jobs:
             loss_fn = partial(critic_loss, plan=job["plan"], cliprange_value=cliprange_value)
@@ -33,6 +34,8 @@ class CriticWorker(EngineWorker):
                 sequence_batch(job["piece"], CRITIC_LOSS_KEYS), job["micro_batches"], loss_fn,
                 global_token_count=job["global_token_count"],
             ))
+        if jobs:
+            self.critic.advance_lr_schedule()
         return results
 
     def save_checkpoint(self, path: str) -> None:
