@@ -40,7 +40,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from verl_lite.agent.tools import ToolConfigError, _import_class, yaml_entries
+from verl_lite.agent.tools import ToolConfigError, _import_class, imports_missing_verl, yaml_entries
 
 
 @dataclass
@@ -147,7 +147,7 @@ def load_interaction_config(path: str) -> dict[str, Interaction]:
         try:
             inst = as_interaction(_import_class(e["class_name"])(config=e.get("config") or {}))
         except Exception as err:
-            fix = VERL_IMPORT_FIX if isinstance(err, ImportError) and err.name in ("verl", "verl.interactions") else ""
+            fix = VERL_IMPORT_FIX if imports_missing_verl(err) else ""
             problems.append(f"{where}: {e['class_name']} cannot be loaded ({type(err).__name__}: {err}){fix}")
             continue
         if inst is None:

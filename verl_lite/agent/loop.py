@@ -167,7 +167,6 @@ class ChatGlue:
 
     def __init__(self, tokenizer, tool_schemas: list[dict] | None = None, escape_special_tokens: bool = True):
         self.tokenizer, self.tools = tokenizer, tool_schemas or None
-        self.escape = escape_special_tokens
         self.control_strings = [t for t in tokenizer.get_added_vocab() if t] if escape_special_tokens else []
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:

@@ -224,6 +224,11 @@ def _class_tool_from_config(class_name: str, config: dict, schema: dict) -> Clas
 
 
 # ---------------------------------------------------------------------------------------------- config file
+def imports_missing_verl(err: BaseException) -> bool:
+    """``err`` is a user module's import of verl (or a part of it) where verl is not installed."""
+    return isinstance(err, ImportError) and (err.name or "").split(".")[0] == "verl"
+
+
 def _import_class(class_name: str):
     module_name, _, attr = class_name.rpartition(".")
     if not module_name:
@@ -273,7 +278,7 @@ def load_tool_config(path: str) -> list[Tool]:
         try:
             cls = _import_class(entry["class_name"])
         except Exception as e:
-            fix = VERL_TOOLS_FIX if isinstance(e, ImportError) and (e.name or "").split(".")[0] == "verl" else ""
+            fix = VERL_TOOLS_FIX if imports_missing_verl(e) else ""
             problems.append(f"{where}: class_name {entry['class_name']!r} cannot be imported ({type(e).__name__}: "
                             f"{e}){fix}")
             continue

@@ -87,13 +87,18 @@ def _entries(value) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
+def _funcs_and_weights(reward_funcs, reward_weights) -> tuple[list, list]:
+    """TRL's ``reward_funcs`` (one or a list) and their weights (default 1 each)."""
+    entries = _entries(reward_funcs)
+    return entries, [1.0] * len(entries) if reward_weights is None else list(reward_weights)
+
+
 def reward_functions_only(reward_funcs, reward_weights) -> tuple[list | None, list | None]:
     """``reward_funcs`` / ``reward_weights`` without the model entries (``use_reward_models`` placed those): what
     ``RewardFunctions`` calls; (None, None) where only models were given."""
     if reward_funcs is None:
         return None, reward_weights
-    entries = _entries(reward_funcs)
-    weights = [1.0] * len(entries) if reward_weights is None else list(reward_weights)
+    entries, weights = _funcs_and_weights(reward_funcs, reward_weights)
     if len(weights) != len(entries):
         return entries, weights  # RewardFunctions names the mismatch
     kept = [(f, w) for f, w in zip(entries, weights) if not is_reward_model(f)]
@@ -110,8 +115,7 @@ def use_reward_models(cfg, reward_funcs, reward_weights, reward_processing_class
     role hosts one), a model weight other than 1, a model beside ``reward_model.enable=true``."""
     if reward_funcs is None:
         return []
-    entries = _entries(reward_funcs)
-    weights = [1.0] * len(entries) if reward_weights is None else list(reward_weights)
+    entries, weights = _funcs_and_weights(reward_funcs, reward_weights)
     models = [i for i, entry in enumerate(entries) if is_reward_model(entry)]
     if not models:
         return []
