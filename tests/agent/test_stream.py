@@ -70,9 +70,9 @@ def model_and_tokenizer():
     return path, AutoTokenizer.from_pretrained(path)
 
 
-def _perturbed(model, seed: int) -> list[tuple[str, torch.Tensor]]:
+def _perturbed(model, seed: int, scale: float = 0.05) -> list[tuple[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
-    return [(name, p.detach() + 0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return [(name, p.detach() + scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
             for name, p in model.state_dict().items()]
 
 
@@ -147,3 +147,52 @@ def test_groups_submitted_later_run_beside_earlier_ones_and_errors_reach_collect
         assert stream.live() == 0
     finally:
         stream.close()
+
+
+def test_a_load_cuts_a_running_turn_short_and_the_turn_goes_on_with_the_new_weights(model_and_tokenizer):
+    """A partial rollout inside one model turn: a load lands while the HF backend is generating; the call stops
+    after its next token, the load is applied, and every response still running goes on with version 1 (its
+    tokens so far prefilled again). Each token's behaviour log-prob equals the float64 log-prob under the weights
+    of the version that generated it: one turn, two segments, [0, 1]."""
+    from verl_lite.rollout import make_rollout
+
+    path, tokenizer = model_and_tokenizer
+    rollout = make_rollout("hf", path, tokenizer)
+    version_0, version_1 = _perturbed(rollout.model, seed=3, scale=0.3), _perturbed(rollout.model, seed=4, scale=0.3)
+    rollout.load_weights(version_0)  # far from the trained model: responses run long, so the load finds them running
+    backend = VersionedRollout(rollout, version=0)
+    model, calls = rollout.model, []
+
+    def forward(*args, **kwargs):
+        out = type(model).forward(model, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 4:  # the third generated token's forward: a weight sync arrives from another thread
+            threading.Thread(target=backend.load, args=(version_1, 1), daemon=True).start()
+            _wait(backend.load_waiting.is_set)
+        return out
+
+    model.forward = forward
+    stream = TrajectoryStream(AgentRunner(backend, tokenizer, _spec("single_turn_agent", budget=24)),
+                              {"n": 4, "do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": -1})
+    try:
+        rows = _rows(tokenizer, 1)
+        stream.submit([{"group": 0, "row": rows[0], "seed": 7}])
+        out: list[dict] = []
+        _wait(lambda: out.extend(stream.collect()) or len(out) == 4)
+    finally:
+        stream.close()
+        del model.forward
+    cut = [traj for traj in out if traj["segment_versions"] == [0, 1]]
+    assert cut, [traj["segment_versions"] for traj in out]  # at least one response was still running
+    assert all(traj["segment_versions"] in ([0], [0, 1]) for traj in out)
+    prompt = rows[0]["prompt_ids"]
+    for traj in cut:
+        response, behaviour = traj["response_ids"], torch.tensor(traj["log_probs"], dtype=torch.float64)
+        assert traj["response_mask"] == [1] * len(response) and traj["agent_stats"]["assistant_turns"] == 1
+        first = 4  # the prefill's and three decode forwards' tokens: sampled before the load was applied
+        for start, stop, weights, other in ((0, first, version_0, version_1), (first, len(response), version_1, version_0)):
+            ref = _reference_log_probs(path, weights, prompt, response)[start:stop]
+            wrong = _reference_log_probs(path, other, prompt, response)[start:stop]
+            # fp32 backend vs float64, at weights far from the trained ones
+            torch.testing.assert_close(behaviour[start:stop], ref, atol=1e-4, rtol=0)
+            assert (behaviour[start:stop] - wrong).abs().max() > 1e-2

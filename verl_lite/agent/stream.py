@@ -1,16 +1,16 @@
 """A rollout worker's trajectory stream: agent loops that run continuously, fed prompt groups, drained of
-finished trajectories, while new policy versions are loaded between backend calls (partial rollouts).
+finished trajectories, while new policy versions are loaded beside them (partial rollouts: ``VersionedRollout``).
 
     stream = TrajectoryStream(runner, sampling)      # runner: an AgentRunner over a VersionedRollout
     stream.submit([{"group": 7, "row": row, "seed": 123, "n": 8}, ...])   # returns at once
     stream.collect() -> [{"group": 7, "sample": k, **trajectory.output()}, ...]   # what finished since
-    runner.rollout.load(weights, version)             # from another thread: applied between backend calls
+    runner.rollout.load(weights, version)             # from another thread: cuts the running call short
     stream.close()
 
 The loops run in an asyncio event loop on a thread of their own, so the worker keeps answering calls while
-they run; their model turns share backend calls as the agent loop batches them. Each model turn is tagged with
-the policy version that generated it (``segment_versions``): a trajectory whose turns straddle a load has, turn
-by turn, the behaviour log-probs of the version that generated the turn. A trajectory that raises (its agent
+they run; their model turns share backend calls as the agent loop batches them. Each model segment is tagged with
+the policy version that generated it (``segment_versions``): a trajectory whose turns (or one turn) straddle a
+load has, segment by segment, the behaviour log-probs of the version that generated it. A trajectory that raises (its agent
 loop, a tool with ``tool_error=fail``) is raised by the next ``collect``: the run stops with that error.
 """
 

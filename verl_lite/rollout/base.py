@@ -15,6 +15,9 @@ import torch
 
 class Rollout:
     eos_token_id: int
+    # ``generate(..., interrupt=f)`` returns early once ``f()`` is true, the responses still running marked
+    # ``"interrupted": True`` (a partial rollout continues them on new weights: ``agent.loop.VersionedRollout``)
+    interruptible: bool = False
 
     def generate(
         self,

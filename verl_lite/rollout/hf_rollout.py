@@ -117,6 +117,8 @@ class HFRollout(Rollout):
     """An HF causal LM (``model_path``, a local HF model dir) used for generation; weights are synced in place from
     the trainer. The eos / pad ids are read from ``tokenizer``."""
 
+    interruptible = True
+
     def __init__(self, model_path: str, tokenizer, dtype: torch.dtype = torch.float32, device: str | None = None):
         import transformers
 
@@ -165,21 +167,24 @@ class HFRollout(Rollout):
 
     def _generate(self, prompt_ids, n, do_sample, temperature, top_p, top_k, max_new_tokens, keys, *,
                   repetition_penalty: float = 1.0, min_p: float = 0.0, stop: list[str] | None = None,
-                  stop_token_ids: list[int] | None = None) -> list[dict]:
+                  stop_token_ids: list[int] | None = None, interrupt=None) -> list[dict]:
         """``Rollout.generate`` in one batched call. The further ``generation_kwargs``, as HF ``generate`` names
         them: ``repetition_penalty`` (HF's, over prompt + response tokens) and ``min_p`` shape which token is drawn
         (greedy too, for the penalty); the reported log-probs stay log p_T of the unshaped logits, as with top-k /
         top-p. ``stop`` (strings) ends a response at the token that completes one of them, ``stop_token_ids`` at
-        one of those tokens (both kept in the response, as EOS is)."""
+        one of those tokens (both kept in the response, as EOS is). ``interrupt`` (a callable) is asked after every
+        token: once true, the call returns, each response still running marked ``interrupted``."""
         # no __torch_function__ overrides (e.g. a colocated engine's CPU adapter: a Python hop per torch call) and
         # no autograd bookkeeping
         with torch_function_disabled(), torch.inference_mode():
-            tokens, logps, lengths = self._sample(
+            tokens, logps, lengths, running = self._sample(
                 prompt_ids, n, do_sample, temperature, top_p, top_k, max_new_tokens, keys,
                 shaping=(float(repetition_penalty), float(min_p or 0.0)),
-                stops=([stop] if isinstance(stop, str) else list(stop or []), list(stop_token_ids or [])))
+                stops=([stop] if isinstance(stop, str) else list(stop or []), list(stop_token_ids or [])),
+                interrupt=interrupt)
         # cloned outside inference mode: the caller gets ordinary tensors
-        return [{"response_ids": tokens[i, :k].tolist(), "log_probs": logps[i, :k].clone()} for i, k in enumerate(lengths)]
+        return [{"response_ids": tokens[i, :k].tolist(), "log_probs": logps[i, :k].clone(), "interrupted": running[i]}
+                for i, k in enumerate(lengths)]
 
     def _prefill(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int):
         """The prompts' forward, ONE row per prompt, its KV cache rows and last logits then repeated for its n
@@ -217,8 +222,9 @@ class HFRollout(Rollout):
         return torch.tensor(out, dtype=torch.bool, device=tokens.device)
 
     def _sample(self, prompt_ids, n, do_sample, temperature, top_p, top_k, max_new_tokens, keys,
-                shaping=(1.0, 0.0), stops=((), ())) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Tokens [rows, max_new_tokens], their log-probs and each row's response length (``generate``'s rows)."""
+                shaping=(1.0, 0.0), stops=((), ()), interrupt=None) -> tuple[torch.Tensor, torch.Tensor, list[int], list[bool]]:
+        """Tokens [rows, max_new_tokens], their log-probs, each row's response length and whether it was still
+        running when ``interrupt()`` stopped the call (``generate``'s rows)."""
         scale = rollout_temperature(temperature)
         (repetition_penalty, min_p), (stop, stop_ids) = shaping, stops
         b = len(prompt_ids) * n
@@ -264,6 +270,10 @@ class HFRollout(Rollout):
                 alive = alive & ~self._stopped_by_string(tokens, lengths, rows, stop)
             if t + 1 == max_new_tokens or not bool(alive.any()):
                 break
+            if interrupt is not None and interrupt():
+                interrupted = torch.zeros(b, dtype=torch.bool)
+                interrupted[rows[alive].cpu()] = True
+                return tokens.cpu(), logps.cpu(), lengths.tolist(), interrupted.tolist()
             if compact and int(alive.sum()) <= COMPACT_AT * alive.numel():
                 keep = alive.nonzero().squeeze(-1)
                 past.batch_select_indices(keep)
@@ -274,4 +284,4 @@ class HFRollout(Rollout):
             past, logits = _cache_of(out), out.logits[:, -1, :]
             next_pos = next_pos + 1
 
-        return tokens.cpu(), logps.cpu(), lengths.tolist()
+        return tokens.cpu(), logps.cpu(), lengths.tolist(), [False] * b

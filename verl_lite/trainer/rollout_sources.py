@@ -126,8 +126,8 @@ class PipelinedRollouts:
 class StreamedRollouts:
     """Rollout workers run their trajectory streams continuously (single-turn rows through the single-turn agent
     loop); each step takes the oldest complete prompt groups within the off-policy bound (``controller.stream``).
-    Each updated policy is loaded between backend calls, so trajectories in flight go on with it (partial
-    rollouts). A checkpoint saves the prompt rows pulled and not yet trained; a resumed run submits them first."""
+    Each updated policy cuts the running generation short and trajectories in flight go on with it (partial
+    rollouts, ``agent.loop.VersionedRollout``). A checkpoint saves the prompt rows pulled and not yet trained; a resumed run submits them first."""
 
     def __init__(self, rollouts: Rollouts, batches: Iterator[list[dict]], step: int, total_steps: int,
                  resumed_state: dict | None):
