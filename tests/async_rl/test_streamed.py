@@ -1,16 +1,26 @@
 """``trainer.v1.trainer_mode=separate_async`` through the real trainer (one local Ray, the tiny default job):
 trajectories stream through the rollout pool, each step takes the oldest complete groups within
 ``max_off_policy_threshold``, updated weights land while trajectories run; and a run stopped right after a
-checkpoint resumes with no step repeated or skipped and every prompt it had pulled trained (verl #7933)."""
+checkpoint (its driver SIGKILLed mid-pipeline) resumes with no step repeated or skipped and every prompt it had
+pulled trained (verl #7933)."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.e2e.conftest import shared_ray, tiny_assets, tiny_overrides  # noqa: F401  (fixtures)
+
+ROOT = Path(__file__).resolve().parents[2]
 
 STEPS = 5
 KEYS = {"trainer.total_training_steps": STEPS, "trainer.test_freq": 0, "trainer.val_before_train": "false",
@@ -33,9 +43,30 @@ class _Prompts:
             self.by_step[step] = [row["prompt"] for row in metrics[COMPLETIONS_KEY]]
 
 
-class _StopAfterSave:
+class _RecordAndMark(_Prompts):
+    """In the run that is killed: each step's prompts appended to ``log`` as they are trained, ``marker`` written
+    once the step-``at`` checkpoint is saved."""
+
+    def __init__(self, log: str, marker: str, at: int):
+        super().__init__()
+        self.log, self.marker, self.at = log, marker, at
+
+    def on_step_end(self, step, metrics, **kwargs):
+        super().on_step_end(step, metrics)
+        with open(self.log, "a") as out:
+            out.write(json.dumps({"step": step, "prompts": self.by_step.get(step, [])}) + "\n")
+
     def on_save(self, step):
-        raise RuntimeError(f"stopped after the step-{step} checkpoint")
+        if step == self.at:
+            Path(self.marker).write_text(str(step))
+
+
+KILLED_RUN = """
+import json, sys
+from tests.async_rl.test_streamed import _fit, _RecordAndMark
+assets, out, log, marker, keys = json.loads(sys.argv[1])
+_fit(assets, out, [_RecordAndMark(log, marker, at=2)], **keys)
+"""
 
 
 def _fit(assets, tmp_path, callbacks=(), **extra):
@@ -65,13 +96,31 @@ def test_streamed_steps_stay_within_the_bound_and_train_every_prompt_once(tiny_a
     assert len(set(groups)) == len(groups)  # the fixture's prompts are distinct: none trained twice
 
 
-def test_a_resumed_stream_repeats_no_step_and_trains_what_it_had_pulled(tiny_assets, shared_ray, tmp_path):  # noqa: F811
-    from verl_lite.trainer.callbacks import CallbackError
-
+def test_a_stream_killed_mid_pipeline_resumes_with_no_step_repeated_or_skipped(tiny_assets, shared_ray, tmp_path):  # noqa: F811
+    """The driver is SIGKILLed right after its step-2 checkpoint, while the stream is running (groups outstanding,
+    trajectories generating); the resumed run trains steps 3-5: no step repeated or skipped (verl #7933), no
+    prompt trained twice, every prompt pulled and not trained before the kill trained after it."""
     keys = {"trainer.default_local_dir": str(tmp_path / "ckpt"), "trainer.save_freq": 2}
+    log, marker = tmp_path / "steps.jsonl", tmp_path / "saved"
+    # the killed driver starts a local Ray of its own, as the CLI does (its reaper stops it when the driver dies)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    args = [tiny_assets, str(tmp_path / "first"), str(log), str(marker), keys]
+    driver = subprocess.Popen([sys.executable, "-c", KILLED_RUN, json.dumps(args)], env=env, cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=open(tmp_path / "killed_run.log", "wb"))
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists():
+            assert driver.poll() is None, (tmp_path / "killed_run.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, (tmp_path / "killed_run.log").read_text()[-3000:]
+            time.sleep(0.05)
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(60)
     first = _Prompts()
-    with pytest.raises(CallbackError, match="stopped after the step-2 checkpoint"):
-        _fit(tiny_assets, tmp_path / "first", [first, _StopAfterSave()], **keys)
+    for line in log.read_text().splitlines():
+        record = json.loads(line)
+        if record["step"] <= 2:  # a step that ran past the checkpoint before the kill is not in it
+            first.by_step[record["step"]] = record["prompts"]
     state = torch.load(tmp_path / "ckpt" / "global_step_2" / "async_pipeline.pt", weights_only=True)
     assert state["policy_version"] == 2
     pulled = [row for item in state["in_flight"] for row in item["rows"]]
