@@ -131,6 +131,7 @@ def test_in_flight_batches_round_trip_through_a_weights_only_load(tmp_path):
     (["actor_rollout_ref.hybrid_engine=false", "async_training.partial_rollout=true"], "partial_rollout=true"),
     (["actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.nnodes=2"], "use 1"),
     (["actor_rollout_ref.hybrid_engine=false", "algorithm.adv_estimator=remax"], "set hybrid_engine=true"),
+    (["actor_rollout_ref.hybrid_engine=false", "algorithm.filter_groups.enable=true"], "separate_async"),
     (["actor_rollout_ref.hybrid_engine=false", "async_training.weight_sync_timeout_s=0"], "must be > 0"),
     (["algorithm.rollout_correction.bypass_mode=true"], "set it false"),
 ])

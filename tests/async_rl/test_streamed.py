@@ -35,12 +35,14 @@ class _Prompts:
 
     def __init__(self):
         self.by_step: dict[int, list[str]] = {}
+        self.rewards: dict[int, list[float]] = {}
 
     def on_step_end(self, step, metrics, **kwargs):  # before on_save (a stop there still sees the step)
         from verl_lite.trainer.tracking import COMPLETIONS_KEY
 
         if COMPLETIONS_KEY in metrics:
             self.by_step[step] = [row["prompt"] for row in metrics[COMPLETIONS_KEY]]
+            self.rewards[step] = [row["reward"] for row in metrics[COMPLETIONS_KEY]]
 
 
 class _RecordAndMark(_Prompts):
@@ -79,8 +81,10 @@ def _fit(assets, tmp_path, callbacks=(), **extra):
 
 
 def test_streamed_steps_stay_within_the_bound_and_train_every_prompt_once(tiny_assets, shared_ray, tmp_path):  # noqa: F811
+    """With DAPO's dynamic sampling on: a step takes further complete groups in place of those without spread."""
     prompts = _Prompts()
-    records = _fit(tiny_assets, tmp_path, [prompts])
+    records = _fit(tiny_assets, tmp_path, [prompts], **{"algorithm.filter_groups.enable": "true",
+                                                       "algorithm.filter_groups.metric": "score"})
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for r in records:
         assert 0 <= r["training/off_policy/trajectory_staleness_worst/max"] <= THRESHOLD - 1
@@ -94,6 +98,12 @@ def test_streamed_steps_stay_within_the_bound_and_train_every_prompt_once(tiny_a
     assert all(trained[i] == trained[i - i % N] for i in range(len(trained)))  # a group's n samples, together
     groups = trained[::N]
     assert len(set(groups)) == len(groups)  # the fixture's prompts are distinct: none trained twice
+    # dynamic sampling: every trained group has spread in its scores; the dropped ones were replaced
+    rewards = [r for step in sorted(prompts.rewards) for r in prompts.rewards[step]]
+    assert all(len(set(rewards[g:g + N])) > 1 for g in range(0, len(rewards), N))
+    assert all((r["dynamic_sampling/groups_dropped"] == 0) == (r["dynamic_sampling/generation_rounds"] == 1)
+               for r in records)
+    print("groups dropped per step:", [r["dynamic_sampling/groups_dropped"] for r in records])
 
 
 def test_a_stream_killed_mid_pipeline_resumes_with_no_step_repeated_or_skipped(tiny_assets, shared_ray, tmp_path):  # noqa: F811

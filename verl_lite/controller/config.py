@@ -108,9 +108,9 @@ class AsyncTrainingConfig:
     queue_timeout_s: float = 1800.0  # bound on the trainer's wait for the next rollout batch (a starving queue stops the run)
     partial_rollout: bool = False  # true is refused: partial rollouts are trainer.v1.trainer_mode=separate_async's (docs/async.md)
 
-    def problems(self, arr, alg) -> list[str]:
+    def problems(self, arr, alg, trainer_mode: str = "sync") -> list[str]:
         """This section with the placement it needs: ``arr`` = the ``actor_rollout_ref`` section, ``alg`` = the
-        ``algorithm`` section (what split placement does not build)."""
+        ``algorithm`` section (what split placement does not build), ``trainer_mode`` = ``trainer.v1.trainer_mode``."""
         R, K = "actor_rollout_ref.rollout", "async_training"
         out: list[str] = []
         if self.partial_rollout:
@@ -140,9 +140,10 @@ class AsyncTrainingConfig:
         if arr.rollout.nnodes > 1:
             out.append(f"{R}.nnodes={arr.rollout.nnodes}: a rollout pool spanning nodes is not built; use 1")
         why = "is not built with split placement (actor_rollout_ref.hybrid_engine=false)"
-        if alg.filter_groups.enable:
-            out.append(f"algorithm.filter_groups.enable=true (DAPO dynamic sampling) {why}: its extra generation "
-                       f"rounds depend on the step's scores; set hybrid_engine=true")
+        if alg.filter_groups.enable and trainer_mode != "separate_async":
+            out.append(f"algorithm.filter_groups.enable=true (DAPO dynamic sampling) {why} on the one-step-off "
+                       f"schedule (its extra generation rounds depend on the step's scores): set hybrid_engine=true, "
+                       f"or stream (trainer.v1.trainer_mode=separate_async), which takes further complete groups")
         if alg.adv_estimator == "remax":
             out.append(f"algorithm.adv_estimator=remax {why}: its greedy baseline must come from the batch's own "
                        f"policy version; set hybrid_engine=true")

@@ -52,30 +52,31 @@ class StreamingPipeline:
         self.load = [0] * role.world_size  # outstanding trajectories per worker
         self.evicted = 0
 
-    def next(self, index: int) -> tuple[list[dict], list[dict], dict]:
-        """Step ``index + 1``'s groups: rows, ``n`` samples each (prompt-major), metrics; bounded (queue_timeout_s)."""
-        step = index + 1
+    def next(self, index: int, count: int | None = None) -> tuple[list[dict], list[dict], dict]:
+        """``count`` (default ``batch_groups``) complete groups for step ``index + 1``: rows, ``n`` samples each
+        (prompt-major), the wait's metrics; bounded (queue_timeout_s). DAPO's dynamic sampling asks again for the
+        groups its filter dropped."""
+        step, count = index + 1, count or self.batch_groups
         started = time.monotonic()
         while True:
             self._submit(step)
-            self._collect(step, started)
-            chosen, stale = self._choose(step)
+            self._collect(step, started, count)
+            chosen, stale = self._choose(step, count)
             if self.strategy == "drop":
                 for group in stale:
                     del self.groups[group.gid]
                 self.evicted += len(stale)
-            if len(chosen) == self.batch_groups and not self._must_wait(step):
+            if len(chosen) == count and not self._must_wait(step):
                 break
             if time.monotonic() - started > self.queue_timeout_s:
-                raise self._starving(step, "")
+                raise self._starving(step, count)
             time.sleep(POLL_S)
         for group in chosen:
             del self.groups[group.gid]
         rows = [g.row for g in chosen]
         outputs = [g.samples[k] for g in chosen for k in range(self.n)]
         metrics = {"timing_s/wait_rollout": time.monotonic() - started, "async/queue_size": len(self.groups),
-                   "training/off_policy/evicted_samples": self.evicted,
-                   **off_policy_metrics([o["segment_versions"] for o in outputs], step)}
+                   "training/off_policy/evicted_samples": self.evicted}
         self.evicted = 0
         return rows, outputs, metrics
 
@@ -88,13 +89,13 @@ class StreamingPipeline:
         and a resumed run submits them again first (their samples so far are generated again)."""
         return [g.row for g in sorted(self.groups.values(), key=lambda g: g.gid)] + list(self.pending_rows)
 
-    def _choose(self, step: int) -> tuple[list[Group], list[Group]]:
-        """(the first ``batch_groups`` complete groups within the bound, oldest first; the complete ones past it)."""
+    def _choose(self, step: int, count: int) -> tuple[list[Group], list[Group]]:
+        """(the first ``count`` complete groups within the bound, oldest first; the complete ones past it)."""
         complete = sorted((g for g in self.groups.values() if len(g.samples) == self.n),
                           key=lambda g: (g.submit_step, g.gid))
         stale = [g for g in complete if _age(g, step) > self.threshold]
         fresh = [g for g in complete if _age(g, step) <= self.threshold]
-        return fresh[:self.batch_groups], stale
+        return fresh[:count], stale
 
     def _must_wait(self, step: int) -> bool:
         """``wait``: an outstanding group still generating has reached the bound (no new prompt meanwhile)."""
@@ -119,20 +120,20 @@ class StreamingPipeline:
             except WorkerError as err:
                 raise PipelineError(f"the rollout pool failed: {err}", WORKER_FAILED_FIX) from err
 
-    def _starving(self, step: int, why: str) -> PipelineError:
+    def _starving(self, step: int, count: int, why: str = "") -> PipelineError:
         complete = sum(len(g.samples) == self.n for g in self.groups.values())
         return PipelineError(
-            f"step {step}: {complete} of the {self.batch_groups} prompt groups it needs were complete after "
+            f"step {step}: {complete} of the {count} prompt groups it needs were complete after "
             f"async_training.queue_timeout_s={self.queue_timeout_s:g}s ({len(self.groups)} outstanding{why})",
             STARVING_FIX)
 
-    def _collect(self, step: int, started: float) -> None:
+    def _collect(self, step: int, started: float, count: int) -> None:
         """Every worker's finished trajectories; a worker silent past the step's ``queue_timeout_s`` is starving."""
         left = max(1.0, self.queue_timeout_s - (time.monotonic() - started))
         try:
             answers = self.role.call_all("stream_collect", timeout_s=left)
         except WorkerTimeout:
-            raise self._starving(step, "; a rollout worker stopped answering") from None
+            raise self._starving(step, count, "; a rollout worker stopped answering") from None
         except WorkerError as err:
             raise PipelineError(f"the rollout pool failed: {err}", WORKER_FAILED_FIX) from err
         for worker, finished in enumerate(answers):

@@ -20,7 +20,7 @@ from verl_lite.agent.loop import AgentSpec, agent_rows
 from verl_lite.agent.preflight import multi_turn_values
 from verl_lite.controller import RoleGroup
 from verl_lite.controller.pipeline import PipelineError, RolloutItem, RolloutPipeline
-from verl_lite.controller.stream import StreamingPipeline
+from verl_lite.controller.stream import StreamingPipeline, off_policy_metrics
 from verl_lite.controller.wire import wire
 from verl_lite.controller.worker_group import WorkerError
 from verl_lite.protocol import Batch
@@ -154,10 +154,22 @@ class StreamedRollouts:
                          max_response_length=self.cfg.data.max_response_length)
 
     def next(self, step: int, batches, m: dict) -> tuple[Batch, torch.Tensor, dict]:
-        rows, outputs, metrics = self.pipe.next(step)
-        batch = self.rollouts.batch_of(rows, outputs, self.n, step)
-        scores, extra = self.rollouts.shaped_scores(batch, m, step)
-        m.update(metrics)
+        """The step's complete groups, scored; DAPO's dynamic sampling takes further complete groups in place of
+        those its filter drops. The off-policy metrics are over every trajectory the step took."""
+        taken, waited, evicted = [], 0.0, 0
+
+        def generation_round(round_index: int, groups_needed: int) -> Batch:
+            nonlocal waited, evicted
+            rows, outputs, metrics = self.pipe.next(step, groups_needed)
+            taken.extend(outputs)
+            waited += metrics["timing_s/wait_rollout"]
+            evicted += metrics["training/off_policy/evicted_samples"]
+            m["async/queue_size"] = metrics["async/queue_size"]
+            return self.rollouts.batch_of(rows, outputs, self.n, step, uid_prefix=f"r{round_index}-" if round_index else "")
+
+        batch, scores, extra = self.rollouts.scored_rounds(generation_round, m, step)
+        m.update({"timing_s/wait_rollout": waited, "training/off_policy/evicted_samples": evicted,
+                  **off_policy_metrics([o["segment_versions"] for o in taken], step + 1)})
         return batch, scores, extra
 
     def after_update(self, step: int, m: dict) -> None:

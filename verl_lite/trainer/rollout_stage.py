@@ -132,40 +132,51 @@ class Rollouts:
 
     def generate_and_score(self, rows: list[dict], more_rows: Callable[[], list[dict]], m: dict,
                            step: int) -> tuple[Batch, torch.Tensor, dict]:
-        """Rollouts and scores of one step. With ``algorithm.filter_groups.enable`` (DAPO dynamic
-        sampling) groups without spread in their metric are dropped and ``more_rows()`` supplies
-        further prompts until ``data.train_batch_size`` groups remain (at most
-        ``filter_groups.max_num_gen_batches`` rounds)."""
-        cfg, r = self.cfg, self.cfg.actor_rollout_ref.rollout
-        sampling, base_seed = self.training_sampling(), rollout_seed(cfg.trainer.seed, step)
-        fg = cfg.algorithm.filter_groups
+        """Rollouts and scores of one step from ``rows`` (DAPO's further rounds: ``more_rows()``, a
+        ``data.train_batch_size`` batch of prompts per round, as verl generates them)."""
+        n, sampling = self.cfg.actor_rollout_ref.rollout.n, self.training_sampling()
+        base_seed = rollout_seed(self.cfg.trainer.seed, step)
+
+        def generation_round(round_index: int, groups_needed: int) -> Batch:
+            if round_index == 0:
+                return self.generate(rows, n, sampling, base_seed, step)
+            return self.generate(more_rows(), n, sampling, dynamic_sampling_seed(base_seed, round_index), step,
+                                 uid_prefix=f"r{round_index}-")
+
+        return self.scored_rounds(generation_round, m, step)
+
+    def scored_rounds(self, generation_round: Callable[[int, int], Batch], m: dict,
+                      step: int) -> tuple[Batch, torch.Tensor, dict]:
+        """The step's batch and its scores from ``generation_round(round_index, groups_needed)`` (a batch of
+        prompt groups; its uids distinct across rounds). One round; with ``algorithm.filter_groups.enable``
+        (DAPO dynamic sampling) groups without spread in their metric are dropped and rounds go on until
+        ``data.train_batch_size`` groups remain (at most ``filter_groups.max_num_gen_batches`` rounds)."""
+        cfg, n = self.cfg, self.cfg.actor_rollout_ref.rollout.n
+        fg, wanted = cfg.algorithm.filter_groups, cfg.data.train_batch_size
         if not fg.enable:
-            batch = self.generate(rows, r.n, sampling, base_seed, step)
+            batch = generation_round(0, wanted)
             return (batch, *self.shaped_scores(batch, m, step))
         kept: list[tuple[Batch, torch.Tensor, dict]] = []
         num_groups = dropped = 0
         for round_index in range(fg.max_num_gen_batches):
-            if round_index > 0:
-                rows = more_rows()
-            batch = self.generate(rows, r.n, sampling, dynamic_sampling_seed(base_seed, round_index), step,
-                                  uid_prefix=f"r{round_index}-")
+            batch = generation_round(round_index, wanted - num_groups)
             scores, extra = self.shaped_scores(batch, m, step)
             metric = correct(scores, extra).float() if fg.metric == "acc" else scores
             keep_uids = set(groups_with_signal(metric.tolist(), batch["uid"]))
-            dropped += len(rows) - len(keep_uids)
+            dropped += len(batch) // n - len(keep_uids)
             keep = [i for i, uid in enumerate(batch["uid"]) if uid in keep_uids]
             if keep:
                 kept.append((batch.select(keep), scores[keep], {k: [v[i] for i in keep] for k, v in extra.items()}))
             num_groups += len(keep_uids)
-            if num_groups >= cfg.data.train_batch_size:
+            if num_groups >= wanted:
                 break
         else:
             raise DynamicSamplingError(
-                f"dynamic sampling (algorithm.filter_groups) found only {num_groups} of {cfg.data.train_batch_size} "
+                f"dynamic sampling (algorithm.filter_groups) found only {num_groups} of {wanted} "
                 f"prompt groups with a non-constant {fg.metric!r} in {fg.max_num_gen_batches} generation rounds at "
                 f"step {step + 1}; raise algorithm.filter_groups.max_num_gen_batches, or check the "
                 f"reward (every sample of most prompts scores the same)")
-        batch = Batch.concat([b for b, _, _ in kept]).select(range(cfg.data.train_batch_size * r.n))
+        batch = Batch.concat([b for b, _, _ in kept]).select(range(wanted * n))
         scores = torch.cat([s for _, s, _ in kept])[: len(batch)]
         extra = {k: [v for _, _, e in kept for v in e[k]][: len(batch)] for k in kept[0][2]}
         m["dynamic_sampling/groups_dropped"] = dropped
