@@ -106,3 +106,25 @@ def test_a_transformers_callback_stops_the_run(tmp_path, shared_ray):  # noqa: F
     history = trainer.fit()
     assert [r["step"] for r in history] == [1, 2]
     assert (trainer.run_dir / "huggingface" / "model.safetensors").is_file()
+
+
+def test_a_trl_grpo_config_trains_with_trls_schedule(tmp_path, shared_ray):  # noqa: F811
+    """``args=GRPOConfig(...)`` as a TRL user writes it (bf16, KL loss, grpo loss) runs end to end: two steps at
+    transformers' linear schedule (lr x (T - k) / T per optimizer step, one per RL step here), the KL loss on,
+    the run directory under ``output_dir``."""
+    import trl
+
+    from verl_lite.config import load_config
+    from verl_lite.trainer.ppo_trainer import PPOTrainer
+
+    def exact(completions, ground_truth, **kwargs):
+        return [float(c.strip() == str(g)) for c, g in zip(completions, ground_truth)]
+
+    args = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, max_completion_length=6, num_generations=4,
+                          per_device_train_batch_size=8, max_steps=2, beta=0.04, use_bias_correction_kl=False,
+                          loss_type="grpo", learning_rate=1e-4, logging_steps=1, save_strategy="no")
+    trainer = PPOTrainer(load_config([]), reward_funcs=[exact], args=args)
+    history = trainer.fit()
+    assert [r["step"] for r in history] == [1, 2]
+    assert [r["actor/lr"] for r in history] == pytest.approx([1e-4, 5e-5])
+    assert all("actor/kl_loss" in r for r in history) and trainer.run_dir.parent == tmp_path

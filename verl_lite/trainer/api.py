@@ -16,14 +16,11 @@ from verl_lite.reward import RewardManager
 from verl_lite.reward.config import judge_input_problems, reward_input_problems
 from verl_lite.reward.functions import RewardFunctions
 from verl_lite.rollout.config import CONFIG_SAMPLING_KWARGS, generation_kwargs_problems
+from verl_lite.trainer.trl_args import PEFT_MODEL_REFUSED, TRL_FIELDS, TRL_TRAINER_ARGUMENTS, is_peft_model
 
 
-NOT_BUILT_API = {
-    "rollout_func": "rollout_func= (a custom generation function) is not built: rollouts come from the rollout "
-                    "backend; a custom multi-turn rollout is an agent loop (verl_lite.agent.AgentLoop, docs/agents.md)",
-    "environment_factory": "environment_factory= is not built: an environment is an interaction "
-                           "(interactions={name: verl_lite.agent.Interaction}) or tools (tools=[...]), docs/agents.md",
-}
+NOT_BUILT_API = {name: f"{name}=: {TRL_TRAINER_ARGUMENTS[name].text}"
+                 for name in ("rollout_func", "environment_factory")}
 
 
 def use_api_arguments(cfg, model, processing_class, generation_kwargs: dict, push_to_hub: bool,
@@ -35,8 +32,7 @@ def use_api_arguments(cfg, model, processing_class, generation_kwargs: dict, pus
     r = cfg.actor_rollout_ref.rollout
     p = generation_kwargs_problems(r.name, generation_kwargs)
     if push_to_hub:
-        p.append("push_to_hub=True: uploading to the Hugging Face Hub is not built here (no hub access); "
-                 "train, then trainer.save_pretrained(dir) and upload dir with `huggingface-cli upload`")
+        p.append(f"push_to_hub=True: {TRL_FIELDS['push_to_hub'].text}")
     p += [NOT_BUILT_API[name] for name, value in not_built.items() if value is not None]
     if p:
         raise ConfigError(p)
@@ -173,6 +169,8 @@ def use_model(cfg, model, processing_class) -> None:
     def save(obj) -> str:
         return _save_into(cfg, "model", obj)
 
+    if model is not None and is_peft_model(model):
+        raise ConfigError([PEFT_MODEL_REFUSED])
     if model is not None:
         with names_follow(cfg):  # a run name derived from the model follows it
             m.path = save(model) if hasattr(model, "save_pretrained") else resolve_model_dir(str(model))

@@ -58,6 +58,7 @@ from verl_lite.trainer.rollout_stage import Rollouts
 from verl_lite.trainer.run_lock import lock_checkpoint_dir
 from verl_lite.trainer.tracking import COMPLETIONS_KEY
 from verl_lite.trainer.training_run import train_in_run_dir
+from verl_lite.trainer.trl_args import use_trl_arguments
 from verl_lite.trainer.update_stage import Updates, old_log_probs_from_update
 
 
@@ -82,7 +83,7 @@ class PPOTrainer:
                  model=None, processing_class=None, callbacks=None, generation_kwargs: dict | None = None,
                  log_completions: bool = False, push_to_hub: bool = False, tools=None, interactions=None,
                  eval_dataset=None, peft_config=None, rollout_func=None, environment_factory=None,
-                 reward_processing_classes=None):
+                 reward_processing_classes=None, args=None, optimizers=(None, None), quantization_config=None):
         """Pre-flight, before anything starts: every problem of the config (``problems``: the
         ``config.loader.Problems`` that ``load_config`` filled), the model files, the tokenizer, the
         reward and the data, in one error.
@@ -92,6 +93,10 @@ class PPOTrainer:
         if tools or interactions:
             enable_for_python_tools(cfg)
         problems = problems if problems is not None else Problems()
+        trl = problems.check(use_trl_arguments, cfg, args, optimizers, quantization_config, reward_weights,
+                             generation_kwargs, log_completions, push_to_hub)  # TRL's GRPOConfig: trl_args.py
+        reward_weights, generation_kwargs, log_completions, push_to_hub = trl or (
+            reward_weights, generation_kwargs, log_completions, push_to_hub)
         self.callbacks, self.log_completions = CallbackList(callbacks), bool(log_completions)
         if eval_dataset is not None:  # TRL's name of the held-out set
             if val_dataset is not None:
