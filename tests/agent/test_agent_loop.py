@@ -12,7 +12,7 @@ import pytest
 from tests.agent.conftest import ScriptedRollout
 from verl_lite.agent import (AgentLoop, AgentRunner, AgentSpec, Interaction, InteractionTurn, ToolConfigError,
                              ToolFailure, parse_tool_calls, register_agent_loop)
-from verl_lite.agent.hermes import ToolCall
+from verl_lite.agent.tool_calls import ToolCall
 from verl_lite.agent.preflight import multi_turn_values
 from verl_lite.agent.tools import FunctionTool, ToolExecutor, truncate_response
 from verl_lite.agent.config import MultiTurnConfig

@@ -38,7 +38,7 @@ def test_bad_tool_config_exits_2_before_start(tmp_path, capsys):
 
 @pytest.mark.parametrize("override, needle", [
     ("actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=top", "tool_response_truncate_side='top'"),
-    ("actor_rollout_ref.rollout.multi_turn.format=gpt-oss", "format='gpt-oss'"),
+    ("actor_rollout_ref.rollout.multi_turn.format=mistral", "format='mistral' is not a built tool-call format"),
     ("actor_rollout_ref.rollout.multi_turn.max_parallel_calls=0", "max_parallel_calls=0 must be >= 1"),
     ("actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent", "needs actor_rollout_ref.rollout.multi_turn.enable=true"),
     ("actor_rollout_ref.rollout.multi_turn.function_tool_path=t.py", "tools=[f, g]"),

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from verl_lite.agent.hermes import ToolCall
+from verl_lite.agent.tool_calls import ToolCall
 from verl_lite.agent.tools import BaseTool, ClassTool, FunctionTool, ToolExecutor
 
 

@@ -116,7 +116,7 @@ def stuck_tools(tmp_path, monkeypatch):
 def test_busy_and_blocked_tools_end_at_their_timeout_with_their_trees(stuck_tools):
     import asyncio
 
-    from verl_lite.agent.hermes import ToolCall
+    from verl_lite.agent.tool_calls import ToolCall
     from verl_lite.agent.tools import FunctionTool, ToolExecutor, ToolFailure
 
     module, pid_dir = stuck_tools
@@ -173,7 +173,7 @@ DRIVER = '''
 import asyncio, os, sys, time
 sys.path.insert(0, {tools_dir!r})
 from verl_lite.reward.sandbox import RewardProcess
-from verl_lite.agent.hermes import ToolCall
+from verl_lite.agent.tool_calls import ToolCall
 from verl_lite.agent.tools import FunctionTool, ToolExecutor
 import stuck_tools
 

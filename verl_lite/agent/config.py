@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from verl_lite.agent.hermes import FORMATS
+from verl_lite.agent.tool_calls import FORMATS
 from verl_lite.agent.tools import TOOL_ERROR_MODES, TRUNCATE_SIDES
 
 
@@ -29,7 +29,7 @@ class MultiTurnConfig:
     tool_response_truncate_side: str = "middle"  # left (keep the end) | right (keep the start) | middle (both ends)
     tool_config_path: Optional[str] = None  # verl tool-config YAML: tools: [{class_name, config, tool_schema}]
     interaction_config_path: Optional[str] = None  # interaction YAML: interaction: [{name, class_name, config}]
-    format: str = "hermes"  # tool-call format of the model's text: <tool_call>{json}</tool_call>
+    format: str = "hermes"  # tool-call format of the model's text: hermes | llama3_json | gpt-oss (tool_calls.FORMATS)
     tool_timeout_s: float = 30.0  # bound on one tool call (seconds); past it the call is a timeout
     tool_error: str = "text"  # a tool that raises or times out: text (its error goes to the model) | fail (the run stops)
     tool_processes: Optional[int] = None  # tool processes per rollout worker (calls beyond them wait for one); null = 4 to 16 by CPU count
@@ -50,8 +50,8 @@ class MultiTurnConfig:
         if self.tool_response_truncate_side not in TRUNCATE_SIDES:
             out.append(f"{M}.tool_response_truncate_side={self.tool_response_truncate_side!r} is unknown; choose one "
                        f"of {list(TRUNCATE_SIDES)}")
-        if self.format not in FORMATS:
-            out.append(f"{M}.format={self.format!r}: only the {list(FORMATS)} tool-call format is built")
+        if not isinstance(self.format, str) or self.format not in FORMATS:
+            out.append(f"{M}.format={self.format!r} is not a built tool-call format; choose one of {list(FORMATS)}")
         if not (isinstance(self.tool_timeout_s, (int, float)) and self.tool_timeout_s > 0):
             out.append(f"{M}.tool_timeout_s={self.tool_timeout_s} must be > 0 seconds (the bound on one tool call)")
         if self.tool_processes is not None and not (_is_int(self.tool_processes) and self.tool_processes >= 1):

@@ -24,7 +24,7 @@ Agent loops register by name (``@register_agent_loop("name")`` or verl's
 dataset row's ``agent_name`` picks one, else ``agent.default_agent_loop``. A loop implements ONE
 method, ``async run(traj, ctx) -> Trajectory``. Built in: ``single_turn_agent`` (one model turn)
 and ``tool_agent`` (verl's ToolAgentLoop: model turn; stop at the turn limits or the length bound;
-hermes tool calls -> the tools, the first ``max_parallel_calls`` concurrently; no call -> the row's
+tool calls (``multi_turn.format``) -> the tools, the first ``max_parallel_calls`` concurrently; no call -> the row's
 interaction, if any, plays the user; else the trajectory ends).
 """
 
@@ -35,7 +35,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-from verl_lite.agent.hermes import parse_tool_calls
+from verl_lite.agent.tool_calls import FORMATS, parse_tool_calls, stop_token_ids
 from verl_lite.agent.interaction import Interaction, load_interaction_config, maybe_await
 from verl_lite.agent.tools import ToolConfigError, ToolExecutor, _import_class, build_tools
 
@@ -260,7 +260,7 @@ class ToolAgentLoop(AgentLoop):
         for limit, count in (("max_assistant_turns", traj.assistant_turns), ("max_user_turns", traj.user_turns)):
             if mt.get(limit) and count >= mt[limit]:
                 return limit
-        content, calls = parse_tool_calls(text, ctx.tool_names)
+        content, calls = parse_tool_calls(text, ctx.tool_names, mt["format"])
         run = calls[: mt.get("max_parallel_calls") or 1]
         traj.dropped_tool_calls += len(calls) - len(run)
         traj.messages.append({"role": "assistant", "content": content})
@@ -504,6 +504,8 @@ class AgentRunner:
         return asyncio.run(self._run_all(rows, seeds, *split_sampling(sampling)))
 
     def batcher(self, sampling: dict, live: int = 0) -> _TurnBatcher:
+        if stops := stop_token_ids(self.tokenizer, self.spec.multi_turn["format"]):  # gpt-oss: a call ends at <|call|>
+            sampling = {**sampling, "stop_token_ids": [*sampling.get("stop_token_ids", []), *stops]}
         return _TurnBatcher(self.rollout, sampling, live, self.spec.multi_turn.get("batch_wait_s"))
 
     async def run_one(self, row: dict, seed: int | None, sample: int, batcher: _TurnBatcher) -> Trajectory:

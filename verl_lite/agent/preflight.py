@@ -6,6 +6,7 @@ import dataclasses
 
 from verl_lite.agent.interaction import as_interaction, load_interaction_config
 from verl_lite.agent.loop import AGENT_LOOPS, AgentSpec, ChatGlue, load_agent_loop_config, row_agent_name
+from verl_lite.agent.tool_calls import FORMATS, format_problem
 from verl_lite.agent.tools import ToolConfigError, build_tools
 
 M = "actor_rollout_ref.rollout.multi_turn"
@@ -59,6 +60,9 @@ def agent_spec(cfg, tools=None, interactions=None, tokenizer=None) -> AgentSpec 
             if why:
                 problems.append(f"{M}: {why}; give actor_rollout_ref.model.tokenizer_path a tokenizer whose chat "
                                 f"template renders {role!r} turns")
+        if why := format_problem(tokenizer, mt.format):
+            problems.append(f"{M}.format={mt.format}: {why}; set it to the model family's format (one of "
+                            f"{list(FORMATS)})")
     if problems:
         raise ToolConfigError("\n".join(problems))
     return AgentSpec(multi_turn=multi_turn_values(mt), default_agent_loop=ag.default_agent_loop,

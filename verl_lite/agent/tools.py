@@ -377,7 +377,7 @@ class ToolExecutor:
                                   "(docs/agents.md, Tools)") from None
 
     async def run(self, calls) -> list[ToolOutcome]:
-        """One outcome per call (``verl_lite.agent.hermes.ToolCall``), in order."""
+        """One outcome per call (``verl_lite.agent.tool_calls.ToolCall``), in order."""
         return list(await asyncio.gather(*(self._one(c) for c in calls)))
 
     async def _one(self, call) -> ToolOutcome:
