@@ -12,8 +12,10 @@ from verl_lite.algorithms.config import RolloutCorrectionConfig
 from verl_lite.controller.pipeline import PipelineError, RolloutPipeline
 
 
-# algorithm.rollout_correction's defaults (from the schema), the starting point of each case's settings
-OFF = {k: v for k, v in vars(RolloutCorrectionConfig()).items() if k != "bypass_mode"}
+# algorithm.rollout_correction's defaults (from the schema) as the math's keyword arguments, the starting point of
+# each case's settings
+OFF = {k: v for k, v in vars(RolloutCorrectionConfig()).items()
+       if k not in ("bypass_mode", "loss_type", "rejected_in_denominator")}
 
 
 def _case():
@@ -38,7 +40,7 @@ def test_token_and_sequence_is_match_verl_formulas():
         want = min(math.exp(max(-20.0, min(20.0, s))), C)
         for t in range(5):
             assert abs(float(out.weights[i, t]) - (want if mask[i, t] else 0.0)) < 1e-12
-    k1 = sum(float(roll[i, t] - old[i, t]) for i in range(3) for t in range(5) if mask[i, t]) / float(mask.sum())
+    k1 = sum(float(roll[i, t] - old[i, t]) for i in range(3) for t in range(5) if mask[i, t]) / (float(mask.sum()) + 1e-8)
     assert abs(out.metrics["rollout_corr/kl"] - k1) < 1e-12
 
 
@@ -132,8 +134,10 @@ def test_in_flight_batches_round_trip_through_a_weights_only_load(tmp_path):
     (["actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.nnodes=2"], "use 1"),
     (["actor_rollout_ref.hybrid_engine=false", "algorithm.adv_estimator=remax"], "set hybrid_engine=true"),
     (["actor_rollout_ref.hybrid_engine=false", "algorithm.filter_groups.enable=true"], "separate_async"),
+    (["trainer.v1.trainer_mode=separate_async", "async_training.partial_rollout=false"], "always continues"),
     (["actor_rollout_ref.hybrid_engine=false", "async_training.weight_sync_timeout_s=0"], "must be > 0"),
-    (["algorithm.rollout_correction.bypass_mode=true"], "set it false"),
+    (["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.loss_type=reinforce"],
+     "use loss_type=ppo_clip"),
 ])
 def test_what_split_placement_cannot_do_is_refused_before_start(overrides, words):
     """Each unbuilt combination is one line naming the key and the fix, from validation (no worker)."""
@@ -148,9 +152,24 @@ def test_what_split_placement_cannot_do_is_refused_before_start(overrides, words
     assert overrides[-1].split("=")[0].split(".")[-1] in lines[0]
 
 
+def test_streaming_states_what_it_does():
+    """separate_async runs partial rollouts and DAPO's dynamic sampling: both keys pass validation there."""
+    from verl_lite.config import load_config
+    from verl_lite.config.validate import validate_config
+
+    validate_config(load_config(["trainer.v1.trainer_mode=separate_async", "async_training.partial_rollout=true",
+                                 "algorithm.filter_groups.enable=true"]))
+
+
 CORRECTIONS = [dict(rollout_is="token", rollout_is_threshold=1.5), dict(rollout_is="sequence", rollout_is_threshold=2.0),
                dict(rollout_rs="token", rollout_rs_threshold=1.4), dict(rollout_rs="geometric", rollout_rs_threshold=1.3),
-               dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="sequence", rollout_rs_threshold=3.0), {}]
+               dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="sequence", rollout_rs_threshold=3.0), {},
+               # verl's vocabulary (the in-loss path keeps rejected tokens in the denominators: rejected_in_denominator)
+               dict(rollout_is="token", rollout_is_threshold="0.5_1.8"),
+               dict(rollout_is="sequence", rollout_is_threshold="0.2_5.0", rollout_rs="token_k1,seq_max_k3",
+                    rollout_rs_threshold="0.6_1.6,0.8"),
+               dict(rollout_rs="seq_mean_k1", rollout_rs_threshold="0.7_1.3"),
+               dict(rollout_rs="seq_sum_k2,token_k3", rollout_rs_threshold="1.5,0.3")]
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
@@ -185,7 +204,12 @@ def test_correction_from_the_update_forward_equals_the_recomputed_one(settings, 
         assert not torch.equal(corr.weights, mask), "the case needs weights that change the loss"
     ref_total, ref_metrics = actor_loss({"log_probs": log_probs}, data, plan, ActorLossConfig(**cfg))
     ref_total.backward()
-    want = {k: float(v) for k, v in corr.metrics.items()}
+    # the metrics a shard can give (verl's whole-step statistics are the recompute path's only): the whole step's,
+    # the same values as the whole-step call's
+    want = {k: float(v) for k, v in rollout_correction(log_probs.detach(), rollout, mask, **full,
+                                                       num_tokens=plan.num_tokens, num_seqs=plan.num_seqs).metrics.items()}
+    for k, v in want.items():
+        assert abs(float(corr.metrics[k]) - v) < 1e-12, k
 
     # the update's forward: two shards of whole rows, one plan for the whole mini-batch
     leaf2 = logits.clone().requires_grad_(True)

@@ -4,11 +4,11 @@ it accepts come from this package's registries. ``problems`` returns one line pe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 from .advantages import ADVANTAGE_ESTIMATORS, ESTIMATOR_NEEDS
 from .kl import KL_CTRL_TYPES, KL_TYPES
-from .rollout_correction import IS_LEVELS, RS_LEVELS
+from .rollout_correction import IS_LEVELS, LOSS_TYPES, RS_LEGACY, parse_is_threshold, rejection_rules
 
 FILTER_GROUPS_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")  # DAPO's dynamic sampling signal
 
@@ -37,37 +37,97 @@ class FilterGroupsConfig:
 @dataclass
 class RolloutCorrectionConfig:
     """Off-policy correction between the behaviour policy (the rollout's log-probs) and the trainer's old
-    policy (verl's names; formulas in verl_lite/algorithms/rollout_correction.py, docs/async.md)."""
+    policy (verl's names and meaning, verl >= 0.8 as in 0.9.1; formulas in verl_lite/algorithms/rollout_correction.py,
+    the vocabulary in docs/algorithms.md "Rollout correction")."""
 
     rollout_is: Optional[str] = None  # importance weights pi_old / pi_rollout on the policy loss: token | sequence | null (off)
-    rollout_is_threshold: float = 2.0  # truncation cap of the importance weights (> 0)
-    rollout_rs: Optional[str] = None  # rejection of tokens/sequences whose ratio leaves the bounds: token | sequence | geometric | null (off)
-    rollout_rs_threshold: float = 2.0  # rejection upper bound of the ratio (> 1)
-    rollout_rs_threshold_lower: Optional[float] = None  # rejection lower bound; null = 1 / rollout_rs_threshold
+    rollout_is_threshold: Union[float, str] = 2.0  # a number: truncation cap (TIS); "lower_upper" (e.g. "0.5_5.0"): IcePop, weights outside the bounds are 0
+    rollout_is_batch_normalize: bool = False  # divide the IS weights by their mean over the step (token: valid tokens; sequence: rows)
+    rollout_rs: Optional[str] = None  # rejection: a comma list of token_k1|k2|k3, seq_sum_k1|k2|k3, seq_mean_k1|k2|k3, seq_max_k2|k3 (all must keep a token), or ours token | sequence | geometric | null (off)
+    rollout_rs_threshold: Optional[Union[float, str]] = 2.0  # per rollout_rs option (one for all, or a comma list): k1 "lower_upper" on pi_rollout / pi_old or one number U = [1/U, U]; k2/k3 an upper bound; ours: upper bound (> 1) on pi_old / pi_rollout
+    rollout_rs_threshold_lower: Optional[float] = None  # ours (token | sequence | geometric only): lower bound on pi_old / pi_rollout; null = 1 / rollout_rs_threshold
+    rejected_in_denominator: Optional[bool] = None  # rejected tokens in the loss's denominators: false = dropped from the mask (verl's rule), true = weight 0 but counted (ours); null = false for verl's rollout_rs options, true for ours
     bypass_mode: bool = False  # true: old log-probs = the rollout's (no recompute; the PPO ratio is pi / pi_rollout)
+    loss_type: str = "ppo_clip"  # with bypass_mode: ppo_clip (the policy loss, old = the rollout's) | reinforce (not built)
 
-    def problems(self, tis_cap: float) -> list[str]:
-        """The levels of its IS weights and rejection, their bounds, and that the actor's older
-        ``tis_imp_ratio_cap`` (``tis_cap``) is not also on (two weightings of the same ratio)."""
+    def rejection_on(self) -> bool:
+        return self.rollout_rs is not None
+
+    def drops_rejected(self) -> bool:
+        """Whether rejected tokens leave the loss's mask (verl's rule) rather than stay in its denominators."""
+        if not self.rejection_on():
+            return False
+        if self.rejected_in_denominator is not None:
+            return not self.rejected_in_denominator
+        return self.rollout_rs not in RS_LEGACY
+
+    def needs_whole_step(self) -> bool:
+        """Whether the correction needs the whole step before the update (so the old log-probs are recomputed
+        first): rejection that changes the loss's mask, or IS weights normalized over the step."""
+        return (self.drops_rejected() and not self.bypass_mode) or (
+            self.rollout_is is not None and self.rollout_is_batch_normalize)
+
+    def problems(self, tis_cap: float, loss_mode: str = "vanilla") -> list[str]:
+        """The levels of its IS weights and rejection, their thresholds (verl's parsing), bypass mode, and that
+        the actor's older ``tis_imp_ratio_cap`` (``tis_cap``) is not also on (two weightings of the same ratio).
+        ``loss_mode``: the actor's policy loss, which bypass mode constrains."""
         K = "algorithm.rollout_correction"
         out = []
         if self.rollout_is is not None:
             out += _choice(f"{K}.rollout_is", self.rollout_is, list(IS_LEVELS))
-            if not self.rollout_is_threshold > 0:
-                out.append(f"{K}.rollout_is_threshold={self.rollout_is_threshold} must be > 0 (the truncation cap)")
+            try:
+                parse_is_threshold(self.rollout_is_threshold)
+            except ValueError as e:
+                out.append(f"{K}.rollout_is_threshold={self.rollout_is_threshold!r}: {e}")
             if tis_cap > 0:
                 out.append(f"{K}.rollout_is and actor_rollout_ref.actor.tis_imp_ratio_cap={tis_cap} weight the same "
                            f"ratio twice; keep one (set tis_imp_ratio_cap=-1)")
         if self.rollout_rs is not None:
-            out += _choice(f"{K}.rollout_rs", self.rollout_rs, list(RS_LEVELS))
-            lower = self.rollout_rs_threshold_lower
-            if not self.rollout_rs_threshold > 1:
-                out.append(f"{K}.rollout_rs_threshold={self.rollout_rs_threshold} must be > 1 (upper bound of the ratio)")
+            out += self._rejection_problems(K)
+        elif self.rejected_in_denominator is not None:
+            out.append(f"{K}.rejected_in_denominator={self.rejected_in_denominator} is read only with rollout_rs; "
+                       f"set it null")
+        if self.bypass_mode:
+            out += self._bypass_problems(K, loss_mode)
+        elif self.loss_type not in LOSS_TYPES:
+            out += _choice(f"{K}.loss_type", self.loss_type, list(LOSS_TYPES))
+        return out
+
+    def _rejection_problems(self, K: str) -> list[str]:
+        out = []
+        lower = self.rollout_rs_threshold_lower
+        if self.rollout_rs in RS_LEGACY:
+            if isinstance(self.rollout_rs_threshold, str) or self.rollout_rs_threshold is None \
+                    or not self.rollout_rs_threshold > 1:
+                out.append(f"{K}.rollout_rs_threshold={self.rollout_rs_threshold!r} must be a number > 1 with "
+                           f"rollout_rs={self.rollout_rs} (ours: the upper bound of pi_old / pi_rollout)")
             elif lower is not None and not 0 <= lower < self.rollout_rs_threshold:
                 out.append(f"{K}.rollout_rs_threshold_lower={lower} must lie in [0, rollout_rs_threshold)")
-        if self.bypass_mode:
-            out.append(f"{K}.bypass_mode=true (old log-probs = the rollout's, no recompute) is not built: the old "
-                       f"log-probs are recomputed by the actor; set it false")
+            return out
+        if lower is not None:
+            out.append(f"{K}.rollout_rs_threshold_lower={lower} is ours, read only with rollout_rs=token|sequence|"
+                       f"geometric; with verl's options give the bounds as rollout_rs_threshold='lower_upper'")
+        try:
+            rejection_rules(self.rollout_rs, self.rollout_rs_threshold)
+        except ValueError as e:
+            key = "rollout_rs" if "option" in str(e) and "unknown" in str(e) else "rollout_rs_threshold"
+            out.append(f"{K}.{key}={getattr(self, key)!r}: {e}")
+        return out
+
+    def _bypass_problems(self, K: str, loss_mode: str) -> list[str]:
+        out = _choice(f"{K}.loss_type", self.loss_type, list(LOSS_TYPES))
+        if self.loss_type == "reinforce":
+            out.append(f"{K}.loss_type=reinforce (REINFORCE, -A w log pi without clipping) is not built: verl_lite's "
+                       f"policy losses are ratio losses; use loss_type=ppo_clip, or bypass_mode=false with rollout_is")
+        if loss_mode != "vanilla":
+            out.append(f"{K}.bypass_mode=true replaces the policy loss with PPO-clip in verl; "
+                       f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode!r} would not be used: set it vanilla")
+        if self.rejected_in_denominator is not None:
+            out.append(f"{K}.rejected_in_denominator is not read with bypass_mode=true (verl's rule there: token-mean "
+                       f"keeps rejected tokens in N, per-row means drop them); set it null")
+        if self.rollout_is is not None and self.rollout_is_batch_normalize:
+            out.append(f"{K}.rollout_is_batch_normalize=true with bypass_mode=true is not built (verl normalizes per "
+                       f"micro-batch there); set it false")
         return out
 
 
@@ -88,10 +148,10 @@ class AlgorithmConfig:
         """What the estimator needs (a critic, groups of samples, ...); nothing for an unknown name."""
         return ESTIMATOR_NEEDS.get(self.adv_estimator, frozenset())
 
-    def problems(self, n: int | None, n_key: str, tis_cap: float) -> list[str]:
+    def problems(self, n: int | None, n_key: str, tis_cap: float, loss_mode: str = "vanilla") -> list[str]:
         """Estimator, in-reward KL and its controller, gamma/lambda, DAPO's dynamic sampling and the rollout
         correction; ``n`` (None: not a valid size) = samples per prompt, set by ``n_key``; ``tis_cap`` = the
-        actor's ``tis_imp_ratio_cap``."""
+        actor's ``tis_imp_ratio_cap``, ``loss_mode`` its policy loss."""
         out = _choice("algorithm.adv_estimator", self.adv_estimator, sorted(ADVANTAGE_ESTIMATORS))
         grouped = [(f"algorithm.adv_estimator={self.adv_estimator!r}", "groups" in self.needs),
                    ("algorithm.filter_groups.enable=true", self.filter_groups.enable)]
@@ -116,4 +176,4 @@ class AlgorithmConfig:
             if not isinstance(fg.max_num_gen_batches, int) or fg.max_num_gen_batches < 1:
                 out.append(f"algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches} must be >= 1: every "
                            f"step needs a bound on its generation rounds (verl's 0 = unbounded could loop forever)")
-        return out + self.rollout_correction.problems(tis_cap)
+        return out + self.rollout_correction.problems(tis_cap, loss_mode)

@@ -98,8 +98,11 @@ def actor_loss(
              "ref_log_probs" if use_kl_loss;
              optional "is_weights"; "cov_mask" for clip_cov / kl_cov; "rollout_log_probs" with
              ``correction`` (absent old log-probs only: the weights and metrics come from this forward).
-    correction: algorithm.rollout_correction's {rollout_is, ..., rollout_rs_threshold_lower} when the old
-             log-probs are this forward's (no recompute): the IS weights / rejection are computed here.
+    correction: algorithm.rollout_correction's {rollout_is, ..., rollout_rs_threshold_lower, bypass_mode} when
+             the old log-probs are this forward's (no recompute) or the rollout's (bypass_mode): the IS weights /
+             rejection are computed here from this forward against the rollout's log-probs. Bypass (verl's
+             ppo_clip): the IS weights are reported only (the ratio pi / pi_rollout is the correction) and the
+             rejected tokens leave the policy loss's mask (token-mean keeps the plan's N, per-row means drop them).
     Returns (contribution scalar, metrics of detached scalars that sum across shards).
     """
     log_probs = outputs["log_probs"]
@@ -109,17 +112,21 @@ def actor_loss(
     # old = sg(log_probs): every ratio is 1 in value and the gradient is the policy gradient.
     in_forward = "old_log_probs" not in data
     old_log_probs = log_probs.detach() if in_forward else data["old_log_probs"]
-    is_weights, metrics = data.get(IS_WEIGHTS_KEY), {}
-    if in_forward and correction is not None:  # behaviour -> old correction from this forward
+    is_weights, metrics, pg_mask = data.get(IS_WEIGHTS_KEY), {}, mask
+    if correction is not None:  # behaviour -> this forward's policy, here
         if ROLLOUT_LOG_PROBS_KEY not in data:
             raise ValueError(f"rollout_correction needs data[{ROLLOUT_LOG_PROBS_KEY!r}] (the rollout's log-probs).")
-        corr = rollout_correction(old_log_probs, data[ROLLOUT_LOG_PROBS_KEY], mask, **correction,
-                                  token_mean=lambda x: plan.token_mean(x, mask), num_seqs=plan.num_seqs)
-        if corr.weights is not None:
+        settings = {k: v for k, v in correction.items() if k != "bypass_mode"}
+        corr = rollout_correction(log_probs.detach(), data[ROLLOUT_LOG_PROBS_KEY], mask, **settings,
+                                  num_tokens=plan.num_tokens, num_seqs=plan.num_seqs)
+        if correction.get("bypass_mode"):
+            pg_mask = corr.keep
+        elif corr.weights is not None:
             is_weights = corr.weights
-        metrics.update({k: v.detach() for k, v in corr.metrics.items()})
-    pg, pg_metrics = pg_fn(old_log_probs, log_probs, data["advantages"], mask, cfg, is_weights, data.get(COV_MASK_KEY))
-    pg_contribution = plan.aggregate(pg, mask)
+        metrics.update({k: torch.as_tensor(v).detach() for k, v in corr.metrics.items()})
+    pg, pg_metrics = pg_fn(old_log_probs, log_probs, data["advantages"], pg_mask, cfg, is_weights,
+                           data.get(COV_MASK_KEY))
+    pg_contribution = plan.aggregate(pg, pg_mask)
     total = pg_contribution
     metrics["pg_loss"] = pg_contribution.detach()
     for name, per_token in pg_metrics.items():

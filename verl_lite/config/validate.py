@@ -166,7 +166,7 @@ def _section_problems(cfg: PPOConfig, needs, n: int | None) -> list[str]:
     the model files and LoRA; ``n`` = samples per prompt (None: not a valid size)."""
     d, arr, alg, tr = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
     actor, rollout = arr.actor, arr.rollout
-    p = actor.problems(A) + alg.problems(n, f"{R}.n", actor.tis_imp_ratio_cap)
+    p = actor.problems(A) + alg.problems(n, f"{R}.n", actor.tis_imp_ratio_cap, actor.policy_loss.loss_mode)
     if tr.critic_warmup > 0 and "critic" not in needs:
         p.append(f"trainer.critic_warmup={tr.critic_warmup} needs a critic, but algorithm.adv_estimator="
                  f"{alg.adv_estimator!r} runs none; set it to 0 or use adv_estimator=gae")

@@ -106,17 +106,22 @@ class AsyncTrainingConfig:
     staleness_threshold: Optional[int] = None  # policy versions a trained batch lags: 0 = synchronous, 1 = one-step-off; null = from the placement (resolve_placement)
     weight_sync_timeout_s: float = 120.0  # bound on one actor -> rollout weight sync (export + load on every rollout worker)
     queue_timeout_s: float = 1800.0  # bound on the trainer's wait for the next rollout batch (a starving queue stops the run)
-    partial_rollout: bool = False  # true is refused: partial rollouts are trainer.v1.trainer_mode=separate_async's (docs/async.md)
+    partial_rollout: Optional[bool] = None  # null = the setting's own: streaming (separate_async) continues running trajectories on new weights (true), one-step-off generates whole batches (false); the other value is refused
 
     def problems(self, arr, alg, trainer_mode: str = "sync") -> list[str]:
         """This section with the placement it needs: ``arr`` = the ``actor_rollout_ref`` section, ``alg`` = the
         ``algorithm`` section (what split placement does not build), ``trainer_mode`` = ``trainer.v1.trainer_mode``."""
         R, K = "actor_rollout_ref.rollout", "async_training"
         out: list[str] = []
-        if self.partial_rollout:
+        streamed = trainer_mode == "separate_async"
+        if self.partial_rollout is True and not streamed:
             out.append(f"{K}.partial_rollout=true: the one-step-off schedule generates every batch whole by one policy "
-                       f"version; partial rollouts (weights landing between a trajectory's model turns) are "
-                       f"trainer.v1.trainer_mode=separate_async's: use that and set this false")
+                       f"version; partial rollouts (weights landing while a trajectory runs) are "
+                       f"trainer.v1.trainer_mode=separate_async's: use that, or drop this key")
+        if self.partial_rollout is False and streamed:
+            out.append(f"{K}.partial_rollout=false: streaming (trainer.v1.trainer_mode=separate_async) always continues "
+                       f"running trajectories on the new weights; holding each weight sync until every running "
+                       f"trajectory has finished is not built: drop this key")
         if isinstance(self.staleness_threshold, float) and 0 < self.staleness_threshold < 1:
             out.append(f"{K}.staleness_threshold={self.staleness_threshold}: here it counts policy versions (an integer "
                        f">= 0: 0 = synchronous, 1 = one-step-off); verl's fully_async recipe uses this key for a share of "

@@ -232,7 +232,7 @@ class PPOTrainer:
                 m.update(M.stats("remax/baseline_reward", baselines))
             if recompute_old:
                 self.updates.old_log_probs_and_correction(batch, m)
-            m["actor/old_log_prob_recomputed"] = float(recompute_old)
+            m["actor/old_log_prob_recomputed"] = float(recompute_old and not cfg.algorithm.rollout_correction.bypass_mode)
             if self.need_ref:
                 with M.timer(m, "ref_log_prob"):
                     batch.set("ref_log_probs", self.updates.compute_ref_log_probs(batch)["ref_log_probs"])

@@ -23,11 +23,13 @@ ROLLOUT_COLUMNS = ["prompt_ids", "responses", "response_mask"]
 def old_log_probs_from_update(cfg) -> bool:
     """True when the old log-probs provably equal the current policy's at the update: one epoch, one
     mini-batch per step, and nothing before the update reads them (no in-reward KL, no clip_cov/kl_cov
-    selection, no tis_imp_ratio_cap). An off-policy step's rollout correction is then computed there too."""
-    a = cfg.actor_rollout_ref.actor
+    selection, no tis_imp_ratio_cap, no rollout correction that needs the whole step first: verl's rejection
+    dropping tokens from the loss's mask, batch-normalized IS weights), and not bypass mode (old = the
+    rollout's). An off-policy step's rollout correction is then computed there too."""
+    a, rc = cfg.actor_rollout_ref.actor, cfg.algorithm.rollout_correction
     return (a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.data.train_batch_size
             and not cfg.algorithm.use_kl_in_reward and not LOSS_NEEDS[a.policy_loss.loss_mode]
-            and a.tis_imp_ratio_cap <= 0)
+            and a.tis_imp_ratio_cap <= 0 and not rc.needs_whole_step() and not rc.bypass_mode)
 
 
 def off_policy(cfg) -> bool:
@@ -41,8 +43,8 @@ def off_policy(cfg) -> bool:
 def correction_settings(cfg) -> dict:
     """``algorithm.rollout_correction`` as ``algorithms.rollout_correction``'s keyword arguments."""
     rc = cfg.algorithm.rollout_correction
-    return {k: getattr(rc, k) for k in ("rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_threshold",
-                                        "rollout_rs_threshold_lower")}
+    return {k: getattr(rc, k) for k in ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize",
+                                        "rollout_rs", "rollout_rs_threshold", "rollout_rs_threshold_lower")}
 
 
 class Updates:
@@ -51,8 +53,11 @@ class Updates:
     def __init__(self, cfg, placement):
         self.cfg, self.placement = cfg, placement
         # the actor's loss takes the rollout correction where an off-policy step's old log-probs come from the
-        # update's own forward (``actor_loss``'s ``correction``); else None
-        self.loss_correction = correction_settings(cfg) if off_policy(cfg) and old_log_probs_from_update(cfg) else None
+        # update's own forward, and always in bypass mode (verl: from the current policy, per micro-batch)
+        # (``actor_loss``'s ``correction``); else None
+        bypass = cfg.algorithm.rollout_correction.bypass_mode
+        self.loss_correction = ({**correction_settings(cfg), "bypass_mode": bypass}
+                                if bypass or (off_policy(cfg) and old_log_probs_from_update(cfg)) else None)
 
     # ------------------------------------------------------------ forward passes (micro-batching: verl's keys)
     def _log_probs(self, method: str, section, batch: Batch) -> dict:
@@ -71,7 +76,12 @@ class Updates:
     def old_log_probs_and_correction(self, batch: Batch, m: dict) -> None:
         """The old policy's log-probs and entropy into ``batch``, and the behaviour (rollout) policy against it:
         the log-prob gap always; off-policy the rollout correction's metrics and weights (where the old
-        log-probs come from the update instead, its forward computes them: ``loss_correction``)."""
+        log-probs come from the update instead, its forward computes them: ``loss_correction``). verl's rejection
+        (``drops_rejected``) leaves the rejected tokens out of ``response_mask`` for the updates. Bypass mode: the
+        old log-probs are the rollout's, no forward; the correction is the loss's."""
+        if self.cfg.algorithm.rollout_correction.bypass_mode:
+            batch.set("old_log_probs", batch["rollout_log_probs"])
+            return
         with M.timer(m, "old_log_prob"):
             old = self.compute_old_log_probs(batch)
             batch.set("old_log_probs", old["log_probs"]).set("entropy", old["entropy"])
@@ -85,6 +95,8 @@ class Updates:
             m["rollout/is_weight_mean"] = M.masked_mean(batch["is_weights"], mask)
         if corr.weights is not None:
             batch.set("is_weights", corr.weights)
+        if self.cfg.algorithm.rollout_correction.drops_rejected():
+            batch.set("response_mask", corr.keep.to(mask.dtype))
 
     def compute_values(self, batch: Batch):
         c = self.cfg.critic
