@@ -52,6 +52,7 @@ class Problems:
 
     def __init__(self, lines=()):
         self.lines, self.errors, self.aliases = list(lines), [], {}
+        self.origins = {}  # key -> ('set in' | 'also set in', the recipe / verl config file that set it)
 
     def check(self, fn, *args, **kwargs):
         try:
@@ -75,13 +76,20 @@ class Problems:
         self.check(fn, *args, **kwargs)
         return len(self.lines) == before
 
+    def _origin(self, line: str) -> str:
+        """Where the keys a line names were set, when a recipe / verl config file set them."""
+        return "".join(f" ({how} {file})" for key, (how, file) in self.origins.items()
+                       if key in line and file not in line)
+
     def raise_if_any(self):
-        if len(self.errors) == 1 and len(self.lines) == len(getattr(self.errors[0], "problems", None) or [0]):
+        alone = len(self.errors) == 1 and len(self.lines) == len(getattr(self.errors[0], "problems", None) or [0])
+        if alone and not any(map(self._origin, self.lines)):
             # one stage's error alone: raised as it was (its own class and wording)
             raise self.errors[0]
         if self.lines:
             raise ConfigError([line + "".join(f" (set as verl's '{verl}')" for key, verl in self.aliases.items()
-                                              if key in line and verl not in line) for line in self.lines])
+                                              if key in line and verl not in line) + self._origin(line)
+                               for line in self.lines])
 
 
 class RunFailure(UserError):

@@ -437,12 +437,13 @@ def load_config(overrides: list[str] | None = None, problems: Problems | None = 
 
     Raises ConfigError naming every unknown key (plain or `+key`) with the closest valid key, and every
     value of the wrong type (key, type, example). With a ``Problems`` collector, adds those lines (and
-    verl's aliases used) there instead and returns the config of the items that are fine (pre-flight then
-    reports everything at once). Does not validate cross-key rules: call `validate_config` for that.
+    verl's aliases used, and the recipe or verl config file that set each key) there instead and returns the
+    config of the items that are fine (pre-flight then reports everything at once). Does not validate
+    cross-key rules: call `validate_config` for that.
     """
     from omegaconf import OmegaConf
 
-    collected, routed = [], Routed()
+    collected, routed, origins = [], Routed(), {}
     node = OmegaConf.structured(PPOConfig)
     for item in overrides or []:
         recipe, found, part = item[len(RECIPE):] if item.startswith(RECIPE) else None, [], Routed()
@@ -451,6 +452,11 @@ def load_config(overrides: list[str] | None = None, problems: Problems | None = 
         else:
             translate_overrides([item], found, part)
         _apply(node, part.assignments, found)
+        for key, *_ in part.assignments:  # the file that set each key (the command line may override it)
+            if recipe is not None:
+                origins[key] = ("set in", recipe)
+            elif key in origins:
+                origins[key] = ("also set in", origins[key][1])
         collected += [f"--recipe {recipe}: {line}" for line in found] if recipe is not None else found
         routed.absorb(part, given=recipe is None)  # two keys for one setting: on the command line
     set_keys = {assignment[0] for assignment in routed.assignments}
@@ -463,6 +469,7 @@ def load_config(overrides: list[str] | None = None, problems: Problems | None = 
     if problems is not None:
         problems.lines += collected
         problems.aliases.update(routed.aliases)
+        problems.origins.update(origins)
     return cfg
 
 
