@@ -32,6 +32,8 @@ def test_bad_tool_config_exits_2_before_start(tmp_path, capsys):
     assert code == 2, err
     assert "tools[0]: class_name 'tests.agent.no_such_module.Calculator' cannot be imported" in err
     assert "tools[1] (verl_lite.agent.tools.BaseTool): tool_schema function.name must be a non-empty string" in err
+    # the default model's template cannot render tool turns: said now, beside the tools that failed to load
+    assert "chat template renders 'tool' turns" in err
     assert "Traceback" not in err
     assert ray.is_initialized() == was_running  # nothing started
 

@@ -25,7 +25,7 @@ def _hf(arch, **kw):
     [
         (dict(tp=2), 3, "the 3 processes must divide by tp\\*pp\\*cp = 2\\*1\\*1"),  # MegatronConfig.problems
         (dict(vpp=2), 2, "megatron.virtual_pipeline_model_parallel_size=2 needs pipeline_model_parallel_size > 1"),
-        (dict(pp=2, vpp=1), 2, "megatron.virtual_pipeline_model_parallel_size=1 must be >= 2"),
+        (dict(pp=2, vpp=0), 2, "megatron.virtual_pipeline_model_parallel_size=0 must be an integer >= 1"),
         (dict(sequence_parallel=True), 1, "needs tensor_model_parallel_size > 1"),
         (dict(timeout_s=0), 1, "timeout_s"),
         (dict(cp=0), 1, "megatron.context_parallel_size"),
@@ -40,6 +40,9 @@ def test_parallel_config_rejects_bad_layouts(kwargs, world, match):
 def test_parallel_config_accepts_and_reports_dp():
     p = MegatronConfig.layout(tp=2, pp=2, cp=2).validate(16)
     assert p.dp(16) == 2
+    # verl's vpp=1 is one model chunk per pipeline rank: no interleaving, as null
+    one_chunk = MegatronConfig.layout(pp=2, vpp=1).validate(2)
+    assert one_chunk.vpp is None
 
 
 def test_vpp_with_batch_p2p_comm_is_rejected_with_the_reason():

@@ -55,7 +55,9 @@ def agent_spec(cfg, tools=None, interactions=None, tokenizer=None) -> AgentSpec 
                         f"registered agent loop; registered: {sorted(loops)}")
     if tokenizer is not None:
         glue = ChatGlue(tokenizer, [t.schema for t in built])
-        for role, needed in (("tool", built), ("user", given)):
+        # what the run names, loaded or not: a tool class that fails to import still needs tool turns rendered
+        for role, needed in (("tool", built or tools or mt.tool_config_path),
+                             ("user", given or mt.interaction_config_path)):
             why = glue.problem(role) if needed else None
             if why:
                 problems.append(f"{M}: {why}; give actor_rollout_ref.model.tokenizer_path a tokenizer whose chat "

@@ -171,7 +171,7 @@ def _spec(name: str, model_path: str, mg, world: int, micro: tuple[int, int], lo
     rank = int(lora.rank) if lora is not None and lora.rank else 0
     return EngineSpec(
         name=name, model=read_config(model_path) or {}, dtype=canonical_dtype(mg.dtype), trains=trains, tp=tp, pp=pp,
-        vpp=mg.virtual_pipeline_model_parallel_size, cp=cp, ep=mg.expert_model_parallel_size,
+        vpp=mg.vpp, cp=cp, ep=mg.expert_model_parallel_size,
         dp=max(1, world // (tp * pp * cp)), sequence_parallel=bool(mg.sequence_parallel),
         distributed_optimizer=bool(mg.use_distributed_optimizer), lora_rank=rank,
         lora_projections=lora_projections(lora.target_modules, lora.exclude_modules) if rank else (),

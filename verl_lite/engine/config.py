@@ -207,7 +207,7 @@ def _raise_on(problems: list[str]) -> None:
 class MegatronConfig:
     tensor_model_parallel_size: int = 1  # TP: each layer's weights split over this many ranks
     pipeline_model_parallel_size: int = 1  # PP: layers split into this many stages
-    virtual_pipeline_model_parallel_size: Optional[int] = None  # needs pp > 1 and layers % (pp * vpp) == 0
+    virtual_pipeline_model_parallel_size: Optional[int] = None  # model chunks per pipeline rank (null or 1: none); > 1 needs pp > 1 and layers % (pp * vpp) == 0
     context_parallel_size: int = 1  # CP: each sequence split over this many ranks (zig-zag, THD)
     sequence_parallel: bool = False  # only meaningful with tp > 1
     expert_model_parallel_size: int = 1  # EP (MoE models only): each MoE layer's experts split over this many ranks
@@ -226,7 +226,8 @@ class MegatronConfig:
 
     tp = property(lambda self: self.tensor_model_parallel_size)
     pp = property(lambda self: self.pipeline_model_parallel_size)
-    vpp = property(lambda self: self.virtual_pipeline_model_parallel_size)
+    vpp = property(lambda self: None if self.virtual_pipeline_model_parallel_size == 1 else  # 1 chunk: none
+                   self.virtual_pipeline_model_parallel_size)
     cp = property(lambda self: self.context_parallel_size)
     ep = property(lambda self: self.expert_model_parallel_size)
     etp = property(lambda self: self.expert_tensor_parallel_size)
@@ -256,8 +257,9 @@ class MegatronConfig:
         bad = [f for f, v in (("tp", tp), ("pp", pp), ("cp", cp)) if not isinstance(v, int) or isinstance(v, bool) or v < 1]
         out = [f"{name(f)}={getattr(self, f)!r} must be an integer >= 1" for f in bad]
         if vpp is not None:
-            if not isinstance(vpp, int) or vpp < 2:
-                out.append(f"{name('vpp')}={vpp} must be >= 2 (model chunks per pipeline rank) or null")
+            if not isinstance(vpp, int) or isinstance(vpp, bool) or vpp < 2:
+                out.append(f"{name('vpp')}={vpp!r} must be an integer >= 1 (model chunks per pipeline rank; 1 or "
+                           f"null: no interleaving)")
             elif not bad and pp < 2:
                 out.append(f"{name('vpp')}={vpp} needs {MEGATRON_NAMES['pp']} > 1 (got {pp}); set it to null or raise pp")
         if self.sequence_parallel and not bad and tp < 2:

@@ -18,7 +18,7 @@ from verl_lite.workers.rollout_worker import RolloutWorker
 
 
 def _vpp_multiple(mg) -> int:
-    return mg.pipeline_model_parallel_size if mg.virtual_pipeline_model_parallel_size else 1
+    return mg.pipeline_model_parallel_size if mg.vpp else 1
 
 
 def rollout_world_size(cfg) -> int:
