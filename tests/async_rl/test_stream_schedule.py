@@ -69,6 +69,8 @@ def train(pipe, workers, steps):
     trained = []
     for index in range(steps):
         rows, outputs, metrics = pipe.next(index)
+        # verl's off-policy metrics over the step's trajectories, as StreamedRollouts reports them
+        metrics.update(off_policy_metrics([o["segment_versions"] for o in outputs], index + 1))
         trained.append((index + 1, [r["prompt"] for r in rows], outputs, metrics))
         pipe.publish(index + 1, weights=None)
     return trained
