@@ -35,6 +35,10 @@ import torch
 from verl_lite.utils.net import free_port
 
 LOSSES = ("vanilla", "gspo")
+# on-policy distillation (algorithms/distillation.py) on top of vanilla PPO: the supervised k3 reverse KL alone, and
+# k1 as a per-token reward (PPO-clip of advantage -d) added to the task's loss (``distillation_cfg``)
+DISTILL_LOSSES = ("distill_k3", "distill_k1_pg")
+DISTILL_LAYOUTS = ("single", "dp2", "tp2", "pp2", "cp2")  # DP, TP, PP, CP; micro-batching rotated in each
 MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 MB_SCHEMES = ("one", "three", "budget")
 TEMPERATURE = 0.9
@@ -129,7 +133,16 @@ def cells_for(layout: str) -> list[Cell]:
     else:
         offset = list(LAYOUTS).index(layout)
         cells = rotate_micro_batching(all_cells(), offset) + rotate_micro_batching(critic_cells(), offset)
-    return cells + lora_cells()
+    return cells + lora_cells() + distill_cells(layout)
+
+
+def distill_cells(layout: str) -> list[Cell]:
+    """The distillation losses x five modes x per-token off/on, micro-batching rotated (offset = the layout's
+    index), in ``DISTILL_LAYOUTS`` only (the suite's time budget): each layout runs every mode with every scheme."""
+    if layout not in DISTILL_LAYOUTS:
+        return []
+    cells = [Cell(lo, mo, pt, MB_SCHEMES[0]) for pt in (False, True) for lo in DISTILL_LOSSES for mo in MODES]
+    return rotate_micro_batching(cells, list(LAYOUTS).index(layout))
 
 
 # ---------------------------------------------------------------------------------- problem
@@ -179,6 +192,7 @@ def make_problem(root: Path) -> Path:
         "score_weight": 0.3 * torch.randn(1, 32, generator=g),
         "old_values": torch.randn(NUM_SEQS, width, generator=g),
         "returns": torch.randn(NUM_SEQS, width, generator=g),
+        "teacher_noise": 0.5 * torch.randn(NUM_SEQS, width, generator=g),  # last: the draws above stay as they were
     }
     path = root / "problem.pt"
     torch.save(prob, path)
@@ -221,10 +235,29 @@ def old_log_probs(prob) -> torch.Tensor:
     return (lp + prob["noise"].double()) * (prob["mask"] != 0)
 
 
+def teacher_log_probs(prob, old_lp: torch.Tensor) -> torch.Tensor:
+    """The distillation teacher's log-probs of the sampled tokens: the behaviour log-probs plus noise, masked."""
+    return (old_lp.double() + prob["teacher_noise"].double()) * (prob["mask"] != 0)
+
+
 def loss_cfg(loss: str, mode: str):
     from verl_lite.algorithms import ActorLossConfig, PolicyLossConfig
 
-    return ActorLossConfig(policy_loss=PolicyLossConfig(loss_mode=loss), loss_agg_mode=mode, entropy_coeff=ENTROPY_COEFF)
+    policy_loss = "vanilla" if loss in DISTILL_LOSSES else loss
+    return ActorLossConfig(policy_loss=PolicyLossConfig(loss_mode=policy_loss), loss_agg_mode=mode,
+                           entropy_coeff=ENTROPY_COEFF)
+
+
+def distillation_cfg(loss: str):
+    """The ``distillation.distillation_loss`` section of a distillation cell (None for the other losses)."""
+    from verl_lite.algorithms.config import DistillationLossConfig
+
+    if loss == "distill_k3":
+        return DistillationLossConfig(loss_mode="k3", use_policy_gradient=False, use_task_rewards=False)
+    if loss == "distill_k1_pg":
+        return DistillationLossConfig(loss_mode="k1", use_policy_gradient=True, use_task_rewards=True,
+                                      distillation_loss_coef=0.5, clip_ratio_low=0.15, clip_ratio_high=0.25)
+    return None
 
 
 def reference_step(prob, loss: str, mode: str, old_lp: torch.Tensor) -> dict:
@@ -246,11 +279,12 @@ def policy_references(prob, specs, old_lp: torch.Tensor | None = None, noise: to
     mask = prob["mask"].double()
     if old_lp is None:
         old_lp = (lp.detach() + (prob["noise"] if noise is None else noise).double()) * (prob["mask"] != 0)
-    data = {"response_mask": mask, "old_log_probs": old_lp.double(), "advantages": prob["advantages"].double()}
+    data = {"response_mask": mask, "old_log_probs": old_lp.double(), "advantages": prob["advantages"].double(),
+            "teacher_log_probs": teacher_log_probs(prob, old_lp)}
     refs = {}
     for k, (loss, mode) in enumerate(specs):
         L, _ = actor_loss({"log_probs": lp, "entropy": ent}, data, NormalizationPlan.from_mask(mask, mode),
-                          loss_cfg(loss, mode))
+                          loss_cfg(loss, mode), distillation=distillation_cfg(loss))
         refs[(loss, mode)] = {**reference_update(params, L, retain_graph=k + 1 < len(specs)),
                               "log_probs": lp.detach(), "entropy": ent.detach()}
     return old_lp, refs
@@ -332,10 +366,10 @@ def critic_references(prob, modes) -> dict:
 
 
 def make_references(root: Path, problem_path: Path) -> Path:
-    """Every float64 reference of the dense matrix: one forward for the 2 x 5 policy cells (and the old
-    log-probs), one for the 5 critic modes, one for the LoRA modes."""
+    """Every float64 reference of the dense matrix: one forward for the 2 x 5 policy cells and the 2 x 5
+    distillation cells (and the old log-probs), one for the 5 critic modes, one for the LoRA modes."""
     prob = torch.load(problem_path)
-    old_lp, policy = policy_references(prob, [(loss, mode) for loss in LOSSES for mode in MODES])
+    old_lp, policy = policy_references(prob, [(loss, mode) for loss in LOSSES + DISTILL_LOSSES for mode in MODES])
     refs = {"old_log_probs": old_lp, "lora_dir": str(make_lora_adapter(root, prob["model_dir"]))}
     refs.update(lora_references(prob, refs["lora_dir"], sorted({c.mode for c in lora_cells()}), old_lp))
     refs.update(policy)
@@ -483,11 +517,13 @@ def _compare(stream, ref: dict, base: dict | None = None) -> dict:
 
 def load_problem(problem_path, refs_path):
     """A layout run's inputs: the problem and its float64 references (both written by the test), the
-    sequence lengths, and the actor's per-token data in fp32 (response mask, old log-probs, advantages)."""
+    sequence lengths, and the actor's per-token data in fp32 (response mask, old log-probs, advantages, the
+    teacher's log-probs)."""
     prob, refs = torch.load(problem_path), torch.load(refs_path)
     lengths = [int(x.numel()) for x in prob["ids"]]
     data_all = {"response_mask": prob["mask"], "old_log_probs": refs["old_log_probs"].float(),
-                "advantages": prob["advantages"].float()}
+                "advantages": prob["advantages"].float(),
+                "teacher_log_probs": teacher_log_probs(prob, refs["old_log_probs"]).float()}
     return prob, refs, lengths, data_all
 
 
@@ -584,7 +620,8 @@ def _worker_body(rank, world, port, layout_name, cell_dicts, problem_path, refs_
                 if critic:
                     loss_fn = partial(critic_loss, plan=nplan, cliprange_value=CLIPRANGE_VALUE)
                 else:
-                    loss_fn = partial(actor_loss, plan=nplan, cfg=loss_cfg(cell.loss, cell.mode))
+                    loss_fn = partial(actor_loss, plan=nplan, cfg=loss_cfg(cell.loss, cell.mode),
+                                      distillation=distillation_cfg(cell.loss))
                 out = engine.train_step(batch, mbs, loss_fn, temperature=TEMPERATURE,
                                         global_token_count=sum(lengths))
                 t2 = time.perf_counter()

@@ -8,6 +8,10 @@ single process and DP2 run the full product; every other matrix layout runs ever
 per-token cell once, with micro-batching rotated so that each layout runs every mode with each of the
 three schemes and each full-product cell runs in a third of the layouts (``harness.cells_for``). The
 critic (value head, clipped value loss: five modes x per-token off/on x micro-batching) runs the same way.
+On-policy distillation (``harness.DISTILL_LOSSES``: the supervised k3 reverse KL to a teacher's log-probs alone,
+and k1 as a per-token reward added to vanilla PPO) runs five modes x per-token off/on with micro-batching rotated
+in the single process, DP2, TP2, PP2 and CP2 (``harness.distill_cells``): its gradient does not depend on the
+micro-batch split or the layout (verl #7200).
 
 Against a float64 single-process reference WITHOUT megatron (HF transformers on the same weights,
 see harness.py), per cell:
@@ -115,7 +119,7 @@ def test_every_matrix_layout_covers_every_loss_mode_and_micro_batching():
     runs = {}
     for layout in MATRIX_LAYOUTS:
         cells = H.cells_for(layout)
-        keys = {c.key for c in cells}
+        keys = {c.key for c in cells if c.loss not in H.DISTILL_LOSSES}
         assert lora <= keys and keys <= full | critic | lora, layout
         if layout in H.FULL_PRODUCT_LAYOUTS:
             assert keys == full | critic | lora, layout
@@ -133,6 +137,22 @@ def test_every_matrix_layout_covers_every_loss_mode_and_micro_batching():
     assert min(runs[k] for k in full | critic) >= 2 + 4, sorted(runs.items(), key=lambda kv: kv[1])[:3]
     for layout in ("dp2_distopt", "tp2_sp"):
         assert lora <= {c.key for c in H.cells_for(layout)}, layout
+
+
+def test_distillation_runs_every_mode_per_token_mode_and_micro_batching_in_dp_tp_pp_cp():
+    """The distillation cells: every (loss, mode, per-token) once in each of the single process, DP2, TP2, PP2
+    and CP2; every mode meets every micro-batching scheme in each; none elsewhere (the suite's time budget)."""
+    assert {"dp2", "tp2", "pp2", "cp2"} <= set(H.DISTILL_LAYOUTS) <= set(MATRIX_LAYOUTS)
+    for layout in MATRIX_LAYOUTS:
+        distill = [c for c in H.cells_for(layout) if c.loss in H.DISTILL_LOSSES]
+        if layout not in H.DISTILL_LAYOUTS:
+            assert not distill, layout
+            continue
+        combos = [(c.loss, c.mode, c.per_token) for c in distill]
+        assert sorted(combos) == sorted((lo, mo, pt) for lo in H.DISTILL_LOSSES for mo in H.MODES
+                                        for pt in (False, True)), layout
+        for mode in H.MODES:
+            assert {c.mb for c in distill if c.mode == mode} == set(H.MB_SCHEMES), (layout, mode)
 
 
 @pytest.mark.parity_layouts("dp2_distopt")

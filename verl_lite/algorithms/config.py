@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from .advantages import ADVANTAGE_ESTIMATORS, ESTIMATOR_NEEDS
+from .distillation import DISTILLATION_LOSS_MODES, DISTILLATION_POLICY_LOSSES, uses_topk
 from .kl import KL_CTRL_TYPES, KL_TYPES
 from .rollout_correction import IS_LEVELS, LOSS_TYPES, RS_LEGACY, parse_is_threshold, rejection_rules
 
@@ -128,6 +129,55 @@ class RolloutCorrectionConfig:
         if self.rollout_is is not None and self.rollout_is_batch_normalize:
             out.append(f"{K}.rollout_is_batch_normalize=true with bypass_mode=true is not built (verl normalizes per "
                        f"micro-batch there); set it false")
+        return out
+
+
+@dataclass
+class DistillationLossConfig:
+    """verl's ``distillation.distillation_loss`` (verl main, after 0.9.1; its names, defaults and meanings): which
+    divergence to the teacher, and how it enters the actor's objective (formulas: algorithms/distillation.py)."""
+
+    loss_mode: str = "k3"  # kl|k1|abs|mse|k2|low_var_kl|k3: reverse KL on the sampled token; forward_kl_topk: forward KL on the teacher's top-k
+    topk: Optional[int] = 128  # forward_kl_topk: the teacher's top-k size
+    use_task_rewards: bool = True  # true: the task reward's objective + distillation_loss_coef x the distillation term; false: the distillation term alone
+    distillation_loss_coef: float = 1.0  # weight of the distillation term with use_task_rewards=true
+    loss_max_clamp: Optional[float] = 10.0  # each token's divergence clamped to [-this, this]; null = no clamp
+    log_prob_min_clamp: Optional[float] = -10.0  # forward_kl_topk: both top-k log-probs clamped below at this; null = no clamp
+    use_policy_gradient: bool = True  # true: minus the divergence as a per-token reward (PPO-clip, advantage -d); false: the divergence as a loss
+    policy_loss_mode: str = "vanilla"  # the policy loss of use_policy_gradient=true (verl: vanilla only)
+    clip_ratio: float = 0.2  # that loss's clip range (both sides unless clip_ratio_low/high)
+    clip_ratio_low: Optional[float] = 0.2  # its lower clip range; null = clip_ratio
+    clip_ratio_high: Optional[float] = 0.2  # its upper clip range; null = clip_ratio
+
+    clip_ratio_c = 3.0  # the dual-clip bound verl's vanilla loss uses when its config has none (not a key)
+
+    @property
+    def eps_low(self) -> float:
+        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+
+    @property
+    def eps_high(self) -> float:
+        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+
+    def problems(self, key: str = "distillation.distillation_loss") -> list[str]:
+        """The loss's rules (verl's, plus ranges verl leaves unchecked)."""
+        out = _choice(f"{key}.loss_mode", self.loss_mode, DISTILLATION_LOSS_MODES)
+        out += _choice(f"{key}.policy_loss_mode", self.policy_loss_mode, DISTILLATION_POLICY_LOSSES)
+        if self.loss_mode in ("kl", "k1") and not self.use_policy_gradient:
+            out.append(f"{key}.loss_mode={self.loss_mode} with use_policy_gradient=false: the gradient of k1 (s - T) "
+                       f"does not depend on the teacher (verl refuses it too); set use_policy_gradient=true or "
+                       f"loss_mode=k3")
+        if uses_topk(self.loss_mode) and (not isinstance(self.topk, int) or self.topk < 1):
+            out.append(f"{key}.topk={self.topk!r} must be an integer >= 1 with loss_mode={self.loss_mode}")
+        if not self.distillation_loss_coef >= 0:
+            out.append(f"{key}.distillation_loss_coef={self.distillation_loss_coef} must be >= 0 (a negative "
+                       f"coefficient rewards moving away from the teacher)")
+        if self.loss_max_clamp is not None and not self.loss_max_clamp > 0:
+            out.append(f"{key}.loss_max_clamp={self.loss_max_clamp} must be > 0 or null (no clamp)")
+        if self.log_prob_min_clamp is not None and not self.log_prob_min_clamp < 0:
+            out.append(f"{key}.log_prob_min_clamp={self.log_prob_min_clamp} must be < 0 (a log-prob) or null")
+        out += [f"{key}.{name}={getattr(self, name)} must be > 0" for name in ("clip_ratio", "clip_ratio_low",
+                "clip_ratio_high") if getattr(self, name) is not None and not getattr(self, name) > 0]
         return out
 
 

@@ -1,6 +1,7 @@
 """THE per-micro-batch objectives the engine calls (its `loss_fn`).
 
     actor:  contribution = agg(pg) + kl_loss_coef * agg(kl) - entropy_coeff * agg(H)
+            (with on-policy distillation: combined with the distillation term, algorithms/distillation.py)
     critic: contribution = agg(0.5 max((v - R)^2, (v_clip - R)^2))
 
 where agg(l) = plan.aggregate(l, mask) = sum_{i,t} w_i,t l_i,t over this micro-batch's rows.
@@ -19,6 +20,7 @@ from typing import Optional
 import torch
 
 from .aggregation import AGG_MODES, NormalizationPlan
+from .distillation import combine_with_task, distillation_term
 from .kl import KL_TYPES, kl_penalty
 from .policy_loss import POLICY_LOSSES, PolicyLossConfig, get_policy_loss
 from .rollout_correction import rollout_correction
@@ -89,6 +91,7 @@ def actor_loss(
     plan: NormalizationPlan,
     cfg: ActorLossConfig,
     correction: dict | None = None,
+    distillation=None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One micro-batch's share of the actor objective, aggregated by ``plan`` (its mode is the section's
     ``loss_agg_mode``: the trainer builds it from ``cfg``).
@@ -103,6 +106,9 @@ def actor_loss(
              rejection are computed here from this forward against the rollout's log-probs. Bypass (verl's
              ppo_clip): the IS weights are reported only (the ratio pi / pi_rollout is the correction) and the
              rejected tokens leave the policy loss's mask (token-mean keeps the plan's N, per-row means drop them).
+    distillation: the ``distillation.distillation_loss`` section when on-policy distillation is on (else None):
+             its term D (data: the teacher's "teacher_log_probs", or "teacher_topk_log_probs" with outputs'
+             "student_topk_log_probs") is combined with this objective by ``distillation.combine_with_task``.
     Returns (contribution scalar, metrics of detached scalars that sum across shards).
     """
     log_probs = outputs["log_probs"]
@@ -149,6 +155,11 @@ def actor_loss(
             total = total - cfg.entropy_coeff * entropy_contribution
         metrics["entropy"] = entropy_contribution.detach()
         metrics["entropy_token_mean"] = plan.token_mean(entropy, mask).detach()
+
+    if distillation is not None:
+        distill, distill_metrics = distillation_term(outputs, data, plan, distillation, old_log_probs, is_weights)
+        total = combine_with_task(total, distill, distillation)
+        metrics.update(distill_metrics)
 
     metrics["loss"] = total.detach()
     return total, metrics

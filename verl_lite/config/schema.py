@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from verl_lite.algorithms.aggregation import AGG_MODES
-from verl_lite.algorithms.config import AlgorithmConfig
+from verl_lite.algorithms.config import AlgorithmConfig, DistillationLossConfig
 from verl_lite.algorithms.objective import ActorLossConfig
 from verl_lite.controller.config import AsyncTrainingConfig, V1Config
 from verl_lite.data.config import DataConfig
@@ -130,6 +130,56 @@ class TrainerConfig:
 
 
 @dataclass
+class DistillationTeacherModelConfig:
+    """verl's ``distillation.teacher_model``: the frozen teacher. verl serves it with vLLM on a pool of its own; here
+    it is an engine role on the actor's workers (processes and a layout of its own, as the reward model)."""
+
+    model_path: Optional[str] = None  # HF dir of the teacher; its tokenizer must equal the student's (required when enabled)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # the teacher's layout over the actor's workers
+
+
+@dataclass
+class DistillationConfig:
+    """verl's ``distillation`` section: on-policy distillation from a frozen teacher (docs/algorithms.md
+    "Distillation"; the losses: algorithms/distillation.py)."""
+
+    enabled: bool = False  # score every sampled token with the teacher and add the distillation term to the actor's loss
+    teacher_model: DistillationTeacherModelConfig = field(default_factory=DistillationTeacherModelConfig)
+    distillation_loss: DistillationLossConfig = field(default_factory=DistillationLossConfig)
+
+    def problems(self, world: int, cuda: bool, student_tokenizer: str | None) -> list[str]:
+        """When enabled: the loss's rules, a teacher model directory whose tokenizer equals the student's
+        (``student_tokenizer``: its path), and the teacher's layout over the actor's ``world`` workers."""
+        from verl_lite.engine.config import transformer_override_problems
+        from verl_lite.engine.model_files import model_dir_problem, read_config
+        from verl_lite.workers.teacher import TEACHER_KEY, teacher_problems  # lazy on purpose: workers load megatron
+
+        if not self.enabled:
+            return []
+        p = self.distillation_loss.problems()
+        mode = self.distillation_loss.loss_mode
+        if mode == "forward_kl_topk":
+            p.append(f"distillation.distillation_loss.loss_mode={mode} is not built on the engine (it needs the "
+                     f"teacher's top-k log-probs and the student's log-softmax at those ids from the forward); its "
+                     f"math is in algorithms/distillation.py; use a sampled-token estimator (k3, k1 with "
+                     f"use_policy_gradient=true, ...)")
+        path = self.teacher_model.model_path
+        if not path:
+            return p + [f"distillation.enabled=true needs {TEACHER_KEY}: an HF causal-LM directory sharing the "
+                        f"student's tokenizer"]
+        missing = model_dir_problem(TEACHER_KEY, path, "(no default: give the teacher)")
+        if missing:
+            return p + [missing]
+        p += teacher_problems(path, student_tokenizer)
+        mg = self.teacher_model.megatron
+        p.extend(mg.problems("distillation.teacher_model.megatron", world,
+                             "the teacher's {world} workers (colocated: the actor's)", read_config(path)))
+        p.extend(transformer_override_problems("distillation.teacher_model.megatron.override_transformer_config",
+                                               mg.override_transformer_config, dtype=mg.dtype, cuda=cuda))
+        return p
+
+
+@dataclass
 class PPOConfig:
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
@@ -139,6 +189,7 @@ class PPOConfig:
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
 
     def micro_batch_problems(self, critic: bool) -> list[str]:
         """How each role cuts a DP rank's share for memory (it never changes the math, but must be well defined): a

@@ -1,6 +1,6 @@
 """Where the run's roles live: Ray, one resource pool, and a ``RoleGroup`` per role (the actor with its
-rollout and reference, the critic, the reward model or judge, and with ``hybrid_engine=false`` a rollout
-pool of its own on the last bundles: split placement)."""
+rollout and reference, the critic, the reward model or judge, the distillation teacher, and with
+``hybrid_engine=false`` a rollout pool of its own on the last bundles: split placement)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from verl_lite.reward.judge import JudgeReward
 from verl_lite.reward.model_reward import ModelReward
 from verl_lite.workers import ActorRolloutRefWorker, CriticWorker
 from verl_lite.workers.from_config import (actor_worker_config, critic_worker_config, judge_worker_config,
-                                           reward_model_worker_config, rollout_worker_config)
+                                           reward_model_worker_config, rollout_worker_config, teacher_worker_config)
 from verl_lite.workers.reward_model import RewardModelWorker
 from verl_lite.workers.rollout_worker import RolloutWorker
+from verl_lite.workers.teacher import TeacherWorker
 
 
 def _vpp_multiple(mg) -> int:
@@ -29,12 +30,12 @@ def rollout_world_size(cfg) -> int:
 
 class Placement:
     """The started roles of one run: ``actor``, ``critic``, ``reward_model`` (the driver's scorer over its
-    role), ``rollout`` (split placement's pool) and their ``pool``; each None until ``start`` (or when the run
-    has none) and again after ``close``."""
+    role), ``teacher`` (distillation), ``rollout`` (split placement's pool) and their ``pool``; each None until
+    ``start`` (or when the run has none) and again after ``close``."""
 
     def __init__(self, cfg, layout, worker_timeout_s: float):
         self.cfg, self.layout, self.worker_timeout_s = cfg, layout, worker_timeout_s
-        self.actor = self.critic = self.rollout = self.reward_model = self.pool = None
+        self.actor = self.critic = self.rollout = self.reward_model = self.teacher = self.pool = None
         self._owns_ray = False
 
     def start(self, use_critic: bool, need_ref: bool, actor_steps: int, critic_steps: int, tokenizer, agent) -> None:
@@ -60,7 +61,8 @@ class Placement:
         split = rollout_world_size(cfg)  # hybrid_engine=false: rollout workers on bundles of their own, last
         self.pool = ResourcePool(world + (self.layout.critic_world_size if separate else 0) + split,
                                  nnodes=cfg.trainer.nnodes)  # per node, ranks node by node
-        colocated_share = 1.0 / (1 + (use_critic and not separate) + cfg.reward_model.enable)
+        teacher = cfg.distillation.enabled
+        colocated_share = 1.0 / (1 + (use_critic and not separate) + cfg.reward_model.enable + teacher)
         mg = cfg.actor_rollout_ref.actor.megatron
         self.actor = RoleGroup("actor", ActorRolloutRefWorker, world, actor_worker_config(cfg, actor_steps, need_ref),
                                self.pool, self.worker_timeout_s, cp=mg.context_parallel_size,
@@ -72,13 +74,18 @@ class Placement:
                 vpp_multiple=_vpp_multiple(c.megatron), bundle_offset=world if separate else 0, share=colocated_share)
         if cfg.reward_model.enable:  # colocated on the actor's workers, a layout of its own
             self.reward_model = self._reward_model(colocated_share, tokenizer)
+        if teacher:  # colocated on the actor's workers, a layout of its own
+            tm = cfg.distillation.teacher_model.megatron
+            self.teacher = RoleGroup("teacher", TeacherWorker, world, teacher_worker_config(cfg), self.pool,
+                                     self.worker_timeout_s, cp=tm.context_parallel_size,
+                                     vpp_multiple=_vpp_multiple(tm), share=colocated_share)
         if split:
             # the trainer's roles are the critical path (they never wait on a rollout running ahead) and keep
             # the cores; the rollout pool, idle between policy versions, takes its share of them
             self.rollout = RoleGroup("rollout", RolloutWorker, split, rollout_worker_config(cfg), self.pool,
                                      self.worker_timeout_s, bundle_offset=self.pool.world_size - split,
                                      concurrent_ranks=world + split)
-        start_roles(self.actor, self.critic, self.reward_model and self.reward_model.group, self.rollout)
+        start_roles(self.actor, self.critic, self.reward_model and self.reward_model.group, self.teacher, self.rollout)
 
     def _reward_model(self, share: float, tokenizer):
         """The reward-model role and the driver's scorer over it: the discriminative RM on the engine
@@ -99,10 +106,11 @@ class Placement:
 
     def close(self) -> None:
         """Kill every role's workers and stop Ray if this placement started it (idempotent)."""
-        for role in (self.rollout, self.actor, self.critic, self.reward_model and self.reward_model.group):
+        for role in (self.rollout, self.actor, self.critic, self.reward_model and self.reward_model.group,
+                     self.teacher):
             if role is not None:
                 role.shutdown()
-        self.actor = self.critic = self.rollout = self.reward_model = None
+        self.actor = self.critic = self.rollout = self.reward_model = self.teacher = None
         if self.pool is not None:
             self.pool.remove()
             self.pool = None

@@ -73,6 +73,15 @@ class Updates:
     def compute_ref_log_probs(self, batch: Batch) -> dict:
         return self._log_probs("compute_ref_log_prob", self.cfg.actor_rollout_ref.ref, batch)
 
+    def compute_teacher_log_probs(self, batch: Batch) -> dict:
+        """The distillation teacher's log-probs of the sampled tokens (``teacher_log_probs``), at the temperature
+        the student's are taken at, micro-batched like the reference's (``ref.log_prob_*``)."""
+        ref = self.cfg.actor_rollout_ref.ref
+        sizing = MicroBatching.of(ref.log_prob_use_dynamic_bsz, ref.log_prob_micro_batch_size_per_gpu,
+                                  ref.log_prob_max_token_len_per_gpu)
+        return self.placement.teacher.infer("compute_teacher_log_prob", batch.columns(ROLLOUT_COLUMNS), sizing,
+                                            self.cfg.actor_rollout_ref.rollout.temperature)
+
     def old_log_probs_and_correction(self, batch: Batch, m: dict) -> None:
         """The old policy's log-probs and entropy into ``batch``, and the behaviour (rollout) policy against it:
         the log-prob gap always; off-policy the rollout correction's metrics and weights (where the old
@@ -136,9 +145,12 @@ class Updates:
 
     # ------------------------------------------------------------ updates
     def update_actor(self, batch: Batch, step: int) -> list[dict]:
-        """ppo_epochs x mini-batches optimizer steps; returns per-step results merged over DP."""
+        """ppo_epochs x mini-batches optimizer steps; returns per-step results merged over DP. With distillation the
+        teacher scores the step's rows first (``teacher_log_probs``)."""
         a = self.cfg.actor_rollout_ref.actor
-        wanted = ("old_log_probs", "ref_log_probs", "is_weights") + (
+        if self.cfg.distillation.enabled and "teacher_log_probs" not in batch:
+            batch.set("teacher_log_probs", self.compute_teacher_log_probs(batch)["teacher_log_probs"])
+        wanted = ("old_log_probs", "ref_log_probs", "is_weights", "teacher_log_probs") + (
             ("rollout_log_probs",) if self.loss_correction is not None else ())
         keys = ROLLOUT_COLUMNS + ["advantages"] + [k for k in wanted if k in batch]
         plans = self._plans(batch, keys, lambda epoch: self.mini_batches(len(batch), epoch, step), a.ppo_epochs,
@@ -151,8 +163,10 @@ class Updates:
         arr = self.cfg.actor_rollout_ref
         sizing = MicroBatching.of(arr.actor.use_dynamic_bsz, arr.actor.ppo_micro_batch_size_per_gpu,
                                   arr.actor.ppo_max_token_len_per_gpu)
+        d = self.cfg.distillation
         return self._train_role("actor", self.placement.actor, "update_actor", plans, step, sizing, arr.actor,
-                                arr.rollout.temperature, self.loss_correction, end_of_step)
+                                arr.rollout.temperature, self.loss_correction, end_of_step,
+                                d.distillation_loss if d.enabled else None)
 
     def _update_actor_with_cov_selection(self, plans, step: int) -> list[dict]:
         """clip_cov / kl_cov: verl's token selection over each WHOLE mini-batch, from the current policy's

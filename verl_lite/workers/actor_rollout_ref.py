@@ -20,7 +20,7 @@ from verl_lite.rollout import make_rollout
 from verl_lite.workers.engine_worker import EngineWorker, EngineWorkerConfig, sequence_batch
 
 ACTOR_LOSS_KEYS = ("response_mask", "old_log_probs", "advantages", "ref_log_probs", "is_weights", "cov_mask",
-                   "rollout_log_probs")
+                   "rollout_log_probs", "teacher_log_probs")
 
 
 @dataclass
@@ -136,13 +136,14 @@ class ActorRolloutRefWorker(EngineWorker):
 
     # ------------------------------------------------------------------ update
     def update_actor(self, jobs: list[dict], loss_cfg, temperature: float,
-                     correction: dict | None = None, end_of_step: bool = True) -> list[dict]:
+                     correction: dict | None = None, end_of_step: bool = True, distillation=None) -> list[dict]:
         """One optimizer step per job (``RoleGroup.train``) of ``actor_loss`` with the actor section ``loss_cfg``
-        (and ``correction``), then, at ``end_of_step`` (the RL step's last call), one LR schedule step. Returns the
+        (and ``correction``, and ``distillation``: the ``distillation.distillation_loss`` section when on), then, at ``end_of_step`` (the RL step's last call), one LR schedule step. Returns the
         engine's step metrics per job (loss metrics on output owners only)."""
         results = []
         for job in jobs:
-            loss_fn = partial(actor_loss, plan=job["plan"], cfg=loss_cfg, correction=correction)
+            loss_fn = partial(actor_loss, plan=job["plan"], cfg=loss_cfg, correction=correction,
+                              distillation=distillation)
             results.append(self.actor.train_step(
                 sequence_batch(job["piece"], ACTOR_LOSS_KEYS), job["micro_batches"], loss_fn,
                 temperature=temperature, global_token_count=job["global_token_count"],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from verl_lite.engine.config import EngineConfig
 from verl_lite.workers.actor_rollout_ref import WorkerConfig
 from verl_lite.workers.engine_worker import EngineWorkerConfig
@@ -58,6 +60,14 @@ def judge_worker_config(cfg):
 def critic_worker_config(cfg, total_steps: int) -> EngineWorkerConfig:
     c = cfg.critic
     return EngineWorkerConfig(role_engine(c.model, c.megatron, cfg.trainer.seed, c.optim, total_steps, value_head=True))
+
+
+def teacher_worker_config(cfg) -> EngineWorkerConfig:
+    """The distillation teacher's ``EngineWorkerConfig``: ``distillation.teacher_model`` (its path and megatron
+    layout), forward only (no optimizer, no LoRA)."""
+    t = cfg.distillation.teacher_model
+    return EngineWorkerConfig(role_engine(SimpleNamespace(path=t.model_path), t.megatron, cfg.trainer.seed,
+                                          forward_only=True))
 
 
 def reward_model_worker_config(cfg) -> EngineWorkerConfig:

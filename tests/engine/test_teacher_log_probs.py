@@ -1,0 +1,161 @@
+"""The distillation teacher's role (``workers/teacher.py``): its log-probs of the student's sampled tokens equal HF
+AutoModelForCausalLM's float64 forward, at 1 worker, TP2 and PP2; and a teacher whose tokenizer is not the
+student's, or that is no causal LM, is refused by ``validate_config`` before any worker starts.
+
+One Ray session; the teacher role is started at each layout in turn and scores one rollout batch (responses of
+different lengths, a hole in one mask, right padding). The reference runs HF's model in float64 on each unpadded
+prompt + response and takes log_softmax(logits / T) at every response token, written out here.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from verl_lite.controller import start_ray, stop_ray
+from verl_lite.controller.resource_pool import ResourcePool
+from verl_lite.controller.role_group import MicroBatching, RoleGroup, start_roles
+from verl_lite.data.char_tokenizer import build_char_tokenizer, save_char_tokenizer
+from verl_lite.protocol import Batch
+from verl_lite.workers.engine_worker import EngineWorkerConfig
+from verl_lite.workers.teacher import TeacherWorker
+
+PROMPTS = ["<|user|>12+34=<|assistant|>", "<|user|>7+8=<|assistant|>", "<|user|>99+1=<|assistant|>",
+           "<|user|>5+55=<|assistant|>", "<|user|>40+2=<|assistant|>"]
+RESPONSES = ["46<eos>", "15<eos>", "100", "60 is it<eos>", "4"]
+HOLE = (3, 2)  # (row, position): a token inside the response that the mask leaves out (an observation)
+LAYOUTS = {"1 worker": (1, 1, 1), "TP2": (2, 2, 1), "PP2": (2, 1, 2)}  # name: (world, tp, pp)
+TEMPERATURE = 0.7
+TOL = 1e-5
+
+
+def _make_teacher(root):
+    import transformers
+
+    cfg = transformers.Qwen2Config(vocab_size=104, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128,
+                                   tie_word_embeddings=False, rms_norm_eps=1e-6, use_sliding_window=False,
+                                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():  # far from the init's near-uniform distribution: a wrong position shows
+            p.add_(torch.randn_like(p) * 0.1)
+    teacher = root / "teacher"
+    model.save_pretrained(teacher, safe_serialization=True)
+    save_char_tokenizer(teacher)
+    return teacher
+
+
+def _rollout_batch(tok) -> Batch:
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    responses = [tok(r, add_special_tokens=False)["input_ids"] for r in RESPONSES]
+    width = max(map(len, responses)) + 2  # right padding past every response
+    ids, mask = torch.zeros(len(responses), width, dtype=torch.long), torch.zeros(len(responses), width)
+    for i, r in enumerate(responses):
+        ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1.0
+    mask[HOLE] = 0.0
+    return Batch.from_dict({"responses": ids, "response_mask": mask}, {"prompt_ids": prompts})
+
+
+def _hf_log_probs(teacher_dir, batch: Batch) -> torch.Tensor:
+    """[n, W] float64: log_softmax(logits / T) of each response token given everything before it (0 elsewhere)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float64).eval()
+    tok = build_char_tokenizer()
+    out = torch.zeros(batch["response_mask"].shape, dtype=torch.float64)
+    for i, prompt in enumerate(batch["prompt_ids"]):
+        response = tok(RESPONSES[i], add_special_tokens=False)["input_ids"]
+        length, seq = len(response), list(prompt) + response
+        with torch.no_grad():
+            logits = model(torch.tensor([seq])).logits[0]
+        for t in range(length):
+            position = len(prompt) + t - 1  # the logits that predict response token t
+            out[i, t] = torch.log_softmax(logits[position] / TEMPERATURE, dim=-1)[seq[position + 1]]
+    return out
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory):
+    """{layout: teacher log-probs [n, W]} from the teacher role, the batch and the HF float64 reference."""
+    from verl_lite.engine.config import EngineConfig, MegatronConfig
+
+    teacher = _make_teacher(tmp_path_factory.mktemp("teacher_log_probs"))
+    batch = _rollout_batch(build_char_tokenizer())
+    started = start_ray(num_cpus=2)
+    pool = ResourcePool(2)
+    results = {}
+    try:
+        for name, (world, tp, pp) in LAYOUTS.items():
+            engine = EngineConfig(str(teacher), MegatronConfig.layout(tp=tp, pp=pp, timeout_s=120), forward_only=True)
+            group = RoleGroup("teacher", TeacherWorker, world, EngineWorkerConfig(engine), pool, 300.0)
+            start_roles(group)
+            try:
+                results[name] = group.infer("compute_teacher_log_prob", batch, MicroBatching(micro_batch_size=2),
+                                            TEMPERATURE)["teacher_log_probs"]
+            finally:
+                group.shutdown()
+    finally:
+        pool.remove()
+        if started:
+            stop_ray()
+    return results, batch, _hf_log_probs(teacher, batch)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_teacher_log_probs_match_hf_float64(scored, layout):
+    results, batch, hf = scored
+    got, mask = results[layout], batch["response_mask"]
+    assert got.shape == mask.shape
+    valid = mask != 0
+    err = (got.double() - hf).abs()[valid].max().item()
+    assert err < TOL, (layout, err)
+    assert hf[valid].std() > 0.1  # log-probs that differ per token: a shifted position would show
+
+
+def _config(teacher_dir):
+    from verl_lite.config import load_config
+
+    return load_config(["distillation.enabled=true", f"distillation.teacher_model.model_path={teacher_dir}"])
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_before_start(tmp_path):
+    """The same weights with one special token moved: refused with the reason, by validate_config, Ray untouched."""
+    import shutil
+
+    import ray
+
+    from verl_lite.config.loader import ConfigError
+    from verl_lite.config.validate import validate_config
+
+    teacher = _make_teacher(tmp_path)
+    assert validate_config(_config(teacher)).world_size == 1  # the same tokenizer: accepted
+    other = tmp_path / "other_tokenizer"
+    shutil.copytree(teacher, other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["7"], vocab["8"] = vocab["8"], vocab["7"]  # two digits swap ids
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ConfigError) as err:
+        validate_config(_config(other))
+    (line,) = [p for p in err.value.problems if "tokenizer is not the student's" in p]
+    assert line.startswith(f"distillation.teacher_model.model_path={str(other)!r}: its tokenizer is not the student's")
+    assert "the vocabularies differ in 2 tokens" in line and "'7'" in line
+    assert not ray.is_initialized()
+
+
+def test_a_teacher_that_is_no_causal_lm_is_refused(tmp_path):
+    from verl_lite.config.loader import ConfigError
+    from verl_lite.config.validate import validate_config
+
+    teacher = _make_teacher(tmp_path)
+    cfg = json.loads((teacher / "config.json").read_text())
+    cfg["architectures"] = ["Qwen2ForSequenceClassification"]
+    (teacher / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError) as err:
+        validate_config(_config(teacher))
+    assert any(p.startswith(f"distillation.teacher_model.model_path={str(teacher)!r} is a "
+                            f"['Qwen2ForSequenceClassification']; a teacher is a causal LM") for p in err.value.problems)

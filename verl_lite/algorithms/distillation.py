@@ -1,0 +1,137 @@
+"""On-policy distillation losses (verl's ``distillation.distillation_loss``; per token, aggregated by the caller's
+``NormalizationPlan`` like every other loss, so every aggregation mode, shard and micro-batch split gives the
+mini-batch's value: Contract 1, docs/contracts.md).
+
+The student samples; a frozen teacher scores every sampled token. Per token t of row i (s = the student's
+log-prob of the sampled token, T = the teacher's):
+
+    estimator modes (reverse KL on the sampled token, verl's ``kl_penalty`` estimators):
+        kl / k1          s - T
+        abs              |s - T|
+        mse / k2         (s - T)^2 / 2
+        low_var_kl / k3  e^x - x - 1,  x = T - s  (the clamps of ``kl.kl_penalty``)
+    forward_kl_topk (forward KL on the teacher's top-k tokens v_1..v_K of that position):
+        sum_k p_k (log p_k - log q_k),  log p_k = teacher's top-k log-probs,
+                                        log q_k = log_softmax(student logits)[v_k]
+        The mass outside the teacher's top k is dropped (verl's rule): neither distribution is renormalized, so
+        the sum is not a KL and can be negative; it is clamped at 0 (``clamp_min(0)``, no gradient where
+        clamped), and both log-probs are first clamped below at ``log_prob_min_clamp``. ``teacher_mass`` /
+        ``student_mass`` (sum_k p_k, sum_k q_k, before that clamp) report how much mass the top k hold.
+
+Then every mode's per-token value d is clamped to [-loss_max_clamp, loss_max_clamp]. Two ways to learn from d:
+
+    use_policy_gradient=true   d as a per-token reward: verl's vanilla PPO-clip loss with advantage -sg(d)
+                               (clip ratios of this section; ratio against the old log-probs, which on-policy are
+                               the current ones), aggregated by the plan
+    use_policy_gradient=false  d itself as a loss (its gradient through s, or q), aggregated by the plan
+
+and with P the actor's objective without distillation (policy loss, KL loss, entropy bonus: verl's ``ppo_loss``),
+the objective is
+
+    use_task_rewards=true    P + distillation_loss_coef * D
+    use_task_rewards=false   D          (P is not used at all)
+
+where D is the distillation term's plan aggregate. Pure math: no torch.distributed, no engine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kl import kl_penalty
+
+ESTIMATOR_MODES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+TOPK_MODES = ("forward_kl_topk",)
+DISTILLATION_LOSS_MODES = ESTIMATOR_MODES + TOPK_MODES
+DISTILLATION_POLICY_LOSSES = ("vanilla",)
+
+TEACHER_LOG_PROBS_KEY = "teacher_log_probs"  # data [b, W]: the teacher's log-prob of each sampled token
+TEACHER_TOPK_LOG_PROBS_KEY = "teacher_topk_log_probs"  # data [b, W, K]: the teacher's top-k log-probs
+TEACHER_TOPK_IDS_KEY = "teacher_topk_ids"  # data [b, W, K]: their token ids
+STUDENT_TOPK_LOG_PROBS_KEY = "student_topk_log_probs"  # outputs [b, W, K]: log_softmax(student)[teacher_topk_ids]
+
+
+def uses_topk(loss_mode: str) -> bool:
+    """Whether ``loss_mode`` needs the teacher's top-k (and the student's log-probs at those ids)."""
+    return loss_mode in TOPK_MODES
+
+
+def reverse_kl_estimate(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor,
+                        loss_mode: str) -> torch.Tensor:
+    """Per-token reverse-KL estimate on the sampled token (module docstring), by ``kl.kl_penalty``."""
+    if loss_mode not in ESTIMATOR_MODES:
+        raise ValueError(f"{loss_mode!r} is not a sampled-token estimator; choose one of {list(ESTIMATOR_MODES)}")
+    return kl_penalty(student_log_probs, teacher_log_probs.detach(), loss_mode)
+
+
+def forward_kl_topk(student_topk_log_probs: torch.Tensor, teacher_topk_log_probs: torch.Tensor,
+                    log_prob_min_clamp: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token forward KL on the teacher's top k (module docstring): (loss [b, W] >= 0, student_mass,
+    teacher_mass), from [b, W, K] log-probs at the teacher's top-k ids."""
+    if student_topk_log_probs.shape != teacher_topk_log_probs.shape:
+        raise ValueError(f"student top-k log-probs {tuple(student_topk_log_probs.shape)} and teacher top-k "
+                         f"log-probs {tuple(teacher_topk_log_probs.shape)} must have the same shape [b, W, K]")
+    teacher = teacher_topk_log_probs.detach()
+    student_mass = student_topk_log_probs.detach().exp().sum(dim=-1)
+    teacher_mass = teacher.exp().sum(dim=-1)
+    student = student_topk_log_probs
+    if log_prob_min_clamp is not None:
+        student = student.clamp_min(log_prob_min_clamp)
+        teacher = teacher.clamp_min(log_prob_min_clamp)
+    loss = (teacher.exp() * (teacher - student)).sum(dim=-1)
+    return loss.clamp_min(0.0), student_mass, teacher_mass
+
+
+def per_token_distillation(outputs: dict[str, torch.Tensor], data: dict[str, torch.Tensor],
+                           cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """d [b, W] of ``cfg.loss_mode`` after the ``loss_max_clamp`` clamp, and per-token statistics to report.
+    outputs: "log_probs" (estimators) or "student_topk_log_probs" (top-k); data: the teacher's tensors."""
+    stats: dict[str, torch.Tensor] = {}
+    if uses_topk(cfg.loss_mode):
+        for source, key in ((outputs, STUDENT_TOPK_LOG_PROBS_KEY), (data, TEACHER_TOPK_LOG_PROBS_KEY)):
+            if key not in source:
+                raise ValueError(f"distillation loss_mode={cfg.loss_mode!r} needs {key!r} (the teacher's top-k "
+                                 f"log-probs and the student's log-probs at those ids)")
+        loss, stats["student_mass"], stats["teacher_mass"] = forward_kl_topk(
+            outputs[STUDENT_TOPK_LOG_PROBS_KEY], data[TEACHER_TOPK_LOG_PROBS_KEY], cfg.log_prob_min_clamp)
+    else:
+        if TEACHER_LOG_PROBS_KEY not in data:
+            raise ValueError(f"distillation loss_mode={cfg.loss_mode!r} needs data[{TEACHER_LOG_PROBS_KEY!r}] "
+                             f"(the teacher's log-probs of the sampled tokens)")
+        loss = reverse_kl_estimate(outputs["log_probs"], data[TEACHER_LOG_PROBS_KEY], cfg.loss_mode)
+    stats["abs_loss"] = loss.detach().abs()
+    if cfg.loss_max_clamp is not None:
+        loss = loss.clamp(min=-cfg.loss_max_clamp, max=cfg.loss_max_clamp)
+    return loss, stats
+
+
+def distillation_term(outputs: dict[str, torch.Tensor], data: dict[str, torch.Tensor], plan, cfg,
+                      old_log_probs: torch.Tensor, is_weights: torch.Tensor | None = None,
+                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """D, this micro-batch's share of the distillation term (module docstring), aggregated by ``plan``; and its
+    metrics (detached scalars that sum across shards: ``distillation/loss`` = D's share, the others token means).
+    ``old_log_probs``: the PPO ratio's reference with ``use_policy_gradient`` (the caller's, as for the policy
+    loss); ``is_weights`` multiply that loss as they do the policy loss."""
+    from .policy_loss import get_policy_loss
+
+    mask = data["response_mask"]
+    per_token, stats = per_token_distillation(outputs, data, cfg)
+    metrics = {f"distillation/{name}": plan.token_mean(value, mask).detach() for name, value in stats.items()}
+    metrics["distillation/kl"] = plan.token_mean(per_token.detach(), mask)
+    if cfg.use_policy_gradient:
+        pg_fn = get_policy_loss(cfg.policy_loss_mode)
+        pg, pg_metrics = pg_fn(old_log_probs, outputs["log_probs"], -per_token.detach(), mask, cfg, is_weights)
+        contribution = plan.aggregate(pg, mask)
+        metrics.update({f"distillation/{k}": plan.token_mean(v, mask).detach() for k, v in pg_metrics.items()})
+    else:
+        contribution = plan.aggregate(per_token, mask)
+    metrics["distillation/loss"] = contribution.detach()
+    return contribution, metrics
+
+
+def combine_with_task(task_contribution: torch.Tensor, distill_contribution: torch.Tensor, cfg) -> torch.Tensor:
+    """The actor's objective from P (its objective without distillation) and the distillation term D (module
+    docstring)."""
+    if not cfg.use_task_rewards:
+        return distill_contribution
+    return task_contribution + cfg.distillation_loss_coef * distill_contribution
