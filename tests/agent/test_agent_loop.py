@@ -129,25 +129,29 @@ def test_hanging_tool_is_bounded_by_its_timeout():
     assert out[1].text == "2"
 
 
-def test_calls_of_a_turn_run_concurrently():
-    def slow(x: int) -> str:
-        """Sleeps, and says when it ran.
+def test_calls_of_a_turn_run_concurrently(tmp_path):
+    """Each call marks its arrival, then waits (up to 30 s) for the other three: calls run one after another would
+    leave the first alone. A barrier, not a clock: a loaded machine that starts the processes late still passes."""
+    arrivals = str(tmp_path)
+
+    def meet(x: int) -> str:
+        """Marks its arrival and waits for the turn's other calls.
 
         Args:
-            x: echoed
+            x: this call's index
         """
+        import os
         import time as clock
 
-        began = clock.time()
-        clock.sleep(0.5)
-        return f"{x} {began} {clock.time()}"
+        open(os.path.join(arrivals, str(x)), "w").close()
+        deadline = clock.monotonic() + 30
+        while len(os.listdir(arrivals)) < 4 and clock.monotonic() < deadline:
+            clock.sleep(0.01)
+        return f"{x} {'met' if len(os.listdir(arrivals)) == 4 else 'alone'}"
 
-    ex = ToolExecutor([FunctionTool(slow)], 60.0, 256, "middle", "text")
-    out = _run(ex, [ToolCall("slow", {"x": i}) for i in range(4)])
-    runs = [o.text.split() for o in out]
-    assert [r[0] for r in runs] == ["0", "1", "2", "3"]
-    began, ended = [float(r[1]) for r in runs], [float(r[2]) for r in runs]
-    assert max(began) < min(ended), "the four calls of one turn did not all run at once"
+    ex = ToolExecutor([FunctionTool(meet)], 60.0, 256, "middle", "text")
+    out = _run(ex, [ToolCall("meet", {"x": i}) for i in range(4)])
+    assert [o.text for o in out] == [f"{i} met" for i in range(4)], "the four calls of one turn did not run at once"
 
 
 # ------------------------------------------------------------------------------------------- loop
