@@ -42,12 +42,7 @@ class Batch:
         tensors = dict(tensors or {})
         non_tensors = {k: list(v) for k, v in (non_tensors or {}).items()}
         if size is None:
-            if tensors:
-                size = next(iter(tensors.values())).shape[0]
-            elif non_tensors:
-                size = len(next(iter(non_tensors.values())))
-            else:
-                size = 0
+            size = next(iter(tensors.values())).shape[0] if tensors else len(next(iter(non_tensors.values()), []))
         return cls(TensorDict(tensors, batch_size=[size]), non_tensors)
 
     def __len__(self) -> int:
@@ -131,12 +126,8 @@ class Batch:
 
 
 def response_lengths(response_mask: torch.Tensor) -> torch.Tensor:
-    """Tokens of each response row [n]: the last position with a non-zero mask, plus one.
-
-    The mask may have holes (e.g. observation tokens of a multi-turn rollout, m = 0 inside the
-    response); those tokens are still part of the sequence the model reads, so the length is
-    NOT ``mask.sum(-1)``. A row with no valid token has length 0.
-    """
+    """Tokens of each response row [n]: the last position with a non-zero mask, plus one (0 for none). Not
+    ``mask.sum(-1)``: a mask's holes (a multi-turn rollout's observation tokens) are read by the model too."""
     valid = response_mask != 0
     positions = torch.arange(1, response_mask.shape[-1] + 1, device=response_mask.device)
     return (valid * positions).amax(dim=-1).long() if response_mask.shape[-1] else valid.sum(-1).long()

@@ -1,5 +1,6 @@
 """Fixtures of the agent tests: a tokenizer whose chat template renders tools and tool turns (the shipped
-tiny model's tokenizer with another template), and a scripted rollout backend."""
+tiny model's tokenizer with another template), and a scripted rollout backend. Nothing heavy at import: a tool
+defined in a test module is unpickled in each tool process, which imports that module and this one."""
 
 from __future__ import annotations
 
@@ -7,9 +8,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
-
-from verl_lite.config.loader import default_model_path
 
 TOOL_TEMPLATE = (
     "{%- if tools %}<|system|>tools:{% for t in tools %}{{ t['function']['name'] }};{% endfor %}{% endif -%}"
@@ -23,6 +21,8 @@ TOOL_TEMPLATE = (
 
 def tool_tokenizer_dir(dest: Path) -> Path:
     """The shipped tiny tokenizer with TOOL_TEMPLATE as its chat template."""
+    from verl_lite.config.loader import default_model_path
+
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(default_model_path()) / name, dest / name)
@@ -51,6 +51,8 @@ class ScriptedRollout:
         self.eos_token_id = tokenizer.eos_token_id
 
     def generate(self, prompt_ids, n=1, *, max_new_tokens=16, seeds=None, seed=None, **sampling):
+        import torch
+
         self.calls.append({"batch": len(prompt_ids), "max_new_tokens": max_new_tokens, "seeds": seeds})
         outs = []
         for ids in prompt_ids:

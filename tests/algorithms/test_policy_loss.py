@@ -174,9 +174,10 @@ def test_register_custom_loss_and_refuse_silent_override():
 
 
 def test_dual_clip_bound_must_exceed_one():
-    b = make_batch(0)
-    with pytest.raises(ValueError, match="clip_ratio_c"):
-        get_policy_loss("vanilla")(b.old, b.logp, b.adv, b.mask, loss_config(clip_ratio_c=1.0))
+    """The rule lives in the actor's config (pre-flight), not in the loss."""
+    assert loss_config(clip_ratio_c=1.0).problems("actor") == [
+        "actor.clip_ratio_c=1.0 must be > 1 (dual-clip lower bound)"]
+    assert loss_config(clip_ratio_c=1.5).problems("actor") == []
 
 
 def test_truncated_is_weights_match_a_loop():

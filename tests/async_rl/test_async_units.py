@@ -136,8 +136,6 @@ def test_in_flight_batches_round_trip_through_a_weights_only_load(tmp_path):
     (["actor_rollout_ref.hybrid_engine=false", "algorithm.filter_groups.enable=true"], "separate_async"),
     (["trainer.v1.trainer_mode=separate_async", "async_training.partial_rollout=false"], "always continues"),
     (["actor_rollout_ref.hybrid_engine=false", "async_training.weight_sync_timeout_s=0"], "must be > 0"),
-    (["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.loss_type=reinforce"],
-     "use loss_type=ppo_clip"),
 ])
 def test_what_split_placement_cannot_do_is_refused_before_start(overrides, words):
     """Each unbuilt combination is one line naming the key and the fix, from validation (no worker)."""

@@ -87,27 +87,16 @@ def _overrides(fields: dict) -> list[str]:
     return out
 
 
-REINFORCE = "use loss_type=ppo_clip"
-
-
 @pytest.mark.parametrize("name", sorted(FIXTURE["presets"]))
-def test_every_verl_preset_is_accepted_or_refused_with_its_reason(name):
-    """verl's preset factories (their fields as keys): accepted with verl's meaning; the REINFORCE ones
-    (loss_type=reinforce) refused, one line naming loss_type and the alternative."""
-    from verl_lite.errors import ConfigError
-
+def test_every_verl_preset_is_accepted_with_its_meaning(name):
+    """verl's preset factories (their fields as keys), the REINFORCE ones (bypass_mode with loss_type=reinforce)
+    included: accepted, every field as verl set it."""
     fields = FIXTURE["presets"][name]
-    if fields["loss_type"] == "reinforce" and fields["bypass_mode"]:
-        with pytest.raises(ConfigError) as err:
-            _validate(_overrides(fields))
-        lines = [line for line in str(err.value).splitlines() if REINFORCE in line]
-        assert len(lines) == 1 and f"{RC}.loss_type=reinforce" in lines[0], str(err.value)
-    else:
-        cfg = _validate(_overrides(fields))
-        rc = cfg.algorithm.rollout_correction
-        assert (rc.rollout_is, rc.rollout_rs, rc.bypass_mode) == (fields["rollout_is"], fields["rollout_rs"],
-                                                                  fields["bypass_mode"])
-        assert str(rc.rollout_is_threshold) == str(fields["rollout_is_threshold"])
+    cfg = _validate(_overrides(fields))
+    rc = cfg.algorithm.rollout_correction
+    assert (rc.rollout_is, rc.rollout_rs, rc.bypass_mode, rc.loss_type) == (
+        fields["rollout_is"], fields["rollout_rs"], fields["bypass_mode"], fields["loss_type"])
+    assert str(rc.rollout_is_threshold) == str(fields["rollout_is_threshold"])
 
 
 @pytest.mark.parametrize("overrides, key, words", [
@@ -125,7 +114,6 @@ def test_every_verl_preset_is_accepted_or_refused_with_its_reason(name):
     ([f"{RC}.rollout_is=token", f"{RC}.rollout_is_threshold='5.0_0.5'"], "rollout_is_threshold", "(0, upper]"),
     ([f"{RC}.rollout_is=token", f"{RC}.rollout_is_threshold=abc"], "rollout_is_threshold", "'lower_upper' pair"),
     ([f"{RC}.rejected_in_denominator=true"], "rejected_in_denominator", "read only with rollout_rs"),
-    ([f"{RC}.bypass_mode=true", f"{RC}.loss_type=reinforce"], "loss_type", REINFORCE),
     ([f"{RC}.bypass_mode=true", f"{RC}.loss_type=ppo"], "loss_type", "is unknown"),
     ([f"{RC}.bypass_mode=true", "actor_rollout_ref.actor.policy_loss.loss_mode=gspo"], "loss_mode", "set it vanilla"),
     ([f"{RC}.bypass_mode=true", f"{RC}.rollout_is=token", f"{RC}.rollout_is_batch_normalize=true"],
@@ -194,26 +182,36 @@ def test_the_recompute_path_writes_verls_modified_mask_into_the_batch():
     assert "rollout_corr/rollout_rs_seq_mean_k1_mean" in m and "rollout_corr/chi2_seq" in m
 
 
+BYPASS_SETTINGS = dict(rollout_is="sequence", rollout_is_threshold=2.0, rollout_is_batch_normalize=False,
+                       rollout_rs="token_k1", rollout_rs_threshold="0.6_1.6", rollout_rs_threshold_lower=None)
+
+
+def _bypass_case(seed: int, mode: str):
+    """verl's inputs with this forward's log-probs 0.1-noised from the old ones, random advantages, the actor's loss
+    config and the plan of ``mode``: (mask, rollout log-probs, log-probs, advantages, cfg, plan, rejection's keep)."""
+    from verl_lite.algorithms import ActorLossConfig, NormalizationPlan
+
+    t = INPUTS["0"]
+    mask, rollout = t["response_mask"], t["rollout_log_probs"]
+    g = torch.Generator().manual_seed(seed)
+    log_probs = t["old_log_probs"] + 0.1 * torch.randn(mask.shape, generator=g, dtype=torch.float64)
+    advantages = torch.randn(mask.shape, generator=g, dtype=torch.float64)
+    cfg = ActorLossConfig(loss_agg_mode=mode, entropy_coeff=0.0, use_kl_loss=False)
+    keep = rollout_correction(log_probs, rollout, mask, **BYPASS_SETTINGS).keep
+    assert 0 < float(keep.sum()) < float(mask.sum())
+    return mask, rollout, log_probs, advantages, cfg, NormalizationPlan.from_mask(mask, mode), keep
+
+
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_bypass_ppo_clip_is_the_policy_loss_against_the_rollout_with_rejected_tokens_out(mode):
     """bypass_mode (loss_type=ppo_clip): old = the rollout's log-probs; the rejection, from this forward, takes the
     rejected tokens out of the policy loss's mask (verl: token-mean keeps the plan's N, per-row means drop them),
     the IS weights are reported only. Over two shards of whole rows it equals the loss written out on the
     whole mini-batch."""
-    from verl_lite.algorithms import ActorLossConfig, NormalizationPlan, actor_loss
-    from verl_lite.algorithms import get_policy_loss
+    from verl_lite.algorithms import actor_loss, get_policy_loss
 
-    t = INPUTS["0"]
-    mask, rollout = t["response_mask"], t["rollout_log_probs"]
-    g = torch.Generator().manual_seed(3)
-    logits = t["old_log_probs"] + 0.1 * torch.randn(mask.shape, generator=g, dtype=torch.float64)
-    advantages = torch.randn(mask.shape, generator=g, dtype=torch.float64)
-    settings = dict(rollout_is="sequence", rollout_is_threshold=2.0, rollout_is_batch_normalize=False,
-                    rollout_rs="token_k1", rollout_rs_threshold="0.6_1.6", rollout_rs_threshold_lower=None)
-    cfg = ActorLossConfig(loss_agg_mode=mode, entropy_coeff=0.0, use_kl_loss=False)
-    plan = NormalizationPlan.from_mask(mask, mode)
-    keep = rollout_correction(logits, rollout, mask, **settings).keep
-    assert 0 < float(keep.sum()) < float(mask.sum())
+    mask, rollout, logits, advantages, cfg, plan, keep = _bypass_case(3, mode)
+    settings = BYPASS_SETTINGS
     pg, _ = get_policy_loss("vanilla")(rollout, logits, advantages, keep, cfg, None, None)
     want = plan.aggregate(pg, keep)
     total = 0.0
@@ -225,3 +223,36 @@ def test_bypass_ppo_clip_is_the_policy_loss_against_the_rollout_with_rejected_to
         total = total + contribution
         assert "rollout_corr/is_weight_mean" in metrics
     assert abs(float(total) - float(want)) < 1e-12
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
+def test_bypass_reinforce_is_minus_a_times_the_is_weight_times_log_pi_with_rejected_tokens_out(mode):
+    """bypass_mode with loss_type=reinforce (verl's REINFORCE): per token -A sg(w) log pi, w the IS weights of this
+    forward against the rollout (here sequence-level, truncated at 2), over the mask the rejection leaves. Written
+    out on the whole mini-batch, value and gradient, it equals the sum over two shards of whole rows."""
+    from verl_lite.algorithms import actor_loss
+
+    mask, rollout, base, advantages, cfg, plan, keep = _bypass_case(4, mode)
+    settings = BYPASS_SETTINGS
+    log_pi = base.clone().requires_grad_(True)
+    seq_log_ratio = ((base - rollout) * mask).sum(-1, keepdim=True)
+    w = torch.exp(seq_log_ratio).clamp(max=2.0) * mask  # sequence TIS, written out
+    want = plan.aggregate(-advantages * w * log_pi, keep)
+    (want_grad,) = torch.autograd.grad(want, log_pi)
+
+    shards = [base[rows].clone().requires_grad_(True) for rows in (slice(0, 3), slice(3, 6))]
+    total = 0.0
+    for rows, shard in zip((slice(0, 3), slice(3, 6)), shards):
+        contribution, metrics = actor_loss(
+            {"log_probs": shard}, {"response_mask": mask[rows], "advantages": advantages[rows],
+                                   "old_log_probs": rollout[rows], "rollout_log_probs": rollout[rows]},
+            plan, cfg, correction={**settings, "bypass_mode": True, "loss_type": "reinforce"})
+        total = total + contribution
+        assert "rollout_corr/is_weight_mean" in metrics and "ppo_kl" in metrics
+    total.backward()
+    assert abs(float(total.detach()) - float(want.detach())) < 1e-12
+    assert torch.allclose(torch.cat([s.grad for s in shards]), want_grad, rtol=0, atol=1e-12)
+    ppo_clip, _ = actor_loss({"log_probs": base}, {"response_mask": mask, "advantages": advantages,
+                                                   "old_log_probs": rollout, "rollout_log_probs": rollout},
+                             plan, cfg, correction={**settings, "bypass_mode": True, "loss_type": "ppo_clip"})
+    assert abs(float(ppo_clip) - float(want.detach())) > 1e-6  # the two loss types are different objectives

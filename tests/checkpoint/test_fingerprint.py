@@ -63,12 +63,15 @@ def test_math_keys_refuse_layout_keys_do_not_and_the_override_resumes(straight_r
     same.prepare_resume()  # another layout and micro-batch size: the same math
     assert same._checked[0].name == "global_step_4"
 
-    lr = {"actor_rollout_ref.actor.optim.lr": 3e-4, "algorithm.adv_estimator": "rloo"}
+    lr = {"actor_rollout_ref.actor.optim.lr": 3e-4, "algorithm.adv_estimator": "rloo",
+          "algorithm.rollout_correction.rollout_is": "token", "distillation.distillation_loss.loss_mode": "k1"}
     with pytest.raises(CheckpointRefused) as refused:
         _manager(tiny_assets, tmp_path, **lr).prepare_resume()
     message = str(refused.value)
     assert "actor_rollout_ref.actor.optim.lr (saved 0.0001, now 0.0003)" in message
     assert "algorithm.adv_estimator (saved 'grpo', now 'rloo')" in message and "the training data" not in message
+    assert "algorithm.rollout_correction.rollout_is (saved None, now 'token')" in message
+    assert "distillation.distillation_loss.loss_mode (saved 'k3', now 'k1')" in message
 
     forced = _manager(tiny_assets, tmp_path, **lr, **{OVERRIDE_KEY: "true"})
     forced.prepare_resume()

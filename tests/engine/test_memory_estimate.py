@@ -146,3 +146,23 @@ def test_gpu_memory_is_read_without_a_cuda_context_in_the_driver(monkeypatch):
     monkeypatch.setattr(subprocess, "run", fake_run)
     total, what = memory.device_memory()
     assert total == 81559 << 20 and "H100" in what and calls[0][0] == "nvidia-smi"
+
+
+def test_the_distillation_teacher_is_sized_on_workers_of_its_own():
+    """distillation's teacher: a forward-only engine of the teacher's config, in its own layout and worker
+    processes (one per actor worker), counted in the machine's total and named in the refusal."""
+    from verl_lite.config import load_config
+    from verl_lite.config.preflight import _roles, memory_problems
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "distill.yaml"
+    cfg = load_config([f"--recipe={recipe}", "trainer.n_gpus_per_node=2"])
+    roles = {r.spec.name: r for r in _roles(cfg, cuda=False)}
+    teacher = roles["teacher"]
+    assert (teacher.process, teacher.spec.trains, teacher.spec.dp) == ("teacher", False, 2)
+    assert teacher.spec.model == _config(Path(cfg.distillation.teacher_model.model_path))
+    alone = memory.estimate_engine(teacher.spec).total
+    line = memory_problems(cfg, device=(1, "1 byte"))[0]
+    assert "2 actor worker(s), 2 teacher worker(s)" in line and "per teacher worker: teacher" in line, line
+    without = load_config([f"--recipe={recipe}", "trainer.n_gpus_per_node=2", "distillation.enabled=false"])
+    assert "teacher" not in {r.spec.name for r in _roles(without, cuda=False)}
+    assert alone > 0

@@ -83,9 +83,9 @@ def test_architecture_mapping():
 @pytest.mark.parametrize(
     "hf_kw,parallel,match",
     [
-        (dict(num_hidden_layers=3), MegatronConfig.layout(pp=2), "not divisible by pp\\*vpp"),
-        (dict(num_hidden_layers=4), MegatronConfig.layout(pp=2, vpp=4), "not divisible by pp\\*vpp"),
-        (dict(num_attention_heads=4, num_key_value_heads=4), MegatronConfig.layout(tp=8), "num_attention_heads=4"),
+        (dict(num_hidden_layers=3), MegatronConfig.layout(pp=2), "layers must divide by pp x vpp"),
+        (dict(num_hidden_layers=4), MegatronConfig.layout(pp=2, vpp=4), "layers must divide by pp x vpp"),
+        (dict(num_attention_heads=4, num_key_value_heads=4), MegatronConfig.layout(tp=8), "attention heads \\(4\\)"),
         (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), MegatronConfig.layout(), "RoPE type"),
         (dict(max_position_embeddings=16384, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}), MegatronConfig.layout(), "llama3 RoPE"),

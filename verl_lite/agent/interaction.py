@@ -1,7 +1,7 @@
 """Interactions: an environment that plays the user over several turns and may reward each turn.
 
-When the model ends a turn without a tool call and the row has an interaction, the loop asks it
-for the next user message (verl's ``BaseInteraction`` shape)::
+When the model ends a turn without a tool call and the row has an interaction, the loop asks it for the next
+user message (verl's ``BaseInteraction`` shape)::
 
     class Tutor(Interaction):
         def start(self, row: dict) -> Any:                      # per trajectory; the state it keeps
@@ -9,38 +9,23 @@ for the next user message (verl's ``BaseInteraction`` shape)::
         def respond(self, state, messages: list[dict]) -> InteractionTurn:
             return InteractionTurn("Try again.", reward=0.0, done=False)
 
-``respond`` sees the conversation so far (``messages``: the prompt's messages, then the model's
-turns as decoded text and the environment's turns) and returns the user's next message, the reward
-of the turn just taken (collected per trajectory as ``turn_scores``) and ``done=True`` to end the
-trajectory (then ``text`` is not added). ``start`` / ``respond`` may be ``async``.
-
-A row chooses its interaction with ``extra_info["interaction_kwargs"]["name"]`` (verl's key); the
-config file ``multi_turn.interaction_config_path`` (verl's shape) names the classes::
-
-    interaction:
-      - name: tutor
-        class_name: my_pkg.envs.Tutor
-        config: {...}                 # passed to the class as ``config``
-
-The Python API takes instances directly: ``PPOTrainer(..., interactions={"tutor": Tutor({})})``.
-
-verl's own interaction classes run as they are (:class:`BaseInteraction`, verl's methods:
-``start_interaction(instance_id, **interaction_kwargs) -> instance_id``, ``generate_response(instance_id,
-messages, **interaction_kwargs) -> (should_terminate, text, score, extra)``, ``finalize_interaction(instance_id)``
-when the trajectory ends, whatever ended it); a module written against verl imports verl's base class
-(``from verl.interactions.base import BaseInteraction``): where verl is not installed, import this module's.
-A score of None adds no turn score (verl's rule). The one difference: a terminating response's text is not
-added to the context (here ``done`` ends the trajectory before the environment's turn).
+``respond`` sees the conversation so far (decoded text) and returns the user's next message, the reward of the
+turn just taken (collected as ``turn_scores``; None adds none) and ``done=True`` to end the trajectory (its text
+is then not added). ``start`` / ``respond`` may be ``async``. A row chooses its interaction with
+``extra_info["interaction_kwargs"]["name"]`` (verl's key); ``multi_turn.interaction_config_path`` (verl's
+shape: ``interaction: [{name, class_name, config}]``) names the classes, the Python API takes instances
+(``PPOTrainer(..., interactions={"tutor": Tutor({})})``). verl's own interaction classes (``start_interaction``,
+``generate_response``, ``finalize_interaction``) run as they are (:class:`VerlInteraction`); where verl is not
+installed, they import :class:`BaseInteraction` from here.
 """
 
 from __future__ import annotations
 
-import inspect
 import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from verl_lite.agent.tools import ToolConfigError, _import_class, imports_missing_verl, yaml_entries
+from verl_lite.agent.tools import ToolConfigError, _import_class, imports_missing_verl, maybe_await, yaml_entries
 
 
 @dataclass
@@ -127,10 +112,6 @@ def as_interaction(obj) -> Interaction | None:
 
 VERL_IMPORT_FIX = ("; verl is not installed here: import verl's base class from verl_lite instead "
                    "(from verl_lite.agent.interaction import BaseInteraction), the rest of the class runs as it is")
-
-
-async def maybe_await(value):
-    return await value if inspect.isawaitable(value) else value
 
 
 def load_interaction_config(path: str) -> dict[str, Interaction]:

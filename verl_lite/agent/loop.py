@@ -1,31 +1,19 @@
 """The agent loop: multi-turn rollouts with tools and interactions, token in, token out.
 
-A trajectory is the prompt ids plus a response made of segments:
+A trajectory is the prompt ids plus a response of segments: **model tokens** (the backend's ids as generated,
+mask 1, the rollout's log-probs) and **environment tokens** (tool responses, user turns and the chat template's
+glue between turns, rendered with the model's chat template and tokenized ONCE; mask 0, log-prob 0). Nothing is
+re-tokenized from text: the trainer consumes exactly these ids. ``data.max_response_length`` bounds the whole
+response, environment tokens included (verl's meaning): a model turn gets the room left, and an environment
+segment that does not fit ends the trajectory without being added.
 
-- **model tokens**: what the rollout backend generated, exactly those ids, response mask 1, with the
-  rollout's log-probs;
-- **environment tokens**: tool responses, user turns and the chat template's glue between turns
-  (the end of the assistant turn after its EOS, the next role header, the generation prompt);
-  rendered with the model's chat template, tokenized ONCE and appended as ids; mask 0, log-prob 0.
+Every trajectory of a worker's share runs as an asyncio task of its agent loop; :class:`_TurnBatcher` sends the
+waiting model turns to the backend in ONE ``Rollout.generate`` call. Each turn has its own seed (:func:`turn_seed`),
+so samples depend neither on the worker layout nor on which turns share a call.
 
-Nothing is re-tokenized from text: the next turn's prompt is the previous ids plus the new ids, and
-the trainer consumes exactly those ids. ``data.max_response_length`` bounds the whole response,
-environment tokens included (verl's meaning): a model turn gets at most the room that is left, and
-an environment segment that does not fit ends the trajectory without being added (as verl does).
-
-Batching: every trajectory of a worker's share runs as an asyncio task of its agent loop, which asks for
-a model turn with ``await ctx.model_turn(traj)``; :class:`_TurnBatcher` sends the waiting turns to the
-backend in ONE ``Rollout.generate`` call, without a barrier across trajectories. Each turn has its own seed
-``turn_seed(seed of the prompt, sample k, turn)``, so samples depend neither on the worker layout nor on
-which turns share a call.
-
-Agent loops register by name (``@register_agent_loop("name")`` or verl's
-``agent.agent_loop_config_path`` YAML: ``- {name: my_agent, _target_: pkg.module.MyLoop}``); a
-dataset row's ``agent_name`` picks one, else ``agent.default_agent_loop``. A loop implements ONE
-method, ``async run(traj, ctx) -> Trajectory``. Built in: ``single_turn_agent`` (one model turn)
-and ``tool_agent`` (verl's ToolAgentLoop: model turn; stop at the turn limits or the length bound;
-tool calls (``multi_turn.format``) -> the tools, the first ``max_parallel_calls`` concurrently; no call -> the row's
-interaction, if any, plays the user; else the trajectory ends).
+Agent loops register by name (``@register_agent_loop("name")`` or verl's ``agent.agent_loop_config_path`` YAML:
+``- {name: my_agent, _target_: pkg.module.MyLoop}``); a row's ``agent_name`` picks one, else
+``agent.default_agent_loop``. A loop implements ``async run(traj, ctx) -> Trajectory``.
 """
 
 from __future__ import annotations
@@ -36,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from verl_lite.agent.tool_calls import FORMATS, parse_tool_calls, stop_token_ids
-from verl_lite.agent.interaction import Interaction, load_interaction_config, maybe_await
-from verl_lite.agent.tools import ToolConfigError, ToolExecutor, _import_class, build_tools
+from verl_lite.agent.interaction import Interaction, load_interaction_config
+from verl_lite.agent.tools import ToolConfigError, ToolExecutor, build_tools, imported_class, maybe_await, yaml_entries
 
 AGENT_LOOPS: dict[str, type] = {}
 
@@ -53,35 +41,22 @@ def register_agent_loop(name: str) -> Callable[[type], type]:
 
 def load_agent_loop_config(path: str) -> dict[str, type]:
     """verl's agent-loop config YAML (a list of ``{name, _target_}``) -> name -> class (imported)."""
-    from omegaconf import OmegaConf
-
-    key = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
-    try:
-        entries = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    except FileNotFoundError:
-        raise ToolConfigError(f"{key}={path!r} does not exist") from None
-    except Exception as e:
-        raise ToolConfigError(f"{key}={path!r} is not valid YAML: {e}") from None
-    if not isinstance(entries, list) or not entries:
-        raise ToolConfigError(f"{key}={path!r} must be a non-empty list of {{name, _target_: module.Class}}")
+    entries = yaml_entries("actor_rollout_ref.rollout.agent.agent_loop_config_path", path, None,
+                           "name, _target_: module.Class")
     out, problems = {}, []
     for i, e in enumerate(entries):
         if not isinstance(e, dict) or not isinstance(e.get("name"), str) or not isinstance(e.get("_target_"), str):
             problems.append(f"{path}: entry {i} needs name and _target_ (module.Class)")
-            continue
-        try:
-            cls = _import_class(e["_target_"])
-        except Exception as err:
-            problems.append(f"{path}: entry {i} ({e['name']}): {e['_target_']!r} cannot be imported "
-                            f"({type(err).__name__}: {err})")
-            continue
-        if not callable(getattr(cls, "run", None)):
-            problems.append(f"{path}: entry {i} ({e['name']}): {e['_target_']} has no run(traj, ctx) method")
-            continue
-        out[e["name"]] = cls
+        elif cls := imported_class(e["_target_"], "run(traj, ctx)", f"{path}: entry {i} ({e['name']})", problems):
+            out[e["name"]] = cls
     if problems:
         raise ToolConfigError("\n".join(problems))
     return out
+
+
+def agent_loops(config_path: str | None) -> dict[str, type]:
+    """The registered agent loops and those of ``agent.agent_loop_config_path`` (None: no file)."""
+    return {**AGENT_LOOPS, **(load_agent_loop_config(config_path) if config_path else {})}
 
 
 # ============================================================================================ trajectory
@@ -239,7 +214,9 @@ class SingleTurnAgentLoop(AgentLoop):
 
 @register_agent_loop("tool_agent")
 class ToolAgentLoop(AgentLoop):
-    """verl's tool agent loop (see module docstring), plus the row's interaction when the model calls no tool."""
+    """verl's ToolAgentLoop: a model turn; stop at the turn limits or the length bound; its tool calls
+    (``multi_turn.format``) -> the tools, the first ``max_parallel_calls`` concurrently; no call -> the row's
+    interaction, if any, plays the user; else the trajectory ends."""
 
     async def run(self, traj: Trajectory, ctx: "AgentContext") -> Trajectory:
         state = await maybe_await(ctx.interaction.start(traj.row)) if ctx.interaction is not None else None
@@ -294,11 +271,8 @@ class VersionedRollout:
     """A rollout and the policy version it holds, for generations that run beside weight loads (another thread).
 
     ``generate_versioned`` and ``load`` exclude each other, so every call is generated by one version, which it
-    reports. A load asks the running call to stop (``Rollout.interrupt``, where the backend can: the HF rollout,
-    after its next token) and is applied as soon as it returns; the responses it cut short come back
-    ``interrupted`` and their turns go on with the new weights (``AgentContext.model_turn``: the tokens so far are
-    prefilled again). A backend that cannot be interrupted (vLLM) finishes its call first. Each segment is tagged
-    with the version that generated it."""
+    reports. A load interrupts the running call where the backend can (``Rollout.interruptible``) and is applied
+    as soon as it returns; the turns it cut short go on with the new weights (``AgentContext.model_turn``)."""
 
     def __init__(self, rollout, version: int | None = None):
         self.rollout, self.version = rollout, version
@@ -477,12 +451,9 @@ class AgentRunner:
         self.executor = ToolExecutor(tools, mt["tool_timeout_s"], mt["max_tool_response_length"],
                                      mt["tool_response_truncate_side"], mt["tool_error"], mt.get("tool_processes"))
         self.glue = ChatGlue(tokenizer, [t.schema for t in tools], mt.get("escape_special_tokens", True))
-        self.interactions = dict(spec.interactions)
-        if mt.get("interaction_config_path"):
-            self.interactions.update(load_interaction_config(mt["interaction_config_path"]))
-        self.loops = dict(AGENT_LOOPS)
-        if spec.agent_loop_config_path:
-            self.loops.update(load_agent_loop_config(spec.agent_loop_config_path))
+        path = mt.get("interaction_config_path")
+        self.interactions = {**spec.interactions, **(load_interaction_config(path) if path else {})}
+        self.loops = agent_loops(spec.agent_loop_config_path)
 
     def _interaction_of(self, row: dict) -> Interaction | None:
         kwargs = (row.get("extra_info") or {}).get("interaction_kwargs") or {}

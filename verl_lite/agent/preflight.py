@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from verl_lite.agent.interaction import as_interaction, load_interaction_config
-from verl_lite.agent.loop import AGENT_LOOPS, AgentSpec, ChatGlue, load_agent_loop_config, row_agent_name
+from verl_lite.agent.loop import AGENT_LOOPS, AgentSpec, ChatGlue, agent_loops, row_agent_name
 from verl_lite.agent.tool_calls import FORMATS, format_problem
 from verl_lite.agent.tools import ToolConfigError, build_tools
 
@@ -47,9 +47,7 @@ def agent_spec(cfg, tools=None, interactions=None, tokenizer=None) -> AgentSpec 
                             f"nor verl's generate_response(instance_id, messages, **kwargs)")
     if mt.interaction_config_path:
         given.update(_collect(problems, load_interaction_config, mt.interaction_config_path) or {})
-    loops = dict(AGENT_LOOPS)
-    if ag.agent_loop_config_path:
-        loops.update(_collect(problems, load_agent_loop_config, ag.agent_loop_config_path) or {})
+    loops = _collect(problems, agent_loops, ag.agent_loop_config_path) or AGENT_LOOPS
     if ag.default_agent_loop not in loops:
         problems.append(f"actor_rollout_ref.rollout.agent.default_agent_loop={ag.default_agent_loop!r} is not a "
                         f"registered agent loop; registered: {sorted(loops)}")

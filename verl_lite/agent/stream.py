@@ -7,11 +7,9 @@ finished trajectories, while new policy versions are loaded beside them (partial
     runner.rollout.load(weights, version)             # from another thread: cuts the running call short
     stream.close()
 
-The loops run in an asyncio event loop on a thread of their own, so the worker keeps answering calls while
-they run; their model turns share backend calls as the agent loop batches them. Each model segment is tagged with
-the policy version that generated it (``segment_versions``): a trajectory whose turns (or one turn) straddle a
-load has, segment by segment, the behaviour log-probs of the version that generated it. A trajectory that raises (its agent
-loop, a tool with ``tool_error=fail``) is raised by the next ``collect``: the run stops with that error.
+The loops run in an asyncio event loop on a thread of their own, so the worker keeps answering calls. Each model
+segment is tagged with the policy version that generated it (``segment_versions``), so a trajectory that straddles
+a load has each segment's behaviour log-probs. A trajectory that raises is raised by the next ``collect``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Tool calls in processes of their own, so a tool that never returns, busy or blocked, can be stopped.
 
 :class:`ToolProcessPool` keeps at most ``size`` reusable tool processes (``python -m
-verl_lite.agent.tool_process``), each under a guard (:class:`verl_lite.utils.processes.GuardedProcess`): when
-a call passes its timeout, the process and everything it started (also what left its session) is killed, and
-the next call that needs a process starts a fresh one. The pool waits on the processes' pipes in the caller's
-event loop (no thread). Every tool process and its descendants also end when the pool is closed or collected,
-and when the process that owns the pool dies (SIGKILL included).
+verl_lite.agent.tool_process``), each a :class:`verl_lite.utils.processes.GuardedProcess`: a call past its
+timeout kills its process tree, and the next call that needs a process starts a fresh one. The pool waits on the
+pipes in the caller's event loop (no thread). A call's time counts from its submission, less the start-up of a
+process started for it, so a call still waiting for a free process at its deadline is a timeout too.
 
-A call's time counts from its submission, less the start-up of a process started for it: a call still
-waiting for a free process at its deadline is a timeout too, so every call of a turn ends within the timeout
-plus the time to kill a process.
-
-Protocol over the tool process's stdin/stdout, length-prefixed frames: to the process, first the run's tools
-pickled by cloudpickle (a class tool from the tool config is rebuilt there from its class name and config),
+Protocol over stdin/stdout, length-prefixed frames: to the process, first the run's tools pickled by cloudpickle,
 then one JSON object per call, ``{"tool": name, "arguments": {...}}``; from the process, JSON only (nothing a
 tool returns is unpickled here): ``{"ready": true}`` or ``{"load_error": message}`` once, then per call
 ``{"text": str, "reward": float | null}`` or ``{"error": "TypeName: message"}``. Each process has its own copy
@@ -129,11 +123,6 @@ class ToolProcess:
     def kill(self) -> None:
         """End the process and everything it started (idempotent)."""
         self.guard.stop()
-        for f in (self.guard.proc.stdin, self.guard.proc.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
 
 
 def _kill_all(processes: set) -> None:

@@ -1,11 +1,10 @@
 """Tools the agent loop can call: plain Python functions and verl-style tool classes, each call bounded.
 
-Two ways to give tools, both ending as :class:`Tool` objects (``name``, OpenAI ``schema``, ``call``):
+Two ways to give tools, both ending as :class:`Tool` objects (``name``, OpenAI ``schema``, ``invoke``):
 
-- **Python functions** (``PPOTrainer(..., tools=[f, g])``), sync or ``async def``: the schema comes
-  from the type hints and the Google-style docstring (``transformers.utils.get_json_schema``, as TRL
-  and verl's function tools do). The function is called with the model's arguments as keywords and
-  returns the response: text, or a value the model reads as JSON (a dict, a list, a number: ``as_text``).
+- **Python functions** (``PPOTrainer(..., tools=[f, g])``), sync or ``async def``: the schema comes from the type
+  hints and the Google-style docstring (``transformers.utils.get_json_schema``, as TRL and verl do); the function
+  is called with the model's arguments as keywords and returns the response (read by :func:`as_text`).
 - **verl's tool config YAML** (``actor_rollout_ref.rollout.multi_turn.tool_config_path``)::
 
       tools:
@@ -13,21 +12,12 @@ Two ways to give tools, both ending as :class:`Tool` objects (``name``, OpenAI `
           config: {type: native, ...}                # passed to the class as ``config``
           tool_schema: {type: function, function: {name: calc, description: ..., parameters: {...}}}
 
-  The class follows verl's ``BaseTool``: ``create(**kw) -> (instance_id, _)``,
-  ``execute(instance_id, parameters) -> (response, reward, metrics)``, ``release(instance_id)``
-  (each may be sync or async); ``response`` is a string, has a ``.text``, or is read as JSON.
+  The class follows verl's :class:`BaseTool` (each method may be sync or async).
 
-Every call runs in a tool process (``verl_lite.agent.tool_process``: a pool of reusable processes, an
-``async`` tool on its own event loop there), at most ``multi_turn.tool_timeout_s`` seconds: past it the
-process and everything it started are killed, whether the tool is busy (a pure-Python loop holding the
-GIL) or blocked, and the call ends within the timeout plus the time to kill a process. Tools therefore
-travel to the tool processes: a tool must be picklable by cloudpickle (a function, a closure, a
-``Tool`` object; a class tool of the config is rebuilt there from its class name and config), which
-:func:`build_tools` checks before any worker starts. A call that raises or passes the bound becomes error
-text in the conversation (``status`` error / timeout; the first timeout of each tool is also a warning
-on stderr naming it), or, with ``multi_turn.tool_error=fail``, a :class:`ToolFailure` that stops the run
-naming the tool. Response text is truncated to ``max_tool_response_length`` characters on
-``tool_response_truncate_side`` (verl's meaning and markers).
+Every call runs in a tool process (``verl_lite.agent.tool_process``) for at most ``multi_turn.tool_timeout_s``,
+so a tool must be picklable by cloudpickle (:func:`build_tools` checks it before any worker starts). A call that
+raises or passes the bound becomes error text in the conversation (a tool's first timeout is also a warning on
+stderr), or, with ``multi_turn.tool_error=fail``, a :class:`ToolFailure` that stops the run naming the tool.
 """
 
 from __future__ import annotations
@@ -38,17 +28,13 @@ import inspect
 import json
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from verl_lite.agent.tool_process import (
-    ToolCallTimeout,
-    ToolProcessDied,
-    ToolProcessPool,
-    ToolProcessStartError,
-    pickled_tools,
-)
+from verl_lite.agent.tool_process import (POOL_SIZE, ToolCallTimeout, ToolProcessDied, ToolProcessPool,
+                                          ToolProcessStartError, pickled_tools)
 from verl_lite.errors import BadInput, RunFailure
 
 TRUNCATE_SIDES = ("left", "right", "middle")
@@ -56,6 +42,7 @@ VERL_TOOLS_FIX = ("; verl is not installed here: a tool class of your own import
                   "instead (from verl_lite.agent.tools import BaseTool), the rest runs as it is; verl's shipped tools "
                   "(verl.tools.*) are not included: give their logic as a function (PPOTrainer(tools=[...])) or a class")
 TOOL_ERROR_MODES = ("text", "fail")
+START_FIX = "make the tool importable and picklable in a fresh process (docs/agents.md, Tools)"
 
 
 class ToolConfigError(BadInput):
@@ -117,15 +104,8 @@ def _class_result(raw: Any) -> ToolResult:
     return ToolResult(as_text(raw), None if reward is None else float(reward), dict(metrics or {}))
 
 
-def _run_maybe_async(fn: Callable, *args, **kwargs) -> Any:
-    """Call fn; an awaitable result is run to completion on a fresh event loop (this thread's own)."""
-    out = fn(*args, **kwargs)
-    if inspect.isawaitable(out):
-        async def wait():
-            return await out
-
-        return asyncio.run(wait())
-    return out
+async def maybe_await(value):
+    return await value if inspect.isawaitable(value) else value
 
 
 class Tool:
@@ -163,7 +143,8 @@ class FunctionTool(Tool):
         self.fn, self.schema, self.name = fn, schema, schema["function"]["name"]
 
     def invoke(self, arguments: dict) -> ToolResult:
-        return ToolResult(as_text(_run_maybe_async(self.fn, **arguments)))
+        out = self.fn(**arguments)  # an async function's awaitable runs on a fresh event loop, this thread's own
+        return ToolResult(as_text(asyncio.run(maybe_await(out)) if inspect.isawaitable(out) else out))
 
 
 class BaseTool:
@@ -202,17 +183,13 @@ class ClassTool(Tool):
     def invoke(self, arguments: dict) -> ToolResult:
         async def lifecycle():
             inst = self.instance
-            created = inst.create() if hasattr(inst, "create") else None
-            created = await created if inspect.isawaitable(created) else created
+            created = await maybe_await(inst.create()) if hasattr(inst, "create") else None
             instance_id = created[0] if isinstance(created, tuple) else created
             try:
-                out = inst.execute(instance_id, arguments)
-                return _class_result(await out if inspect.isawaitable(out) else out)
+                return _class_result(await maybe_await(inst.execute(instance_id, arguments)))
             finally:
                 if hasattr(inst, "release"):
-                    done = inst.release(instance_id)
-                    if inspect.isawaitable(done):
-                        await done
+                    await maybe_await(inst.release(instance_id))
 
         return asyncio.run(lifecycle())
 
@@ -236,9 +213,25 @@ def _import_class(class_name: str):
     return getattr(importlib.import_module(module_name), attr)
 
 
-def yaml_entries(key: str, path: str, section: str, fields: str) -> list:
-    """The non-empty list ``section`` of the YAML file at ``path`` (set by config key ``key``); a missing
-    file, bad YAML or no such list raises :class:`ToolConfigError` naming the key and the expected ``fields``."""
+def imported_class(class_name: str, method: str, where: str, problems: list[str], label: str = "",
+                   verl_fix: str = "") -> type | None:
+    """The class ``class_name`` (module.Class) if it imports and has ``method`` (``"name(args)"``); else None, the
+    reason appended to ``problems`` (with ``verl_fix`` where the module imports verl, which is not installed)."""
+    try:
+        cls = _import_class(class_name)
+    except Exception as e:
+        fix = verl_fix if imports_missing_verl(e) else ""
+        problems.append(f"{where}: {label}{class_name!r} cannot be imported ({type(e).__name__}: {e}){fix}")
+        return None
+    if not callable(getattr(cls, method.split("(")[0], None)):
+        problems.append(f"{where}: {class_name} has no {method} method")
+        return None
+    return cls
+
+
+def yaml_entries(key: str, path: str, section: str | None, fields: str) -> list:
+    """The non-empty list ``section`` of the YAML file at ``path`` (None: the file is that list), set by config key
+    ``key``; a missing file, bad YAML or no such list raises :class:`ToolConfigError` naming the key and ``fields``."""
     from omegaconf import OmegaConf
 
     if not Path(path).is_file():
@@ -247,9 +240,10 @@ def yaml_entries(key: str, path: str, section: str, fields: str) -> list:
         data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     except Exception as e:
         raise ToolConfigError(f"{key}={path!r} is not valid YAML: {e}") from None
-    entries = data.get(section) if isinstance(data, dict) else None
+    entries = data if section is None else data.get(section) if isinstance(data, dict) else None
     if not isinstance(entries, list) or not entries:
-        raise ToolConfigError(f"{key}={path!r} must hold a non-empty list '{section}: [{{{fields}}}]'")
+        shape = f"[{{{fields}}}]" if section is None else f"'{section}: [{{{fields}}}]'"
+        raise ToolConfigError(f"{key}={path!r} must hold a non-empty list {shape}")
     return entries
 
 
@@ -264,33 +258,19 @@ def load_tool_config(path: str) -> list[Tool]:
         if not isinstance(entry, dict) or not isinstance(entry.get("class_name"), str):
             problems.append(f"{where} needs class_name (module.Class), config and tool_schema")
             continue
-        schema = entry.get("tool_schema")
+        name, schema, config = entry["class_name"], entry.get("tool_schema"), entry.get("config") or {}
         if (why := schema_problem(schema)) is not None:
-            problems.append(f"{where} ({entry['class_name']}): tool_schema {why}")
-            continue
-        config = entry.get("config") or {}
-        if not isinstance(config, dict):
+            problems.append(f"{where} ({name}): tool_schema {why}")
+        elif not isinstance(config, dict):
             problems.append(f"{where}: config must be a mapping")
-            continue
-        if config.get("type", "native") != "native":
+        elif config.get("type", "native") != "native":
             problems.append(f"{where}: config.type={config.get('type')!r}: only 'native' tools are built")
-            continue
-        try:
-            cls = _import_class(entry["class_name"])
-        except Exception as e:
-            fix = VERL_TOOLS_FIX if imports_missing_verl(e) else ""
-            problems.append(f"{where}: class_name {entry['class_name']!r} cannot be imported ({type(e).__name__}: "
-                            f"{e}){fix}")
-            continue
-        if not callable(getattr(cls, "execute", None)):
-            problems.append(f"{where}: {entry['class_name']} has no execute(instance_id, parameters) method")
-            continue
-        try:
-            instance = cls(config=config, tool_schema=schema)
-        except Exception as e:
-            problems.append(f"{where}: {entry['class_name']}(config=..., tool_schema=...) raised {type(e).__name__}: {e}")
-            continue
-        tools.append(ClassTool(instance, schema, (entry["class_name"], config)))
+        elif cls := imported_class(name, "execute(instance_id, parameters)", where, problems, "class_name ",
+                                   VERL_TOOLS_FIX):
+            try:
+                tools.append(ClassTool(cls(config=config, tool_schema=schema), schema, (name, config)))
+            except Exception as e:
+                problems.append(f"{where}: {name}(config=..., tool_schema=...) raised {type(e).__name__}: {e}")
     if problems:
         raise ToolConfigError("\n".join(problems))
     return tools
@@ -301,11 +281,7 @@ def build_tools(functions=None, tool_config_path: str | None = None) -> list[Too
     tools = load_tool_config(tool_config_path) if tool_config_path else []
     for f in functions or []:
         tools.append(f if isinstance(f, Tool) else FunctionTool(f))
-    seen: dict[str, int] = {}
-    for t in tools:
-        seen[t.name] = seen.get(t.name, 0) + 1
-    dup = sorted(n for n, c in seen.items() if c > 1)
-    if dup:
+    if dup := sorted(n for n, c in Counter(t.name for t in tools).items() if c > 1):
         raise ToolConfigError(f"tools: the name(s) {dup} are given more than once; each tool needs its own name")
     unpicklable = [problem for t in tools if (problem := _pickling_problem(t)) is not None]
     if unpicklable:
@@ -356,7 +332,7 @@ class ToolExecutor:
                  on_error: str = "text", processes: int | None = None):
         self.tools = {t.name: t for t in tools}
         self.timeout_s, self.limit, self.side, self.on_error = timeout_s, max_response_length, truncate_side, on_error
-        self.pool = (ToolProcessPool(tools) if processes is None else ToolProcessPool(tools, processes)) if tools else None
+        self.pool = ToolProcessPool(tools, processes or POOL_SIZE) if tools else None
         self.warned: set[str] = set()  # tools whose first timeout was reported on stderr
 
     def close(self) -> None:
@@ -373,8 +349,7 @@ class ToolExecutor:
             try:
                 await self.pool.warm()
             except ToolProcessStartError as e:
-                raise ToolFailure(f"tools: {e}", "make the tool importable and picklable in a fresh process "
-                                  "(docs/agents.md, Tools)") from None
+                raise ToolFailure(f"tools: {e}", START_FIX) from None
 
     async def run(self, calls) -> list[ToolOutcome]:
         """One outcome per call (``verl_lite.agent.tool_calls.ToolCall``), in order."""
@@ -394,8 +369,7 @@ class ToolExecutor:
         except ToolProcessDied as e:
             return self._failed(call.name, str(e), "error", start)
         except ToolProcessStartError as e:
-            raise ToolFailure(f"tool {call.name!r}: {e}", "make the tool importable and picklable in a fresh "
-                              "process (docs/agents.md, Tools)") from None
+            raise ToolFailure(f"tool {call.name!r}: {e}", START_FIX) from None
         except TypeError as e:  # arguments that JSON cannot carry (a custom loop's call)
             return self._failed(call.name, f"{type(e).__name__}: {e}", "error", start)
         if "error" in reply:

@@ -83,14 +83,6 @@ def compute_advantage(
         )
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    valid = mask != 0
-    count = int(valid.sum().item())
-    if count == 0:
-        raise ValueError("masked_mean over a mask with no valid entry.")
-    return values[valid].sum() / count
-
-
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(x - mean) / sqrt(var + 1e-8), mean and UNBIASED var over the (at least 2) valid entries of the batch."""
     valid = mask != 0
@@ -120,8 +112,10 @@ def group_ids(index, n: int) -> tuple[torch.Tensor, int]:
     return torch.tensor(dense, dtype=torch.long), len(ids)
 
 
-def _group_stats(scores: torch.Tensor, gid: torch.Tensor, num_groups: int):
-    """Per-group (count, mean, unbiased std) gathered back to rows; singleton groups: mean 0, std 1."""
+def _group_stats(scores: torch.Tensor, index):
+    """Per-group (count, mean, unbiased std) of the groups of ``index`` gathered back to rows; singleton groups:
+    mean 0, std 1."""
+    gid, num_groups = group_ids(index, scores.shape[0])
     gid = gid.to(scores.device)
     counts = torch.bincount(gid, minlength=num_groups).to(scores.dtype)
     sums = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device).index_add_(0, gid, scores)
@@ -171,8 +165,7 @@ def gae_advantage(token_level_rewards, response_mask, *, values=None, gamma=1.0,
 def grpo_advantage(token_level_rewards, response_mask, *, index=None, norm_adv_by_std_in_grpo=True, **_):
     """a_i = (s_i - mean_g) / (std_g + 1e-6) (unbiased std); Dr.GRPO (norm off): s_i - mean_g."""
     scores = token_level_rewards.sum(dim=-1)
-    gid, num_groups = group_ids(index, scores.shape[0])
-    _, mean, std = _group_stats(scores, gid, num_groups)
+    _, mean, std = _group_stats(scores, index)
     a = scores - mean
     if norm_adv_by_std_in_grpo:
         a = a / (std + GRPO_EPS)
@@ -202,8 +195,7 @@ def grpo_passk_advantage(token_level_rewards, response_mask, *, index=None, norm
 def rloo_advantage(token_level_rewards, response_mask, *, index=None, **_):
     """a_i = k/(k-1) (s_i - mean_g) for a group of k > 1; singleton: s_i."""
     scores = token_level_rewards.sum(dim=-1)
-    gid, num_groups = group_ids(index, scores.shape[0])
-    counts, mean, _ = _group_stats(scores, gid, num_groups)
+    counts, mean, _ = _group_stats(scores, index)
     a = torch.where(counts > 1, counts / (counts - 1).clamp(min=1) * (scores - mean), scores)
     return _outcome(a, response_mask)
 
@@ -227,8 +219,7 @@ def opo_advantage(token_level_rewards, response_mask, *, index=None, **_):
 def gpg_advantage(token_level_rewards, response_mask, *, index=None, **_):
     """a_i = alpha (s_i - mean_g), alpha = n / max(#{s_i != 0}, 1) over the batch (f_norm = 1)."""
     scores = token_level_rewards.sum(dim=-1)
-    gid, num_groups = group_ids(index, scores.shape[0])
-    _, mean, _ = _group_stats(scores, gid, num_groups)
+    _, mean, _ = _group_stats(scores, index)
     alpha = scores.shape[0] / max(int(torch.count_nonzero(scores).item()), 1)
     return _outcome(alpha * (scores - mean), response_mask)
 
@@ -251,8 +242,7 @@ def reinforce_plus_plus_advantage(token_level_rewards, response_mask, *, gamma=1
 def reinforce_plus_plus_baseline_advantage(token_level_rewards, response_mask, *, index=None, **_):
     """a_i = s_i - mean_g (singleton mean 0), tiled over tokens, then masked_whiten * m over the batch."""
     scores = token_level_rewards.sum(dim=-1)
-    gid, num_groups = group_ids(index, scores.shape[0])
-    _, mean, _ = _group_stats(scores, gid, num_groups)
+    _, mean, _ = _group_stats(scores, index)
     m = _mask(response_mask, scores.dtype)
     adv = (scores - mean).unsqueeze(-1) * m
     adv = masked_whiten(adv, m) * m

@@ -43,13 +43,6 @@ def check_agg_mode(mode: str) -> str:
     return mode
 
 
-def _float_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    for t in tensors:
-        if t is not None and t.is_floating_point():
-            return t.dtype
-    return torch.get_default_dtype()
-
-
 @dataclass(frozen=True)
 class NormalizationPlan:
     """The mini-batch constants N, B, H of the aggregation weights (module docstring), for one of AGG_MODES."""
@@ -85,7 +78,7 @@ class NormalizationPlan:
 
     def token_weights(self, response_mask: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """w_i,t for a shard [b, W'] whose rows are whole trajectories of the mini-batch."""
-        dtype = dtype or _float_dtype(response_mask)
+        dtype = dtype or (response_mask.dtype if response_mask.is_floating_point() else torch.get_default_dtype())
         m = (response_mask != 0).to(dtype)
         if self.mode == "token-mean":
             return m / self.num_tokens

@@ -9,6 +9,7 @@ from typing import Optional, Union
 from .advantages import ADVANTAGE_ESTIMATORS, ESTIMATOR_NEEDS
 from .distillation import DISTILLATION_LOSS_MODES, DISTILLATION_POLICY_LOSSES, uses_topk
 from .kl import KL_CTRL_TYPES, KL_TYPES
+from .policy_loss import ClipRange
 from .rollout_correction import IS_LEVELS, LOSS_TYPES, RS_LEGACY, parse_is_threshold, rejection_rules
 
 FILTER_GROUPS_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")  # DAPO's dynamic sampling signal
@@ -49,14 +50,11 @@ class RolloutCorrectionConfig:
     rollout_rs_threshold_lower: Optional[float] = None  # ours (token | sequence | geometric only): lower bound on pi_old / pi_rollout; null = 1 / rollout_rs_threshold
     rejected_in_denominator: Optional[bool] = None  # rejected tokens in the loss's denominators: false = dropped from the mask (verl's rule), true = weight 0 but counted (ours); null = false for verl's rollout_rs options, true for ours
     bypass_mode: bool = False  # true: old log-probs = the rollout's (no recompute; the PPO ratio is pi / pi_rollout)
-    loss_type: str = "ppo_clip"  # with bypass_mode: ppo_clip (the policy loss, old = the rollout's) | reinforce (not built)
-
-    def rejection_on(self) -> bool:
-        return self.rollout_rs is not None
+    loss_type: str = "ppo_clip"  # with bypass_mode: ppo_clip (PPO-clip, old = the rollout's) | reinforce (-A w log pi, w the IS weights, no clip)
 
     def drops_rejected(self) -> bool:
         """Whether rejected tokens leave the loss's mask (verl's rule) rather than stay in its denominators."""
-        if not self.rejection_on():
+        if self.rollout_rs is None:
             return False
         if self.rejected_in_denominator is not None:
             return not self.rejected_in_denominator
@@ -117,9 +115,6 @@ class RolloutCorrectionConfig:
 
     def _bypass_problems(self, K: str, loss_mode: str) -> list[str]:
         out = _choice(f"{K}.loss_type", self.loss_type, list(LOSS_TYPES))
-        if self.loss_type == "reinforce":
-            out.append(f"{K}.loss_type=reinforce (REINFORCE, -A w log pi without clipping) is not built: verl_lite's "
-                       f"policy losses are ratio losses; use loss_type=ppo_clip, or bypass_mode=false with rollout_is")
         if loss_mode != "vanilla":
             out.append(f"{K}.bypass_mode=true replaces the policy loss with PPO-clip in verl; "
                        f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode!r} would not be used: set it vanilla")
@@ -133,7 +128,7 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
-class DistillationLossConfig:
+class DistillationLossConfig(ClipRange):
     """verl's ``distillation.distillation_loss`` (verl main, after 0.9.1; its names, defaults and meanings): which
     divergence to the teacher, and how it enters the actor's objective (formulas: algorithms/distillation.py)."""
 
@@ -150,14 +145,6 @@ class DistillationLossConfig:
     clip_ratio_high: Optional[float] = 0.2  # its upper clip range; null = clip_ratio
 
     clip_ratio_c = 3.0  # the dual-clip bound verl's vanilla loss uses when its config has none (not a key)
-
-    @property
-    def eps_low(self) -> float:
-        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
-
-    @property
-    def eps_high(self) -> float:
-        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
 
     def problems(self, key: str = "distillation.distillation_loss") -> list[str]:
         """The loss's rules (verl's, plus ranges verl leaves unchecked)."""
@@ -176,9 +163,7 @@ class DistillationLossConfig:
             out.append(f"{key}.loss_max_clamp={self.loss_max_clamp} must be > 0 or null (no clamp)")
         if self.log_prob_min_clamp is not None and not self.log_prob_min_clamp < 0:
             out.append(f"{key}.log_prob_min_clamp={self.log_prob_min_clamp} must be < 0 (a log-prob) or null")
-        out += [f"{key}.{name}={getattr(self, name)} must be > 0" for name in ("clip_ratio", "clip_ratio_low",
-                "clip_ratio_high") if getattr(self, name) is not None and not getattr(self, name) > 0]
-        return out
+        return out + self.clip_range_problems(key)
 
 
 @dataclass

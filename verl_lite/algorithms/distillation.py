@@ -11,18 +11,14 @@ log-prob of the sampled token, T = the teacher's):
         mse / k2         (s - T)^2 / 2
         low_var_kl / k3  e^x - x - 1,  x = T - s  (the clamps of ``kl.kl_penalty``)
     forward_kl_topk (forward KL on the teacher's top-k tokens v_1..v_K of that position):
-        sum_k p_k (log p_k - log q_k),  log p_k = teacher's top-k log-probs,
-                                        log q_k = log_softmax(student logits)[v_k]
-        The mass outside the teacher's top k is dropped (verl's rule): neither distribution is renormalized, so
-        the sum is not a KL and can be negative; it is clamped at 0 (``clamp_min(0)``, no gradient where
-        clamped), and both log-probs are first clamped below at ``log_prob_min_clamp``. ``teacher_mass`` /
-        ``student_mass`` (sum_k p_k, sum_k q_k, before that clamp) report how much mass the top k hold.
+        sum_k p_k (log p_k - log q_k), log p_k = the teacher's, log q_k = log_softmax(student logits)[v_k];
+        not renormalized (verl's rule), so clamped at 0; both log-probs first clamped below at
+        ``log_prob_min_clamp``. ``teacher_mass`` / ``student_mass`` = sum_k p_k, sum_k q_k (before that clamp).
 
 Then every mode's per-token value d is clamped to [-loss_max_clamp, loss_max_clamp]. Two ways to learn from d:
 
-    use_policy_gradient=true   d as a per-token reward: verl's vanilla PPO-clip loss with advantage -sg(d)
-                               (clip ratios of this section; ratio against the old log-probs, which on-policy are
-                               the current ones), aggregated by the plan
+    use_policy_gradient=true   d as a per-token reward: verl's vanilla PPO-clip loss (this section's clip
+                               ratios) with advantage -sg(d), aggregated by the plan
     use_policy_gradient=false  d itself as a loss (its gradient through s, or q), aggregated by the plan
 
 and with P the actor's objective without distillation (policy loss, KL loss, entropy bonus: verl's ``ppo_loss``),
@@ -31,7 +27,7 @@ the objective is
     use_task_rewards=true    P + distillation_loss_coef * D
     use_task_rewards=false   D          (P is not used at all)
 
-where D is the distillation term's plan aggregate. Pure math: no torch.distributed, no engine.
+where D is the distillation term's plan aggregate.
 """
 
 from __future__ import annotations
@@ -108,10 +104,8 @@ def per_token_distillation(outputs: dict[str, torch.Tensor], data: dict[str, tor
 def distillation_term(outputs: dict[str, torch.Tensor], data: dict[str, torch.Tensor], plan, cfg,
                       old_log_probs: torch.Tensor, is_weights: torch.Tensor | None = None,
                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """D, this micro-batch's share of the distillation term (module docstring), aggregated by ``plan``; and its
-    metrics (detached scalars that sum across shards: ``distillation/loss`` = D's share, the others token means).
-    ``old_log_probs``: the PPO ratio's reference with ``use_policy_gradient`` (the caller's, as for the policy
-    loss); ``is_weights`` multiply that loss as they do the policy loss."""
+    """D, this micro-batch's share of the distillation term aggregated by ``plan``, and its metrics (detached
+    scalars that sum across shards). ``old_log_probs`` / ``is_weights``: the policy loss's, for use_policy_gradient."""
     from .policy_loss import get_policy_loss
 
     mask = data["response_mask"]
@@ -130,8 +124,7 @@ def distillation_term(outputs: dict[str, torch.Tensor], data: dict[str, torch.Te
 
 
 def combine_with_task(task_contribution: torch.Tensor, distill_contribution: torch.Tensor, cfg) -> torch.Tensor:
-    """The actor's objective from P (its objective without distillation) and the distillation term D (module
-    docstring)."""
+    """The actor's objective from P (without distillation) and the distillation term D (module docstring)."""
     if not cfg.use_task_rewards:
         return distill_contribution
     return task_contribution + cfg.distillation_loss_coef * distill_contribution

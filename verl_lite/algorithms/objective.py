@@ -22,7 +22,7 @@ import torch
 from .aggregation import AGG_MODES, NormalizationPlan
 from .distillation import combine_with_task, distillation_term
 from .kl import KL_TYPES, kl_penalty
-from .policy_loss import POLICY_LOSSES, PolicyLossConfig, get_policy_loss
+from .policy_loss import POLICY_LOSSES, ClipRange, PolicyLossConfig, get_policy_loss
 from .rollout_correction import rollout_correction
 from .value_loss import clipped_value_loss
 
@@ -32,7 +32,7 @@ ROLLOUT_LOG_PROBS_KEY = "rollout_log_probs"  # data key of the behaviour policy'
 
 
 @dataclass
-class ActorLossConfig:
+class ActorLossConfig(ClipRange):
     """The actor section's loss keys (verl's names; ``config.schema.ActorConfig`` extends it): the loss takes it
     as it is, and ``problems`` states its rules."""
 
@@ -49,14 +49,6 @@ class ActorLossConfig:
     kl_loss_type: str = "low_var_kl"  # kl (k1) | abs | mse (k2) | low_var_kl (k3), each also as k+ (verl's); no "full"
     tis_imp_ratio_cap: float = -1.0  # > 0: truncated IS weights min(pi_old / pi_rollout, cap) on the policy loss; -1 = off
 
-    @property
-    def eps_low(self) -> float:
-        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
-
-    @property
-    def eps_high(self) -> float:
-        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
-
     def problems(self, key: str = "actor") -> list[str]:
         """The loss's rules: aggregation mode, policy loss and its parameters, clipping, the KL loss."""
         out = [f"{key}.loss_agg_mode={self.loss_agg_mode!r} is unknown; choose one of {list(AGG_MODES)}"
@@ -69,8 +61,7 @@ class ActorLossConfig:
         if self.use_kl_loss and not self.kl_loss_coef >= 0:
             out.append(f"{key}.kl_loss_coef={self.kl_loss_coef} must be >= 0 (a negative coefficient rewards "
                        f"drifting from the reference)")
-        out += [f"{key}.{name}={getattr(self, name)} must be > 0" for name in ("clip_ratio", "clip_ratio_low",
-                "clip_ratio_high") if getattr(self, name) is not None and not getattr(self, name) > 0]
+        out += self.clip_range_problems(key)
         if not self.clip_ratio_c > 1:
             out.append(f"{key}.clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip lower bound)")
         if self.loss_scale_factor is not None and not self.loss_scale_factor > 0:
@@ -93,22 +84,19 @@ def actor_loss(
     correction: dict | None = None,
     distillation=None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One micro-batch's share of the actor objective, aggregated by ``plan`` (its mode is the section's
-    ``loss_agg_mode``: the trainer builds it from ``cfg``).
+    """One micro-batch's share of the actor objective, aggregated by ``plan`` (built from ``cfg.loss_agg_mode``).
 
     outputs: "log_probs" [b, W] (autograd), optionally "entropy" [b, W].
     data:    "response_mask", "advantages"; "old_log_probs" (absent: old = sg(log_probs), this forward);
-             "ref_log_probs" if use_kl_loss;
-             optional "is_weights"; "cov_mask" for clip_cov / kl_cov; "rollout_log_probs" with
-             ``correction`` (absent old log-probs only: the weights and metrics come from this forward).
-    correction: algorithm.rollout_correction's {rollout_is, ..., rollout_rs_threshold_lower, bypass_mode} when
-             the old log-probs are this forward's (no recompute) or the rollout's (bypass_mode): the IS weights /
-             rejection are computed here from this forward against the rollout's log-probs. Bypass (verl's
-             ppo_clip): the IS weights are reported only (the ratio pi / pi_rollout is the correction) and the
-             rejected tokens leave the policy loss's mask (token-mean keeps the plan's N, per-row means drop them).
-    distillation: the ``distillation.distillation_loss`` section when on-policy distillation is on (else None):
-             its term D (data: the teacher's "teacher_log_probs", or "teacher_topk_log_probs" with outputs'
-             "student_topk_log_probs") is combined with this objective by ``distillation.combine_with_task``.
+             "ref_log_probs" if use_kl_loss; optional "is_weights"; "cov_mask" for clip_cov / kl_cov;
+             "rollout_log_probs" with ``correction``.
+    correction: algorithm.rollout_correction's settings when the old log-probs are this forward's or (bypass_mode)
+             the rollout's: IS weights / rejection from this forward against the rollout's log-probs. Bypass:
+             rejected tokens leave the policy loss's mask; loss_type=ppo_clip reports the IS weights only (the
+             ratio pi / pi_rollout already carries them), loss_type=reinforce is verl's REINFORCE -A sg(w) log pi
+             (the gpg loss with the IS weights w).
+    distillation: the ``distillation.distillation_loss`` section when distillation is on: its term is combined
+             with this objective by ``distillation.combine_with_task``.
     Returns (contribution scalar, metrics of detached scalars that sum across shards).
     """
     log_probs = outputs["log_probs"]
@@ -122,11 +110,13 @@ def actor_loss(
     if correction is not None:  # behaviour -> this forward's policy, here
         if ROLLOUT_LOG_PROBS_KEY not in data:
             raise ValueError(f"rollout_correction needs data[{ROLLOUT_LOG_PROBS_KEY!r}] (the rollout's log-probs).")
-        settings = {k: v for k, v in correction.items() if k != "bypass_mode"}
+        settings = {k: v for k, v in correction.items() if k not in ("bypass_mode", "loss_type")}
         corr = rollout_correction(log_probs.detach(), data[ROLLOUT_LOG_PROBS_KEY], mask, **settings,
                                   num_tokens=plan.num_tokens, num_seqs=plan.num_seqs)
         if correction.get("bypass_mode"):
             pg_mask = corr.keep
+            if correction.get("loss_type") == "reinforce":
+                pg_fn, is_weights = POLICY_LOSSES["gpg"], corr.weights
         elif corr.weights is not None:
             is_weights = corr.weights
         metrics.update({k: torch.as_tensor(v).detach() for k, v in corr.metrics.items()})

@@ -25,9 +25,8 @@ import torch
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
-# What a loss needs besides (old) log-probs and advantages, read by validation and the trainer:
-#   "cov_mask"  the mini-batch token selection of select_cov_tokens (computed before dispatch
-#               from old log-probs, so the trainer always runs the old-log-prob pass)
+# what a loss needs besides (old) log-probs and advantages: "cov_mask" (select_cov_tokens' selection, computed
+# before dispatch from the old log-probs, so the trainer always runs the old-log-prob pass)
 LOSS_NEEDS: dict[str, frozenset[str]] = {}
 COV_SELECTION_LOSSES = ("clip_cov", "kl_cov")
 RATIO_LOG_CLAMP = 20.0
@@ -45,6 +44,23 @@ class PolicyLossConfig:
     ppo_kl_coef: float = 0.1  # kl_cov: coefficient of that penalty
     tau_pos: float = 1.0  # sapo: gate temperature for A > 0
     tau_neg: float = 1.05  # sapo: gate temperature for A <= 0
+
+
+class ClipRange:
+    """The PPO clip range of a config with ``clip_ratio`` / ``clip_ratio_low`` / ``clip_ratio_high`` (a null side
+    is ``clip_ratio``): eps_lo / eps_hi of the losses, and the rule that each is > 0."""
+
+    @property
+    def eps_low(self) -> float:
+        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+
+    @property
+    def eps_high(self) -> float:
+        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+
+    def clip_range_problems(self, key: str) -> list[str]:
+        return [f"{key}.{name}={getattr(self, name)} must be > 0" for name in ("clip_ratio", "clip_ratio_low",
+                "clip_ratio_high") if getattr(self, name) is not None and not getattr(self, name) > 0]
 
 
 def register_policy_loss(name: str, needs: tuple[str, ...] = ()) -> Callable[[PolicyLossFn], PolicyLossFn]:
@@ -79,6 +95,11 @@ def _ratio(old_log_prob: torch.Tensor, log_prob: torch.Tensor) -> tuple[torch.Te
     return delta, torch.exp(delta)
 
 
+def _ppo_terms(ratio: torch.Tensor, advantages: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """(-A r, -A clip(r, 1-eps_lo, 1+eps_hi)): the two terms of PPO's clipped objective."""
+    return -advantages * ratio, -advantages * torch.clamp(ratio, 1 - cfg.eps_low, 1 + cfg.eps_high)
+
+
 def _apply_is_weights(loss: torch.Tensor, is_weights: torch.Tensor | None) -> torch.Tensor:
     return loss if is_weights is None else loss * is_weights.detach()
 
@@ -100,11 +121,8 @@ def vanilla_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weig
 
     c1 = max(-A r, -A clip(r, 1-eps_lo, 1+eps_hi));  l = min(c1, -A c) if A < 0 else c1.
     """
-    if not cfg.clip_ratio_c > 1.0:
-        raise ValueError(f"clip_ratio_c (dual-clip bound) must be > 1.0, got {cfg.clip_ratio_c}.")
     delta, ratio = _ratio(old_log_prob, log_prob)
-    loss1 = -advantages * ratio
-    loss2 = -advantages * torch.clamp(ratio, 1 - cfg.eps_low, 1 + cfg.eps_high)
+    loss1, loss2 = _ppo_terms(ratio, advantages, cfg)
     clipped1 = torch.maximum(loss1, loss2)
     loss3 = -advantages * cfg.clip_ratio_c
     clipped2 = torch.minimum(loss3, clipped1)
@@ -126,9 +144,7 @@ def gspo_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights
     delta = log_prob - old_log_prob
     seq_log_ratio = _row_mean(delta, response_mask).detach()
     log_s = torch.clamp(log_prob - log_prob.detach() + seq_log_ratio.unsqueeze(-1), max=10.0)
-    s = torch.exp(log_s)
-    loss1 = -advantages * s
-    loss2 = -advantages * torch.clamp(s, 1 - cfg.eps_low, 1 + cfg.eps_high)
+    loss1, loss2 = _ppo_terms(torch.exp(log_s), advantages, cfg)
     loss = torch.maximum(loss1, loss2)
     metrics = {"pg_clipfrac": (loss2 > loss1).to(log_prob.dtype), "ppo_kl": -delta.detach()}
     return _apply_is_weights(loss, is_weights), metrics
@@ -201,8 +217,7 @@ def clip_cov_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_wei
     l = max(-A r, -A clip(r, 1-eps_lo, 1+eps_hi)) (1 - sel)."""
     selected = _require_cov_mask("clip_cov", cov_mask, log_prob)
     delta, ratio = _ratio(old_log_prob, log_prob)
-    loss1 = -advantages * ratio
-    loss2 = -advantages * torch.clamp(ratio, 1 - cfg.eps_low, 1 + cfg.eps_high)
+    loss1, loss2 = _ppo_terms(ratio, advantages, cfg)
     loss = torch.maximum(loss1, loss2) * (1 - selected)
     metrics = {
         "pg_clipfrac": (loss2 > loss1).to(log_prob.dtype),
@@ -229,8 +244,8 @@ def kl_cov_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weigh
 def clipped_by_ppo_range(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
                          cfg) -> torch.Tensor:
     """Tokens whose PPO term is already clipped: -A clip(r, 1-eps_lo, 1+eps_hi) > -A r (bool [n, W])."""
-    _, ratio = _ratio(old_log_prob, log_prob)
-    return -advantages * torch.clamp(ratio, 1 - cfg.eps_low, 1 + cfg.eps_high) > -advantages * ratio
+    loss1, loss2 = _ppo_terms(_ratio(old_log_prob, log_prob)[1], advantages, cfg)
+    return loss2 > loss1
 
 
 @torch.no_grad()

@@ -22,14 +22,11 @@ The IS weights carry no gradient and multiply the per-token policy loss (``is_we
 verl's ``modified_response_mask`` (m with the rejected tokens zeroed). Where the rejected tokens leave the
 loss's denominators (verl's rule) or stay in them (ours) is the caller's choice (``rejected_in_denominator``).
 
-Metrics. On the whole step (``num_tokens`` / ``num_seqs`` not given) every metric verl logs, under verl's names and
-with verl's formulas (``rollout_corr/rollout_is_*``, ``rollout_corr/rollout_rs_*``, ``kl``, ``k3_kl``,
-``training_ppl``, ``chi2_token``, ...: ``verl_metrics``), plus ours: ``rollout_corr/is_weight_mean``,
-``is_raw_weight_mean``, ``is_truncated_fraction``, ``is_weight_max`` / ``_min`` with IS on; ``rs_masked_fraction``
-and ``rs_rejected_seq_fraction`` (rows with valid tokens that rejection removes whole, over all B rows) with RS on;
-always ``kl``, ``k3_kl`` and ``rollout/logprob_diff_mean`` / ``_max`` (|o - b|). On a shard of the step (old log-probs
-from the update's own forward: ``num_tokens`` = the mini-batch's N, ``num_seqs`` its B) ours only: they are token
-means, row shares, maxima and minima that add up over shards (``verl_lite.utils.metric_reduce``).
+Metrics: on the whole step (``num_tokens`` / ``num_seqs`` not given) every metric verl logs, with verl's names and
+formulas (``verl_metrics``), plus ours (``rollout_corr/is_*`` with IS on, ``rollout_corr/rs_*`` with RS on, always
+``rollout_corr/kl``, ``k3_kl`` and ``rollout/logprob_diff_mean`` / ``_max``); on a shard of the step (``num_tokens``
+/ ``num_seqs`` = the mini-batch's N and B) ours only: token means, row shares, maxima and minima that add up over
+shards (``verl_lite.utils.metric_reduce``).
 """
 
 from __future__ import annotations
@@ -46,7 +43,6 @@ RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "s
 RS_LEGACY = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}  # ours -> verl's option
 LOSS_TYPES = ("ppo_clip", "reinforce")  # verl's bypass-mode loss_type
 SAFETY_BOUND = 20.0
-LOG_RATIO_CLAMP = SAFETY_BOUND
 EPS = 1e-8  # verl's masked_mean denominator guard
 
 
@@ -82,10 +78,6 @@ class RejectionRule:
     lower: Optional[float] = None
 
 
-def _reciprocal(x: float) -> float:
-    return math.inf if x == 0 else 1.0 / x
-
-
 def rejection_rules(rollout_rs: str, threshold, legacy_lower: Optional[float] = None) -> list[RejectionRule]:
     """``rollout_rs`` / ``rollout_rs_threshold`` as rules, by verl's parsing: a comma list of options (duplicates
     dropped), one threshold for all or one per option (comma list); k1 takes ``lower_upper`` or one number U
@@ -94,7 +86,7 @@ def rejection_rules(rollout_rs: str, threshold, legacy_lower: Optional[float] = 
     if rollout_rs in RS_LEGACY:
         upper = float(threshold)
         lower = 1.0 / upper if legacy_lower is None else float(legacy_lower)
-        return [RejectionRule(RS_LEGACY[rollout_rs], upper=_reciprocal(lower), lower=1.0 / upper)]
+        return [RejectionRule(RS_LEGACY[rollout_rs], upper=math.inf if lower == 0 else 1.0 / lower, lower=1.0 / upper)]
     options = list(dict.fromkeys(o.strip() for o in str(rollout_rs).split(",") if o.strip()))
     unknown = [o for o in options if o not in RS_OPTIONS]
     if not options or unknown:
@@ -132,6 +124,16 @@ def _masked_sum(x: torch.Tensor, m: torch.Tensor, axis=None) -> torch.Tensor:
 def _masked_mean(x: torch.Tensor, m: torch.Tensor, axis=None) -> torch.Tensor:
     """verl's ``masked_mean``: sum / (count + 1e-8)."""
     return _masked_sum(x, m, axis) / (m.sum(axis=axis) + EPS)
+
+
+def _clamped_stats(x: torch.Tensor, m: torch.Tensor, lo: float, hi: float):
+    """(x clamped to [lo, hi], its masked mean, verl's std of it over the valid tokens: 0 for at most one)."""
+    clamped = x.clamp(min=lo, max=hi)
+    mean = _masked_mean(clamped, m)
+    if not m.sum() > 1:
+        return clamped, mean, 0.0
+    var = _masked_mean(clamped.square(), m) - mean.square()
+    return clamped, mean, torch.sqrt(torch.clamp(var, min=0.0)).item()
 
 
 def _seq_max(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -295,13 +297,7 @@ def _is_metrics(w, raw, metric_log_ratio, m, level, upper, lower) -> dict[str, f
         out["rollout_is_ratio_fraction_low"] = _masked_mean((raw < lower_metric).float(), m).item()
         out["rollout_is_max"] = w.masked_fill(~m.bool(), float("-inf")).max().item()
         out["rollout_is_min"] = w.masked_fill(~m.bool(), float("inf")).min().item()
-    clamped = w.clamp(min=0.0, max=upper)
-    mean_clamped = _masked_mean(clamped, m)
-    if m.sum() > 1:
-        var = _masked_mean(clamped.square(), m) - mean_clamped.square()
-        out["rollout_is_std"] = torch.sqrt(torch.clamp(var, min=0.0)).item()
-    else:
-        out["rollout_is_std"] = 0.0
+    clamped, mean_clamped, out["rollout_is_std"] = _clamped_stats(w, m, 0.0, upper)
     normalized = clamped / (mean_clamped + EPS)
     second_moment = _masked_mean(normalized.square(), m).item()  # 0 when IcePop zeroes every weight (verl raises)
     out["rollout_is_eff_sample_size"] = 1.0 / second_moment if second_moment > 0 else 0.0
@@ -358,13 +354,7 @@ def _rs_option_metrics(name, stat, per_seq, m, seq_valid, hi, lo, apply_lower) -
         out[f"{p}_min"] = stat.masked_fill(~valid, float("inf")).min().item()
         out[f"{p}_fraction_high"] = _masked_mean((stat > hi).float(), m).item()
         out[f"{p}_fraction_low"] = _masked_mean((stat < lo).float(), m).item() if apply_lower else 0.0
-    if m.sum() > 1:
-        clamped = stat.clamp(min=lo if apply_lower else 0.0, max=hi)
-        mean_clamped = _masked_mean(clamped, m)
-        var = _masked_mean(clamped.square(), m) - mean_clamped.square()
-        out[f"{p}_std"] = torch.sqrt(torch.clamp(var, min=0.0)).item()
-    else:
-        out[f"{p}_std"] = 0.0
+    out[f"{p}_std"] = _clamped_stats(stat, m, lo if apply_lower else 0.0, hi)[2]
     if seq_valid_values.numel() > 0:
         v = seq_valid_values
         out.update({f"{p}_seq_mean": v.mean().item(), f"{p}_seq_std": v.std().item() if v.numel() > 1 else 0.0,

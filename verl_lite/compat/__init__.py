@@ -1,15 +1,13 @@
 """Everything verl_lite does to another library's internals, in one place, pinned.
 
-Each module here reaches into a private API or patches behaviour of one library version (each module's docstring
-says which), behind small named functions. Nothing outside this package touches another library's private names
-(``tests/test_import_layers.py``); this package imports nothing of the engine's or the rollout's (what it needs of
-them, such as the engine's RoPE, is passed in).
+Each module here reaches into a private API or patches behaviour of one library version (its docstring says which),
+behind small named functions; nothing outside this package touches another library's private names
+(``tests/test_import_layers.py``), and it imports nothing of the engine's or the rollout's.
 
 :data:`TESTED_VERSIONS` is the one table of the versions the shims were written and tested for. The packages of
-:data:`PINNED` are required at those versions: their shims call :func:`require` when imported, so another version
-fails at once with one line naming the package and the versions, and ``pyproject.toml`` pins each to
-:func:`pinned_specifier` (``tests/compat/test_pins.py``). The shims on any other package (transformers) are
-speed-ups that stand aside with another version (:func:`installed_is_tested`).
+:data:`PINNED` are required at those versions (their shims call :func:`require` when imported; ``pyproject.toml``
+pins :func:`pinned_specifier`); the shims on any other package are speed-ups that stand aside with another version
+(:func:`installed_is_tested`).
 """
 
 from __future__ import annotations
@@ -55,9 +53,8 @@ def installed_is_tested(package: str) -> bool:
 
 
 def pinned_specifier(package: str) -> str:
-    """The pip version specifier that admits exactly the tested versions of ``package`` (what ``pyproject.toml``
-    pins): ``==X.Y.Z`` for one release; for release series of one major version, ``>=X.A`` up to the last
-    series, with the series between them that were not tested excluded (``>=2.11,!=2.12.*,<2.14``)."""
+    """The pip specifier admitting exactly the tested versions of ``package``: ``==X.Y.Z`` for one release, else
+    the series of one major version with the untested ones between excluded (``>=2.11,!=2.12.*,<2.14``)."""
     tested = TESTED_VERSIONS[package]
     if len(tested) == 1 and tested[0].count(".") == 2:
         return f"=={tested[0]}"

@@ -1,19 +1,16 @@
-"""The one process-level CPU adapter that lets megatron-core 0.16.1 run on a CPU-only torch.
+"""The one process-level CPU adapter that lets megatron-core 0.16.1 run on a CPU-only torch. ``install()`` does
+nothing when ``torch.cuda.is_available()``; on a CPU-only torch it changes exactly three things, for the whole
+process, idempotently (nothing inside megatron is edited):
 
-``install()`` does nothing when ``torch.cuda.is_available()``. On a CPU-only torch it changes exactly three things,
-for the whole process, idempotently (nothing inside megatron is edited):
-
-1. ``torch.cuda.current_device`` returns cpu: megatron allocates DDP grad buffers, pipeline p2p receive buffers, TP
-   all-gather outputs and RoPE frequencies there (``param_and_grad_buffer.py:806``, ``p2p_communication.py:313``,
-   ``mappings.py:91``, ``rotary_pos_embedding.py:162``).
+1. ``torch.cuda.current_device`` returns cpu (megatron's DDP grad buffers, p2p receive buffers, TP all-gather
+   outputs and RoPE frequencies: ``param_and_grad_buffer.py:806``, ``p2p_communication.py:313``, ``mappings.py:91``,
+   ``rotary_pos_embedding.py:162``).
 2. ``torch.cuda.synchronize`` is a no-op (``p2p_communication.py:242``, ``filesystem_async.py:230``).
-3. One globally entered ``TorchFunctionMode`` (``_CudaToCpuMode``) rewrites ``device="cuda" | "cuda:N" | N`` to cpu
-   in factory functions and ``Tensor.to`` and makes ``Tensor.cuda()`` / ``Tensor.pin_memory()`` identities and
-   ``pin_memory=True`` off (hard-coded literals no config reaches: ``schedules.py:596``, ``language_module.py:244``,
-   ``rope_utils.py:63``), and answers the no-argument ``Tensor.type()`` of a CPU tensor with
-   ``'torch.cuda.<X>Tensor'``, which the optimizers assert on (``optimizer.py:671``, ``clip_grads.py:167``).
-
-The mode costs one Python call per torch op; the engine runs the model's forward inside ``suspended()``.
+3. One globally entered ``TorchFunctionMode`` rewrites ``device="cuda" | "cuda:N" | N`` to cpu in factory
+   functions and ``Tensor.to``, makes ``Tensor.cuda()`` / ``pin_memory()`` identities and ``pin_memory=True`` off
+   (literals no config reaches: ``schedules.py:596``, ``language_module.py:244``, ``rope_utils.py:63``), and answers
+   a CPU tensor's ``Tensor.type()`` with ``'torch.cuda.<X>Tensor'`` (asserted by ``optimizer.py:671``,
+   ``clip_grads.py:167``). It costs one Python call per torch op: the engine runs the forward in ``suspended()``.
 """
 
 from __future__ import annotations
@@ -64,7 +61,7 @@ class _CudaToCpuMode(TorchFunctionMode):
 
 def suspended():
     """A context in which no torch-function mode runs, for code that creates no tensor on a literal "cuda" device
-    (e.g. a model's forward: its device lookups go through ``torch.cuda.current_device``). A no-op on GPU."""
+    (a model's forward). A no-op on GPU."""
     if _INSTALLED_MODE is None:
         return contextlib.nullcontext()
     return torch_function_disabled()

@@ -1,10 +1,7 @@
-"""Ending the CLI process without the interpreter's teardown.
-
-After a run has closed everything it opened, what is left at exit is CPython freeing its modules and the extension
-modules' C++ destructors (torch, megatron-core, Ray's core worker): a noticeable share of a short job, for nothing.
-:func:`exit_now` runs the registered ``atexit`` handlers through CPython's ``atexit._run_exitfuncs``, flushes the
-standard streams and ends the process with ``os._exit``; where that function is missing (another interpreter) the
-ordinary ``sys.exit`` runs instead.
+"""Ending the CLI process without the interpreter's teardown (CPython freeing its modules, the C++ destructors of
+torch, megatron-core and Ray's core worker: a noticeable share of a short job, for nothing). :func:`exit_now` runs
+the ``atexit`` handlers (``atexit._run_exitfuncs``), flushes the standard streams and calls ``os._exit``; where
+that function is missing (another interpreter) ``sys.exit`` runs instead.
 """
 
 from __future__ import annotations

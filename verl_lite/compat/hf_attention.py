@@ -1,12 +1,10 @@
 """The HF rollout's attention for decode steps, registered with transformers' attention interface (``TESTED_VERSIONS``).
 
-A decode step asks one query per row of every cached key; torch's SDPA flash kernel for the CPU costs more than the
-arithmetic of so small a product, and two plain matmuls are faster. :func:`use_decode_attention` registers
-``verl_lite_decode`` with ``transformers.AttentionInterface`` (and transformers' own ``sdpa_mask`` with
-``AttentionMaskInterface``, so the model builds the masks SDPA would get) and switches a model that runs ``sdpa`` to
-it: a single-query step on the CPU in one of the given dtypes runs the given matmul attention; every other call
-(prefill, GPUs, attention sinks, soft-capping, dropout) runs transformers' ``sdpa_attention_forward`` unchanged.
-For any transformers but the tested one, and for a model not on ``sdpa``, it stands aside.
+A CPU decode step (one query per row) is faster as two plain matmuls than through torch's SDPA kernel.
+:func:`use_decode_attention` registers ``verl_lite_decode`` (and transformers' ``sdpa_mask`` for its masks) and
+switches a model on ``sdpa`` to it: such a step in one of the given dtypes runs the given matmul attention; every
+other call runs transformers' ``sdpa_attention_forward`` unchanged. Another transformers, or another attention:
+it stands aside.
 """
 
 from __future__ import annotations

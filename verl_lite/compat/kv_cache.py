@@ -1,16 +1,10 @@
 """A KV cache whose decode steps write in place, built on transformers' cache layers (``TESTED_VERSIONS``).
 
-transformers' ``DynamicLayer`` grows a layer's keys and values by ``torch.cat`` at every forward: each decode step
-copies the whole cache of every layer. :class:`ReservedLayer` keeps them in a buffer ``[batch, kv_heads, room,
-head_dim]``: a forward writes its positions in place, and ``keys`` / ``values`` are views of the filled part, so
-everything that reads them (attention, masks, ``get_seq_length``) sees what a ``DynamicLayer`` would hold, value
-for value. The buffer is made at the first forward with room for the ``capacity`` positions the caller expects;
-past it the room doubles. Repeating rows copies the filled part once; selecting rows copies the whole buffer once,
-or the filled part twice while it is at most half the room.
-
-:func:`reserved_cache` stands aside (returns None: the model builds its own cache) for any transformers version but
-the tested ones, and for a model whose layers are not all full attention (sliding windows, linear attention, shared
-KV): their layers keep state that a ``DynamicLayer`` does not have.
+transformers' ``DynamicLayer`` grows a layer's cache by ``torch.cat`` at every forward (each decode step copies the
+whole cache). :class:`ReservedLayer` keeps it in a buffer ``[batch, kv_heads, room, head_dim]`` made at the first
+forward with room for ``capacity`` positions (doubling past it); forwards write in place, and ``keys`` / ``values``
+are views of the filled part, value for value what a ``DynamicLayer`` would hold. :func:`reserved_cache` stands
+aside (None) for an untested transformers and for models whose layers are not all full attention.
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
-"""Import libraries that prepare ``torch.compile`` at import time, without paying for it.
+"""Import libraries that prepare ``torch.compile`` at import time, without paying for it: megatron-core wraps its
+fused kernels in ``torch.compile`` and imports ``wandb``; tensordict registers helpers with
+``torch.compiler.allow_in_graph`` / ``assume_constant_result``; each imports ``torch._dynamo`` / ``torch._inductor``
+or wandb at import, although verl_lite never compiles and its workers never log to W&B.
 
-megatron-core wraps its fused kernels in ``torch.compile`` (``megatron.core.jit.jit_fuser``) and imports ``wandb``
-for its inference logging; tensordict registers helpers with ``torch.compiler.allow_in_graph`` /
-``assume_constant_result``; all at module import, each importing ``torch._dynamo`` / ``torch._inductor`` or wandb,
-although verl_lite never compiles (every fusion is off) and its workers never log to W&B.
-
-Inside :func:`compile_decorators_deferred`:
-
-- ``torch.compile(fn, **kw)`` on a plain function returns a wrapper that calls the real ``torch.compile(fn, **kw)``
-  on its FIRST call; modules, methods and every other use go to the real ``torch.compile`` at once;
-- ``torch.compiler.assume_constant_result(fn)`` sets the marker dynamo itself sets (``fn._dynamo_marked_constant``);
-- ``torch.compiler.allow_in_graph(fn)`` returns ``fn`` and queues the registration for the first deferred compile;
-- ``import wandb`` and ``import torch.utils.tensorboard`` raise ImportError, so megatron takes them as absent (its
-  timers' optional writers are never used); no failed import is cached.
-
-Everything is restored when the block ends; only what was decorated inside it keeps the deferred form. Numerics
-are untouched: nothing here runs a different kernel.
+Inside :func:`compile_decorators_deferred`: ``torch.compile(fn)`` of a plain function compiles at its FIRST call
+(anything else goes to the real ``torch.compile``); ``assume_constant_result(fn)`` sets dynamo's own marker;
+``allow_in_graph(fn)`` is queued for the first deferred compile; ``import wandb`` / ``torch.utils.tensorboard``
+raise ImportError (megatron takes them as absent; no failed import is cached). Everything is restored when the
+block ends. Numerics are untouched.
 """
 
 from __future__ import annotations

@@ -64,9 +64,8 @@ def make_dispatchers_host_safe(model) -> None:
 
 def in_process_save_results() -> None:
     """Before a synchronous ``dist_checkpointing.save``: give megatron's torch_dist writer a thread queue for its
-    write results. megatron 0.16.1 creates it on a process's first save as a spawned ``multiprocessing`` Manager's
-    queue (``strategies/filesystem_async.py:51``): a server process that re-imports the caller's main module and
-    outlives the save. A synchronous save (verl_lite's only kind) puts and reads the results in this process."""
+    results; megatron 0.16.1 creates a spawned ``multiprocessing`` Manager's (``strategies/filesystem_async.py:51``),
+    a server process that re-imports the caller's main module and outlives the save."""
     import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -94,10 +93,9 @@ def main_param_shard_range(optimizer, param) -> tuple[int, int]:
 
 @contextlib.contextmanager
 def torch_adam_step_fix(optimizer):
-    """Distributed optimizer on torch's Adam (no Apex/TE): loading the ``fully_reshardable`` format copies every
-    per-parameter state key, but the checkpoint's per-parameter tensors exclude ``step`` (restored with the param
-    groups), so ``_set_main_param_and_optimizer_states`` raises ``KeyError: 'step'``. While active, the missing
-    ``step`` is filled with the value already restored."""
+    """While active, loading the ``fully_reshardable`` format into a distributed optimizer on torch's Adam fills
+    each parameter's missing ``step`` (restored with the param groups) with the value already restored, where
+    ``_set_main_param_and_optimizer_states`` would raise ``KeyError: 'step'``."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     patched = []
@@ -123,12 +121,10 @@ def torch_adam_step_fix(optimizer):
 
 
 def use_fused_adam(optimizer) -> None:
-    """Run megatron's torch Adam/AdamW (built without Apex/TE with torch's per-parameter loop, ~10 separate
-    elementwise ops per parameter) with torch's fused kernel (``fused=True``, a documented per-group option read at
-    each ``step``) wherever torch has one for the group's device and dtypes: the same update in one pass, equal to
-    the loop's to rounding (~1 ulp). A loaded checkpoint's groups may carry the flag they were saved with, so the
-    engine calls this again after a load (the same kernel before and after a resume). The step counters move to
-    the parameters' device, as the fused kernel requires."""
+    """Run megatron's torch Adam/AdamW (without Apex/TE: torch's per-parameter loop) with torch's fused kernel
+    (the per-group ``fused=True``) wherever torch has one for the group's device and dtypes: the same update to
+    rounding (~1 ulp). The engine calls it again after a load (a checkpoint's groups carry the flag they were saved
+    with); the step counters move to the parameters' device, as the fused kernel requires."""
     from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
     devices = set(_get_fused_kernels_supported_devices())
@@ -150,9 +146,8 @@ def use_fused_adam(optimizer) -> None:
 
 
 def unshare_adam_steps(optimizer) -> None:
-    """megatron's load_state_dict gives every parameter the SAME ``step`` tensor; torch's Adam increments
-    each parameter's step in place, so a shared one would advance once per parameter per optimizer step
-    (wrong bias correction from the second step after a resume on). Give each parameter its own copy."""
+    """Give each parameter its own ``step`` tensor: megatron's load_state_dict shares one, which torch's Adam would
+    increment once per parameter per optimizer step (wrong bias correction after a resume)."""
     for opt in each_optimizer(optimizer):
         for state in opt.optimizer.state.values():
             if torch.is_tensor(state.get("step")):
@@ -165,14 +160,12 @@ def plain_rotary(config) -> bool:
 
 
 def use_rotary_kernel(rotary=None) -> None:
-    """Route megatron's unfused RoPE (``apply_rotary_pos_emb``, called by ``transformer/attention.py`` for q and k
-    in every layer) through ``rotary(t, cos, sin)`` (the engine's rotate-half RoPE) in the :func:`plain_rotary`
-    case with ``mscale`` 1, bshd or packed THD at CP 1. THD positions restart at every ``cu_seqlens`` boundary (as
-    megatron's per-sequence loop, ``rope_utils._apply_rotary_pos_emb_thd`` case 2, in one pass), except in a pack
-    with shared prompts (``cu_seqlens.shared_prompts``, ``engine/packing.py``), whose rows carry their positions.
-    Everything else goes to megatron's own function; a pack with shared prompts there is refused. ``rotary`` None:
-    only a pack with shared prompts is taken (its per-row frequencies handed to megatron's bshd path). Idempotent
-    for the same ``rotary``; another ``rotary`` replaces the routing."""
+    """Route megatron's unfused RoPE (``transformer/attention.py``'s ``apply_rotary_pos_emb``) through ``rotary(t,
+    cos, sin)`` (the engine's) in the :func:`plain_rotary` case with ``mscale`` 1, bshd or packed THD at CP 1 (THD
+    positions restart at every ``cu_seqlens`` boundary, as megatron's ``_apply_rotary_pos_emb_thd`` case 2), or a
+    pack with shared prompts (``cu_seqlens.shared_prompts``, engine/packing.py: rows carry their positions; refused
+    outside that case). ``rotary`` None: only shared-prompt packs are taken (their per-row frequencies handed to
+    megatron's bshd path). Everything else runs megatron's own; idempotent for the same ``rotary``."""
     import megatron.core.transformer.attention as attention_module
 
     current = attention_module.apply_rotary_pos_emb
@@ -211,9 +204,9 @@ def use_rotary_kernel(rotary=None) -> None:
 
 
 def use_swiglu_mlp(model, mlp_class) -> None:
-    """Make every module of ``model`` whose class is exactly megatron's ``MLP`` an ``mlp_class`` (the engine's
-    ``SwiGLUMLP``: a subclass that adds no state, only ``forward`` differs), MoE experts included. Not in the layer
-    spec: ``TransformerLayer`` passes an MLP its TP group only when the spec's module IS ``MLP``."""
+    """Make every module of ``model`` whose class is exactly megatron's ``MLP`` an ``mlp_class`` (a subclass adding
+    no state), MoE experts included; not in the layer spec, where ``TransformerLayer`` passes the TP group only to
+    ``MLP`` itself."""
     from megatron.core.transformer.mlp import MLP
 
     if not issubclass(mlp_class, MLP):

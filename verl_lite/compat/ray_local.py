@@ -1,13 +1,11 @@
 """Ray 2.60 internals behind verl_lite's minimal, loopback-only local Ray (``controller/local_ray.py``).
 
-- :func:`local_head_hooks`: while a local head starts, Ray's "single machine" flag
-  (``ray_constants.ENABLE_RAY_CLUSTER``, read once at import) is off, so the node address stays 127.0.0.1;
-  ``Node.start_api_server`` / ``Node.start_monitor`` (unused by a fixed one-node run) start nothing; the head's wait
-  for its raylet to register polls every ``REGISTER_POLL_S`` (Ray's ``GlobalStateAccessor::GetNode`` sleeps a whole
-  second between checks); and the dashboard agent's optional dependencies are found, not imported;
-- :func:`init_local_head`: ``ray.init`` of a local head bound to 127.0.0.1 with :data:`LOCAL_SYSTEM_CONFIG`;
-- :func:`session_dir` / :func:`node_process_pids`: the session directory and the processes of the node this
-  process started (``ray._private.worker._global_node``).
+- :func:`local_head_hooks`: while a local head starts, Ray's "single machine" flag (``ENABLE_RAY_CLUSTER``, read
+  once at import) is off, so the node address stays 127.0.0.1; the API server and monitor start nothing; the wait
+  for the raylet to register polls every ``REGISTER_POLL_S`` (Ray's sleeps a second); the dashboard agent's
+  optional dependencies are found, not imported;
+- :func:`init_local_head`: ``ray.init`` of that head with :data:`LOCAL_SYSTEM_CONFIG`;
+- :func:`session_dir` / :func:`node_process_pids`: of the node this process started (``worker._global_node``).
 """
 
 from __future__ import annotations
@@ -26,7 +24,8 @@ from verl_lite.compat import require
 
 require("ray", "verl_lite.compat.ray_local")
 
-# Ray's internal settings (``ray_config_def.h``) of the local head, passed as ``_system_config``
+# Ray's internal settings (``ray_config_def.h``) of the local head: workers at normal priority (Ray's niceness 15
+# starved runs on a busy machine), no prestarted idle workers, a short raylet connect retry, no task events
 LOCAL_SYSTEM_CONFIG = {"worker_niceness": 0, "enable_worker_prestart": False, "prestart_worker_first_driver": False,
                        "raylet_client_connect_timeout_milliseconds": 20, "raylet_client_num_connect_attempts": 500,
                        "task_events_report_interval_ms": 0}

@@ -1,16 +1,12 @@
-"""transformers' lazy-import table read from a cache file instead of rebuilt from its source tree.
+"""transformers' lazy-import table read from a cache file instead of rebuilt from its source tree (``import
+transformers`` reads every file under ``transformers/models``, about 3,300, in every process, for a table that
+depends only on the installed files).
 
-``import transformers`` builds the table behind its lazy modules (which module defines which public name, and the
-backends it needs) with ``define_import_structure``, which reads every file under ``transformers/models`` (about
-3,300) in every process, to rebuild a table that depends only on the installed files.
-
-:func:`install` (called when ``verl_lite`` is imported) wraps ``define_import_structure`` as its module is loaded: a
-result is computed by transformers once, checked to survive the round trip through JSON unchanged, and stored in
-``$XDG_CACHE_HOME/verl_lite/transformers-import-structure-<version>.json`` (``~/.cache`` by default), which later
-processes read. The file holds names only; nothing in it is executed. It is used only while it matches the
-installed transformers (version, installation directory, modification times of the scanned directories); else the
-table is rebuilt and the file rewritten atomically. An unreadable or unwritable file, a result JSON cannot carry, an
-untested transformers version or transformers already imported: the wrapper stands aside.
+:func:`install` wraps ``define_import_structure`` as its module loads: a result is computed once, checked to survive
+JSON unchanged, and stored in ``$XDG_CACHE_HOME/verl_lite/transformers-import-structure-<version>.json``. The file
+holds names only, and is used only while it matches the installed transformers (version, directory, modification
+times of the scanned directories); else it is rebuilt and rewritten atomically. Anything unexpected (unreadable
+file, untested version, transformers already imported): the wrapper stands aside.
 """
 
 from __future__ import annotations

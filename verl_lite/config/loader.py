@@ -2,12 +2,9 @@
 
     cfg = load_config(sys.argv[1:])   # PPOConfig; then validate_config(cfg) before any worker starts
 
-Under ``@hydra.main(config_path=CONFIG_DIR, config_name="ppo_trainer")`` call ``register_configs()`` at
-import time and ``config_from_hydra(dict_cfg)`` in the main function. Both reject keys the schema does
-not have, Hydra's ``+key=value`` additions included, naming the key and a close key of the same section.
-Only free-form dict fields (``reward.custom_reward_function.reward_kwargs``,
-``*.megatron.override_transformer_config``) take new keys. verl's command-line keys that are not schema
-keys go through ``verl_keys`` in ``load_config`` only (under ``@hydra.main`` Hydra composes first).
+Under ``@hydra.main(config_path=CONFIG_DIR, config_name="ppo_trainer")`` call ``register_configs()`` at import time
+and ``config_from_hydra(dict_cfg)`` in the main function. Only free-form dict fields take new keys; verl's keys that
+are not schema keys go through ``verl_keys`` (in ``load_config`` only: under ``@hydra.main`` Hydra composes first).
 """
 
 from __future__ import annotations
@@ -33,15 +30,12 @@ CONFIG_DIR = str(Path(__file__).resolve().parent)
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_MODEL_DIR = ASSETS_DIR / "tiny-addition"
 DEFAULT_DATA_DIR = ASSETS_DIR / "synthetic-addition"
-
-
 PACKAGE_DIR = ASSETS_DIR.parent
 PACKAGE_RESOLVER = "verl_lite"  # ${verl_lite:assets/tiny-addition}: a path inside the installed package
 
 
 def package_path(relative: str) -> str:
-    """``${verl_lite:RELATIVE}`` in a recipe or an override: the file or directory ``RELATIVE`` inside the installed
-    verl_lite package, as an absolute path (a shipped recipe's assets resolve from any working directory)."""
+    """``${verl_lite:RELATIVE}``: the absolute path of ``RELATIVE`` inside the installed verl_lite package."""
     return str(PACKAGE_DIR / relative)
 
 
@@ -63,7 +57,7 @@ def default_data_files() -> tuple[list[str], list[str]]:
 
 
 def register_configs() -> None:
-    """Register the schema in Hydra's ConfigStore as `ppo_trainer` (the config Hydra composes; no YAML restates it)."""
+    """Register the schema in Hydra's ConfigStore as `ppo_trainer` (no YAML restates it)."""
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="ppo_trainer", node=PPOConfig)
@@ -91,10 +85,8 @@ def schema_keys(cls: type = PPOConfig, prefix: str = "") -> dict[str, str]:
 
 
 def unknown_key_message(key: str, keys: dict[str, str] | None = None) -> str:
-    """'unknown config key X; did you mean Y?' naming Y only when it is close and in the same section.
-
-    Y is a key of X's deepest existing section whose last part is close to X's last part, or the
-    one valid key that X is the dotted tail of (a key given without its prefix). Otherwise no hint."""
+    """'unknown config key X; did you mean Y?': Y is a key of X's deepest existing section whose last part is close
+    to X's, or the one valid key that X is the dotted tail of (a key given without its prefix); else no hint."""
     keys = keys if keys is not None else schema_keys()
     parts = key.split(".")
     heads = (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1))
@@ -151,7 +143,7 @@ class Routed:
 
 def translate_overrides(overrides: list[str], problems: list[str], routed: Routed | None = None) -> Routed:
     """Parse Hydra overrides and route each (``_route``) into ``routed``; a line in ``problems`` for each that does
-    not parse. ``hydra.*`` overrides (Hydra's own settings, not the config's) are passed over."""
+    not parse. ``hydra.*`` overrides (Hydra's own settings) are passed over."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parser, routed = OverridesParser.create(), routed if routed is not None else Routed()
@@ -204,7 +196,7 @@ def _route(key: str, value: Any, text: str, problems: list[str], routed: Routed)
 
 
 def check_equal(cfg, equal: list[tuple[str, object, str]]) -> list[str]:
-    """verl keys accepted only when equal to verl_lite's key (e.g. ref layout = actor layout): the problems."""
+    """The problems of verl keys accepted only when equal to verl_lite's key (e.g. ref layout = actor layout)."""
     problems = []
     for target, value, message in equal:
         actual = attrgetter(target)(cfg)
@@ -245,8 +237,7 @@ INHERITED = (
 
 
 def resolve_inherited(cfg: PPOConfig) -> PPOConfig:
-    """Every "null = another key's value" of the schema (``INHERITED``), resolved in place, so the
-    loaded config (and a run's config.json) holds the values that run; idempotent."""
+    """Every "null = another key's value" of the schema (``INHERITED``), resolved in place (idempotent)."""
     for section, key, source in INHERITED:
         node = attrgetter(section)(cfg)
         if getattr(node, key) is None:
@@ -259,7 +250,7 @@ SPLIT_STEMS = ("train", "training", "val", "valid", "validation", "test", "data"
 
 def _name_part(path: str, model: bool = False) -> str:
     """A file's stem (with its directory's name when the stem only names a split: gsm8k-train), or a model
-    directory's name (a hub id's or its HF-cache snapshot's repository name), safe for a path."""
+    directory's name (an HF-cache snapshot's repository name), safe for a path."""
     p = Path(str(path).rstrip("/"))
     if model:
         cache = p.parent.parent.name  # <HF cache>/models--Org--Name/snapshots/<revision>
@@ -270,8 +261,7 @@ def _name_part(path: str, model: bool = False) -> str:
 
 
 def default_experiment_name(cfg) -> str:
-    """trainer.experiment_name=null: ``<estimator>_<first train file>_<model>``, from the files the run uses
-    (the default job: grpo_synthetic-addition-train_tiny-addition)."""
+    """trainer.experiment_name=null: ``<estimator>_<first train file>_<model>``."""
     files = cfg.data.train_files
     first = files if isinstance(files, str) else (list(files) or ["data"])[0]
     return (f"{cfg.algorithm.adv_estimator}_{_name_part(first)}_"
@@ -285,8 +275,7 @@ def default_checkpoint_dir(tr) -> str:
 
 @contextlib.contextmanager
 def names_follow(cfg):
-    """A run name and checkpoint dir derived from the data and the model (``default_experiment_name``) follow a
-    change of them made inside the block (the Python API's ``train_dataset=`` / ``model=``)."""
+    """A derived run name and checkpoint dir follow a change of the data or the model made inside the block."""
     tr = cfg.trainer
     named, placed = tr.experiment_name == default_experiment_name(cfg), tr.default_local_dir == default_checkpoint_dir(tr)
     yield
@@ -295,9 +284,8 @@ def names_follow(cfg):
 
 
 def use_train_data(cfg, name: str) -> None:
-    """``data.train_files`` becomes ``name`` (the Python API's train_dataset: its path or the in-memory mark);
-    the derived names follow (``names_follow``), and the shipped val split goes with the shipped train split
-    (no validation set: no validation)."""
+    """``data.train_files`` becomes ``name`` (the Python API's train_dataset); the derived names follow, and the
+    shipped val split goes with the shipped train split."""
     with names_follow(cfg):
         if list(cfg.data.train_files) == default_data_files()[0] and cfg.data.val_files == default_data_files()[1]:
             cfg.data.val_files = []
@@ -306,9 +294,8 @@ def use_train_data(cfg, name: str) -> None:
 
 def _fill_builtin_defaults(cfg: PPOConfig) -> PPOConfig:
     """None model path / data files -> the shipped assets (the shipped val split only with the shipped train
-    split: own train data without val files has no validation); a single file path -> a one-element list;
-    the run name and checkpoint dir derived from the files; HF hub ids -> their snapshot directory in the HF
-    cache (``resolve_model_dir``); then every inherited null resolved (``resolve_inherited``)."""
+    split); a file path -> a one-element list; derived run name and checkpoint dir; HF hub ids -> their HF-cache
+    snapshot (``resolve_model_dir``); the placement and every inherited null resolved."""
     model, default_job = cfg.actor_rollout_ref.model, cfg.data.train_files is None
     if model.path is None:
         model.path = default_model_path()
@@ -332,7 +319,7 @@ def _fill_builtin_defaults(cfg: PPOConfig) -> PPOConfig:
 
 
 def to_dataclass(dict_cfg) -> PPOConfig:
-    """An OmegaConf DictConfig (already composed against the schema) -> PPOConfig with built-in defaults filled."""
+    """A DictConfig composed against the schema -> PPOConfig with built-in defaults filled."""
     from omegaconf import OmegaConf
 
     _register_resolver()  # ${verl_lite:...} values resolve here
@@ -344,8 +331,7 @@ VERL_TRAINER_CONFIGS = ("ppo_megatron_trainer", "ppo_trainer")  # verl's config 
 
 
 def _recipe_leaves(node: dict, keys: dict[str, str], prefix: str = "") -> list[tuple[str, Any]]:
-    """The dotted ``(key, value)`` pairs a recipe sets; a schema leaf or free-form dict is one pair whatever its
-    value, any other mapping (a section, or a verl key's section that is not in the schema) is walked."""
+    """The dotted ``(key, value)`` pairs a recipe sets (a schema leaf or free-form dict is one pair)."""
     out = []
     for name, value in node.items():
         key = f"{prefix}{name}"
@@ -355,9 +341,8 @@ def _recipe_leaves(node: dict, keys: dict[str, str], prefix: str = "") -> list[t
 
 
 def _defaults_problems(defaults: Any) -> list[str]:
-    """A verl YAML's Hydra ``defaults`` list may compose verl's trainer config and itself (``_self_``), and set
-    Hydra's own groups (``override hydra/...``): that is the one composition verl_lite builds. Any other entry
-    would bring in settings that are not read: one line each."""
+    """A verl YAML's Hydra ``defaults`` may name verl's trainer config, ``_self_`` and Hydra's own groups (the one
+    composition verl_lite builds); any other entry would bring in settings that are not read: one line each."""
     problems = []
     for entry in defaults if isinstance(defaults, list) else [defaults]:
         name = entry if isinstance(entry, str) else next(iter(entry), "") if isinstance(entry, dict) else ""
@@ -371,9 +356,8 @@ def _defaults_problems(defaults: Any) -> list[str]:
 
 
 def recipe_assignments(path: str, problems: list[str], routed: Routed) -> None:
-    """The YAML file at ``path`` (nested keys: a recipe, or a verl config named by ``--config-name``) into
-    ``routed``: each leaf routed as a command-line override is (verl's vocabulary included), Hydra's ``hydra``
-    settings passed over, its ``defaults`` list checked (``_defaults_problems``). Problems are lines in ``problems``."""
+    """The YAML file at ``path`` (a recipe, or a verl config named by ``--config-name``) into ``routed``, each leaf
+    routed as a command-line override is; Hydra's ``hydra`` settings passed over, ``defaults`` checked."""
     from omegaconf import OmegaConf
 
     try:
@@ -390,8 +374,7 @@ def recipe_assignments(path: str, problems: list[str], routed: Routed) -> None:
 
 
 def _schema_type(key: str) -> tuple[Any, bool, Any]:
-    """(the type of a dotted schema key without Optional (its origin for generics: list, dict), whether it is
-    nullable, its default)."""
+    """(a dotted schema key's type without Optional (a generic's origin), whether it is nullable, its default)."""
     tp, default = PPOConfig, PPOConfig()
     for part in key.split("."):
         tp = (_field_types(tp) if dataclasses.is_dataclass(tp) else {}).get(part, Any)
@@ -402,8 +385,7 @@ def _schema_type(key: str) -> tuple[Any, bool, Any]:
 
 
 def _type_problem(key: str, text: str) -> str:
-    """One line for an override whose value does not fit the schema's type: the key, the type expected,
-    an example (the default)."""
+    """The line for an override whose value does not fit the schema's type: key, type, an example (the default)."""
     base, nullable, default = _schema_type(key)
     words, example = {int: ("an integer", 16), float: ("a number", 0.5), bool: ("true or false", True),
                       str: ("a string", "..."), list: ("a list", ["a", "b"]), tuple: ("a list", ["a", "b"]),
@@ -414,9 +396,8 @@ def _type_problem(key: str, text: str) -> str:
 
 
 def _apply(node, assignments: list[tuple[str, Any, str, bool]], problems: list[str]) -> None:
-    """Each ``(key, value, text, free)`` of ``translate_overrides`` onto ``node`` as Hydra's compose applies an
-    override (``OmegaConf.update``, merging; added when under a free-form dict); a value that does not fit the
-    schema's type becomes one line in ``problems`` (the others still apply)."""
+    """Each ``(key, value, text, free)`` onto ``node`` as Hydra's compose applies an override (merging; added under
+    a free-form dict); a value of the wrong type is a line in ``problems`` (the others still apply)."""
     from omegaconf import OmegaConf
 
     for key, value, text, free in assignments:
@@ -429,17 +410,12 @@ def _apply(node, assignments: list[tuple[str, Any, str, bool]], problems: list[s
 
 
 def load_config(overrides: list[str] | None = None, problems: Problems | None = None) -> PPOConfig:
-    """The structured schema with ``overrides`` applied in order (Hydra's override grammar, applied as Hydra's
-    compose applies it), as a PPOConfig with the built-in defaults and every inherited null filled in.
+    """The schema with ``overrides`` applied in order as Hydra's compose applies them (an item ``--recipe=FILE``
+    applies that YAML file there), as a PPOConfig with the built-in defaults and inherited nulls filled in.
 
-    An item ``--recipe=FILE`` applies that YAML file of nested keys (``recipe_assignments``) over what the items
-    before it built; the items after it override it.
-
-    Raises ConfigError naming every unknown key (plain or `+key`) with the closest valid key, and every
-    value of the wrong type (key, type, example). With a ``Problems`` collector, adds those lines (and
-    verl's aliases used, and the recipe or verl config file that set each key) there instead and returns the
-    config of the items that are fine (pre-flight then reports everything at once). Does not validate
-    cross-key rules: call `validate_config` for that.
+    Raises ConfigError naming every unknown key (with the closest valid key) and every value of the wrong type;
+    with a ``Problems`` collector adds those lines (and the verl aliases and recipe files that set each key)
+    there instead and returns the config of the items that are fine. Cross-key rules: `validate_config`.
     """
     from omegaconf import OmegaConf
 
@@ -474,7 +450,7 @@ def load_config(overrides: list[str] | None = None, problems: Problems | None = 
 
 
 def config_from_hydra(dict_cfg) -> PPOConfig:
-    """For an `@hydra.main` entry: re-check the command-line overrides against the schema, then convert."""
+    """For an `@hydra.main` entry: re-check the command-line overrides, then convert."""
     try:
         from hydra.core.hydra_config import HydraConfig
 

@@ -1,16 +1,9 @@
-"""Pre-flight checks that need the files the config names (model, data), run before Ray starts.
+"""Pre-flight checks that read what the config's keys point at (model files, data), before Ray starts; both raise
+`ConfigError` (exit 2), every problem naming the key and the fix.
 
-`validate_config` checks the config's keys against each other; these checks read what the keys
-point at. Both raise `ConfigError` (exit 2), every problem naming the key and the fix.
-
-    check_model_files(cfg)                  # before the tokenizer is loaded, for every engine's model (the
-                                            # actor's, a critic's own, the reward model or judge): config.json
-                                            # parses, has the fields, the weights exist and match it; then
-                                            # every engine's memory estimate fits its device (engine/memory.py)
+    check_model_files(cfg)   # every engine's model (engine_models): config.json, weights (safetensors headers
+                             # only), then every engine's memory estimate against its device (engine/memory.py)
     preflight(cfg, train_dataset, val_dataset, tokenizer)   # after the datasets are built
-
-One rule per check, applied to each model of ``engine_models(cfg)``. The weights are checked from the
-safetensors headers only (tensor names and shapes; no tensor is read).
 """
 
 from __future__ import annotations
@@ -18,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from verl_lite.config.loader import ConfigError
+from verl_lite.config.validate import _cuda_visible
 from verl_lite.engine.model_files import config_int, model_config_problems, model_weight_problems, tokenizer_id_problems
 
 MODEL_KEY = "actor_rollout_ref.model.path"
@@ -62,9 +56,8 @@ def model_file_problems(model: EngineModel) -> list[str]:
 
 
 def check_model_files(cfg) -> None:
-    """Raise ConfigError when a model's config.json is broken or its weights are missing or do not match it
-    (every engine's model: ``engine_models``), or when an engine's estimated memory cannot fit its device
-    (``memory_problems``), before anything reads a model or starts."""
+    """Raise ConfigError when an engine's model has a broken config.json or weights that are missing or do not
+    match it, or when the engines' estimated memory cannot fit the device (``memory_problems``)."""
     problems = [p for model in engine_models(cfg) for p in model_file_problems(model)]
     problems = problems or memory_problems(cfg)
     if problems:
@@ -72,15 +65,9 @@ def check_model_files(cfg) -> None:
 
 
 def preflight(cfg, train_dataset, val_dataset, tokenizer=None) -> None:
-    """Checks that need the built datasets and the model (after ``check_model_files``): raise one ConfigError
-    listing every problem.
-
-    - every id a tokenizer produces must be below the ``vocab_size`` of every model that reads it
-      (``tokenizer_problems``: the policy's tokenizer for the actor and a critic, the reward model's own);
-    - ``data.train_batch_size`` prompts per step must exist in the train set (after the overlong filter);
-    - the longest sequence ``data.max_prompt_length + data.max_response_length`` (or the longest
-      prompt actually kept, if shorter) plus the response must fit the model's ``max_position_embeddings``.
-    """
+    """Checks that need the built datasets (after ``check_model_files``), raised as one ConfigError: every
+    tokenizer's ids below the ``vocab_size`` of every model reading them; ``data.train_batch_size`` prompts in the
+    train set; the longest prompt kept plus ``data.max_response_length`` within ``max_position_embeddings``."""
     d, m = cfg.data, cfg.actor_rollout_ref.model
     p = tokenizer_problems(cfg, tokenizer)
     n_train = len(train_dataset)
@@ -139,15 +126,18 @@ R = "actor_rollout_ref.rollout"
 
 @dataclass(frozen=True)
 class _Role:
-    """An engine of the run as pre-flight sizes it: its ``spec`` (engine/memory.py), the config keys that
-    size it (``section``: its megatron section, ``lora``: its LoRA section or None, ``micro``: ``key=value``
-    of its micro-batch knob), and the process it lives in."""
+    """An engine as pre-flight sizes it: its ``spec`` (engine/memory.py), its megatron ``section``, LoRA section
+    (or None), ``micro`` (``key=value`` of its micro-batch knob) and the process it lives in."""
 
     spec: object
     section: str
     lora: str | None
     micro: str
     process: str
+
+
+def _dp(mg, world: int) -> int:
+    return max(1, world // (mg.tensor_model_parallel_size * mg.pipeline_model_parallel_size * mg.context_parallel_size))
 
 
 def _micro_batch(dynamic: bool, micro, budget, cp: int, per_rank: int, longest: int) -> tuple[int, int]:
@@ -172,7 +162,7 @@ def _spec(name: str, model_path: str, mg, world: int, micro: tuple[int, int], lo
     return EngineSpec(
         name=name, model=read_config(model_path) or {}, dtype=canonical_dtype(mg.dtype), trains=trains, tp=tp, pp=pp,
         vpp=mg.vpp, cp=cp, ep=mg.expert_model_parallel_size,
-        dp=max(1, world // (tp * pp * cp)), sequence_parallel=bool(mg.sequence_parallel),
+        dp=_dp(mg, world), sequence_parallel=bool(mg.sequence_parallel),
         distributed_optimizer=bool(mg.use_distributed_optimizer), lora_rank=rank,
         lora_projections=lora_projections(lora.target_modules, lora.exclude_modules) if rank else (),
         micro_batch_tokens=micro[0], micro_batch_sequences=micro[1], longest_sequence=longest,
@@ -182,11 +172,11 @@ def _spec(name: str, model_path: str, mg, world: int, micro: tuple[int, int], lo
 
 def _roles(cfg, cuda: bool) -> list[_Role]:
     """The engines of the run (actor with the reference and the rollout in its process, a critic, the reward
-    model or judge), each sized at its largest micro-batch."""
+    model or judge, the distillation teacher), each sized at its largest micro-batch."""
     d, arr, c, rm, tr = cfg.data, cfg.actor_rollout_ref, cfg.critic, cfg.reward_model, cfg.trainer
     actor, rollout, mg, n = arr.actor, arr.rollout, arr.actor.megatron, arr.rollout.n
     world, longest = tr.n_gpus_per_node * tr.nnodes, d.max_prompt_length + d.max_response_length
-    dp = max(1, world // (mg.tensor_model_parallel_size * mg.pipeline_model_parallel_size * mg.context_parallel_size))
+    dp = _dp(mg, world)
     A, M = "actor_rollout_ref.actor", "actor_rollout_ref.actor.megatron"
     lora_on = bool(arr.model.lora.rank)
     dyn_key = f"{A}.ppo_max_token_len_per_gpu={actor.ppo_max_token_len_per_gpu}"
@@ -209,8 +199,7 @@ def _roles(cfg, cuda: bool) -> list[_Role]:
     if "critic" in cfg.algorithm.needs:
         cw = world if c.num_workers is None else c.num_workers
         cmg = c.megatron
-        cdp = max(1, cw // (cmg.tensor_model_parallel_size * cmg.pipeline_model_parallel_size *
-                            cmg.context_parallel_size))
+        cdp = _dp(cmg, cw)
         cmicro = _micro_batch(c.use_dynamic_bsz, c.ppo_micro_batch_size_per_gpu, c.ppo_max_token_len_per_gpu,
                               cmg.context_parallel_size, (c.ppo_mini_batch_size or 1) * n // cdp, longest)
         ckey = (f"critic.ppo_max_token_len_per_gpu={c.ppo_max_token_len_per_gpu}" if c.use_dynamic_bsz
@@ -225,6 +214,16 @@ def _roles(cfg, cuda: bool) -> list[_Role]:
                                  trains=False, value_head=True),
                            "reward_model.megatron", None,
                            f"reward_model.micro_batch_size_per_gpu={rm.micro_batch_size_per_gpu}", "reward model"))
+    teacher = cfg.distillation.teacher_model
+    if cfg.distillation.enabled and teacher.model_path:  # forward only, micro-batched like the reference
+        ref, tmg = arr.ref, teacher.megatron
+        tmicro = _micro_batch(ref.log_prob_use_dynamic_bsz, ref.log_prob_micro_batch_size_per_gpu,
+                              ref.log_prob_max_token_len_per_gpu, tmg.context_parallel_size,
+                              d.train_batch_size * n // _dp(tmg, world), longest)
+        roles.append(_Role(_spec("teacher", teacher.model_path, tmg, world, tmicro, longest, cuda, trains=False),
+                           "distillation.teacher_model.megatron", None,
+                           f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu="
+                           f"{ref.log_prob_micro_batch_size_per_gpu}", "teacher"))
     return roles
 
 
@@ -251,7 +250,7 @@ def _fixes(role: _Role, estimate) -> tuple[str, str]:
 def memory_problems(cfg, device=None) -> list[str]:
     """The engines' estimated memory (``verl_lite.engine.memory``) against the device: on GPU each GPU holds
     one actor worker (actor, reference, rollout) and the workers colocated with it (a critic without workers of
-    its own, the reward model), whose estimates must fit the GPU's memory (a critic with workers of its own:
+    its own, the reward model, the teacher), whose estimates must fit the GPU's memory (a critic with workers of its own:
     its GPU alone); on CPU every worker process of this machine shares its available RAM. One line when they
     do not fit: the numbers per engine and the knobs of the largest. ``device``: (bytes, description),
     default ``memory.device_memory()``. An engine whose config.json does not read is not estimated."""
@@ -288,9 +287,3 @@ def memory_problems(cfg, device=None) -> list[str]:
             fix += "; or run fewer worker processes on this machine (fewer workers per node, the layout still dividing them)"
         out.append(f"{lead}: {where}; {fix} (how it is estimated: docs/memory.md)")
     return out
-
-
-def _cuda_visible() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

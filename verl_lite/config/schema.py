@@ -1,13 +1,10 @@
 """The structured config schema: the sections composed under verl's key names.
 
-Each package owns its sections (fields, defaults, choices and ``problems``) next to the code they configure; this
-package composes them (only the trainer's section and the actor/ref/critic composition live here). Hydra composes
-the schema from its ConfigStore entry `ppo_trainer`; no YAML restates a default; docs/config.md is generated from
-it (`python scripts/config_docs.py`), batch vocabulary included (docs/contracts.md).
-
+Each package owns its sections (fields, defaults, choices and ``problems``) next to the code they configure; only
+the trainer's section and the actor/ref/critic composition live here. Hydra composes the schema from its
+ConfigStore entry `ppo_trainer`; docs/config.md is generated from it (`python scripts/config_docs.py`).
 `None` for `actor_rollout_ref.model.path`, `data.train_files` or `data.val_files` means the built-in default (the
-shipped tiny model and the synthetic addition task); `load_config` fills these in, with `trainer.experiment_name`
-and `trainer.default_local_dir` derived from them, so a loaded config always holds real paths.
+shipped tiny model and the synthetic addition task), which `load_config` fills in.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
-"""verl's command-line vocabulary that is not a field of the schema: each key gets one decision.
+"""verl's command-line vocabulary that is not a field of the schema: each key gets one decision, by the first rule
+of ``verl_keys.json`` (one rule a line) whose pattern matches it, before anything starts:
 
-Every key verl's launch scripts use that is not a schema key is matched here, in order, against a rule that
-decides before anything starts (the rules are data: ``verl_keys.json``, one rule a line):
-
-- ``alias``   the same setting under verl_lite's name (``custom_reward_function.path`` ->
-              ``reward.custom_reward_function.path``); the value is kept (or mapped, ``dapo`` -> ``naive``) and
+- ``alias``   the same setting under verl_lite's name; the value is kept (or mapped, ``dapo`` -> ``naive``) and
               then checked like any schema key;
-- ``same``    accepted when the value states what verl_lite always does (``use_remove_padding=True``: verl_lite
-              always packs THD); any other value is rejected with the reason;
-- ``equal``   accepted when the value equals another key's (``ref.megatron.tensor_model_parallel_size`` must equal
-              the actor's: they share the process group); checked after the whole command line is composed;
+- ``same``    accepted when the value states what verl_lite always does (``use_remove_padding=True``); any other
+              value is rejected with the reason;
+- ``equal``   accepted when the value equals another key's (checked after the whole command line is composed);
 - ``reject``  does not apply here: the message says why and what to use instead.
 
-No rule accepts a value and then ignores it. Keys that match no rule and are not in the schema get the generic
-unknown-key message (with a close key from the same section when there is one).
+No rule accepts a value and then ignores it. A key no rule matches gets the unknown-key message.
 """
 
 from __future__ import annotations

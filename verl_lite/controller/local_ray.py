@@ -1,19 +1,9 @@
-"""Starting and stopping Ray for one run: joining the cluster named by ``RAY_ADDRESS`` (started by the user,
-docs/cluster.md; nothing here changes its networking), or a minimal local Ray that:
-
-- listens on 127.0.0.1 only (Ray keeps ``_node_ip_address="127.0.0.1"`` only while its "single-machine"
-  switch ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is set);
-- starts its raylet with a one-process role's environment (``worker_env.role_env``), which every worker
-  inherits, so such a role needs no per-actor ``runtime_env`` set-up;
-- starts only what a local run needs (``compat.ray_local.LOCAL_SYSTEM_CONFIG``): workers at normal priority
-  (Ray's niceness of 15 starved runs on a busy machine); no prestarted idle workers (the run's actors cannot
-  use them); no dashboard, API server or autoscaler monitor (``ray.init`` waits for the API server); a raylet
-  that retries the connection to its own object store at a short interval (Ray's once a second often cost a
-  whole second); no task events (flushing them lengthened ``ray.shutdown``); no usage stats;
-- is retried a bounded number of times (``ray.init`` times out under load), then :class:`RayStartError`;
-- dies with its driver: a reaper (``ray_reaper.py``, started before Ray) SIGKILLs every process of the
-  session, marked by ``VERL_LITE_RAY_SESSION`` in their environment, when the driver exits without stopping
-  Ray, however it died (Ray ties only the GCS and the raylet to the driver; its agents outlived it).
+"""Starting and stopping Ray for one run: joining the cluster at ``RAY_ADDRESS`` (docs/cluster.md), or a minimal
+local Ray that listens on 127.0.0.1 only; whose raylet has a one-process role's environment (``worker_env.role_env``,
+inherited by every worker: such a role needs no per-actor ``runtime_env``); that starts only what a local run
+needs (``compat.ray_local.LOCAL_SYSTEM_CONFIG``); is retried a bounded number of times (then
+:class:`RayStartError`); and dies with its driver, however it dies: a reaper (``ray_reaper.py``, started before Ray)
+SIGKILLs every process marked by ``VERL_LITE_RAY_SESSION`` in its environment.
 
 :func:`stop_ray` shuts down what :func:`start_ray` started, SIGKILLs what outlives the shutdown (by pid) and
 removes the session directory (``VERL_LITE_KEEP_RAY_SESSION=1`` keeps it).

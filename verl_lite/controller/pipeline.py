@@ -1,21 +1,13 @@
 """The rollout/training pipeline of split placement (verl's one-step-off schedule): a bounded queue of rollout
 batches, each tagged with the policy version that sampled it.
 
-Version v is the policy after v RL steps. Batch b (the one RL step b + 1 trains on) is sampled by version
-``v(b) = max(0, b - k)``, k = ``async_training.staleness_threshold``, so it is at most k versions old at
-training: k = 0 is the synchronous loop, k = 1 one-step-off. The schedule is fixed, not a race: one generation
-thread runs batches in order and loads exactly version v(b) into every rollout worker before batch b, so a
-run is reproducible at its seeds. At most k + 1 batches are generated ahead (the queue's bound); their prompt
-rows are pulled on the trainer's thread.
+Version v is the policy after v RL steps. Batch b (trained at RL step b + 1) is sampled by version
+``v(b) = max(0, b - k)``, k = ``async_training.staleness_threshold`` (0: synchronous, 1: one-step-off). The
+schedule is fixed, not a race: one generation thread runs batches in order and loads exactly version v(b) before
+batch b, so a run is reproducible at its seeds; at most k + 1 batches are generated ahead. Every wait is bounded;
+a failure in the generation thread is re-raised on the trainer's thread at its next ``next()``::
 
-    pipe.start()
-    item = pipe.next(step_index)            # the batch of that step (waits at most queue_timeout_s)
-    pipe.publish(step_index + 1, weights)   # the updated policy, for the batches that need it
-    pipe.in_flight()                        # generated-ahead batches (a checkpoint saves them)
-    pipe.close()
-
-Every wait is bounded (``queue_timeout_s``, the ``load`` callable's own bound, ``trainer.worker_timeout_s``).
-A failure in the generation thread is re-raised on the trainer's thread at its next ``next()``.
+    pipe.start(); item = pipe.next(step_index); pipe.publish(step_index + 1, weights); pipe.close()
 """
 
 from __future__ import annotations
@@ -65,10 +57,10 @@ class RolloutItem:
 
 
 class RolloutPipeline:
-    """``generate(rows, index) -> Batch`` runs on the rollout pool; ``load(weights, version)`` loads a version into
-    every rollout worker; ``next_rows()`` (trainer's thread) gives the next batch's prompt rows. A resumed run
-    starts at ``first_index`` with ``ready`` (the batches it saved); ``end_index``: steps past it get no batch;
-    ``loaded_version``: the version the rollout workers hold now (None: unknown)."""
+    """``generate(rows, index) -> Batch`` on the rollout pool; ``load(weights, version)`` into every rollout worker;
+    ``next_rows()`` (trainer's thread): the next batch's prompt rows. A resumed run starts at ``first_index`` with
+    ``ready`` (the batches it saved); ``end_index``: no batch past it; ``loaded_version``: the workers' now (None:
+    unknown)."""
 
     def __init__(self, generate: Callable[[list, int], Any], load: Callable[[Any, int], None],
                  next_rows: Callable[[], list], staleness: int, queue_timeout_s: float, first_index: int = 0,
@@ -105,8 +97,8 @@ class RolloutPipeline:
                 self._cond.notify_all()
 
     def next(self, index: int) -> RolloutItem:
-        """The batch that RL step ``index`` (0-based) trains on. Raises :class:`PipelineError` when the
-        generation thread failed or no batch came within ``queue_timeout_s``."""
+        """The batch RL step ``index`` (0-based) trains on; :class:`PipelineError` when the generation thread failed
+        or no batch came within ``queue_timeout_s``."""
         self._top_up(index)
         item = self._ready.pop(0) if self._ready else self._get(index)
         self._handed = index + 1
@@ -144,8 +136,8 @@ class RolloutPipeline:
             self._cond.notify_all()
 
     def in_flight(self) -> list[RolloutItem]:
-        """Every batch handed to the thread and not yet to the trainer, generated (waits for each, bounded by
-        ``queue_timeout_s``). They stay in the pipeline, in order; a checkpoint saves them."""
+        """Every batch handed to the thread and not yet to the trainer, generated (bounded waits); they stay in the
+        pipeline, in order (a checkpoint saves them)."""
         while self._handed + len(self._ready) < self._next_submit:
             self._ready.append(self._get(self._handed + len(self._ready)))
         return list(self._ready)
@@ -200,7 +192,7 @@ class RolloutPipeline:
             self._hand_over(err)
 
     def _hand_over(self, item) -> None:
-        """Put a batch (or the thread's error) in the bounded queue, waiting while it is full, until ``close``."""
+        """Put a batch (or the thread's error) in the bounded queue, waiting while it is full until ``close``."""
         while not self._stop.is_set():
             with contextlib.suppress(queue.Full):
                 self._queue.put(item, timeout=1.0)

@@ -1,25 +1,19 @@
-"""Micro-batch planning: which trajectories go to which DP rank and micro-batch. Pure Python: the controller
-plans once per mini-batch and sends every DP rank its share, so all ranks agree on the number and order of
-micro-batches by construction.
+"""Micro-batch planning: which trajectories go to which DP rank and micro-batch. The controller plans once per
+mini-batch and sends every DP rank its share, so all ranks agree on the micro-batches by construction::
 
     plan = plan_micro_batches(lengths, dp_size, micro_batch_size=2)
     plan[dp_rank] -> [[i, j], [k, l], ...]      # micro-batches of trajectory indices
 
-1. DP partition: ``dp_size`` groups of EQUAL size (trajectories per mini-batch divide by DP), balanced by
-   token count: greedy, heaviest unit first, into the lightest group that still has room for all of it.
-2. Micro-batches per rank: fixed ``micro_batch_size`` trajectories each, or a token budget
-   ``max_tokens_per_micro_batch`` (first-fit-decreasing bins, then balanced). The count is then made the
-   same on every rank (the maximum, rounded up to ``vpp_multiple``) by splitting the largest micro-batches;
-   a micro-batch is empty only if a rank has fewer trajectories than that count.
+1. DP partition: ``dp_size`` groups of EQUAL size, balanced by token count: greedy, heaviest unit first, into the
+   lightest group that still has room for all of it.
+2. Micro-batches per rank: ``micro_batch_size`` trajectories each, or a token budget ``max_tokens_per_micro_batch``
+   (first-fit-decreasing, then balanced). The count is then made the same on every rank (the maximum, rounded up
+   to ``vpp_multiple``) by splitting the largest micro-batches.
 
-A *unit* is one trajectory, or with ``prompts`` (given only for an engine that packs a shared prompt once,
-``engine/packing.py``) the trajectories of one prompt, placed together where they fit (else member by
-member). Over DP the partition by prompt is kept only where its heaviest rank packs no more tokens than the
-partition by trajectory's. A rank's trajectories stay in ascending order, so a prompt-major batch cut into
-fixed-size micro-batches keeps each prompt's samples together too.
-
-Planning never changes the math: the loss normalization comes from the whole mini-batch
-(``algorithms.aggregation.NormalizationPlan``), not from how it is cut.
+A *unit* is one trajectory, or with ``prompts`` (for an engine that packs a shared prompt once, engine/packing.py)
+the trajectories of one prompt, placed together where they fit (else member by member); over DP the partition by
+prompt is kept only where its heaviest rank packs no more tokens than the partition by trajectory's. A rank's
+trajectories stay in ascending order. Planning never changes the math (``NormalizationPlan``).
 """
 
 from __future__ import annotations

@@ -1,18 +1,15 @@
-"""The local Ray's reaper: kills every process of one local Ray session when the driver that started it dies
-(Ray ties its GCS and raylet to the driver, but the raylet's agents outlived a SIGKILLed driver). Started by
+"""The local Ray's reaper: kills every process of one local Ray session when the driver that started it dies (Ray
+ties its GCS and raylet to the driver, but the raylet's agents outlived a SIGKILLed driver). Started by
 ``local_ray.start_ray`` BEFORE Ray, by path (standard library only)::
 
     python ray_reaper.py DRIVER_PID MARKER_NAME=MARKER_VALUE
 
-The session's processes carry the marker in their start-up environment (set only while ``ray.init`` spawns
-the GCS and the raylet); Ray's Python processes, which overwrite that memory with their title, are also found
-by a file open under the session directory with this interpreter as executable. Nothing else is touched.
-
+The session's processes carry the marker in their start-up environment; Ray's Python processes, which overwrite
+it with their title, are found by a file open under the session directory with this interpreter as executable.
 The driver holds the reaper's stdin: ``session DIR`` names the session directory (until then it is read from a
-marked GCS's or raylet's ``--session-dir``, so a driver stopped inside ``ray.init`` leaves nothing behind);
-``stop`` says the driver stopped Ray itself. At EOF, or when its parent is no longer the driver, the reaper
-SIGKILLs every marked process (bounded), removes DIR unless told ``stop`` (or ``VERL_LITE_KEEP_RAY_SESSION``
-is set), and exits. It ignores SIGINT/SIGTERM/SIGHUP: a Ctrl-C to the terminal must not stop it first.
+marked process's ``--session-dir``), ``stop`` says the driver stopped Ray itself. At EOF, or when its parent is no
+longer the driver, the reaper SIGKILLs every marked process (bounded), removes DIR unless told ``stop`` (or
+``VERL_LITE_KEEP_RAY_SESSION`` is set), and exits. It ignores SIGINT/SIGTERM/SIGHUP (a terminal's Ctrl-C).
 """
 
 import contextlib

@@ -1,6 +1,6 @@
 """One role of the RL job (actor/rollout/ref, critic, ...) on its own workers and layout: a :class:`WorkerGroup`
 whose workers form ONE torch.distributed world with the role's TP/PP/CP/DP layout. The trainer talks to roles
-only through it:
+only through it::
 
     actor, critic = RoleGroup("actor", ...), RoleGroup("critic", ...)   # processes start
     start_roles(actor, critic)                        # engines built, side by side
@@ -8,9 +8,8 @@ only through it:
     actor.infer("compute_log_prob", batch, sizing)    # forward-only, rows back in batch order
     critic.train("update_critic", jobs, ...)          # one optimizer step per job, owners' results
 
-DP-dispatched calls follow ``dispatch.py`` (pieces in wire form, ``wire.py``). Roles share one
-:class:`ResourcePool`: colocated on another role's bundles (each takes a share) or on bundles of their own
-(``bundle_offset``). No RL math lives here.
+DP-dispatched calls follow ``dispatch.py`` (pieces in wire form). Roles share one :class:`ResourcePool`,
+colocated (each takes a share of a bundle) or on bundles of their own (``bundle_offset``).
 """
 
 from __future__ import annotations
@@ -107,8 +106,8 @@ class RoleGroup:
         return [o for rank_out in self.group.call_per_rank(method, args, timeout_s=timeout_s) for o in rank_out]
 
     def _shared(self, piece: Any) -> Any:
-        """A DP piece as sent to its ranks, in wire form: put in the object store once when several ranks (TP/PP/CP
-        peers) receive it; by value when each DP rank is one rank (the round trip costs more than it saves)."""
+        """A DP piece in wire form: put in the object store once when several ranks (TP/PP/CP peers) receive it,
+        else by value."""
         return ray.put(wire(piece)) if self.world_size > self.dp else wire(piece)
 
     def _shards(self, batch: Batch, lengths: Sequence[int], sizing: MicroBatching):

@@ -1,17 +1,12 @@
 """verl's ``separate_async`` on the rollout pool: prompt groups stream through the rollout workers' trajectory
-streams (``verl_lite.agent.stream``), and each RL step trains on complete groups as soon as there are enough.
+streams (``verl_lite.agent.stream``); each RL step trains on complete groups as soon as there are enough. Step s
+(1-based) trains version s - 1, then publishes version s, which every rollout worker loads between its backend
+calls (partial rollouts: each model turn is tagged with the version that generated it).
 
-Step s (1-based) trains the policy of version s - 1 and then publishes version s, which every rollout worker
-loads between its backend calls: running trajectories go on with the new weights (partial rollouts), each
-model turn tagged with the version that generated it.
-
-Schedule (verl's v1 sampler): a group's *age* at step s is ``s - submit_step + 1`` (``submit_step``: the step
-during which its prompt was submitted). ``(1 + num_warmup_batches) x train_batch_size`` groups are kept
-outstanding (submitted, not yet trained). Step s takes the ``train_batch_size`` complete groups submitted
-first whose age is at most ``max_off_policy_threshold``; ``drop`` evicts a complete group older than that (a
-new prompt takes its place), ``wait`` submits no new prompt while an incomplete group has reached the bound.
-
-Every wait is bounded: the wait for enough complete groups (``queue_timeout_s``), each worker call, a load.
+Schedule (verl's v1 sampler): a group's *age* at step s is ``s - submit_step + 1``. ``(1 + num_warmup_batches) x
+train_batch_size`` groups are kept outstanding; step s takes the ``train_batch_size`` complete groups submitted
+first whose age is at most ``max_off_policy_threshold``; ``drop`` evicts a complete group older than that,
+``wait`` submits no new prompt while an incomplete group has reached the bound. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -53,9 +48,8 @@ class StreamingPipeline:
         self.evicted = 0
 
     def next(self, index: int, count: int | None = None) -> tuple[list[dict], list[dict], dict]:
-        """``count`` (default ``batch_groups``) complete groups for step ``index + 1``: rows, ``n`` samples each
-        (prompt-major), the wait's metrics; bounded (queue_timeout_s). DAPO's dynamic sampling asks again for the
-        groups its filter dropped."""
+        """(rows, ``n`` samples each prompt-major, the wait's metrics) of ``count`` (default ``batch_groups``)
+        complete groups for step ``index + 1``, within ``queue_timeout_s``."""
         step, count = index + 1, count or self.batch_groups
         started = time.monotonic()
         while True:
@@ -85,8 +79,8 @@ class StreamingPipeline:
         self.load_fn(weights, version)
 
     def outstanding_rows(self) -> list[dict]:
-        """The prompt rows pulled from the data and not yet trained, in submission order: a checkpoint saves them
-        and a resumed run submits them again first (their samples so far are generated again)."""
+        """The prompt rows pulled from the data and not yet trained, in submission order (a checkpoint saves them;
+        a resumed run submits them again first)."""
         return [g.row for g in sorted(self.groups.values(), key=lambda g: g.gid)] + list(self.pending_rows)
 
     def _choose(self, step: int, count: int) -> tuple[list[Group], list[Group]]:

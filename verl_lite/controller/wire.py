@@ -1,14 +1,12 @@
-"""What the controller sends to (and gets back from) workers, pickled without torch's per-tensor cost.
-
-A CPU ``torch.Tensor`` pickles through ``torch.save`` of its storage: a fixed cost per tensor each way, which
-dominates for the many small tensors of a DP piece. Under :func:`wire` every CPU tensor of an object graph
-travels as its raw bytes (a numpy array, protocol 5, out-of-band where the outer pickler allows it), and
-unpickling gives back the object graph itself, never a wrapper::
+"""What the controller sends to (and gets back from) workers, pickled without torch's per-tensor cost (``torch.save``
+of each storage, which dominates for a DP piece's many small tensors). Under :func:`wire` every CPU tensor of an
+object graph travels as its raw bytes (a numpy array, protocol 5, out-of-band where the outer pickler allows it),
+and unpickling gives back the object graph itself::
 
     ref = ray.put(wire(state_dict))         # the worker's ray.get / argument is a plain dict of tensors
 
-Each tensor arrives with its dtype, shape and values, owning its memory. ``requires_grad`` tensors and tensors
-off the CPU are pickled by torch; views of one storage arrive as separate tensors. The bytes are never converted.
+Each tensor arrives with its dtype, shape and values, owning its memory; ``requires_grad`` and non-CPU tensors are
+pickled by torch; views of one storage arrive as separate tensors.
 """
 
 from __future__ import annotations

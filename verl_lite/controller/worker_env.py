@@ -1,8 +1,5 @@
-"""The environment of a role's worker processes: ``OMP_NUM_THREADS`` (:func:`worker_threads`), glibc's heap
-settings (:data:`HEAP_TUNABLES`), ``utils.quiet.worker_env`` and transformers' / the hub's / tqdm's quiet
-switches. The local Ray started by ``local_ray.start_ray`` gives its workers :func:`role_env` of a one-process
-role; ``WorkerGroup`` passes a ``runtime_env`` (built per actor by Ray's agent, which lengthens every actor
-start) only when a role's environment differs from that.
+"""The environment of a role's worker processes (:func:`role_env`). The local Ray gives its workers a one-process
+role's; ``WorkerGroup`` passes a ``runtime_env`` (which lengthens every actor start) only for a role that differs.
 """
 
 from __future__ import annotations
@@ -11,11 +8,9 @@ import os
 
 from verl_lite.utils.quiet import worker_env
 
-# glibc's malloc serves an allocation above its mmap threshold (dynamic, at most 32 MB by default) with a fresh
-# mmap and unmaps it at free, so each of a train step's large activations is page-faulted in again, page by page,
-# every time it is allocated. With allocations up to 1 GB served from the heap and up to 1 GB of its free top
-# kept, a large train step reuses its pages at the price of a larger peak RSS (docs/performance.md). A
-# GLIBC_TUNABLES of the user's own is kept as given; other C libraries ignore the variable.
+# glibc serves allocations above its mmap threshold (at most 32 MB) by fresh mmaps, page-faulted in again at every
+# allocation; serving up to 1 GB from the heap and keeping 1 GB of its free top reuses a train step's pages at the
+# price of a larger peak RSS (docs/performance.md). A user's own GLIBC_TUNABLES is kept.
 HEAP_TUNABLES = "glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=1073741824"
 
 

@@ -1,14 +1,11 @@
 """A group of Ray actors, one per engine rank, driven by the single controller. Workers subclass :class:`Worker`
-and know nothing about Ray; each gets its rank, the world size and a rendezvous address (127.0.0.1 on one
-machine, else rank 0's node address; a free port found there).
+and know nothing about Ray; each gets its rank, the world size and rank 0's rendezvous address.
 
-No hangs: every wait has a timeout, and results are awaited as they come (``ray.wait``), so the first worker
-exception is seen at once, even while the other ranks sit blocked in a collective. Any failure tears the whole
-group down (every actor killed, the placement group freed) and is raised as :class:`WorkerError` naming the
-rank, the method and the worker's traceback. A lost node is ONE :class:`NodeLostError` naming the node and the
-roles and ranks it hosted, also when a surviving rank fails first or a worker's death arrives before Ray's
-health check declares the node dead (the driver waits up to ``PEER_LOSS_GRACE_S`` for that verdict). A worker
-whose raylet is gone exits by itself (:func:`exit_when_orphaned`): Ray's workers outlive a killed raylet.
+No hangs: every wait has a timeout and results are awaited as they come (``ray.wait``), so the first worker
+exception is seen at once. Any failure tears the whole group down and is raised as :class:`WorkerError` naming
+the rank, the method and the worker's traceback; a lost node is ONE :class:`NodeLostError` naming the node and
+the roles and ranks it hosted, also when a surviving rank fails first (the driver waits up to
+``PEER_LOSS_GRACE_S`` for Ray's health check). A worker whose raylet is gone exits by itself.
 """
 
 from __future__ import annotations
@@ -62,8 +59,7 @@ class NodeLostError(WorkerError):
 
 
 def exit_when_orphaned(interval_s: float = ORPHAN_CHECK_S) -> None:
-    """In a Ray actor: once the raylet that started it (its parent) is gone, SIGKILL this process's descendants
-    (which ``os._exit`` would orphan) and exit."""
+    """In a Ray actor: once its raylet (its parent) is gone, SIGKILL this process's descendants and exit."""
     parent = os.getppid()
 
     def watch():
@@ -114,7 +110,6 @@ class Worker:
         return wire(getattr(self, method)(*args, **kwargs))
 
     def node_id(self) -> str:
-        """The Ray node this worker runs on."""
         return ray.get_runtime_context().get_node_id()
 
 
@@ -151,8 +146,8 @@ class WorkerGroup:
             raise
 
     def connect(self) -> None:
-        """Give every rank rank 0's rendezvous address (once, at the first call: until then the actors start in
-        the background, so groups created one after the other start their processes at the same time)."""
+        """Give every rank rank 0's rendezvous address, once, at the first call (until then the actors start in
+        the background, so groups created one after another start at the same time)."""
         if self._rendezvous is None:
             return
         ref, self._rendezvous = self._rendezvous, None
@@ -184,7 +179,6 @@ class WorkerGroup:
 
     def _submit(self, method: str, args_per_rank: Sequence[Sequence], kwargs_per_rank: Sequence[dict] | None = None,
                 wired_results: bool = False) -> list:
-        """Start ``method`` on every rank with that rank's arguments (connecting first); the calls' refs, rank order."""
         if not self._alive:
             raise WorkerError(f"the worker group was shut down; cannot call {method!r}", method=method)
         self.connect()
@@ -232,7 +226,6 @@ class WorkerGroup:
         return [results[r] for r in ranks]
 
     def _get_one(self, ref, rank_of: dict, pending: list, method: str, deadline: float) -> Any:
-        """One call's result, or its failure raised as the error the driver reports."""
         rank = rank_of[ref]
         try:
             return ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
@@ -278,14 +271,14 @@ class WorkerGroup:
             time.sleep(0.25)
 
     def _worker_node_loss(self, died: list[int], method: str, deadline: float) -> NodeLostError | None:
-        """After the workers of ranks ``died`` died: their death reaches the driver before Ray's health check
-        declares their node dead, so for those on another node wait up to :data:`PEER_LOSS_GRACE_S`."""
+        """The node loss behind the deaths of ranks ``died`` (their death reaches the driver before Ray's health
+        check: for those on another node wait up to :data:`PEER_LOSS_GRACE_S`)."""
         remote = self._remote_ranks(died)
         return self._node_loss(remote, method, deadline, PEER_LOSS_GRACE_S) if remote else None
 
     @staticmethod
     def _died_ranks(pending: list, rank_of: dict) -> list[int]:
-        """The ranks of the ``pending`` calls that have failed because their worker died (one short ``ray.wait``)."""
+        """The ranks of the ``pending`` calls whose worker died (one short ``ray.wait``)."""
         ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0.25) if pending else ([], [])
         died = []
         for ref in ready:
@@ -298,7 +291,6 @@ class WorkerGroup:
         return died
 
     def _dead_node_of(self, ranks: list[int], method: str) -> NodeLostError | None:
-        """The :class:`NodeLostError` of the first of ``ranks`` whose node Ray reports dead now."""
         alive = {n.get("NodeID") for n in ray.nodes() if n.get("Alive")}
         for rank in ranks:
             node = self.pool.node_of(self.bundle_offset + rank)
@@ -314,7 +306,7 @@ class WorkerGroup:
         return None
 
     def shutdown(self) -> None:
-        """Kill every actor and free the placement group (idempotent; never blocks)."""
+        """Kill every actor and free the placement group (idempotent, never blocks)."""
         self._alive = False
         for actor in self.actors:
             with contextlib.suppress(Exception):

@@ -2,13 +2,10 @@
 
 Used by the shipped tiny model (`verl_lite/assets/tiny-*`) and by tests: no model hub needed.
 
-Vocabulary: special tokens first (ids 0..6), then every printable ASCII character and "\n"
-as one token each, in GPT-2's byte-level spelling (space is "Ġ", newline "Ċ"): a BPE model without
-merges, so text splits into characters under its own byte-level pre-tokenizer and under the one
-transformers imposes when it loads a Qwen2 model directory's tokenizer (Qwen2Tokenizer): printable ASCII,
-spaces and newlines round-trip either way. A character outside that alphabet (non-ASCII) is `<unk>`
-(id 3, once per UTF-8 byte) when the tokenizer.json is read as it is, and is left out by Qwen2Tokenizer
-(its BPE has no unknown token).
+Vocabulary: special tokens first (ids 0..6), then every printable ASCII character and "\n" as one token each,
+in GPT-2's byte-level spelling (space "Ġ", newline "Ċ"): a BPE model without merges, so text splits into
+characters both as it is and under the Qwen2Tokenizer transformers imposes on a Qwen2 model directory. A non-ASCII
+character is `<unk>` (id 3, once per UTF-8 byte), or left out by Qwen2Tokenizer (its BPE has no unknown token).
 
     id 0 <pad>   id 1 <bos>   id 2 <eos>   id 3 <unk>
     id 4 <|system|>   id 5 <|user|>   id 6 <|assistant|>

@@ -2,23 +2,16 @@
 
 A row (parquet file, list of dicts or HF ``datasets.Dataset``; every key but the prompt is optional):
 
-    prompt:       list[{"role": str, "content": str}]   conversational: the chat template is applied
+    prompt:       list[{"role": str, "content": str}]   chat messages: the chat template is applied
                   | str                                 plain text: tokenized as it is (TRL's "standard" rows)
-                                                        (column name = prompt_key)
     data_source:  str                                   routes the built-in scorer (default "python")
-    reward_model: {"ground_truth": ..., "style": ...}   verl's place for the ground truth ...
-    ground_truth: Any                                   ... or a column of its own (TRL style); optional
-                                                        unless the reward needs it (checked before start)
-    extra_info:   dict | None                           passed to the reward function
-    <any other column> (e.g. TRL's ``answer``)          merged into extra_info, so a reward function
-                                                        receives it as a keyword argument of that name
+    reward_model: {"ground_truth": ..., "style": ...}   verl's place for the ground truth, or a column
+    ground_truth: Any                                   of its own (TRL style)
+    extra_info:   dict | None                           passed to the reward function, with every other
+                                                        column merged in (TRL's ``answer`` -> a keyword)
 
-`RLDataset(files, tokenizer, max_prompt_length)` checks every row and tokenizes its prompt (:func:`encode_prompt`).
-Prompts longer than max_prompt_length are dropped when filter_overlong_prompts (counted in `num_filtered`), else
-handled by `truncation` ("error" raises naming the file and row, "left" keeps the last tokens, "right" the first).
-Item i is {"prompt_ids", "data_source", "ground_truth" (or None), "extra_info", "index" (the row's position in the
-concatenated files), "messages" (the prompt as given)}. `iterate_batches` yields batches in an order that is a
-deterministic function of (seed, epoch), the same on every process.
+Item i of :class:`RLDataset` is {"prompt_ids", "data_source", "ground_truth" (or None), "extra_info", "index"
+(the row's position in the concatenated files), "messages" (the prompt as given)}.
 """
 
 from __future__ import annotations
@@ -148,7 +141,9 @@ def _check_rendered(messages: list[dict] | str, text: str, where: str, prompt_ke
 
 
 class RLDataset:
-    """Prompts from parquet files, tokenized (see module docstring). Its defaults are the ``data`` section's."""
+    """Every row checked and its prompt tokenized. Prompts longer than ``max_prompt_length`` are dropped with
+    ``filter_overlong_prompts`` (counted in ``num_filtered``), else ``truncation`` says: "error" raises naming the
+    file and row, "left" keeps the last tokens, "right" the first. Its defaults are the ``data`` section's."""
 
     @classmethod
     def from_config(cls, data: DataConfig, files, tokenizer, tools: list[dict] | None = None) -> RLDataset:
@@ -241,7 +236,8 @@ def epoch_order(n: int, shuffle: bool, seed: int, epoch: int) -> list[int]:
 def iterate_batches(
     dataset, batch_size: int, shuffle: bool = True, seed: int = 0, epoch: int = 0, drop_last: bool = True
 ) -> Iterator[list[dict[str, Any]]]:
-    """Batches of `batch_size` items in the (seed, epoch) order; the last partial batch is dropped if drop_last."""
+    """Batches of `batch_size` items in the (seed, epoch) order, the same on every process; the last partial
+    batch is dropped if drop_last."""
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1")
     n = len(dataset)

@@ -1,12 +1,5 @@
-"""The built-in synthetic task: multi-digit addition, in verl's parquet row format.
-
-A row (one prompt):
-
-    {"data_source": "synthetic/addition",
-     "prompt": [{"role": "user", "content": "47+385="}],
-     "ability": "arithmetic",
-     "reward_model": {"style": "rule", "ground_truth": "432"},
-     "extra_info": {"split": "train", "index": 0, "a": 47, "b": 385, "demonstration": "432"}}
+"""The built-in synthetic task: multi-digit addition ("47+385=" -> "432"), in verl's parquet row format
+(:func:`make_rows`).
 
 The verifier (`score_addition`) is strict: 1.0 when the stripped response is the decimal sum and nothing else.
 `extra_info["demonstration"]` is the response an SFT warm start imitates; in a fraction `restate_fraction` of the

@@ -1,12 +1,5 @@
-"""The shipped tool-use task: multi-digit multiplication with a ``calculator`` tool (``--recipe tool_agent``).
-
-A row (one prompt, verl's parquet shape):
-
-    {"data_source": "synthetic/tool_multiplication",
-     "prompt": [{"role": "user", "content": "3471*89="}],
-     "ability": "arithmetic",
-     "reward_model": {"style": "rule", "ground_truth": "308919"},
-     "extra_info": {"split": "val", "index": 0, "a": 3471, "b": 89, "uses_tool": true}}
+"""The shipped tool-use task: multi-digit multiplication with a ``calculator`` tool (``--recipe tool_agent``), in
+verl's parquet row format (:func:`make_rows`).
 
 The tiny model cannot multiply a 2-4 digit number by a 2-3 digit one; with the tool it only has to copy::
 

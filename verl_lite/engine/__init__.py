@@ -1,8 +1,5 @@
 """The megatron engine (knows no RL): packing, parallel layouts, infer / train_step, HF bridge.
 
-    from verl_lite.engine import MegatronConfig, init_distributed, EngineConfig, OptimConfig, \
-        MegatronEngine, SequenceBatch
-
 megatron-core is imported lazily (on ``init_distributed`` / engine construction), so importing
 this package stays cheap and installs nothing.
 """

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from verl_lite.engine import speed_paths
 from verl_lite.engine.packing import zigzag_positions
-from verl_lite.engine.regather import gather_rows, invert_index
+from verl_lite.engine.regather import gather_rows, invert_index, pad_rows
 
 # torch >= 2.13 renames all_gather_into_tensor / reduce_scatter_tensor to *_single
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -65,13 +65,6 @@ def all_gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     if group is None or dist.get_world_size(group) == 1:
         return x
     return _AllGatherFirstDim.apply(x, group)
-
-
-def _pad_rows(out: torch.Tensor, rows: int) -> torch.Tensor:
-    """``out`` with zero rows appended up to ``rows`` (the pack's rows past ``cu[-1]``)."""
-    if out.shape[0] >= rows:
-        return out
-    return torch.cat([out, out.new_zeros(rows - out.shape[0], *out.shape[1:])])
 
 
 # Causal attention over short sequences runs as matmuls (``causal_matmul_attention``) on the CPU in float32/float64:
@@ -246,7 +239,7 @@ class PackedCoreAttention(torch.nn.Module):
                                                 kvi[:, 1].transpose(0, 1), attn_mask=self._zigzag_mask(b - a, q.device),
                                                 scale=self.scale, enable_gqa=np_ != kvi.shape[2])
             outs.append(oi.transpose(0, 1).reshape(hi - lo, np_ * hn))
-        return _pad_rows(torch.cat(outs), t_local) if outs else q.new_zeros(t_local, np_ * hn)
+        return pad_rows(torch.cat(outs), t_local) if outs else q.new_zeros(t_local, np_ * hn)
 
     def _zigzag_mask(self, seq_len: int, device) -> torch.Tensor:
         """``[L/cp, L]`` bool: which gathered keys (in gathered order) this rank's queries of a sequence of
@@ -311,7 +304,7 @@ class PackedCoreAttention(torch.nn.Module):
         out = gather_rows(out, read.clamp(min=0), readers)
         if shared is not None:
             return torch.where((read >= 0)[:, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
-        return _pad_rows(out, t_local)
+        return pad_rows(out, t_local)
 
     def _thd_flash(self, flash, q, k, v, cu):
         lengths = cu[1:] - cu[:-1]
@@ -319,7 +312,7 @@ class PackedCoreAttention(torch.nn.Module):
         cu32 = cu.to(device=q.device, dtype=torch.int32)
         used = int(cu[-1].item())
         out = flash(q[:used], k[:used], v[:used], cu32, cu32, max_len, max_len, 0.0, softmax_scale=self.scale, causal=True)
-        return _pad_rows(out.reshape(used, -1), q.shape[0])
+        return pad_rows(out.reshape(used, -1), q.shape[0])
 
     def _thd_flash_cp(self, flash, q, k, v, bounds: list[int]):
         """Zig-zag CP on flash-attn varlen (module docstring), one kernel call per pack: each of this rank's
@@ -355,7 +348,7 @@ class PackedCoreAttention(torch.nn.Module):
         cu_k_t = torch.tensor(cu_k, dtype=torch.int32, device=q.device)
         out = flash(q[:used], kv_sel[:, 0], kv_sel[:, 1], cu_q_t, cu_k_t, max(lq), max(lk), 0.0,
                     softmax_scale=self.scale, causal=True)
-        return _pad_rows(out.reshape(used, np_ * hn), t_local)
+        return pad_rows(out.reshape(used, np_ * hn), t_local)
 
     # -- bshd --------------------------------------------------------------------------------
     def _forward_bshd(self, q, k, v, attention_mask):

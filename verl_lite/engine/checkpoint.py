@@ -13,6 +13,7 @@ size-bounded (``utils.safe_files``); the ``.metadata`` index through the restric
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import pickle
@@ -51,26 +52,30 @@ COMMON_LIMIT = 64 << 20  # common.pt: optimizer hyper-parameters, step counters,
 MEGATRON_FORMAT_FILE = "metadata.json"  # megatron's format marker
 
 
-def read_dist_metadata(directory: str | Path):
-    """``<directory>/.metadata`` (the dist-checkpoint index), size-bounded, through the restricted unpickler;
-    :class:`UnsafeCheckpointFile` naming the file for anything it refuses or cannot parse."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    path = Path(directory) / METADATA_FILE
+def _read_checked(directory, name: str, limit: int, parse, what: str, kind: type, refusals=()):
+    """``parse`` of ``<directory>/<name>`` read size-bounded, which must give a ``kind``;
+    :class:`UnsafeCheckpointFile` naming the file for anything refused (``refusals``: said as they are) or
+    unreadable."""
+    path = Path(directory) / name
     try:
-        data = safe_files.read_bounded(directory, METADATA_FILE, INDEX_LIMIT)
-        metadata = torch_dcp.loads_index(data)
+        value = parse(safe_files.read_bounded(directory, name, limit))
     except safe_files.UnsafeFile as err:
         raise UnsafeCheckpointFile(str(err)) from None
-    except pickle.UnpicklingError as err:
+    except refusals as err:
         raise UnsafeCheckpointFile(f"{path}: {err}") from None
-    except Exception as err:  # a damaged pickle fails in many ways (EOFError, KeyError, TypeError, ...)
-        raise UnsafeCheckpointFile(f"{path}: not a readable torch.distributed.checkpoint index "
-                                   f"({type(err).__name__}: {err})") from None
-    if not isinstance(metadata, Metadata):
-        raise UnsafeCheckpointFile(f"{path}: holds a {type(metadata).__name__}, not a torch.distributed.checkpoint "
-                                   f"Metadata")
-    return metadata
+    except Exception as err:  # a damaged file fails in many ways (EOFError, KeyError, TypeError, ...)
+        raise UnsafeCheckpointFile(f"{path}: not a readable {what} ({type(err).__name__}: {err})") from None
+    if not isinstance(value, kind):
+        raise UnsafeCheckpointFile(f"{path}: holds a {type(value).__name__}, not a {what}")
+    return value
+
+
+def read_dist_metadata(directory: str | Path):
+    """``<directory>/.metadata`` (the dist-checkpoint index) through the restricted unpickler."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    return _read_checked(directory, METADATA_FILE, INDEX_LIMIT, torch_dcp.loads_index,
+                         "torch.distributed.checkpoint index", Metadata, refusals=pickle.UnpicklingError)
 
 
 def check_dist_dir(directory: str | Path) -> dict:
@@ -103,21 +108,13 @@ def check_dist_dir(directory: str | Path) -> dict:
 
 
 def read_common_state(directory: str | Path) -> dict:
-    """``<directory>/common.pt`` (size-bounded) with ``torch.load(weights_only=True)``; :class:`UnsafeCheckpointFile`
-    naming the file when it is not a dict of plain data and tensors."""
+    """``<directory>/common.pt`` with ``torch.load(weights_only=True)``: a dict of plain data and tensors."""
     from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 
-    path = Path(directory) / COMMON_STATE_FNAME
-    try:
-        data = safe_files.read_bounded(directory, COMMON_STATE_FNAME, COMMON_LIMIT)
-        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except safe_files.UnsafeFile as err:
-        raise UnsafeCheckpointFile(str(err)) from None
-    except Exception as err:  # weights_only refuses anything but plain data and tensors, in many ways
-        raise UnsafeCheckpointFile(f"{path}: not a readable common state ({type(err).__name__}: {err})") from None
-    if not isinstance(state, dict):
-        raise UnsafeCheckpointFile(f"{path}: holds a {type(state).__name__}, not the common state dict")
-    return state
+    def parse(data: bytes):
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+    return _read_checked(directory, COMMON_STATE_FNAME, COMMON_LIMIT, parse, "common state", dict)
 
 
 def _safe_common_strategy():
@@ -149,11 +146,8 @@ def _reject_sharded_objects(sharded_state_dict) -> None:
 
 # ---------------------------------------------------------------------------- state dicts
 def _is_empty_extra_state(value) -> bool:
-    if value is None:
-        return True
-    if isinstance(value, io.BytesIO):
-        return value.getbuffer().nbytes == 0
-    return isinstance(value, torch.Tensor) and value.numel() == 0
+    return value is None or (isinstance(value, io.BytesIO) and value.getbuffer().nbytes == 0) or (
+        isinstance(value, torch.Tensor) and value.numel() == 0)
 
 
 def _drop_empty_extra_state(node):
@@ -410,8 +404,6 @@ def save_role_state(engine, path: str | Path, tokenizer_path: str | None = None)
     if _rank() == 0:
         write_hf_config(engine.hf_config, path / "hf_config", tokenizer_path)
         if engine.cfg.lora is not None:
-            import dataclasses
-
             (path / LORA_FILE).write_text(json.dumps(dataclasses.asdict(engine.cfg.lora)) + "\n")
     _barrier()
 
@@ -432,11 +424,9 @@ def load_role_state(engine, path: str | Path) -> dict:
         with safe_open(str(rng_file), "pt") as f:
             meta = f.metadata() or {}
         same = meta.get("world_size") == str(_world()) and json.loads(meta.get("layout", "{}")) == _describe(engine)["layout"]
-    flags = [same]
+    flags = [same] * _world()
     if torch.distributed.is_initialized():
-        gathered = [None] * _world()
-        torch.distributed.all_gather_object(gathered, same)  # plain bools
-        flags = gathered
+        torch.distributed.all_gather_object(flags, same)  # plain bools
     restored = all(flags)
     if restored:
         _restore_rng(load_file(str(rng_file)))
@@ -471,10 +461,8 @@ def save_hf_pretrained(engine_or_chunks, hf_config, directory: str | Path, token
         stream = engine_or_chunks.items()
     else:
         stream = export_hf(engine_or_chunks, hf_config)
-    tensors = {}
-    for name, tensor in stream:
-        if _rank() == 0:
-            tensors[name] = tensor.detach().to("cpu").contiguous().clone()
+    # every rank iterates the (collective) stream to its end; rank 0 keeps the tensors
+    tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in stream if _rank() == 0}
     if _rank() == 0:
         directory = Path(directory)
         write_hf_config(hf_config, directory, tokenizer_path)

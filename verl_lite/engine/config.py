@@ -303,26 +303,23 @@ class MegatronConfig:
                 out.append(f"{key}.expert_model_parallel_size={ep}: {kind}, it has no experts to split; set it to 1")
             out += [f"{key}.override_transformer_config.{k}={v}: {kind}, it has no router; drop it"
                     for k, v in (self.override_transformer_config or {}).items() if k in ROUTER_LOSS_KEYS and v]
+        if moe or model_cfg is None:  # a dense model refuses EP > 1 above
+            if world >= 1 and (world // pp) % (ep * etp):
+                out.append(f"{key}.expert_model_parallel_size x expert_tensor_parallel_size = {ep * etp} must divide "
+                           f"the {world // pp} ranks of a pipeline stage (workers / pp)")
         if moe:
             experts = model_cfg.get("num_experts") or model_cfg.get("num_local_experts")
             if experts and experts % ep:
                 out.append(f"{key}.expert_model_parallel_size={ep} must divide the model's {experts} experts")
-            if world >= 1 and (world // pp) % (ep * etp):
-                out.append(f"{key}.expert_model_parallel_size x expert_tensor_parallel_size = {ep * etp} must divide "
-                           f"the {world // pp} ranks of a pipeline stage (workers / pp)")
             if tp > 1 and not self.sequence_parallel:
                 out.append(f"{key}: a mixture-of-experts model with tensor_model_parallel_size={tp} needs "
                            "sequence_parallel=true (megatron's token dispatcher splits the tokens over TP)")
         return out
 
-    def validate(self, world_size: int | None = None) -> "MegatronConfig":
-        """Raise ValueError naming every problem and its fix; return self when the layout is valid."""
-        problems = self.problems("megatron", world_size) + self.moe_problems("megatron", world_size or 0, None)
-        if not problems and world_size and (world_size // self.pp) % (self.ep * self.etp):
-            problems.append(f"megatron: expert parallelism ep*etp = {self.ep}*{self.etp} must divide tp*cp*dp = "
-                            f"{world_size // self.pp} (world size {world_size} / pp {self.pp}); change "
-                            f"expert_model_parallel_size or the number of processes")
-        _raise_on(problems)
+    def validate(self, world_size: int | None = None, model_cfg: dict | None = None) -> "MegatronConfig":
+        """Raise ValueError naming every problem and its fix (with ``model_cfg``: also the model's); return self."""
+        _raise_on(self.problems("megatron", world_size, model_cfg=model_cfg)
+                  + self.moe_problems("megatron", world_size or 0, model_cfg))
         return self
 
 
@@ -333,9 +330,9 @@ class OptimConfig:
     Schedule (megatron ``OptimizerParamScheduler``), for schedule step k = 0, 1, ...: warm-up lr_k = lr * k /
     lr_warmup_steps for k <= lr_warmup_steps; then "constant": lr; "linear"/"cosine": decays from lr to min_lr
     at the engine's ``total_steps``. RL: a schedule step is an RL step (verl's rule: every optimizer step of
-    RL step k uses lr_k, so the first RL step of a warm-up trains at 0); SFT: an optimizer step (k = 1, 2, ...). Weight decay skips biases and 1-D parameters (norms), as megatron does.
-    Loading a checkpoint always restores the step count k; the schedule's shape is this config's unless
-    ``use_checkpoint_opt_param_scheduler``."""
+    RL step k uses lr_k, so the first RL step of a warm-up trains at 0); SFT: an optimizer step (k = 1, 2, ...).
+    Weight decay skips biases and 1-D parameters (norms), as megatron does. Loading a checkpoint always
+    restores the step count k; the schedule's shape is this config's unless ``use_checkpoint_opt_param_scheduler``."""
 
     lr: float = 1e-4  # peak learning rate (verl: 1e-6; see 'Defaults that differ')
     weight_decay: float = 0.0  # decoupled (AdamW) weight decay; biases and norms are skipped
@@ -441,15 +438,11 @@ class LoraConfig:
 class EngineConfig:
     """What ``MegatronEngine`` builds: a role's sections as the config holds them, and what the role adds.
 
-    model_path: HF model directory (config.json + safetensors). megatron: layout, dtype (bfloat16: megatron's
-    mixed precision, see ``engine.py``), loss mode, timeout, TransformerConfig overrides. optim: None only for
-    a forward_only engine (no DDP, no optimizer); total_steps: the LR schedule's length. lora: adapters on a
-    frozen base (a critic's value head still trains whole); rank 0 is no LoRA (``lora`` becomes None).
-    gradient_checkpointing: megatron activation recompute (``RECOMPUTE``). value_head: a critic. seed: the
-    run's seed. adam_eps: Adam's epsilon (not a config key). attention_backend: the THD kernel
-    (``attention.select_attention_backend``); ``megatron.override_transformer_config.attention_backend``
-    (megatron's names) sets it too.
-    """
+    optim: None only for a forward_only engine (no DDP, no optimizer); total_steps: the LR schedule's length;
+    lora rank 0 is no LoRA (``lora`` becomes None; a critic's value head trains whole either way);
+    gradient_checkpointing: megatron activation recompute (``RECOMPUTE``); adam_eps is not a config key;
+    attention_backend: the THD kernel (``attention.select_attention_backend``), also set by
+    ``megatron.override_transformer_config.attention_backend`` (megatron's names)."""
 
     model_path: str
     megatron: MegatronConfig = field(default_factory=MegatronConfig)

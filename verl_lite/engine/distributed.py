@@ -65,6 +65,16 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
+def merged_over(group, mine: dict) -> dict:
+    """The union of every rank's ``mine`` over ``group`` (collective); ``mine`` itself in a group of one."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return mine
+    gathered = [None] * size
+    dist.all_gather_object(gathered, mine, group=group)
+    return {k: v for d in gathered for k, v in d.items()}
+
+
 def data_parallel_rank() -> int:
     """Rank within the DP group (without CP)."""
     from megatron.core import parallel_state

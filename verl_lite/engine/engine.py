@@ -42,7 +42,7 @@ from verl_lite.compat.cpu_adapter import suspended
 from verl_lite.compat.megatron_internals import main_param_shard_range, plain_rotary
 from verl_lite.engine import lora, moe
 from verl_lite.engine.config import EngineConfig
-from verl_lite.engine.hf_bridge import _tensor_of, export_hf, load_hf_weights
+from verl_lite.engine.hf_bridge import export_hf, load_hf_weights, reader
 from verl_lite.engine.lora import adapters_disabled, add_adapters, merge_into
 from verl_lite.engine.model import build_model_chunks, transformer_config_from_hf
 from verl_lite.engine.packing import PackedMicroBatch, pack_micro_batch, pad_multiple, unpack_response
@@ -142,13 +142,12 @@ def _megatron_attention_backend(name: str):
     """EngineConfig.attention_backend -> megatron's ``AttnBackend`` (read by ``PackedCoreAttention``)."""
     from megatron.core.transformer.enums import AttnBackend
 
-    return {"auto": AttnBackend.auto, "flash": AttnBackend.flash, "sdpa": AttnBackend.unfused}[name]
+    return AttnBackend[{"sdpa": "unfused"}.get(name, name)]
 
 
 class MegatronEngine:
     """A megatron-core GPT (or critic) on the current process groups (``init_distributed`` must have run on
-    every rank first). Public API: ``infer``, ``train_step``, ``export_hf``, ``load_hf``, ``save_checkpoint``,
-    ``load_checkpoint``, ``is_output_owner``, and the LoRA adapters' ``load_adapter`` / ``export_adapter``."""
+    every rank first)."""
 
     def __init__(self, cfg: EngineConfig):
         from megatron.core import parallel_state as ps
@@ -175,8 +174,7 @@ class MegatronEngine:
         self.tf_config = transformer_config_from_hf(
             self.hf_config, par, calculate_per_token_loss=par.calculate_per_token_loss, params_dtype=par.torch_dtype,
             attention_backend=_megatron_attention_backend(cfg.attention_backend), **cfg.model_overrides)
-        # prompts shared by several sequences of a micro-batch are packed once (engine/packing.py) where the
-        # attention and RoPE can read such a pack: CP 1, the engine's own RoPE; not MoE, whose router
+        # shared prompts packed once (packing.py) where attention and RoPE can read it; not MoE, whose router
         # statistics count every token of every sequence
         self.share_prompts = self.cp == 1 and self.tf_config.num_moe_experts is None and plain_rotary(self.tf_config)
         self.chunks = build_model_chunks(self.hf_config, self.tf_config, value_head=cfg.value_head)
@@ -211,17 +209,15 @@ class MegatronEngine:
     def _copy_into_main(self, param, full: torch.Tensor) -> None:
         """Write ``full`` (this rank's TP shard of ``param``, unrounded) into its fp32 main copy; with the
         distributed optimizer only this DP rank's slice of it. A frozen parameter (a LoRA base) has none."""
-        if not param.requires_grad:
-            return
         main = getattr(param, "main_param", None)
-        if getattr(param, "main_param_sharded", False):
-            if main is not None:
-                start, end = main_param_shard_range(self.optimizer, param)
-                main.copy_(full.reshape(-1)[start:end].to(main.dtype))
-        elif main is not None:
-            main.copy_(full.to(main.dtype))
-        else:
+        if not param.requires_grad or (main is None and getattr(param, "main_param_sharded", False)):
+            return
+        if main is None:
             raise RuntimeError("a bf16 parameter without an fp32 main copy: the optimizer is not mixed-precision")
+        if getattr(param, "main_param_sharded", False):
+            start, end = main_param_shard_range(self.optimizer, param)
+            full = full.reshape(-1)[start:end]
+        main.copy_(full.to(main.dtype))
 
     def _full_main_param(self, param) -> torch.Tensor:
         """The fp32 main copy of ``param`` as a full tensor of this rank's (TP) shape. With the
@@ -294,9 +290,8 @@ class MegatronEngine:
                 load_main(self._copy_into_main)
 
     def load_scheduler_state(self, state: dict) -> dict:
-        """Load a saved LR schedule (``scheduler.state_dict()``): the step count always; the shape (lr,
-        min_lr, warm-up, decay steps, style) is the checkpoint's with ``optim.use_checkpoint_opt_param_scheduler``,
-        else this engine's. Returns :meth:`lr_schedule` with ``"saved"``: the checkpoint's shape."""
+        """Load a saved ``scheduler.state_dict()``: the step count always, the shape as ``OptimConfig`` says.
+        Returns :meth:`lr_schedule` with ``"saved"``: the checkpoint's shape."""
         self.scheduler.load_state_dict(state)
         saved = {"style": state.get("lr_decay_style"), "warmup_steps": state.get("lr_warmup_steps"),
                  "decay_steps": state.get("lr_decay_steps"), "max_lr": state.get("max_lr"),
@@ -304,9 +299,7 @@ class MegatronEngine:
         return {**self.lr_schedule(), "saved": saved}
 
     def advance_lr_schedule(self) -> None:
-        """One step of the LR schedule. The caller says when a schedule step ends: :meth:`train_step` uses the
-        lr of the schedule's current step (``OptimConfig``: the RL trainer advances after each RL step's
-        updates, verl's rule; SFT before each optimizer step)."""
+        """One step of the LR schedule; the caller says when a schedule step ends (``OptimConfig``)."""
         self.scheduler.step(1)
 
     def lr_schedule(self) -> dict:
@@ -424,9 +417,7 @@ class MegatronEngine:
         names, mbs = self._prepare(batch, micro_batches, outputs if not self.cfg.value_head else VALUE_OUTPUTS,
                                    temperature)
 
-        def collect(mb, output, non_loss_data=False):
-            if not non_loss_data:
-                raise RuntimeError("infer runs with collect_non_loss_data=True")
+        def collect(mb, output, non_loss_data=True):
             res = self._per_token_outputs(output, mb, names, temperature, batch.response_width)
             return {k: v.detach().cpu() for k, v in res.items()}
 
@@ -564,16 +555,14 @@ class MegatronEngine:
             raise RuntimeError("export_adapter on an engine without LoRA (EngineConfig.lora is None)")
         if attr == "param" and self.mixed_precision and self.optimizer is not None:
             return lora.export_adapter_state(self.chunks, read=self._full_main_param)
-        return lora.export_adapter_state(self.chunks, read=partial(_tensor_of, attr=attr))
+        return lora.export_adapter_state(self.chunks, read=reader(attr))
 
     def export_merged_hf(self):
         """Iterator of (hf_name, full tensor) of the model with the adapters merged (W + scaling B A):
         what a rollout engine or an HF export receives. Without LoRA: :meth:`export_hf`. Collective."""
         if self.cfg.lora is None:
-            yield from self.export_hf()
-            return
-        adapter = self.export_adapter()
-        yield from merge_into(self.export_hf(), adapter, self.cfg.lora.scaling)
+            return self.export_hf()
+        return merge_into(self.export_hf(), self.export_adapter(), self.cfg.lora.scaling)
 
     def adapters_disabled(self):
         """Context manager: inside, the engine computes its base model (LoRA's KL reference); a no-op without LoRA."""

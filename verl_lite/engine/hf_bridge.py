@@ -26,15 +26,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from verl_lite.engine.distributed import merged_over
 from verl_lite.engine.lora import is_adapter_name
 from verl_lite.engine.model import (_get, has_qk_norm, has_qkv_bias, is_moe, num_experts, projection_shapes,
                                     qkv_heads, unwrap_model)
+from verl_lite.engine.regather import pad_rows
 from verl_lite.engine.vocab_parallel import padded_vocab_size
 
 
 @dataclass(frozen=True)
 class _Entry:
-    """One megatron parameter <-> one or more HF tensors. ``kind``: 'replicated' | 'vocab' | 'col' | 'row' |
+    """One megatron parameter <-> one or more HF tensors. ``kind``: 'replicated' | 'vocab' | 'row' |
     'qkv' | 'fc1' | 'head' (value head) | 'expert' | 'expert_fc1'; ``export``: False for duplicate copies (tied
     output layer under PP)."""
 
@@ -183,9 +185,7 @@ def _shard(entry: _Entry, hf: list[torch.Tensor], hf_config, tp: int, r: int) ->
             raise ValueError(
                 f"shape mismatch for {entry.mcore_name!r}: HF {entry.hf_names[0]} has {hf[0].shape[0]} rows, "
                 f"the config's vocab_size is {vocab}")
-        return _pad_vocab_rows(hf[0], padded_vocab_size(vocab, tp)).chunk(tp, dim=0)[r]
-    if entry.kind == "col":
-        return hf[0].chunk(tp, dim=0)[r]
+        return pad_rows(hf[0], padded_vocab_size(vocab, tp)).chunk(tp, dim=0)[r]
     if entry.kind == "row":
         return hf[0].chunk(tp, dim=1)[r]
     if entry.kind == "qkv":
@@ -198,21 +198,12 @@ def _shard(entry: _Entry, hf: list[torch.Tensor], hf_config, tp: int, r: int) ->
     raise AssertionError(entry.kind)
 
 
-def _pad_vocab_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """``t`` [V, ...] with zero rows appended up to ``rows`` (the padded vocabulary)."""
-    if rows == t.shape[0]:
-        return t
-    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])], dim=0)
-
-
 def _unshard(entry: _Entry, shards: list[torch.Tensor], hf_config) -> list[torch.Tensor]:
     """Full HF tensors for ``entry`` from the shards of all TP ranks (in TP rank order)."""
     if entry.kind in ("replicated", "head", "expert"):
         return [shards[0]]
     if entry.kind == "vocab":
         return [torch.cat(shards, dim=0)[: _get(hf_config, "vocab_size")]]
-    if entry.kind == "col":
-        return [torch.cat(shards, dim=0)]
     if entry.kind == "row":
         return [torch.cat(shards, dim=1)]
     if entry.kind == "qkv":
@@ -379,14 +370,16 @@ def _dtype_of(p: torch.Tensor, attr: str) -> torch.dtype:
     return g.dtype if g is not None else p.dtype
 
 
-def _tensor_of(p: torch.Tensor, attr: str) -> torch.Tensor:
-    """The parameter, or its gradient (zeros when it has none)."""
+def reader(attr: str):
+    """``read(param)`` for one of ``EXPORT_ATTRS``: the parameter, or its gradient (zeros where it has none)."""
     if attr not in EXPORT_ATTRS:
         raise ValueError(f"attr={attr!r}: use 'param', 'main_grad' or 'grad'")
-    if attr == "param":
-        return p.detach()
-    g = _grad(p, attr)
-    return g.detach() if g is not None else torch.zeros_like(p)
+
+    def read(p: torch.Tensor) -> torch.Tensor:
+        g = p if attr == "param" else _grad(p, attr)
+        return g.detach() if g is not None else torch.zeros_like(p)
+
+    return read
 
 
 def export_hf(chunks, hf_config, attr: str = "param", main_params=None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -402,8 +395,8 @@ def export_hf(chunks, hf_config, attr: str = "param", main_params=None) -> Itera
     pp_group = ps.get_pipeline_model_parallel_group()
     pp_rank = ps.get_pipeline_model_parallel_rank()
 
-    if attr not in EXPORT_ATTRS:
-        raise ValueError(f"attr={attr!r}: use 'param', 'main_grad' or 'grad'")
+    use_main = main_params is not None and attr == "param"
+    read = main_params if use_main else reader(attr)
     # What this rank holds: first HF name of an entry -> (entry, parameter)
     local: dict[str, tuple[_Entry, torch.Tensor]] = {}
     for model in models:
@@ -411,15 +404,10 @@ def export_hf(chunks, hf_config, attr: str = "param", main_params=None) -> Itera
         for e in _chunk_entries(model, hf_config, value_head):
             if e.export:
                 local[e.hf_names[0]] = (e, params[e.mcore_name])
-    use_main = main_params is not None and attr == "param"
-    read = main_params if use_main else (lambda p: _tensor_of(p, attr))
     owners: dict[str, tuple[int, str]] = {
         k: (pp_rank, "torch.float32" if use_main else str(_dtype_of(p, attr))) for k, (_, p) in local.items()}
     owners.update(_every_expert(owners, hf_config))  # this stage owns all experts of its layers (over EP)
-    if pp > 1:
-        gathered = [None] * pp
-        dist.all_gather_object(gathered, owners, group=pp_group)
-        owners = {k: v for d in gathered for k, v in d.items()}
+    owners = merged_over(pp_group, owners)
     shapes = hf_shapes(hf_config, value_head)
     device = next(iter(local.values()))[1].device if local else torch.device("cpu")
 

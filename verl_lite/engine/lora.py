@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from verl_lite.engine.config import LORA_ATTENTION, LORA_TARGETS, LoraConfig, as_names
+from verl_lite.engine.distributed import merged_over
 from verl_lite.engine.model import _get, projection_shapes, qkv_heads, unwrap_model
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -346,16 +347,9 @@ def export_adapter_state(chunks, read=None) -> dict:
             dist.all_gather(shards, t, group=tp_group)
             t = torch.cat(shards, dim=dim)
         (experts if expert else mine)[name] = t.cpu()
-    if experts and ps.get_expert_model_parallel_world_size() > 1:  # each EP rank holds its experts' adapters
-        gathered = [None] * ps.get_expert_model_parallel_world_size()
-        dist.all_gather_object(gathered, experts, group=ps.get_expert_model_parallel_group())
-        experts = {k: v for d in gathered for k, v in d.items()}
-    mine.update(experts)
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        gathered = [None] * ps.get_pipeline_model_parallel_world_size()
-        dist.all_gather_object(gathered, mine, group=ps.get_pipeline_model_parallel_group())
-        mine = {k: v for d in gathered for k, v in d.items()}
-    return dict(sorted(mine.items()))
+    if experts:  # each EP rank holds its experts' adapters
+        mine.update(merged_over(ps.get_expert_model_parallel_group(), experts))
+    return dict(sorted(merged_over(ps.get_pipeline_model_parallel_group(), mine).items()))
 
 
 def merge_into(hf_stream, adapter_state: dict, scaling: float):

@@ -199,26 +199,15 @@ def transformer_config_from_hf(hf_config, parallel: MegatronConfig, *, calculate
 
     model_type(hf_config)
     rope_settings(hf_config)  # rejects unsupported RoPE variants early
-    parallel.validate()
-    h = _get(hf_config, "hidden_size")
-    n_heads = _get(hf_config, "num_attention_heads")
-    n_kv = _get(hf_config, "num_key_value_heads") or n_heads
-    n_layers = _get(hf_config, "num_hidden_layers")
+    parallel.validate(model_cfg=hf_config if isinstance(hf_config, dict) else hf_config.to_dict())  # heads, layers, EP
+    n_heads, n_kv, hn = qkv_heads(hf_config)
     tp, pp, vpp = parallel.tp, parallel.pp, parallel.vpp
     if _get(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={_get(hf_config, 'hidden_act')!r} is not supported (SwiGLU with silu only)")
     if _get(hf_config, "mlp_bias", False):
         raise ValueError("mlp_bias=True is not supported (megatron's MLP here has no biases)")
-    if n_heads % tp:
-        raise ValueError(f"num_attention_heads={n_heads} is not divisible by tp={tp}; choose tp dividing it")
-    if n_kv % tp and tp % n_kv:
-        raise ValueError(f"num_key_value_heads={n_kv} and tp={tp}: one must divide the other")
     if not is_moe(hf_config) and _get(hf_config, "intermediate_size") % tp:
         raise ValueError(f"intermediate_size={_get(hf_config, 'intermediate_size')} is not divisible by tp={tp}")
-    stages = pp * (vpp or 1)
-    if n_layers % stages:
-        raise ValueError(f"num_hidden_layers={n_layers} is not divisible by pp*vpp = {pp}*{vpp or 1} = {stages}; "
-                         "every virtual stage must hold the same number of layers")
     if vpp is not None and overrides.get("batch_p2p_comm", False):
         raise ValueError(
             "virtual pipeline parallelism with batch_p2p_comm=True is rejected: with VPP the previous and next "
@@ -230,9 +219,9 @@ def transformer_config_from_hf(hf_config, parallel: MegatronConfig, *, calculate
             "aborts (gloo size mismatch); leave overlap_p2p_comm=True")
     kw = dict(
         # architecture
-        num_layers=n_layers, hidden_size=h, ffn_hidden_size=_get(hf_config, "intermediate_size"),
-        num_attention_heads=n_heads, num_query_groups=n_kv, kv_channels=head_dim(hf_config),
-        normalization="RMSNorm", layernorm_epsilon=float(_get(hf_config, "rms_norm_eps", 1e-6)),
+        num_layers=_get(hf_config, "num_hidden_layers"), hidden_size=_get(hf_config, "hidden_size"),
+        ffn_hidden_size=_get(hf_config, "intermediate_size"), num_attention_heads=n_heads, num_query_groups=n_kv,
+        kv_channels=hn, normalization="RMSNorm", layernorm_epsilon=float(_get(hf_config, "rms_norm_eps", 1e-6)),
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         add_qkv_bias=has_qkv_bias(hf_config), qk_layernorm=has_qk_norm(hf_config),
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=float(_get(hf_config, "initializer_range", 0.02)),
@@ -270,14 +259,6 @@ def moe_settings(hf_config, parallel: MegatronConfig) -> dict:
         raise ValueError(
             f"{mt}: decoder_sparse_step != 1 or mlp_only_layers (dense layers between MoE layers) is not supported; "
             "every layer must be sparse")
-    if n_exp % parallel.ep:
-        raise ValueError(f"num_experts={n_exp} is not divisible by expert_model_parallel_size={parallel.ep}")
-    if ffn % parallel.etp:
-        raise ValueError(f"moe_intermediate_size={ffn} is not divisible by expert_tensor_parallel_size={parallel.etp}")
-    if parallel.tp > 1 and not parallel.sequence_parallel:
-        raise ValueError(
-            f"a mixture-of-experts model with tp={parallel.tp} needs sequence_parallel=True (megatron's token "
-            "dispatcher splits the tokens over TP); set actor_rollout_ref.actor.megatron.sequence_parallel=True")
     shared = int(_get(hf_config, "shared_expert_intermediate_size", 0) or 0) if mt == "qwen2_moe" else 0
     if shared % parallel.tp:
         raise ValueError(f"shared_expert_intermediate_size={shared} is not divisible by tp={parallel.tp}")

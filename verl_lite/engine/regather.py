@@ -1,4 +1,4 @@
-"""Row gathers whose backward is a gather too (no scatter-add).
+"""Row gathers whose backward is a gather too (no scatter-add), and zero rows appended (:func:`pad_rows`).
 
 Autograd's backward of a gather is an accumulating scatter, slow on CPU; when each row of ``x`` lands in at
 most one output row that counts, the gradient is a gather again: ``dx[r] = dy[inverse[r]]``, or 0 where
@@ -36,6 +36,13 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> 
     """``x.index_select(0, index)`` with the gradient ``dx[r] = dy[inverse[r]]`` (0 where inverse[r] < 0);
     ``inverse`` ([x.shape[0]] long): for each row of x, the one output row whose gradient counts, or -1."""
     return _GatherRows.apply(x, index, inverse)
+
+
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` with zero rows appended up to ``rows`` (unchanged when it has as many)."""
+    if x.shape[0] >= rows:
+        return x
+    return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
 
 
 def invert_index(index: torch.Tensor, valid: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -44,11 +44,6 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def _fresh_copy(x: torch.Tensor) -> torch.Tensor:
-    dtype = _compute_dtype(x)
-    return x.clone() if x.dtype == dtype else x.to(dtype)
-
-
 def _padding_mask(local_size: int, vocab_size: int | None, group, device) -> torch.Tensor | None:
     """Bool ``[local_size]``: True at this TP rank's padded columns (global index >= ``vocab_size``);
     None when this rank holds none (or ``vocab_size`` is None)."""
@@ -72,10 +67,9 @@ def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_s
 
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on the token dims")
-    x = _fresh_copy(logits)
-    pad = _padding_mask(logits.shape[-1], vocab_size, _tp_group(None), logits.device)
-    if pad is not None:
-        x = x.masked_fill(pad, float("-inf"))
+    dtype = _compute_dtype(logits)
+    x = logits.clone() if logits.dtype == dtype else logits.to(dtype)
+    x = _masked(x, _padding_mask(logits.shape[-1], vocab_size, _tp_group(None), logits.device))
     if vocab_size is not None and labels.numel() and int(labels.max()) >= vocab_size:
         raise ValueError(f"label {int(labels.max())} is outside the vocabulary (vocab_size={vocab_size})")
     return -vocab_parallel_cross_entropy(x, labels)

@@ -4,7 +4,8 @@
     scores, extra = manager(response_ids_list, data_sources, ground_truths, extra_infos)
 """
 
-from verl_lite.reward.manager import REWARD_MANAGERS, RewardConfigError, RewardError, RewardManager
+from verl_lite.reward.config import REWARD_MANAGERS
+from verl_lite.reward.manager import RewardConfigError, RewardError, RewardManager
 from verl_lite.reward.scorers import (boxed_math_score, default_compute_score, extract_gsm8k_answer, gsm8k_score,
                                       is_equiv, last_boxed_content, normalize_math_answer)
 

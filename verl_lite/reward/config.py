@@ -215,44 +215,49 @@ class RewardModelConfig:
     def problems(self, world: int, cuda: bool = False) -> list[str]:
         """When enabled: an HF sequence-classification checkpoint with ONE logit (its ``score.weight`` is the
         engine's value head) and a layout of its own over the actor's ``world`` workers; or the judge's."""
-        key = "reward_model"
         if not self.enable:
             return []
-        if self.generative:
-            return self.judge_problems(cuda)
-        p = self._set_judge_keys()
-        if not self.model.path:
-            return p + [f"{key}.enable=true needs {key}.model.path: an HF AutoModelForSequenceClassification "
-                        f"directory with one logit (e.g. Qwen2ForSequenceClassification, as Skywork-Reward ships)"]
-        p += list(filter(None, [model_dir_problem(f"{key}.model.path", self.model.path, "(no default: give the RM)")]))
-        cfg = read_config(self.model.path)
-        if cfg is not None:
-            arch = cfg.get("architectures") or []
-            labels = cfg.get("num_labels", len(cfg.get("id2label") or {}) or 2)  # HF's default is 2 labels
-            if not any(str(a).endswith("ForSequenceClassification") for a in arch):
-                p.append(f"{key}.model.path={self.model.path!r} is a {arch or 'model without architectures'}; a reward "
-                         f"model is an AutoModelForSequenceClassification checkpoint (model.* + score.weight)")
-            elif labels != 1:
-                p.append(f"{key}.model.path={self.model.path!r} has {labels} labels; a reward model has one logit "
-                         f"(num_labels=1, score.weight [1, hidden])")
-        p += self._tokenizer_problems()
-        mb = self.micro_batch_size_per_gpu
-        if not _ints(mb) or mb < 1:
-            p.append(f"{key}.micro_batch_size_per_gpu={mb} must be an integer >= 1 (sequences per forward micro-batch)")
-        if not _finite(self.rule_reward_weight):
-            p.append(f"{key}.rule_reward_weight={self.rule_reward_weight!r} must be a finite number (0 = the reward "
-                     f"model alone)")
-        mg = self.megatron
-        p.extend(mg.problems(f"{key}.megatron", world, "the reward model's {world} workers (colocated: the actor's)", cfg))
-        p.extend(transformer_override_problems(f"{key}.megatron.override_transformer_config",
-                                               mg.override_transformer_config, dtype=mg.dtype, cuda=cuda))
-        return p
-
-    def _tokenizer_problems(self) -> list[str]:
+        what = "judge" if self.generative else "reward model"
+        p = [] if _finite(self.rule_reward_weight) else [f"reward_model.rule_reward_weight={self.rule_reward_weight!r} "
+                                                          f"must be a finite number (0 = the {what} alone)"]
         tok = self.model.tokenizer_path
         if tok and not any((Path(tok) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-            return [f"reward_model.model.tokenizer_path={tok!r} holds no tokenizer.json/tokenizer_config.json"]
-        return []
+            p.append(f"reward_model.model.tokenizer_path={tok!r} holds no tokenizer.json/tokenizer_config.json")
+        return p + (self._judge_problems(cuda) if self.generative else self._classifier_problems(world, cuda))
+
+    def _model(self, needs: str, arch_suffix: str, arch_rule: str) -> tuple[list[str], dict | None]:
+        """``model.path``: given, an HF model directory of an architecture ending in ``arch_suffix``; (problems,
+        its HF config or None)."""
+        key, path = "reward_model.model.path", self.model.path
+        if not path:
+            return [f"reward_model.{'generative' if self.generative else 'enable'}=true needs {key}: {needs}"], None
+        why = model_dir_problem(key, path, f"(no default: give the {'judge' if self.generative else 'RM'})")
+        p = [why] if why else []
+        cfg = read_config(path)
+        if cfg is not None and not _arch_fits(cfg, arch_suffix):
+            p.append(f"{key}={path!r} is a {cfg.get('architectures') or 'model without architectures'}; {arch_rule}")
+        return p, cfg
+
+    def _classifier_problems(self, world: int, cuda: bool) -> list[str]:
+        p, cfg = self._model("an HF AutoModelForSequenceClassification directory with one logit (e.g. "
+                             "Qwen2ForSequenceClassification, as Skywork-Reward ships)", "ForSequenceClassification",
+                             "a reward model is an AutoModelForSequenceClassification checkpoint (model.* + "
+                             "score.weight)")
+        if not self.model.path:
+            return self._set_judge_keys() + p
+        labels = (cfg or {}).get("num_labels", len((cfg or {}).get("id2label") or {}) or 2)  # HF's default is 2 labels
+        if _arch_fits(cfg, "ForSequenceClassification") and labels != 1:
+            p.append(f"reward_model.model.path={self.model.path!r} has {labels} labels; a reward model has one logit "
+                     f"(num_labels=1, score.weight [1, hidden])")
+        mb, mg = self.micro_batch_size_per_gpu, self.megatron
+        if not _ints(mb) or mb < 1:
+            p.append(f"reward_model.micro_batch_size_per_gpu={mb} must be an integer >= 1 (sequences per forward "
+                     f"micro-batch)")
+        p.extend(mg.problems("reward_model.megatron", world,
+                             "the reward model's {world} workers (colocated: the actor's)", cfg))
+        p.extend(transformer_override_problems("reward_model.megatron.override_transformer_config",
+                                               mg.override_transformer_config, dtype=mg.dtype, cuda=cuda))
+        return self._set_judge_keys() + p
 
     def _set_judge_keys(self) -> list[str]:
         """A discriminative RM with judge settings: each set key and why it does not apply (none is ignored)."""
@@ -261,39 +266,31 @@ class RewardModelConfig:
                 f"drop it, or set reward_model.generative=true with a causal-LM judge"
                 for sec in ("rollout", "judge") for name, value in _differing(getattr(self, sec))]
 
-    def judge_problems(self, cuda: bool = False) -> list[str]:
+    def _judge_problems(self, cuda: bool) -> list[str]:
         """``generative=true``: a causal-LM judge, a backend that runs here, bounds that fit the judge model; the
         discriminative RM's engine settings (``reward_model.megatron.*``) must stay unset."""
-        key, R = "reward_model", "reward_model.rollout"
-        r, p = self.rollout, []
+        R, r = "reward_model.rollout", self.rollout
         longest = r.prompt_length + r.response_length if _ints(r.prompt_length, r.response_length) else None
-        p += [f"{key}.megatron.{name}={value!r} is the discriminative reward model's engine layout; the generative "
-              f"judge runs behind {R}.name (one process of its own): drop it" for name, value in _differing(self.megatron)]
-        if not self.model.path:
-            p.append(f"{key}.generative=true needs {key}.model.path: an HF causal-LM directory (the judge; the "
-                     f"policy's own checkpoint works too)")
-        else:
-            p += list(filter(None, [model_dir_problem(f"{key}.model.path", self.model.path,
-                                                      "(no default: give the judge)")]))
-            cfg = read_config(self.model.path)
-            arch = (cfg or {}).get("architectures") or []
-            if cfg is not None and not any(str(a).endswith("ForCausalLM") for a in arch):
-                p.append(f"{key}.model.path={self.model.path!r} is a {arch or 'model without architectures'}; a "
-                         f"generative judge is a causal LM (*ForCausalLM) that writes its judgement (a classifier: "
-                         f"{key}.generative=false)")
-            max_pos = (cfg or {}).get("max_position_embeddings")
-            if isinstance(max_pos, int) and longest is not None and longest > max_pos:
-                p.append(f"{R}.prompt_length + {R}.response_length = {longest} exceeds the judge model's "
+        p = [f"reward_model.megatron.{name}={value!r} is the discriminative reward model's engine layout; the "
+             f"generative judge runs behind {R}.name (one process of its own): drop it"
+             for name, value in _differing(self.megatron)]
+        found, cfg = self._model("an HF causal-LM directory (the judge; the policy's own checkpoint works too)",
+                                 "ForCausalLM", "a generative judge is a causal LM (*ForCausalLM) that writes its "
+                                 "judgement (a classifier: reward_model.generative=false)")
+        max_pos = (cfg or {}).get("max_position_embeddings")
+        if isinstance(max_pos, int) and longest is not None and longest > max_pos:
+            found.append(f"{R}.prompt_length + {R}.response_length = {longest} exceeds the judge model's "
                          f"max_position_embeddings {max_pos}; lower them (a judge prompt + its judgement must fit)")
-        p += self._tokenizer_problems() + r.generation_problems(R, longest, cuda, what="judge")
+        p += found + r.generation_problems(R, longest, cuda, what="judge")
         for name in ("prompt_length", "response_length"):
             if not _ints(getattr(r, name)) or getattr(r, name) < 1:
                 p.append(f"{R}.{name}={getattr(r, name)!r} must be an integer >= 1 (tokens)")
         p += sampling_problems(R, r.temperature, r.top_p, r.top_k, r.do_sample, "do_sample=false for greedy judgements")
-        p += self.judge.problems()
-        if not _finite(self.rule_reward_weight):
-            p.append(f"{key}.rule_reward_weight={self.rule_reward_weight!r} must be a finite number (0 = the judge alone)")
-        return p
+        return p + self.judge.problems()
+
+
+def _arch_fits(cfg: dict | None, suffix: str) -> bool:
+    return any(str(a).endswith(suffix) for a in (cfg or {}).get("architectures") or [])
 
 
 def _differing(section) -> list[tuple[str, object]]:

@@ -1,24 +1,16 @@
 """Scores from a generative reward model, an LLM judge (``reward_model.generative=true``; docs/reward_models.md).
 
-The judge model runs behind a rollout (``reward_model.rollout.name``: hf or vllm) in ONE worker process of its
-own (``workers/rollout_worker.RolloutWorker``), never in the actor's processes: vLLM allows one in-process
-engine per process. Per training step (``JudgeReward.score``):
+The judge runs behind a rollout (``reward_model.rollout.name``) in ONE worker process of its own, never in the
+actor's processes (vLLM allows one in-process engine per process). Per training step (``JudgeReward.score``):
 
-1. the judge prompt of every trajectory (``render_prompt``): ``reward_model.judge.prompt_template`` with
-   ``{question}`` (the prompt's last user message; a plain-text prompt as it is), ``{response}`` (the
-   valid response decoded with the policy's tokenizer, special tokens skipped) and ``{reference}`` (the
-   row's ground truth) filled in ONE pass, so text inside the response that looks like a placeholder is
-   never replaced; other braces stay as they are. With ``judge.apply_chat_template`` (and a tokenizer that
-   has a chat template) the text is one user turn of the judge's chat template, generation prompt added;
-2. ONE generate call for all the step's prompts, with the judge's own sampling and ``response_length`` new
-   tokens at most, bounded by ``reward_model.judge.timeout_s``: past it the worker is stopped and the step
-   fails with :class:`JudgeTimeout` (the scores of a step are never made up);
-3. the score of every judgement (``parse_score``): ``tag`` = the number in the LAST ``<score>x</score>``,
-   ``last_number`` = the last number of the output; a judgement without one, or whose number lies outside
-   [``score_min``, ``score_max``], is unparsable: it scores ``judge.unparsable_score`` and is counted in
-   ``reward_model/judge_unparsable_rate``; it never stops the run.
-
-The training score combines with the reward function's by ``model_reward.combine_scores``.
+1. every trajectory's judge prompt (``render_prompt``): ``reward_model.judge.prompt_template`` with
+   ``{question}`` (the prompt's last user message), ``{response}`` (decoded, special tokens skipped) and
+   ``{reference}`` (the ground truth) filled in ONE pass, so text in the response that looks like a placeholder
+   is never replaced; with ``judge.apply_chat_template`` it is one user turn of the judge's chat template;
+2. ONE generate call for the step, bounded by ``reward_model.judge.timeout_s`` (past it: :class:`JudgeTimeout`);
+3. each judgement's score (``parse_score``): ``tag`` = the number in the LAST ``<score>x</score>``,
+   ``last_number`` = the last number; none, or one outside [``score_min``, ``score_max``], is unparsable: it
+   scores ``judge.unparsable_score`` and counts in ``reward_model/judge_unparsable_rate``.
 """
 
 from __future__ import annotations

@@ -11,14 +11,10 @@ reward_manager = "batch": one call per batch
 A dict result needs "score"; its other keys go to `extra`. Responses are decoded with
 `skip_special_tokens=True` (the stopping EOS is not part of solution_str).
 
-Any failure raises `RewardError` naming the function (file:name) and the sample (index and
-data_source): the function raising (original exception chained), a non-number, NaN or inf,
-a dict without "score", a batched function returning the wrong number of scores, a call that
-does not return within `reward.timeout_s` (per batch call), or the reward process dying.
-A reward FILE runs in a process of its own, a Python callable (`compute_score=`) and the built-in
-scorer in a thread of the driver (`verl_lite.reward.sandbox`). Set-up problems (the file fails to
-import, defines no such function, or cannot take `reward_kwargs`) raise `RewardConfigError`, a
-`ConfigError` (exit 2), before anything starts. Call `close()` when done.
+Any failure (a raise, a non-finite or non-number score, a wrong count, a call past `reward.timeout_s`, the
+reward process dying) raises `RewardError` naming the function and the sample. Set-up problems (the file fails
+to import, defines no such function, or cannot take `reward_kwargs`) raise `RewardConfigError` (exit 2) before
+anything starts. Call `close()` when done.
 """
 
 from __future__ import annotations
@@ -31,7 +27,6 @@ from typing import Any, Callable
 import torch
 
 from verl_lite.errors import ConfigError
-from verl_lite.reward.config import REWARD_MANAGERS
 from verl_lite.reward.scorers import default_compute_score
 
 KEY = "reward.custom_reward_function"
@@ -74,9 +69,7 @@ class RewardManager:
     def __init__(self, reward_cfg, tokenizer, compute_score: Callable | None = None):
         from verl_lite.reward.sandbox import InProcessReward, RewardCallFailed, RewardProcess
 
-        self.mode = reward_cfg.reward_manager
-        if self.mode not in REWARD_MANAGERS:
-            raise ValueError(f"reward.reward_manager={self.mode!r} is unknown; choose one of {list(REWARD_MANAGERS)}")
+        self.mode = reward_cfg.reward_manager  # a known one: RewardConfig.problems
         custom = reward_cfg.custom_reward_function
         self.reward_kwargs = dict(custom.reward_kwargs or {})
         self.timeout_s = getattr(reward_cfg, "timeout_s", None)

@@ -1,16 +1,13 @@
 """Scores from a discriminative reward model (``reward_model.*``; docs/reward_models.md), the driver's side of
 the reward-model role (``workers/reward_model.py``):
 
-1. the RM's input for each trajectory (``rm_inputs``): the policy's own tokens (prompt + valid
-   response) when the RM reads text exactly as the policy writes it (same vocabulary and chat
-   template, ``renders_alike``); otherwise, as verl does, the response is decoded with the policy's
-   tokenizer (special tokens skipped), appended to the prompt's chat messages as the assistant turn
-   and rendered again with the RM's chat template and tokenizer;
-2. one forward over the step's trajectories (``ModelReward``): score_i = w . h_i[last token], the
-   one logit ``AutoModelForSequenceClassification`` returns for the unpadded input;
-3. the training score (``combine_scores``): RM score + ``rule_reward_weight`` x the reward function's
-   score; weight 0 (verl's behaviour) is the RM alone and the reward function is not called for
-   training. Validation is scored by the reward function (verl validates with its rule-based reward).
+1. the RM's input per trajectory (``rm_inputs``): the policy's own tokens when the RM reads text as the policy
+   writes it (``renders_alike``); else, as verl does, the decoded response appended to the prompt's messages as
+   the assistant turn and rendered again with the RM's chat template and tokenizer;
+2. one forward over the step's trajectories: score_i = w . h_i[last token] (the one logit of
+   ``AutoModelForSequenceClassification``);
+3. the training score (``combine_scores``): RM score + ``rule_reward_weight`` x the reward function's (weight 0,
+   verl's default: the RM alone). Validation is scored by the reward function.
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """Running reward code where a hang or a crash cannot take the driver down, with a time bound per call.
 
-- :class:`RewardProcess`: a user reward FILE runs in its own persistent process
-  (``sandbox_child.py``, started once; the file is imported there once). Each batch call waits
-  at most ``timeout_s``; past it the process is SIGKILLed and a :class:`TimeoutError`-like
-  :class:`RewardCallFailed` says which sample it was stuck on. If the process dies (segfault,
-  ``os._exit``), the call fails at once naming its exit status. The process runs under a guard
-  (:class:`verl_lite.utils.processes.GuardedProcess`): :meth:`close`, a timeout, the process's own
-  exit and the driver's death (SIGKILL included) end every process the reward file started, also one
-  that left the session (``start_new_session=True``). ``reward.max_memory_gb`` holds for every kind
-  of allocation: the process's data segment is limited (``RLIMIT_DATA``: a leak of private memory
-  fails at once with a ``MemoryError`` on its sample), and the guard holds the whole tree's
-  proportional set size (shared anonymous memory and subprocesses included) under the same limit,
-  checked every ``process_guard.POLL_S``; past it the tree is killed. Both name the limit and the key.
-- :class:`InProcessReward`: a Python callable (the Python API's ``reward_fn``, or the built-in
-  scorer) runs in a daemon thread of the driver, awaited with the same bound (:func:`call_bounded`);
-  a call past the bound is abandoned (the thread cannot be killed) and reported the same way.
+- :class:`RewardProcess`: a user reward FILE, imported once in its own persistent process (``sandbox_child.py``)
+  under a :class:`verl_lite.utils.processes.GuardedProcess`. A batch call waits at most ``timeout_s``; past it the
+  process tree is killed and :class:`RewardCallFailed` names the sample it was stuck on; a process that dies fails
+  the call at once, naming its exit status. ``reward.max_memory_gb`` holds twice: ``RLIMIT_DATA`` on the process
+  (a leak of private memory is a ``MemoryError`` on its sample) and the guard's bound on the whole tree's
+  proportional set size (shared memory and subprocesses included). Both messages name the limit and the key.
+- :class:`InProcessReward`: a Python callable (the Python API's ``reward_fn``, or the built-in scorer) in a daemon
+  thread of the driver, awaited with the same bound (:func:`call_bounded`); a call past it is abandoned.
 
-Both return the raw results (one per sample, or the batched function's return value); checking
-them is the manager's job.
+Both return the raw results (one per sample, or the batched function's return value); the manager checks them.
 """
 
 from __future__ import annotations
@@ -107,10 +99,8 @@ class InProcessReward:
         except concurrent.futures.TimeoutError:
             raise RewardCallFailed("timeout", f"did not return within {timeout_s}s",
                                    sample=started[-1] if started else None) from None
-        e = future.exception()
-        if e is not None:
-            raise RewardCallFailed("raised", f"{type(e).__name__}: {e}", sample=started[-1] if started else None,
-                                   cause=e)
+        if (e := future.exception()) is not None:
+            raise RewardCallFailed("raised", f"{type(e).__name__}: {e}", started[-1] if started else None, e)
         return future.result()
 
     def close(self) -> None:
@@ -148,15 +138,9 @@ class RewardProcess:
     def close(self) -> None:
         """End the reward process and everything it started (idempotent)."""
         _LIVE.discard(self)
-        proc, guard, self.proc, self.guard = self.proc, self.guard, None, None
-        if guard is None:
-            return
-        guard.stop()
-        for f in (proc.stdin, proc.stdout):
-            try:
-                f.close()
-            except Exception:
-                pass
+        guard, self.proc, self.guard = self.guard, None, None
+        if guard is not None:
+            guard.stop()
 
     def _send(self, message) -> None:
         try:

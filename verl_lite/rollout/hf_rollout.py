@@ -174,14 +174,13 @@ class HFRollout(Rollout):
         top-p. ``stop`` (strings) ends a response at the token that completes one of them, ``stop_token_ids`` at
         one of those tokens (both kept in the response, as EOS is). ``interrupt`` (a callable) is asked after every
         token: once true, the call returns, each response still running marked ``interrupted``."""
+        stop = [stop] if isinstance(stop, str) else list(stop or [])
         # no __torch_function__ overrides (e.g. a colocated engine's CPU adapter: a Python hop per torch call) and
         # no autograd bookkeeping
         with torch_function_disabled(), torch.inference_mode():
             tokens, logps, lengths, running = self._sample(
-                prompt_ids, n, do_sample, temperature, top_p, top_k, max_new_tokens, keys,
-                shaping=(float(repetition_penalty), float(min_p or 0.0)),
-                stops=([stop] if isinstance(stop, str) else list(stop or []), list(stop_token_ids or [])),
-                interrupt=interrupt)
+                prompt_ids, n, do_sample, temperature, top_p, top_k, max_new_tokens, keys, float(repetition_penalty),
+                float(min_p or 0.0), stop, list(stop_token_ids or []), interrupt)
         # cloned outside inference mode: the caller gets ordinary tensors
         return [{"response_ids": tokens[i, :k].tolist(), "log_probs": logps[i, :k].clone(), "interrupted": running[i]}
                 for i, k in enumerate(lengths)]
@@ -221,12 +220,11 @@ class HFRollout(Rollout):
             out.append(any(s in tail for s in stop))
         return torch.tensor(out, dtype=torch.bool, device=tokens.device)
 
-    def _sample(self, prompt_ids, n, do_sample, temperature, top_p, top_k, max_new_tokens, keys,
-                shaping=(1.0, 0.0), stops=((), ()), interrupt=None) -> tuple[torch.Tensor, torch.Tensor, list[int], list[bool]]:
+    def _sample(self, prompt_ids, n, do_sample, temperature, top_p, top_k, max_new_tokens, keys, repetition_penalty,
+                min_p, stop, stop_ids, interrupt) -> tuple[torch.Tensor, torch.Tensor, list[int], list[bool]]:
         """Tokens [rows, max_new_tokens], their log-probs, each row's response length and whether it was still
-        running when ``interrupt()`` stopped the call (``generate``'s rows)."""
+        running when ``interrupt()`` stopped the call (``_generate``'s rows)."""
         scale = rollout_temperature(temperature)
-        (repetition_penalty, min_p), (stop, stop_ids) = shaping, stops
         b = len(prompt_ids) * n
         row_seeds, row_samples = torch.tensor(keys, dtype=torch.int64, device=self.device).unbind(-1)
         row_hashes = row_keys(row_seeds, row_samples)  # counter_uniform's per-row part, hashed once per call

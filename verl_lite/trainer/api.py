@@ -16,11 +16,7 @@ from verl_lite.reward import RewardManager
 from verl_lite.reward.config import judge_input_problems, reward_input_problems
 from verl_lite.reward.functions import RewardFunctions
 from verl_lite.rollout.config import CONFIG_SAMPLING_KWARGS, generation_kwargs_problems
-from verl_lite.trainer.trl_args import PEFT_MODEL_REFUSED, TRL_FIELDS, TRL_TRAINER_ARGUMENTS, is_peft_model
-
-
-NOT_BUILT_API = {name: f"{name}=: {TRL_TRAINER_ARGUMENTS[name].text}"
-                 for name in ("rollout_func", "environment_factory")}
+from verl_lite.trainer.trl_args import PEFT_MODEL_REFUSED, TRL_FIELDS, is_peft_model, refused_argument
 
 
 def use_api_arguments(cfg, model, processing_class, generation_kwargs: dict, push_to_hub: bool,
@@ -33,7 +29,7 @@ def use_api_arguments(cfg, model, processing_class, generation_kwargs: dict, pus
     p = generation_kwargs_problems(r.name, generation_kwargs)
     if push_to_hub:
         p.append(f"push_to_hub=True: {TRL_FIELDS['push_to_hub'].text}")
-    p += [NOT_BUILT_API[name] for name, value in not_built.items() if value is not None]
+    p += [refused_argument(name) for name, value in not_built.items() if value is not None]
     if p:
         raise ConfigError(p)
     for key in CONFIG_SAMPLING_KWARGS:
@@ -134,56 +130,53 @@ def use_reward_models(cfg, reward_funcs, reward_weights, reward_processing_class
     tokenizers = None if reward_processing_classes is None else _entries(reward_processing_classes)
     tokenizer = tokenizers[index] if tokenizers is not None and index < len(tokenizers) else None
     rm.enable = True
-    rm.model.path = _save_into(cfg, "reward_model", entry) if hasattr(entry, "save_pretrained") \
-        else resolve_model_dir(str(entry))
-    rm.model.tokenizer_path = rm.model.path  # the model's own, as the config's inherited default
+    rm.model.path = _model_dir(cfg, "reward_model", entry)
     if tokenizer is not None:
-        rm.model.tokenizer_path = _save_into(cfg, "reward_tokenizer", tokenizer) \
-            if hasattr(tokenizer, "save_pretrained") else resolve_model_dir(str(tokenizer))
-    elif hasattr(entry, "save_pretrained") and Path(source := getattr(entry, "name_or_path", "") or "",
-                                                    "tokenizer_config.json").is_file():
-        rm.model.tokenizer_path = source
+        rm.model.tokenizer_path = _model_dir(cfg, "reward_tokenizer", tokenizer)
+    else:  # a model object's own tokenizer directory, else the model's (the config's inherited default)
+        rm.model.tokenizer_path = _tokenizer_source(entry) or rm.model.path
     architectures = (read_config(rm.model.path) or {}).get("architectures") or []
     rm.generative = any(str(a).endswith("ForCausalLM") for a in architectures)
     rm.rule_reward_weight = 1.0 if functions else 0.0
     return []
 
 
-def _save_into(cfg, kind: str, obj) -> str:
-    """``obj.save_pretrained`` into a fresh ``<trainer.output_dir>/api_<kind>-<time>-<pid>/`` (every worker loads
-    a model from a directory); returns it."""
+def _model_dir(cfg, kind: str, given) -> str:
+    """The directory of a model or tokenizer given to the API: a path or hub id resolved, an object saved
+    (``save_pretrained``) into a fresh ``<trainer.output_dir>/api_<kind>-<time>-<pid>/`` (every worker loads a
+    model from a directory)."""
+    if not hasattr(given, "save_pretrained"):
+        return resolve_model_dir(str(given))
     saved = Path(cfg.trainer.output_dir) / f"api_{kind}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     saved.mkdir(parents=True, exist_ok=True)
-    obj.save_pretrained(saved)
+    given.save_pretrained(saved)
     return str(saved)
+
+
+def _tokenizer_source(model) -> str | None:
+    """The directory a model object was loaded from, when its tokenizer files are there."""
+    source = getattr(model, "name_or_path", None) if hasattr(model, "save_pretrained") else None
+    return source if source and Path(source, "tokenizer_config.json").is_file() else None
 
 
 def use_model(cfg, model, processing_class) -> None:
     """``model=`` / ``processing_class=`` of the Python API into ``actor_rollout_ref.model.path`` /
-    ``tokenizer_path`` (and the critic's, where they followed the actor's). A model or tokenizer
-    object is saved (``save_pretrained``) into a fresh ``<trainer.output_dir>/api_model-<time>/`` and
-    used from there, since every worker loads the model from a directory."""
+    ``tokenizer_path`` (``_model_dir``; and the critic's, where they followed the actor's)."""
     m, critic = cfg.actor_rollout_ref.model, cfg.critic.model
     old = (m.path, m.tokenizer_path)
-
-    def save(obj) -> str:
-        return _save_into(cfg, "model", obj)
-
     if model is not None and is_peft_model(model):
         raise ConfigError([PEFT_MODEL_REFUSED])
     if model is not None:
         with names_follow(cfg):  # a run name derived from the model follows it
-            m.path = save(model) if hasattr(model, "save_pretrained") else resolve_model_dir(str(model))
+            m.path = _model_dir(cfg, "model", model)
         m.tokenizer_path = m.path
         if processing_class is None and hasattr(model, "save_pretrained"):
-            source = getattr(model, "name_or_path", None)
-            if not source or not Path(source, "tokenizer_config.json").is_file():
+            if (source := _tokenizer_source(model)) is None:
                 raise ConfigError([f"model= is a model object whose tokenizer cannot be found (name_or_path="
-                                   f"{source!r}); pass processing_class=<its tokenizer>"])
+                                   f"{getattr(model, 'name_or_path', None)!r}); pass processing_class=<its tokenizer>"])
             m.tokenizer_path = source
     if processing_class is not None:
-        m.tokenizer_path = save(processing_class) if hasattr(processing_class, "save_pretrained") \
-            else resolve_model_dir(str(processing_class))
+        m.tokenizer_path = _model_dir(cfg, "model", processing_class)
     if critic.path in old:
         critic.path = m.path
     if critic.tokenizer_path in old:

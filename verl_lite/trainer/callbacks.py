@@ -1,21 +1,15 @@
-"""Callbacks of the Python API, under TRL's / transformers' event names: ``PPOTrainer(cfg, callbacks=[...])``
-takes plain objects with any subset of the four methods, each called with the keyword arguments its signature
-names (a ``**kwargs`` parameter receives all of them). Per record of the run, in this order:
+"""Callbacks of the Python API (docs/python_api.md), under TRL's / transformers' event names. A plain object's
+methods get the keyword arguments their signature names (``**kwargs``: all). Per record of the run, in order:
 
     on_step_end(trainer, step, metrics)         after RL step ``step`` (1, 2, ...): its training metrics
-    on_evaluate(trainer, step, metrics)         when the record holds a validation (step 0 with
-                                                trainer.val_before_train): the ``val/*`` metrics
+    on_evaluate(trainer, step, metrics)         when the record holds a validation: the ``val/*`` metrics
     on_save(trainer, step, checkpoint_dir)      when a checkpoint of ``step`` was written
     on_log(trainer, step, logs)                 every record (what the trackers log), last
 
-``step`` is the RL step of the record (``trainer.global_step`` after it); ``fit()`` calls them before the
-trackers log it. A callback that raises stops the run with :class:`CallbackError` naming it.
-
-A ``transformers.TrainerCallback`` (what TRL's trainers take) is called as transformers calls it:
-``event(args, state, control, **kwargs)`` with ``state.global_step`` = the step, ``state.max_steps``,
-``state.log_history`` (every record so far), ``metrics=`` / ``logs=`` where transformers passes them, and ``args``
-a namespace of ``output_dir``, ``seed``, ``max_steps``. ``control.should_training_stop = True`` ends the run after
-that record (the final policy is exported; a checkpoint is written only where ``trainer.save_freq`` falls).
+A ``transformers.TrainerCallback`` is called as transformers calls it: ``event(args, state, control, ...)``
+(``state.global_step`` = the step, ``state.log_history``; ``args``: output_dir, seed, max_steps);
+``control.should_training_stop = True`` ends the run after that record. A callback that raises stops the run
+with :class:`CallbackError` naming it.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """Driver-side checkpoints: where they live, atomic writes, retention, resume, and the driver state
-(docs/checkpoints.md has the layout of ``<trainer.default_local_dir>/global_step_K/``).
+(docs/checkpoints.md: the layout of ``<trainer.default_local_dir>/global_step_K/``, atomicity, integrity).
 
-Atomicity: a checkpoint is written into ``.tmp-global_step_K-<id>/``, every file fsynced, the ``complete``
-marker (step, time and the manifest: size and sha256 of every other file) written last, then the directory
-renamed to ``global_step_K``. Resume skips, with a message, a ``.tmp-*`` directory or a ``global_step_*`` one
-without ``complete``.
-
-Integrity: a checkpoint is treated as hostile. Before anything reads one (resume, before Ray starts; the
-export command), :func:`verify_checkpoint` refuses it with one :class:`CheckpointRefused` naming the file
-(exit 2). Nothing falls back on its own: the message names the previous complete checkpoint to resume from
-with ``trainer.resume_mode=resume_path``.
-
-Random numbers: rollout, validation and shuffle seeds derive from ``trainer.seed`` and the step, the data
-order from ``data.seed`` and the epoch, so restoring ``global_step`` and the data position (which also covers
-DAPO's extra generation batches) restores them. The driver's python, torch and numpy global RNGs are saved;
-each worker's torch RNG is saved per rank and restored when the layout is the same. Nothing is unpickled: the
-driver state is JSON + safetensors (the engine side: ``verl_lite.engine.checkpoint``).
+A checkpoint is written into ``.tmp-global_step_K-<id>/``, fsynced, the ``complete`` marker (with the manifest:
+size and sha256 of every other file) written last, then renamed to ``global_step_K``; resume skips, with a
+message, one without ``complete``. Before anything reads one, :func:`verify_checkpoint` refuses a damaged or
+unsafe one with one :class:`CheckpointRefused` naming the file; nothing falls back on its own. Seeds derive from
+``trainer.seed`` / ``data.seed`` and the step / epoch, so the step and the data position restore them; the
+driver's global RNGs are saved (JSON + safetensors: nothing is unpickled), each worker's per rank.
 """
 
 from __future__ import annotations
@@ -128,12 +119,17 @@ def build_manifest(directory: Path) -> dict[str, dict]:
     return {rel: {"size": sizes[rel], HASH_NAME: digests[rel]} for rel in sorted(sizes)}
 
 
+def _read_json(path: Path, name: str, fix: str | None, what: str = ""):
+    """``path/name`` parsed (``safe_files.read_json``'s bounds); :class:`CheckpointRefused` naming it otherwise."""
+    try:
+        return safe_files.read_json(path, name)
+    except safe_files.UnsafeFile as e:
+        raise CheckpointRefused(f"{what}{e}", fix) from None
+
+
 def _manifest(path: Path, fix: str | None) -> dict[str, dict] | None:
     """The marker's manifest (None: written before manifests), each entry checked to be well formed."""
-    try:
-        marker = safe_files.read_json(path, COMPLETE)
-    except safe_files.UnsafeFile as e:
-        raise CheckpointRefused(f"checkpoint marker {e}", fix) from None
+    marker = _read_json(path, COMPLETE, fix, "checkpoint marker ")
     if not isinstance(marker, dict):
         raise CheckpointRefused(f"checkpoint marker {path / COMPLETE} holds no JSON object", fix)
     files = marker.get(MANIFEST_KEY)
@@ -255,11 +251,7 @@ class DriverState:
 
 def read_driver_state(path: Path, fix: str | None = None) -> DriverState:
     """``path/driver_state.json``, parsed and type-checked; :class:`CheckpointRefused` naming the file otherwise."""
-    file = path / DRIVER_STATE
-    try:
-        raw = safe_files.read_json(path, DRIVER_STATE)
-    except safe_files.UnsafeFile as e:
-        raise CheckpointRefused(str(e), fix) from None
+    file, raw = path / DRIVER_STATE, _read_json(path, DRIVER_STATE, fix)
     if not isinstance(raw, dict) or (missing := [f.name for f in fields(DriverState) if f.name not in raw]):
         what = "is not a JSON object" if not isinstance(raw, dict) else f"lacks {missing}"
         raise CheckpointRefused(f"{file} {what}: not a driver state written by verl_lite", fix)
@@ -331,24 +323,24 @@ class DataCursor:
 
 
 # ============================================================================ file helpers
+def _fsync(path) -> None:
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_tree(path: Path) -> None:
     for dirpath, _dirs, files in os.walk(path):
         for f in files:
-            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
+            _fsync(os.path.join(dirpath, f))
+        _fsync_dir(dirpath)
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync_dir(path) -> None:
     with contextlib.suppress(OSError):  # some file systems refuse a directory's fsync
-        fd = os.open(str(path), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(path)
 
 
 def fresh_dir_beside(final: Path) -> Path:
@@ -493,10 +485,7 @@ class CheckpointManager:
         if not file.is_file():
             _say(f"{path} was saved without a fingerprint (an older verl_lite): its model, data and keys are not compared")
             return
-        try:
-            saved = safe_files.read_json(path, fp.FILE)
-        except safe_files.UnsafeFile as e:
-            raise CheckpointRefused(str(e), self._refusal_fix(path)) from None
+        saved = _read_json(path, fp.FILE, self._refusal_fix(path))
         changed = fp.differences(saved, self.fingerprint()) if isinstance(saved, dict) else ["its fingerprint"]
         if changed and self.ignore_fingerprint:
             _say(f"resuming {path} although it differs ({fp.OVERRIDE_KEY}=true): " + "; ".join(changed))

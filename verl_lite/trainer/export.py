@@ -2,11 +2,9 @@
 
     python -m verl_lite.trainer.export <checkpoint> [--out DIR]
 
-``<checkpoint>`` is a ``global_step_K`` directory, or a ``trainer.default_local_dir`` (then its newest
-complete checkpoint). The shards (any TP/PP/VPP/CP/DP) are resharded by megatron's dist_checkpointing into
-one CPU process and written as ``model.safetensors`` + ``config.json`` + the tokenizer (``--out``, default
-``<checkpoint>/huggingface``). Only the model weights are read, after the checkpoint is verified
-(``checkpointing.verify_checkpoint``: a damaged or unsafe one is refused naming the file, exit 2).
+``<checkpoint>``: a ``global_step_K`` directory, or a ``trainer.default_local_dir`` (its newest complete one). The
+shards (any layout) are resharded into one CPU process and written as safetensors + config + tokenizer (default
+``<checkpoint>/huggingface``); only the model weights are read, after ``checkpointing.verify_checkpoint``.
 """
 
 from __future__ import annotations

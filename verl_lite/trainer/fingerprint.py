@@ -45,6 +45,13 @@ MATH_KEYS = (
     "reward.custom_reward_function.path", "reward.custom_reward_function.name",
     "reward.overlong_buffer.enable", "reward.overlong_buffer.len", "reward.overlong_buffer.penalty_factor",
     "critic.optim.lr", "critic.cliprange_value",
+    *(f"algorithm.rollout_correction.{name}" for name in (
+        "rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs", "rollout_rs_threshold",
+        "rollout_rs_threshold_lower", "rejected_in_denominator", "bypass_mode", "loss_type")),
+    "distillation.enabled", "distillation.teacher_model.model_path",
+    *(f"distillation.distillation_loss.{name}" for name in (
+        "loss_mode", "topk", "use_task_rewards", "distillation_loss_coef", "loss_max_clamp", "log_prob_min_clamp",
+        "use_policy_gradient", "policy_loss_mode", "clip_ratio", "clip_ratio_low", "clip_ratio_high")),
 )
 
 

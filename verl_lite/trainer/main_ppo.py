@@ -1,31 +1,20 @@
 """The main job: ``python -m verl_lite.trainer.main_ppo key=value ...`` (Hydra overrides of the schema).
 
-Loads and validates the config BEFORE any Ray process or worker starts, trains with a live
-progress display, and writes into ``trainer.output_dir``:
+Loads and validates the config BEFORE any Ray process or worker starts, trains with a live progress display,
+and writes a fresh run directory ``<trainer.output_dir>/<experiment_name>-<UTC time>`` (``latest`` points at the
+newest): ``metrics.jsonl`` (one JSON object per step; step 0 is the validation before training), ``curves.png``
+(training reward and held-out accuracy), ``summary.json`` (initial vs final held-out accuracy; ``status``:
+completed | failed | interrupted; ``startup_s``), ``config.json`` and ``run.log`` (a failure's full traceback).
 
-- ``metrics.jsonl``: one JSON object per step (rewards, losses, KL, entropy, grad norm,
-  validation accuracy, timing per stage); step 0 is the validation before training;
-- ``curves.png``: training reward and held-out accuracy against the step;
-- ``summary.json``: initial vs final held-out accuracy.
+``--recipe FILE.yaml`` (repeatable) applies a YAML file of overrides (nested keys, as in docs/config.md) before
+the command-line ones; a shipped recipe can be named from any directory: ``--recipe gspo``. verl's
+``--config-path`` / ``--config-name ppo_megatron_trainer`` head is passed over (it names the one config there
+is); a config of one's own (``--config-name my_grpo``) is read as the first recipe.
 
-Each run writes into a fresh directory ``<trainer.output_dir>/<experiment_name>-<UTC time>``
-(``<trainer.output_dir>/latest`` points at the newest), so no run overwrites another's results;
-it is created and checked writable before Ray starts. It also holds ``config.json``,
-``summary.json`` (``status``: completed | failed | interrupted; ``startup_s``) and ``run.log``
-(the full traceback of a failure).
-
-``--recipe FILE.yaml`` (repeatable) applies a YAML file of overrides (nested keys, as in
-docs/config.md) before the command-line ones, e.g. ``--recipe recipes/gspo.yaml``; a shipped
-recipe can be named from any directory: ``--recipe gspo``. verl's ``--config-path`` / ``--config-name
-ppo_megatron_trainer`` head is passed over (it names the one config there is); a config of one's own
-(``--config-name my_grpo``) is read as the first recipe.
-
-Failures end as one readable block on stderr (what failed, the key or file/row, the fix) with
-exit code 2 for bad input (config, data, output dir) and 1 for runtime failures; ``--debug`` or
-``VERL_LITE_DEBUG=1`` also prints the traceback and the libraries' warnings and logging (hidden by
-default: verl_lite/utils/quiet.py). SIGINT / SIGTERM stop the run within a few
-seconds (the current metrics line is finished, every worker and the local Ray are stopped) and
-exit 130 / 143.
+Failures end as one readable block on stderr (what failed, the key or file/row, the fix), exit code 2 for bad
+input and 1 for runtime failures; ``--debug`` or ``VERL_LITE_DEBUG=1`` also prints the traceback and the
+libraries' warnings and logging. SIGINT / SIGTERM stop the run within seconds (the current metrics line is
+finished, every worker and the local Ray are stopped), exit 130 / 143.
 
 Also works under ``ray job submit --address ... -- python -m verl_lite.trainer.main_ppo ...``
 (Ray is joined through ``RAY_ADDRESS``).
@@ -82,9 +71,8 @@ RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"  # the repository'
 
 
 def resolve_recipe(name_or_path: str) -> Path:
-    """``--recipe`` argument -> a YAML file, from any working directory: an existing path; else a
-    shipped recipe by name (``ppo`` -> recipes/ppo.yaml); else the path taken from the repository
-    root (``recipes/ppo.yaml``). ConfigError lists the shipped recipes when none matches."""
+    """``--recipe`` argument -> a YAML file: an existing path; else a shipped recipe by name (``ppo``); else the
+    path from the repository root (``recipes/ppo.yaml``). ConfigError lists the shipped recipes when none matches."""
     given = Path(name_or_path).expanduser()
     candidates = [given]
     if not given.is_absolute():

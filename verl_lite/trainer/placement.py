@@ -18,10 +18,6 @@ from verl_lite.workers.rollout_worker import RolloutWorker
 from verl_lite.workers.teacher import TeacherWorker
 
 
-def _vpp_multiple(mg) -> int:
-    return mg.pipeline_model_parallel_size if mg.vpp else 1
-
-
 def rollout_world_size(cfg) -> int:
     """Rollout workers of their own (``hybrid_engine=false``: rollout.n_gpus_per_node x rollout.nnodes); 0 colocated."""
     r = cfg.actor_rollout_ref
@@ -63,22 +59,19 @@ class Placement:
                                  nnodes=cfg.trainer.nnodes)  # per node, ranks node by node
         teacher = cfg.distillation.enabled
         colocated_share = 1.0 / (1 + (use_critic and not separate) + cfg.reward_model.enable + teacher)
-        mg = cfg.actor_rollout_ref.actor.megatron
-        self.actor = RoleGroup("actor", ActorRolloutRefWorker, world, actor_worker_config(cfg, actor_steps, need_ref),
-                               self.pool, self.worker_timeout_s, cp=mg.context_parallel_size,
-                               vpp_multiple=_vpp_multiple(mg), share=colocated_share)
+        self.actor = self._engine_role("actor", ActorRolloutRefWorker, world,
+                                       actor_worker_config(cfg, actor_steps, need_ref),
+                                       cfg.actor_rollout_ref.actor.megatron, share=colocated_share)
         if use_critic:
-            self.critic = RoleGroup(
-                "critic", CriticWorker, self.layout.critic_world_size, critic_worker_config(cfg, critic_steps),
-                self.pool, self.worker_timeout_s, cp=c.megatron.context_parallel_size,
-                vpp_multiple=_vpp_multiple(c.megatron), bundle_offset=world if separate else 0, share=colocated_share)
-        if cfg.reward_model.enable:  # colocated on the actor's workers, a layout of its own
+            self.critic = self._engine_role("critic", CriticWorker, self.layout.critic_world_size,
+                                            critic_worker_config(cfg, critic_steps), c.megatron,
+                                            bundle_offset=world if separate else 0, share=colocated_share)
+        # the reward model and the teacher: colocated on the actor's workers, each in a layout of its own
+        if cfg.reward_model.enable:
             self.reward_model = self._reward_model(colocated_share, tokenizer)
-        if teacher:  # colocated on the actor's workers, a layout of its own
-            tm = cfg.distillation.teacher_model.megatron
-            self.teacher = RoleGroup("teacher", TeacherWorker, world, teacher_worker_config(cfg), self.pool,
-                                     self.worker_timeout_s, cp=tm.context_parallel_size,
-                                     vpp_multiple=_vpp_multiple(tm), share=colocated_share)
+        if teacher:
+            self.teacher = self._engine_role("teacher", TeacherWorker, world, teacher_worker_config(cfg),
+                                             cfg.distillation.teacher_model.megatron, share=colocated_share)
         if split:
             # the trainer's roles are the critical path (they never wait on a rollout running ahead) and keep
             # the cores; the rollout pool, idle between policy versions, takes its share of them
@@ -86,6 +79,12 @@ class Placement:
                                      self.worker_timeout_s, bundle_offset=self.pool.world_size - split,
                                      concurrent_ranks=world + split)
         start_roles(self.actor, self.critic, self.reward_model and self.reward_model.group, self.teacher, self.rollout)
+
+    def _engine_role(self, name: str, worker, world: int, config, megatron, **placed) -> RoleGroup:
+        """``world`` engine workers of ``name`` in the ``megatron`` section's layout (its CP and virtual-PP sizes)."""
+        vpp_multiple = megatron.pipeline_model_parallel_size if megatron.vpp else 1
+        return RoleGroup(name, worker, world, config, self.pool, self.worker_timeout_s,
+                         cp=megatron.context_parallel_size, vpp_multiple=vpp_multiple, **placed)
 
     def _reward_model(self, share: float, tokenizer):
         """The reward-model role and the driver's scorer over it: the discriminative RM on the engine
@@ -98,9 +97,8 @@ class Placement:
             group = RoleGroup("reward_model", RolloutWorker, 1, judge_worker_config(self.cfg), self.pool,
                               self.worker_timeout_s, share=share)
             return JudgeReward(group, tokenizer, AutoTokenizer.from_pretrained(rm.model.tokenizer_path), rm)
-        group = RoleGroup("reward_model", RewardModelWorker, self.layout.world_size,
-                          reward_model_worker_config(self.cfg), self.pool, self.worker_timeout_s,
-                          cp=rm.megatron.context_parallel_size, vpp_multiple=_vpp_multiple(rm.megatron), share=share)
+        group = self._engine_role("reward_model", RewardModelWorker, self.layout.world_size,
+                                  reward_model_worker_config(self.cfg), rm.megatron, share=share)
         return ModelReward(group, tokenizer, AutoTokenizer.from_pretrained(rm.model.tokenizer_path),
                            MicroBatching(micro_batch_size=rm.micro_batch_size_per_gpu))
 

@@ -3,30 +3,17 @@
     trainer = PPOTrainer(cfg)            # validates the config; nothing started yet
     history = trainer.fit()              # starts Ray + role groups, trains, validates, tears down
 
-One RL step:
-    1. generate      n responses per prompt (uid per prompt) from the run's rollout source: the actor's
-                     workers (colocated) or the split placement's pipeline; DAPO's dynamic sampling keeps
-                     generating until enough prompt groups carry a learning signal
-    2. reward        score every response (+ DAPO overlong shaping); the score sits at the
-                     response's last valid token; remax also scores one greedy response per prompt
-    3. old log-probs the actor recomputes them, unless they provably equal the current policy's
-                     (one epoch, one mini-batch, nothing else reads them): then the update takes
-                     them from its own forward (``actor/old_log_prob_recomputed`` = 0), and so does
-                     an off-policy step's rollout correction (its weights and metrics)
-    4. ref log-probs when the KL loss or the in-reward KL needs them
-    5. values        the critic's values, when the estimator needs a critic (gae)
-    6. KL in reward  (optional) token_level_rewards = scores - beta * KL
-    7. advantages    on the driver (algorithms.compute_advantage)
-    8. critic update for each critic epoch and mini-batch: one optimizer step (clipped value loss)
-    9. actor update  for each epoch and mini-batch: the driver builds the NormalizationPlan from
-                     the WHOLE mini-batch (and clip_cov/kl_cov's token selection), the actor
-                     role plans micro-batches per DP rank, the workers take one optimizer step
-   10. weight sync   the rollout source's ``after_update`` (split placement: publish to the pipeline)
-   11. metrics, validation every test_freq
+One RL step (``step``): 1. generate n responses per prompt (a uid per prompt) from the run's rollout source
+(``rollout_sources``; DAPO's dynamic sampling generates until enough prompt groups carry a learning signal);
+2. reward every response (+ DAPO's overlong shaping; remax also scores one greedy response per prompt);
+3. old log-probs, unless they provably equal the current policy's (``update_stage.old_log_probs_from_update``:
+the update takes them from its own forward, ``actor/old_log_prob_recomputed`` = 0); 4. ref log-probs when a KL
+needs them; 5. the critic's values when the estimator needs a critic; 6. the in-reward KL (optional);
+7. advantages on the driver; 8. critic update; 9. actor update (each optimizer step's NormalizationPlan is of the
+WHOLE mini-batch); 10. the rollout source's ``after_update``; 11. metrics, validation every test_freq.
 
 No formula lives here: the math is in ``verl_lite.algorithms``, the data movement in ``verl_lite.controller``
-and the stages beside this module (``placement``, ``rollout_stage``, ``rollout_sources``, ``update_stage``,
-``validation``). GRPO, GSPO, DAPO, PPO ... differ only by config.
+and the stages beside this module. GRPO, GSPO, DAPO, PPO ... differ only by config.
 """
 
 from __future__ import annotations
@@ -64,15 +51,9 @@ from verl_lite.trainer.update_stage import Updates, old_log_probs_from_update
 
 class PPOTrainer:
     """The RL loop, and the Python API (docs/python_api.md: the rewards, datasets and TRL's argument names).
-
-        trainer = PPOTrainer(cfg, reward_funcs=[f, g], reward_weights=[1.0, 0.5], train_dataset=rows)
-        trainer.fit()                      # writes the run directory, as the CLI does
-        trainer.save_pretrained("out/")    # the trained policy as an HF model directory
-
-    Rewards: ``reward_funcs`` (TRL-style, batched, keyword arguments; weighed by ``reward_weights``; a model entry,
-    with ``reward_processing_classes``, is the reward-model role: ``api.use_reward_models``), or
-    ``reward_fn`` in verl's signature, or neither: the configured ``reward.custom_reward_function``.
-    """
+    Rewards: ``reward_funcs`` (TRL-style, weighed by ``reward_weights``; a model entry is the reward-model role:
+    ``api.use_reward_models``), or ``reward_fn`` in verl's signature, or the configured
+    ``reward.custom_reward_function``."""
 
     # the placement's started roles (None before start() and after close()); reward_model is the driver's scorer
     actor, critic, rollout, reward_model, pool = (PlacedRole() for _ in range(5))
@@ -84,11 +65,9 @@ class PPOTrainer:
                  log_completions: bool = False, push_to_hub: bool = False, tools=None, interactions=None,
                  eval_dataset=None, peft_config=None, rollout_func=None, environment_factory=None,
                  reward_processing_classes=None, args=None, optimizers=(None, None), quantization_config=None):
-        """Pre-flight, before anything starts: every problem of the config (``problems``: the
-        ``config.loader.Problems`` that ``load_config`` filled), the model files, the tokenizer, the
-        reward and the data, in one error.
-        ``tools`` (Python functions) / ``interactions`` (name -> ``verl_lite.agent.Interaction``) turn on
-        multi-turn rollouts (docs/agents.md); the agent's files are checked with the rest."""
+        """Pre-flight, before anything starts: every problem of the config (``problems``: what ``load_config``
+        found), the model files, the tokenizer, the reward, the agent (``tools`` / ``interactions`` turn on
+        multi-turn rollouts, docs/agents.md) and the data, in one error."""
         self.cfg, self.reward_manager, self.agent = cfg, None, None
         if tools or interactions:
             enable_for_python_tools(cfg)
@@ -154,10 +133,8 @@ class PPOTrainer:
         self.final_hf_dir = None
         self.checkpoints = CheckpointManager(cfg, self.train_dataset)  # trainer.save_freq / resume_mode / default_local_dir
 
-    # ================================================================ start / close
     def start(self) -> None:
-        """Lock ``trainer.default_local_dir`` (``run_lock``), check the checkpoint to resume, start (or join)
-        Ray, place the roles, build engines and rollouts."""
+        """Lock ``trainer.default_local_dir``, check the checkpoint to resume, start Ray and place the roles."""
         if self.actor is not None:
             return
         self._checkpoint_lock = self._checkpoint_lock or lock_checkpoint_dir(self.cfg.trainer)  # before Ray starts
@@ -171,8 +148,7 @@ class PPOTrainer:
             raise
 
     def close(self) -> None:
-        """Stop the rollout source, kill every role's workers, stop Ray if this trainer started it, release the
-        checkpoint lock (idempotent)."""
+        """Stop the rollout source and the placement, release the checkpoint lock (idempotent)."""
         self.source.close()
         self.source = ColocatedRollouts(self.rollouts)
         self.placement.close()
@@ -187,7 +163,6 @@ class PPOTrainer:
     def __exit__(self, *exc):
         self.close()
 
-    # ================================================================ sizes
     def steps_per_epoch(self) -> int:
         return len(self.train_dataset) // self.cfg.data.train_batch_size
 
@@ -206,7 +181,6 @@ class PPOTrainer:
         """Prompt batches (lists of dataset rows) forever, one epoch after another."""
         return self.checkpoints.data_cursor()
 
-    # ================================================================ one step
     def step(self, batches: Iterator[list[dict]]) -> dict[str, Any]:
         """One RL step; returns its metrics. ``batches``: the data cursor the colocated source samples from
         (a pipeline pulls from the cursor it was opened on)."""
@@ -236,6 +210,9 @@ class PPOTrainer:
             if self.need_ref:
                 with M.timer(m, "ref_log_prob"):
                     batch.set("ref_log_probs", self.updates.compute_ref_log_probs(batch)["ref_log_probs"])
+            if cfg.distillation.enabled:
+                with M.timer(m, "teacher_log_prob"):
+                    batch.set("teacher_log_probs", self.updates.compute_teacher_log_probs(batch)["teacher_log_probs"])
             values = None
             if self.use_critic:
                 with M.timer(m, "values"):
@@ -300,7 +277,6 @@ class PPOTrainer:
         """Held-out prompts, decoded per ``rollout.val_kwargs`` (greedy by default): mean score and accuracy."""
         return validation.validate(self.rollouts, self.val_dataset, self.global_step, self.run_dir)
 
-    # ================================================================ the loop
     def fit(self, on_step: Callable[[dict], None] | None = None) -> list[dict]:
         """Train, writing the same run directory as the CLI (``training_run``); returns every step's metrics.
         ``on_step(record)`` sees each record as it is logged."""
@@ -332,9 +308,8 @@ class PPOTrainer:
         return path
 
     def run_loop(self, on_step: Callable[[dict], None] | None = None) -> list[dict]:
-        """Train for ``total_steps()`` steps (validation per ``test_freq``); returns every step's metrics.
-        Starts the workers if needed and always tears them down (also on error), after exporting the final
-        policy to ``<run dir>/huggingface`` when a run dir is set (``fit()`` and the CLI set one)."""
+        """Train for ``total_steps()`` steps (validation per ``test_freq``); returns every step's metrics. Always
+        tears the workers down, after exporting the final policy to ``<run dir>/huggingface`` when one is set."""
         t = self.cfg.trainer
         history: list[dict] = []
         try:

@@ -25,27 +25,55 @@ from verl_lite.controller.wire import wire
 from verl_lite.controller.worker_group import WorkerError
 from verl_lite.protocol import Batch
 from verl_lite.trainer import metrics as M
-from verl_lite.trainer.rollout_stage import Rollouts
+from verl_lite.trainer.rollout_stage import Rollouts, round_uid_prefix
 from verl_lite.utils.seeds import rollout_seed, stream_group_seed
 
 
-class WeightSync:
-    """The actor's weights to a rollout pool: exported once into Ray's object store, loaded by every rollout
-    worker; each call bounded by ``async_training.weight_sync_timeout_s`` (else one PipelineError)."""
+class RolloutSource:
+    """The interface (module docstring); by default nothing is sent after an update, a checkpoint saves nothing
+    of the source and nothing runs between steps."""
 
     def __init__(self, rollouts: Rollouts):
-        self.placement, self.bound = rollouts.placement, rollouts.cfg.async_training.weight_sync_timeout_s
+        self.rollouts = rollouts
 
-    def export(self, step: int):
-        """The actor's weights after ``step`` RL steps (an ObjectRef the rollout workers resolve)."""
+    def after_update(self, step: int, m: dict) -> None:
+        pass
+
+    def checkpoint_state(self, step: int) -> dict | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class ColocatedRollouts(RolloutSource):
+    """The actor's workers sample each step's rollouts from the next prompt batch of ``batches`` (DAPO's dynamic
+    sampling pulls further ones); each worker reloads its rollout from its actor as it next samples."""
+
+    def next(self, step: int, batches: Iterator[list[dict]], m: dict) -> tuple[Batch, torch.Tensor, dict]:
+        return self.rollouts.generate_and_score(next(batches), lambda: next(batches), m, step)
+
+
+class _PoolRollouts(RolloutSource):
+    """A source over a rollout pool: each updated policy is exported once into Ray's object store and published
+    to ``pipeline``, which loads it into every rollout worker; each weight call is bounded by
+    ``async_training.weight_sync_timeout_s`` (else one PipelineError)."""
+
+    def __init__(self, rollouts: Rollouts):
+        super().__init__(rollouts)
+        self.placement, self.cfg = rollouts.placement, rollouts.cfg
+        self.bound = self.cfg.async_training.weight_sync_timeout_s
+
+    def _publish(self, version: int, step: int) -> None:
+        """Policy ``version``: the actor's weights after ``step`` RL steps (an ObjectRef the workers resolve)."""
         import ray
 
         exported = self._call(self.placement.actor, f"step {step + 1}: exporting the actor's weights for the "
                               "rollout pool", "export_rollout_weights")
-        return ray.put(wire(exported[0]))  # tensors as raw bytes, as WorkerGroup.broadcast sends them
+        self.pipeline.publish(version, ray.put(wire(exported[0])))  # tensors as raw bytes, as broadcast sends them
 
-    def load(self, weights, version: int) -> None:
-        """Policy ``version`` into every rollout worker."""
+    def _load(self, weights, version: int) -> None:
+        """Policy ``version`` into every rollout worker (the pipeline calls it)."""
         self._call(self.placement.rollout, f"the weight sync of policy version {version} to the rollout pool",
                    "load_weights", weights, version)
 
@@ -57,44 +85,28 @@ class WeightSync:
                                 f"{self.bound:g}s ({err})",
                                 "raise async_training.weight_sync_timeout_s, or check the rollout workers") from err
 
-
-class ColocatedRollouts:
-    """The actor's workers sample each step's rollouts from the next prompt batch of ``batches`` (DAPO's
-    dynamic sampling pulls further ones)."""
-
-    def __init__(self, rollouts: Rollouts):
-        self.rollouts = rollouts
-
-    def next(self, step: int, batches: Iterator[list[dict]], m: dict) -> tuple[Batch, torch.Tensor, dict]:
-        return self.rollouts.generate_and_score(next(batches), lambda: next(batches), m, step)
-
     def after_update(self, step: int, m: dict) -> None:
-        """Nothing to send: each worker reloads its rollout from its actor as it next samples."""
-
-    def checkpoint_state(self, step: int) -> None:
-        """Nothing beyond the model: the next step's rollouts are sampled after the resume."""
-
-    def close(self) -> None:
-        """Nothing runs between steps."""
+        """Policy version ``step + 1`` to the pipeline (a stream's running trajectories go on with it)."""
+        with M.timer(m, "sync_weights"):
+            self._publish(step + 1, step)
 
 
-class PipelinedRollouts:
+class PipelinedRollouts(_PoolRollouts):
     """Split placement (``hybrid_engine=false``): the rollout pool samples ahead of the trainer, at most
     ``async_training.staleness_threshold`` policy versions behind (``controller.pipeline``); the driver scores
-    each batch as the step takes it. Each updated policy is exported once and published to the pipeline, which
-    loads it into the rollout pool before the first batch that version samples."""
+    each batch as the step takes it; the pipeline loads a policy before the first batch that version samples."""
 
     def __init__(self, rollouts: Rollouts, batches: Iterator[list[dict]], step: int, total_steps: int,
                  resumed_state: dict | None):
         """From RL step ``step`` over the data cursor ``batches``; resumed: the checkpoint's in-flight batches first."""
-        self.rollouts, self.placement, a = rollouts, rollouts.placement, rollouts.cfg.async_training
-        self.weights = WeightSync(rollouts)
+        super().__init__(rollouts)
+        a = self.cfg.async_training
         self.pipeline = RolloutPipeline(
-            self._generate, self.weights.load, lambda: next(batches), staleness=a.staleness_threshold,
+            self._generate, self._load, lambda: next(batches), staleness=a.staleness_threshold,
             queue_timeout_s=a.queue_timeout_s, first_index=step, end_index=total_steps,
             loaded_version=None if step > 0 else 0, ready=(resumed_state or {}).get("in_flight", []))
         if step > 0:
-            self.pipeline.publish(step, self.weights.export(step))
+            self._publish(step, step)
         self.pipeline.start()
 
     def next(self, step: int, batches, m: dict) -> tuple[Batch, torch.Tensor, dict]:
@@ -103,11 +115,6 @@ class PipelinedRollouts:
         scores, extra = self.rollouts.shaped_scores(item.batch, m, step)
         m.update(item.metrics)
         return item.batch, scores, extra
-
-    def after_update(self, step: int, m: dict) -> None:
-        """Policy version ``step + 1`` to the pipeline."""
-        with M.timer(m, "sync_weights"):
-            self.pipeline.publish(step + 1, self.weights.export(step))
 
     def checkpoint_state(self, step: int) -> dict:
         """The policy version and the batches generated ahead (sampled by older versions: saved, not regenerated)."""
@@ -118,32 +125,33 @@ class PipelinedRollouts:
 
     def _generate(self, rows: list[dict], step: int) -> Batch:
         """The rollouts of RL step ``step`` on the rollout pool (the pipeline's thread calls it)."""
-        r, cfg = self.rollouts, self.rollouts.cfg
+        r, cfg = self.rollouts, self.cfg
         return r.generate(rows, cfg.actor_rollout_ref.rollout.n, r.training_sampling(),
                           rollout_seed(cfg.trainer.seed, step), step, role=self.placement.rollout)
 
 
-class StreamedRollouts:
+class StreamedRollouts(_PoolRollouts):
     """Rollout workers run their trajectory streams continuously (single-turn rows through the single-turn agent
     loop); each step takes the oldest complete prompt groups within the off-policy bound (``controller.stream``).
     Each updated policy cuts the running generation short and trajectories in flight go on with it (partial
-    rollouts, ``agent.loop.VersionedRollout``). A checkpoint saves the prompt rows pulled and not yet trained; a resumed run submits them first."""
+    rollouts, ``agent.loop.VersionedRollout``). A checkpoint saves the prompt rows pulled and not yet trained; a
+    resumed run submits them first. The streams end with their workers."""
 
     def __init__(self, rollouts: Rollouts, batches: Iterator[list[dict]], step: int, total_steps: int,
                  resumed_state: dict | None):
-        cfg = rollouts.cfg
-        self.rollouts, self.cfg, self.n = rollouts, cfg, cfg.actor_rollout_ref.rollout.n
-        self.weights = WeightSync(rollouts)
+        super().__init__(rollouts)
+        cfg = self.cfg
+        self.n = cfg.actor_rollout_ref.rollout.n
         role, v1, a = rollouts.placement.rollout, cfg.trainer.v1, cfg.async_training
         role.call_all("stream_start", self._spec(), dict(rollouts.training_sampling(), n=self.n))
         resubmit = [row for item in (resumed_state or {}).get("in_flight", []) for row in item.rows]
-        self.pipe = StreamingPipeline(
+        self.pipeline = StreamingPipeline(
             role, lambda: agent_rows(next(batches)), self.n, cfg.data.train_batch_size,
             v1.separate_async.num_warmup_batches, v1.sampler.max_off_policy_threshold,
             v1.sampler.max_off_policy_strategy, lambda gid: stream_group_seed(cfg.trainer.seed, step, gid),
-            a.queue_timeout_s, self.weights.load, resubmit=resubmit)
+            a.queue_timeout_s, self._load, resubmit=resubmit)
         if step > 0:
-            self.pipe.publish(step, self.weights.export(step))
+            self._publish(step, step)
 
     def _spec(self) -> AgentSpec:
         """The agent spec of a multi-turn run, else the single-turn loop's."""
@@ -160,28 +168,20 @@ class StreamedRollouts:
 
         def generation_round(round_index: int, groups_needed: int) -> Batch:
             nonlocal waited, evicted
-            rows, outputs, metrics = self.pipe.next(step, groups_needed)
+            rows, outputs, metrics = self.pipeline.next(step, groups_needed)
             taken.extend(outputs)
             waited += metrics["timing_s/wait_rollout"]
             evicted += metrics["training/off_policy/evicted_samples"]
             m["async/queue_size"] = metrics["async/queue_size"]
-            return self.rollouts.batch_of(rows, outputs, self.n, step, uid_prefix=f"r{round_index}-" if round_index else "")
+            return self.rollouts.batch_of(rows, outputs, self.n, step, uid_prefix=round_uid_prefix(round_index))
 
         batch, scores, extra = self.rollouts.scored_rounds(generation_round, m, step)
         m.update({"timing_s/wait_rollout": waited, "training/off_policy/evicted_samples": evicted,
                   **off_policy_metrics([o["segment_versions"] for o in taken], step + 1)})
         return batch, scores, extra
 
-    def after_update(self, step: int, m: dict) -> None:
-        """Policy version ``step + 1`` into every rollout worker (trajectories running go on with it)."""
-        with M.timer(m, "sync_weights"):
-            self.pipe.publish(step + 1, self.weights.export(step))
-
     def checkpoint_state(self, step: int) -> dict:
-        return {"policy_version": step, "in_flight": [RolloutItem(step, self.pipe.outstanding_rows(), step)]}
-
-    def close(self) -> None:
-        pass  # the streams end with their workers
+        return {"policy_version": step, "in_flight": [RolloutItem(step, self.pipeline.outstanding_rows(), step)]}
 
 
 def open_rollout_source(rollouts: Rollouts, batches: Iterator[list[dict]], step: int, total_steps: int,

@@ -23,6 +23,11 @@ class DynamicSamplingError(RunFailure):
     """DAPO's dynamic sampling hit ``algorithm.filter_groups.max_num_gen_batches``."""
 
 
+def round_uid_prefix(round_index: int) -> str:
+    """The uid prefix of a step's generation round: none for the first, ``r<k>-`` for DAPO's further ones."""
+    return f"r{round_index}-" if round_index else ""
+
+
 def correct(scores: torch.Tensor, extra: dict) -> torch.Tensor:
     """Per-sample correctness: the reward's own ``acc`` field when it returns one, else the full score 1.0
     (so shaped rewards with partial credit do not count as correct)."""
@@ -141,7 +146,7 @@ class Rollouts:
             if round_index == 0:
                 return self.generate(rows, n, sampling, base_seed, step)
             return self.generate(more_rows(), n, sampling, dynamic_sampling_seed(base_seed, round_index), step,
-                                 uid_prefix=f"r{round_index}-")
+                                 uid_prefix=round_uid_prefix(round_index))
 
         return self.scored_rounds(generation_round, m, step)
 

@@ -1,13 +1,4 @@
-"""Where a run writes: a fresh directory per run, so that no run ever overwrites another's results.
-
-    run_dir = make_run_dir(cfg.trainer.output_dir, cfg.trainer.experiment_name)
-    # -> <output_dir>/<experiment_name>-<UTC yyyymmdd-HHMMSS>[-k], created atomically and checked writable;
-    #    <output_dir>/latest points at it
-
-Two runs started in the same second get different directories (``-2``, ``-3``, ... by ``mkdir`` without
-``exist_ok``, which is atomic). A directory that cannot be made or written is a :class:`BadInput` naming
-``trainer.output_dir``.
-"""
+"""Where a run writes: a fresh directory per run, so that no run ever overwrites another's results."""
 
 from __future__ import annotations
 
@@ -27,7 +18,9 @@ def _safe(name: str) -> str:
 
 
 def make_run_dir(output_dir: str, experiment_name: str, now: float | None = None) -> Path:
-    """Create and return a fresh, writable run directory under ``output_dir`` (see module docstring)."""
+    """A fresh, writable ``<output_dir>/<experiment_name>-<UTC yyyymmdd-HHMMSS>[-k]`` (``-k``: runs started in the
+    same second; ``mkdir`` without ``exist_ok`` is atomic); ``<output_dir>/latest`` points at it. One that cannot
+    be made or written is a :class:`BadInput` naming ``trainer.output_dir``."""
     root = Path(output_dir).expanduser().resolve()
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if now is None else now))
     base = f"{_safe(experiment_name)}-{stamp}"

@@ -1,16 +1,9 @@
-"""One run at a time per checkpoint directory: a ``flock`` on ``<trainer.default_local_dir>/.verl_lite.lock``.
-
-    lock = lock_checkpoint_dir(cfg.trainer)   # None when the run saves no checkpoint (save_freq <= 0)
-    ...                                       # start Ray and the workers, train, save global_step_K
-    lock.release()                            # also released by the kernel when the driver dies
-
-Two runs given the same ``trainer.default_local_dir`` would both write ``global_step_K`` and prune each
-other's checkpoints. The driver of a run that saves takes an exclusive, non-blocking ``fcntl.flock`` before Ray
-starts; a second run stops with :class:`CheckpointDirInUse` (exit 2) naming the holder's pid and host, which the
-holder writes into the file as JSON. A flock belongs to the open file, which the kernel closes when its process
-dies, so a SIGKILLed driver never blocks the next run; the descriptor is close-on-exec and closed in forked
-children, so nothing the driver starts keeps it alive. On NFS, Linux maps flock onto the server's byte-range
-locks. The file stays (deleting it would let two runs lock two files); release empties it. It is opened with
+"""One run at a time per checkpoint directory (two would overwrite and prune each other's ``global_step_K``):
+the driver of a run that saves takes an exclusive, non-blocking ``flock`` on
+``<trainer.default_local_dir>/.verl_lite.lock`` before Ray starts; a second run stops with
+:class:`CheckpointDirInUse` naming the holder's pid and host (JSON in the file). The kernel drops a flock with its
+process, so a SIGKILLed driver never blocks the next run; the descriptor is close-on-exec and closed in forked
+children. The file stays (deleting it would let two runs lock two files); release empties it. It is opened with
 ``O_NOFOLLOW`` and must be a regular file: a link or FIFO planted at its name is refused, never followed.
 """
 
@@ -52,8 +45,7 @@ class RunLock:
         return self._fd is not None and self._pid == os.getpid()
 
     def acquire(self) -> RunLock:
-        """Take the lock and record this process as the holder; raise :class:`CheckpointDirInUse`
-        naming the holder when another process has it, :class:`BadInput` when the directory is unusable."""
+        """Take the lock and record this process as the holder (:class:`BadInput` if the directory is unusable)."""
         if self.held:
             return self
         fd = self._open()
@@ -142,8 +134,7 @@ def read_holder(path: Path) -> dict:
 
 
 def lock_checkpoint_dir(trainer_cfg) -> RunLock | None:
-    """Take the lock of ``trainer.default_local_dir`` when the run saves checkpoints (``save_freq > 0``);
-    ``None`` otherwise. Raises :class:`CheckpointDirInUse` while another run holds it."""
+    """The held lock of ``trainer.default_local_dir`` when the run saves checkpoints (``save_freq > 0``), else None."""
     from verl_lite.trainer.checkpointing import checkpoint_root  # checkpointing imports torch: not at the CLI's start
 
     if trainer_cfg.save_freq <= 0:

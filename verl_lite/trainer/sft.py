@@ -1,20 +1,13 @@
 """Supervised fine-tuning (SFT) on the megatron engine, single process; used to warm-start the shipped model.
 
-Each example is a prompt (chat-templated, from an RL parquet file in verl's row format) and a
-target response followed by EOS: `extra_info[response_key]` when `response_key` is set (the
-synthetic task's "demonstration"), else the row's ground truth text. The objective of one optimizer step
-over a batch M is the token-mean negative log-likelihood of the response tokens,
+Each example is a prompt of an RL parquet file and a target response + EOS (``extra_info[response_key]``, else
+the ground truth). One optimizer step over a batch minimizes the token-mean NLL of the response tokens,
 
     L = - sum_{i,t} m_i,t log p(y_i,t | x_i, y_i,<t) / N,    N = sum_{i,t} m_i,t,
 
-built with `verl_lite.algorithms.NormalizationPlan("token-mean")` over the whole batch, so the
-gradient does not depend on how the batch is cut into micro-batches.
-
-    result = run_sft(SFTConfig(model_path=..., out_dir=..., train_files=[...], val_files=[...]))
-
-Greedy validation accuracy is measured with `HFRollout` (weights synced from the engine with
-`export_hf`) and the built-in reward router; with `target_accuracy` set, training stops at the
-first evaluation reaching it, which is how the shipped checkpoint is kept PARTIAL (room for RL).
+through ``NormalizationPlan("token-mean")`` of the whole batch: the gradient does not depend on the
+micro-batches. Validation is greedy accuracy (``HFRollout``, the built-in reward); ``target_accuracy`` stops at
+the first evaluation reaching it (how the shipped checkpoint is kept partial: room for RL).
 """
 
 from __future__ import annotations
@@ -78,16 +71,10 @@ def sft_examples(dataset, tokenizer, response_key: str | None = None) -> list[tu
 
 def make_sequence_batch(examples: list[tuple[list[int], list[int]]]):
     """SequenceBatch of prompt+response with data["response_mask"] [n, W] (W = longest response)."""
-    width = max(len(r) for _, r in examples)
-    mask = torch.zeros(len(examples), width)
-    for i, (_, r) in enumerate(examples):
-        mask[i, : len(r)] = 1.0
-    return SequenceBatch(
-        input_ids=[torch.tensor(p + r, dtype=torch.long) for p, r in examples],
-        response_lengths=torch.tensor([len(r) for _, r in examples]),
-        data={"response_mask": mask},
-        response_width=width,
-    )
+    lengths = torch.tensor([len(r) for _, r in examples])
+    mask = (torch.arange(int(lengths.max()))[None, :] < lengths[:, None]).float()
+    return SequenceBatch(input_ids=[torch.tensor(p + r, dtype=torch.long) for p, r in examples],
+                         response_lengths=lengths, data={"response_mask": mask}, response_width=mask.shape[1])
 
 
 def nll_loss_fn(plan):

@@ -1,8 +1,5 @@
 """A warning, once, when a run has had no learning signal for k consecutive RL steps: every reward of a step
 equal (every group-relative advantage is zero, a critic-free update does nothing) or every response one token.
-
-    watch = ZeroSignalWatch(k=5)
-    message = watch.update(step_metrics)   # the warning text the first time k steps in a row had none, else None
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ def zero_signal_reason(metrics: dict) -> str | None:
 
 
 class ZeroSignalWatch:
-    """Counts consecutive zero-signal steps; warns once."""
+    """Counts consecutive zero-signal steps; ``update`` returns the warning the first time k in a row had none."""
 
     def __init__(self, k: int = ZERO_SIGNAL_STEPS):
         self.k = k

@@ -1,16 +1,11 @@
 """SIGINT / SIGTERM during a run: :class:`~verl_lite.errors.RunInterrupted` in the main thread, never in the
-middle of a metrics line, and a watchdog that force-stops the run if its teardown overruns.
-
-    exit_on_early_signals()      # the CLI's first statement: nothing started yet, a signal ends it with one line
-    SIGNALS.install()            # the CLI, around the run
-    with SIGNALS.deferred(): ... # a block a signal must not cut (a metrics line)
-    SIGNALS.restore()
+middle of a metrics line (``SIGNALS.deferred()``), and a watchdog that force-stops the run if its teardown overruns.
 
 A library may install its own handler for a while (``ray.init``'s SIGTERM handler calls ``sys.exit(signum)``),
 so :meth:`Signals.interruption` takes a ``SystemExit`` carrying a stop signal's number for that signal. Where
-such a ``SystemExit`` is swallowed (raised in an at-fork callback or a finalizer; its "Exception ignored" is
-silenced), the wakeup fd set by :meth:`Signals.install` still sees the signal: one that reached no handler of
-this module within :data:`UNSEEN_GRACE_S` starts the watchdog and is sent again once this module's handler is back.
+such a ``SystemExit`` is swallowed (an at-fork callback or a finalizer; its "Exception ignored" is silenced), the
+wakeup fd still sees the signal: one no handler of this module saw within :data:`UNSEEN_GRACE_S` starts the
+watchdog and is sent again once this module's handler is back.
 """
 
 from __future__ import annotations

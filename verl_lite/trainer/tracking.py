@@ -1,19 +1,9 @@
-"""Experiment tracking: the ``trainer.logger`` backends (verl's names) behind one ``log(record)``.
-
-    tracking = Tracking(cfg, run_dir, total_steps)     # opens every backend in trainer.logger
-    tracking.log(record)                               # one step's metrics (``record["step"]`` = the RL step)
-    tracking.close()                                   # (also a context manager)
-
-- ``console``: a live progress bar on a TTY; else one plain line every ``trainer.log_freq`` steps (and on
-  every validation and the last step), so a job log is never silent.
-- ``jsonl``: ``<run_dir>/metrics.jsonl``, one JSON object per record (non-finite floats as null).
-- ``tensorboard``: ``<run_dir>/tensorboard/``, every numeric key one scalar at ``record["step"]``.
-- ``wandb``: a run of ``trainer.project_name`` / ``trainer.experiment_name`` in ``<run_dir>`` with the whole
-  config; ``WANDB_MODE=offline`` needs no network.
-
-``record["completions"]`` (the Python API's ``log_completions=True``: rows of ``{"prompt", "completion",
-"reward", <reward function>: score}``) becomes the W&B table / TensorBoard text ``completions`` at that step,
-and is kept out of metrics.jsonl and the console.
+"""Experiment tracking: the ``trainer.logger`` backends (verl's names) behind one ``Tracking.log(record)``:
+``console`` (a live bar on a TTY, else a line every ``trainer.log_freq`` steps, every validation and the last
+step), ``jsonl`` (``<run_dir>/metrics.jsonl``, non-finite floats as null), ``tensorboard`` (every numeric key a
+scalar at ``record["step"]``), ``wandb`` (``trainer.project_name`` / ``experiment_name`` with the config;
+``WANDB_MODE=offline`` needs no network). ``record["completions"]`` (the Python API's ``log_completions``) is the
+W&B table / TensorBoard text ``completions`` at that step, kept out of metrics.jsonl and the console.
 """
 
 from __future__ import annotations
@@ -28,14 +18,8 @@ from verl_lite.errors import BadInput
 from verl_lite.trainer.metrics import JsonlWriter
 
 # the key numbers of a console line: (metric, label)
-SHOWN = (
-    ("reward/mean", "reward"),
-    ("val/accuracy", "val acc"),
-    ("actor/pg_loss", "pg loss"),
-    ("actor/entropy", "entropy"),
-    ("actor/grad_norm", "grad norm"),
-    ("timing_s/step", "s/step"),
-)
+SHOWN = (("reward/mean", "reward"), ("val/accuracy", "val acc"), ("actor/pg_loss", "pg loss"),
+         ("actor/entropy", "entropy"), ("actor/grad_norm", "grad norm"), ("timing_s/step", "s/step"))
 
 
 def _fmt(v) -> str:
@@ -73,10 +57,8 @@ def _duration(seconds: float | None) -> str:
 
 
 class EtaClock:
-    """Time remaining from the wall time of the steps trained by THIS process, measured from the end of
-    the first one (which carries the warm-up: compilation, caches), so an estimate appears once two steps
-    are measured. A record that trained no step (the validation before training) starts only the elapsed
-    clock; a resumed run's clock starts at the resumed step."""
+    """Time remaining from the steps trained by THIS process, measured from the end of the first one (it carries
+    the warm-up); a record that trained no step starts only the elapsed clock."""
 
     def __init__(self, total_steps: int):
         self.total = total_steps

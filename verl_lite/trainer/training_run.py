@@ -1,9 +1,6 @@
 """A training run's files around ``PPOTrainer.run_loop``, for the CLI and the Python API's ``fit()``:
 ``config.json``, the ``trainer.logger`` trackers (``metrics.jsonl`` always), ``curves.png`` and
-``summary.json`` (``status``: completed | failed | interrupted; ``startup_s``) in a fresh run directory.
-
-    summary = train_in_run_dir(trainer, on_step=None)
-"""
+``summary.json`` (``status``: completed | failed | interrupted; ``startup_s``) in a fresh run directory."""
 
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
 """TRL 1.16's ``GRPOTrainer`` arguments and ``GRPOConfig`` fields (its own and transformers' ``TrainingArguments``)
-in verl_lite's config, with TRL's meaning. ``TRL_FIELDS`` gives every field one outcome:
-
-- ``TO``      translated: the verl key(s) it lands in (``translate`` computes the values, TRL's defaults included:
-              ``args=GRPOConfig()`` trains with TRL's learning rate, batch arithmetic, loss and sampling);
-- ``SAME``    accepted with no effect here, and the reason it changes nothing that trains;
-- ``REFUSED`` refused with the reason when set to anything but TRL's default.
-
-A combination a translation cannot express exactly (e.g. ``loss_type='bnpo'`` over several micro-batches) is
-refused naming the fields. ``use_trl_arguments`` applies it all to the config at construction, every problem in
-one ConfigError, and refuses a config key the user set that disagrees with what ``args`` says for the same setting
-(``loader.Routed.disagreements``' rule). trl itself is not imported: ``args`` is read by field name.
+in verl_lite's config, with TRL's meaning. ``TRL_FIELDS`` gives every field one outcome (``Outcome.kind``):
+translated into verl key(s) (``translate``, TRL's defaults included), accepted with no effect on what trains, or
+refused unless at TRL's default. A combination no translation expresses exactly is refused naming the fields.
+``use_trl_arguments`` applies it all to the config, every problem in one ConfigError, and refuses a config key
+the user set that disagrees with ``args`` (``loader.Routed.disagreements``' rule). trl itself is not imported.
 """
 
 from __future__ import annotations
@@ -17,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from functools import partial
 from operator import attrgetter
 from typing import NamedTuple
 
@@ -34,20 +29,11 @@ ADAMW = ("adamw_torch", "adamw_torch_fused")  # TRL's optim names for the Adam(W
 
 
 class Outcome(NamedTuple):
-    kind: str  # TO | SAME | REFUSED
+    kind: str  # TO: translated | SAME: accepted, no effect here | REFUSED: refused unless at TRL's default
     text: str  # TO: the verl key(s); SAME: why nothing that trains changes; REFUSED: why, and what to use
 
 
-def _to(keys: str) -> Outcome:
-    return Outcome(TO, keys)
-
-
-def _same(why: str) -> Outcome:
-    return Outcome(SAME, why)
-
-
-def _no(why: str) -> Outcome:
-    return Outcome(REFUSED, why)
+_to, _same, _no = (partial(Outcome, kind) for kind in (TO, SAME, REFUSED))
 
 
 BATCH = (f"data.train_batch_size, {R}.n, {A}.ppo_mini_batch_size, {A}.ppo_micro_batch_size_per_gpu "
@@ -60,7 +46,14 @@ PREDICTION_LOOP = _same("the Trainer's prediction loop; validation here generate
 DATALOADER = _same("how rows are loaded, not which")
 ONLY_HUB = _same("read only with push_to_hub=True, which is refused")
 ONLY_ADAPTIVE = _same("read only with use_adaptive_entropy=True, which is refused")
-SPEED = "speed or memory only: what trains is the same"
+SPEED = _same("speed or memory only: what trains is the same")
+LOGGING = _same("logging only")
+
+
+def _each(names: str, outcome: Outcome) -> dict[str, Outcome]:
+    """The same ``outcome`` for each of the space-separated field ``names``."""
+    return dict.fromkeys(names.split(), outcome)
+
 
 # every field of TRL 1.16's GRPOConfig (its own, then transformers' TrainingArguments): one outcome each
 TRL_FIELDS: dict[str, Outcome] = {
@@ -78,8 +71,7 @@ TRL_FIELDS: dict[str, Outcome] = {
     "ds3_gather_for_generation": _same("DeepSpeed ZeRO-3 only; the engine is megatron"),
     "shuffle_dataset": _to("data.shuffle"),
     "pad_to_multiple_of": _same("padding only: sequences are packed (THD) here"),
-    "generation_batch_size": _to(BATCH),
-    "steps_per_generation": _to(BATCH),
+    **_each("generation_batch_size steps_per_generation", _to(BATCH)),
     "temperature": _to(f"{R}.temperature (and {R}.val_kwargs.temperature: TRL evaluates with the same sampling)"),
     "top_p": _to(f"{R}.top_p, {R}.val_kwargs.top_p"),
     "top_k": _to(f"{R}.top_k, {R}.val_kwargs.top_k"),
@@ -88,15 +80,15 @@ TRL_FIELDS: dict[str, Outcome] = {
     "chat_template_kwargs": _no("extra chat-template arguments are not passed; render the prompts yourself "
                                 "(plain-text prompts are tokenized as they are)"),
     "repetition_penalty": _to("generation_kwargs['repetition_penalty']"),
-    "cache_implementation": _same(SPEED),
+    "cache_implementation": SPEED,
     "use_vllm": _to(f"{R}.name (vllm / hf) and actor_rollout_ref.hybrid_engine"),
     "vllm_mode": _to("actor_rollout_ref.hybrid_engine=true (colocate); 'server' (a separate `vllm serve`) is "
                      "refused: the rollout workers host vLLM themselves"),
     "vllm_model_impl": _no("vLLM's own model implementation is the one built ('vllm')"),
     "vllm_enable_sleep_mode": _to(f"{R}.free_cache_engine"),
     "vllm_structured_outputs_regex": _no("structured (regex-constrained) outputs are not built in the rollout"),
-    "vllm_server_base_url": VLLM_SERVER, "vllm_server_host": VLLM_SERVER, "vllm_server_port": VLLM_SERVER,
-    "vllm_server_timeout": VLLM_SERVER, "vllm_group_port": VLLM_SERVER,
+    **_each("vllm_server_base_url vllm_server_host vllm_server_port vllm_server_timeout vllm_group_port",
+            VLLM_SERVER),
     "vllm_gpu_memory_utilization": _to(f"{R}.gpu_memory_utilization"),
     "vllm_max_model_length": _same("vLLM's context here is data.max_prompt_length + data.max_response_length"),
     "vllm_tensor_parallel_size": _to(f"{R}.tensor_model_parallel_size"),
@@ -108,10 +100,8 @@ TRL_FIELDS: dict[str, Outcome] = {
     "epsilon_high": _to(f"{A}.clip_ratio_high (cispo: epsilon_high - 1)"),
     "sapo_temperature_neg": _to(f"{A}.policy_loss.tau_neg"),
     "sapo_temperature_pos": _to(f"{A}.policy_loss.tau_pos"),
-    "vespo_k_pos": _same("read only by loss_type='vespo', which is refused"),
-    "vespo_lambda_pos": _same("read only by loss_type='vespo', which is refused"),
-    "vespo_k_neg": _same("read only by loss_type='vespo', which is refused"),
-    "vespo_lambda_neg": _same("read only by loss_type='vespo', which is refused"),
+    **_each("vespo_k_pos vespo_lambda_pos vespo_k_neg vespo_lambda_neg",
+            _same("read only by loss_type='vespo', which is refused")),
     "importance_sampling_level": _to(f"{A}.policy_loss.loss_mode (sequence = gspo)"),
     "reward_weights": _to("reward_weights"),
     "multi_objective_aggregation": _no("'normalize_then_sum' (GDPO) is not built: the functions' weighted sum is "
@@ -121,13 +111,12 @@ TRL_FIELDS: dict[str, Outcome] = {
     "mask_truncated_completions": _no("dropping truncated completions from the loss is not built; raise "
                                       "max_completion_length, or shape overlong answers (reward.overlong_buffer)"),
     "sync_ref_model": _no("TR-DPO's reference-model sync is not built: the reference stays the initial policy"),
-    "ref_model_mixup_alpha": _same("read only with sync_ref_model=True, which is refused"),
-    "ref_model_sync_steps": _same("read only with sync_ref_model=True, which is refused"),
+    **_each("ref_model_mixup_alpha ref_model_sync_steps",
+            _same("read only with sync_ref_model=True, which is refused")),
     "top_entropy_quantile": _no("the high-entropy token mask is not built; use 1.0 (every token)"),
     "entropy_coef": _to(f"{A}.entropy_coeff (when the loss aggregates as TRL's bonus does)"),
     "use_adaptive_entropy": _no("adaptive entropy control is not built; use a fixed entropy_coef"),
-    "entropy_coef_min": ONLY_ADAPTIVE, "entropy_coef_max": ONLY_ADAPTIVE, "entropy_coef_delta": ONLY_ADAPTIVE,
-    "entropy_target": ONLY_ADAPTIVE,
+    **_each("entropy_coef_min entropy_coef_max entropy_coef_delta entropy_target", ONLY_ADAPTIVE),
     "max_tool_calling_iterations": _to(f"{R}.multi_turn.max_user_turns"),
     "vllm_importance_sampling_correction": _to(f"{RC}.rollout_is / rollout_rs (with use_vllm)"),
     "vllm_importance_sampling_mode": _to(f"{RC}.rollout_is, {RC}.rollout_rs"),
@@ -142,9 +131,8 @@ TRL_FIELDS: dict[str, Outcome] = {
     "num_completions_to_print": _same("console printing only"),
     "log_unique_prompts": _same("which prompts a completion log shows, only"),
     "log_completions_hub_repo": _no("uploading completions to the Hub is not built (no hub access)"),
-    "use_transformers_continuous_batching": _same(SPEED),
-    "transformers_continuous_batching_config": _same(SPEED),
-    "use_transformers_paged": _same(SPEED),
+    **_each("use_transformers_continuous_batching transformers_continuous_batching_config use_transformers_paged",
+            SPEED),
     "vllm_importance_sampling_cap": _to(f"{RC}.rollout_is_threshold (TRL's deprecated name of "
                                         f"vllm_importance_sampling_clip_max)"),
     # --- transformers' TrainingArguments (GRPOConfig's defaults)
@@ -169,41 +157,36 @@ TRL_FIELDS: dict[str, Outcome] = {
     "label_smoothing_factor": _same("GRPO's loss reads no labels (TRL's neither)"),
     "bf16": _to(f"{A}.megatron.dtype (bfloat16: bf16 compute, fp32 main params)"),
     "fp16": _no(FP16_UNSUPPORTED),
-    "bf16_full_eval": _no("evaluation generates with the rollout's dtype (actor_rollout_ref.rollout.dtype)"),
-    "fp16_full_eval": _no("evaluation generates with the rollout's dtype (actor_rollout_ref.rollout.dtype)"),
+    **_each("bf16_full_eval fp16_full_eval",
+            _no("evaluation generates with the rollout's dtype (actor_rollout_ref.rollout.dtype)")),
     "tf32": _no("TF32 matmuls are not switched on (float32 stays exact); leave it unset or False"),
     "activation_checkpointing": _to("actor_rollout_ref.model.enable_gradient_checkpointing (transformers' new "
                                     "name of gradient_checkpointing)"),
-    "activation_checkpointing_kwargs": _same(SPEED),
+    "activation_checkpointing_kwargs": SPEED,
     "gradient_checkpointing": _to("actor_rollout_ref.model.enable_gradient_checkpointing (GPU only; off on CPU, "
                                   "where megatron's recompute cannot run: the math is the same)"),
-    "gradient_checkpointing_kwargs": _same(SPEED),
-    "torch_compile": _same(SPEED), "torch_compile_backend": _same(SPEED), "torch_compile_mode": _same(SPEED),
-    "use_liger_kernel": _same(SPEED), "liger_kernel_config": _same(SPEED),
-    "use_cache": _same(SPEED),
+    **_each("gradient_checkpointing_kwargs torch_compile torch_compile_backend torch_compile_mode use_liger_kernel "
+            "liger_kernel_config use_cache", SPEED),
     "neftune_noise_alpha": _no("NEFTune embedding noise is not built"),
-    "torch_empty_cache_steps": _same(SPEED),
+    "torch_empty_cache_steps": SPEED,
     "auto_find_batch_size": _no("TRL refuses it too: the batch must hold whole prompt groups"),
     "logging_strategy": _same("metrics.jsonl records every RL step; the console line follows logging_steps"),
     "logging_steps": _to(f"trainer.log_freq ({EVERY_STEPS})"),
     "logging_first_step": _same("metrics.jsonl records every RL step"),
-    "log_on_each_node": _same("logging only"), "logging_nan_inf_filter": _same("logging only (a non-finite loss "
-                                                                                "stops the run here)"),
-    "include_num_input_tokens_seen": _same("logging only"), "log_level": _same("logging only"),
-    "log_level_replica": _same("logging only"), "disable_tqdm": _same("logging only"),
+    "log_on_each_node": LOGGING,
+    "logging_nan_inf_filter": _same("logging only (a non-finite loss stops the run here)"),
+    **_each("include_num_input_tokens_seen log_level log_level_replica disable_tqdm", LOGGING),
     "report_to": _to("trainer.logger (none / tensorboard / wandb; the console and metrics.jsonl always)"),
     "run_name": _to("trainer.experiment_name"),
     "project": _to("trainer.project_name"),
-    "trackio_space_id": _same("read only by report_to='trackio', which is refused"),
-    "trackio_bucket_id": _same("read only by report_to='trackio', which is refused"),
-    "trackio_static_space_id": _same("read only by report_to='trackio', which is refused"),
+    **_each("trackio_space_id trackio_bucket_id trackio_static_space_id",
+            _same("read only by report_to='trackio', which is refused")),
     "eval_strategy": _to("trainer.test_freq ('no' = 0, 'steps' = eval_steps; 'epoch' is refused)"),
     "eval_steps": _to(f"trainer.test_freq ({EVERY_STEPS}; None = logging_steps, as TRL)"),
     "eval_delay": _no("validation starts at trainer.test_freq; a delay is not built"),
     "per_device_eval_batch_size": _same("batching of validation generation only"),
-    "prediction_loss_only": PREDICTION_LOOP, "eval_do_concat_batches": PREDICTION_LOOP,
-    "eval_use_gather_object": PREDICTION_LOOP, "eval_accumulation_steps": PREDICTION_LOOP,
-    "include_for_metrics": PREDICTION_LOOP, "batch_eval_metrics": PREDICTION_LOOP,
+    **_each("prediction_loss_only eval_do_concat_batches eval_use_gather_object eval_accumulation_steps "
+            "include_for_metrics batch_eval_metrics", PREDICTION_LOOP),
     "eval_on_start": _to("trainer.val_before_train"),
     "save_only_model": _same("checkpoints here always hold the optimizer too (more is kept, nothing changes)"),
     "save_strategy": _to("trainer.save_freq ('no' = -1, 'steps' = save_steps; 'epoch' / 'best' are refused)"),
@@ -213,11 +196,9 @@ TRL_FIELDS: dict[str, Outcome] = {
     "enable_jit_checkpoint": _no("a checkpoint on SIGTERM is not built; checkpoint with save_steps"),
     "push_to_hub": _no("uploading to the Hugging Face Hub is not built here (no hub access); train, then "
                        "trainer.save_pretrained(dir) and upload dir with `huggingface-cli upload`"),
-    "hub_token": ONLY_HUB, "hub_private_repo": ONLY_HUB, "hub_model_id": ONLY_HUB, "hub_strategy": ONLY_HUB,
-    "hub_always_push": ONLY_HUB, "hub_revision": ONLY_HUB,
+    **_each("hub_token hub_private_repo hub_model_id hub_strategy hub_always_push hub_revision", ONLY_HUB),
     "load_best_model_at_end": _no("the final policy is the last step's; best-checkpoint selection is not built"),
-    "metric_for_best_model": _no("best-checkpoint selection is not built"),
-    "greater_is_better": _no("best-checkpoint selection is not built"),
+    **_each("metric_for_best_model greater_is_better", _no("best-checkpoint selection is not built")),
     "ignore_data_skip": _no("a resumed run always continues the data where the checkpoint left it"),
     "restore_callback_states_from_checkpoint": _no("callback state is not checkpointed"),
     "full_determinism": _no("torch's deterministic-algorithms mode is not switched on; runs are seeded "
@@ -228,26 +209,20 @@ TRL_FIELDS: dict[str, Outcome] = {
     "accelerator_config": _no("accelerate is not used: the megatron layout keys place the model"),
     "parallelism_config": _no(f"set the layout with {A}.megatron.* (tensor/pipeline/context parallel sizes)"),
     "dataloader_drop_last": _same("every RL step takes whole generation batches (TRL's sampler too)"),
-    "dataloader_num_workers": DATALOADER, "dataloader_pin_memory": DATALOADER,
-    "dataloader_persistent_workers": DATALOADER, "dataloader_prefetch_factor": DATALOADER,
-    "dataloader_multiprocessing_context": DATALOADER, "dataloader_in_order": DATALOADER,
+    **_each("dataloader_num_workers dataloader_pin_memory dataloader_persistent_workers dataloader_prefetch_factor "
+            "dataloader_multiprocessing_context dataloader_in_order", DATALOADER),
     "remove_unused_columns": _same("every column reaches the reward functions by name (TRL's False)"),
     "label_names": _same("GRPO's loss reads no labels"),
     "train_sampling_strategy": _same("GRPO samples with its own sampler (shuffle_dataset), in TRL too"),
     "length_column_name": _same("read only by length-grouped sampling, which GRPO does not use"),
-    "ddp_find_unused_parameters": _same("megatron's DDP; communication only"),
-    "ddp_bucket_cap_mb": _same("megatron's DDP; communication only"),
-    "ddp_broadcast_buffers": _same("megatron's DDP; communication only"),
-    "ddp_static_graph": _same("megatron's DDP; communication only"),
+    **_each("ddp_find_unused_parameters ddp_bucket_cap_mb ddp_broadcast_buffers ddp_static_graph",
+            _same("megatron's DDP; communication only")),
     "ddp_backend": _same("megatron's process groups (nccl on GPU, gloo on CPU); communication only"),
     "ddp_timeout": _same(f"collectives are bounded by {A}.megatron.timeout_s"),
-    "fsdp": _no(f"the engine is megatron: set the layout with {A}.megatron.*"),
-    "fsdp_config": _no(f"the engine is megatron: set the layout with {A}.megatron.*"),
-    "deepspeed": _no(f"the engine is megatron: set the layout with {A}.megatron.*"),
+    **_each("fsdp fsdp_config deepspeed", _no(f"the engine is megatron: set the layout with {A}.megatron.*")),
     "debug": _no("transformers' debug modes are not built"),
-    "skip_memory_metrics": _same("logging only"),
-    "do_train": _same("not read by the Trainer"), "do_eval": _same("not read by the Trainer"),
-    "do_predict": _same("not read by the Trainer"),
+    "skip_memory_metrics": LOGGING,
+    **_each("do_train do_eval do_predict", _same("not read by the Trainer")),
     "resume_from_checkpoint": _same("not read by the Trainer (trainer.resume_mode resumes here)"),
     "local_rank": _same("set by the launcher"),
 }
@@ -317,6 +292,10 @@ class _Reader:
 
     def __call__(self, name: str):
         return getattr(self.args, name, TRL_DEFAULTS.get(name))
+
+    def text(self, name: str) -> str:
+        """The field as text (an enum's value: transformers' strategies and scheduler types)."""
+        return str(getattr(self(name), "value", self(name)))
 
     def is_default(self, name: str) -> bool:
         """At TRL's default: the value ``args``' class declares, or absent."""
@@ -531,7 +510,7 @@ def _optimizer(a: _Reader, sizes: dict, out: dict, p: list) -> None:
                  f"(e.g. 1e9) to effectively disable it")
     else:
         out[f"{O}.clip_grad"] = (float(norm), "max_grad_norm")
-    kind, warmup = str(getattr(a("lr_scheduler_type"), "value", a("lr_scheduler_type"))), a("warmup_steps") or 0
+    kind, warmup = a.text("lr_scheduler_type"), a("warmup_steps") or 0
     styles = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"}
     if kind not in styles:
         p.append(f"args.lr_scheduler_type={kind!r} is not built; choose one of {sorted(styles)}")
@@ -590,7 +569,7 @@ def _run(a: _Reader, sizes: dict, out: dict, api: dict, p: list) -> None:
 
 def _periodic(a: _Reader, strategy: str, steps: str, off: dict, key: str, per_rl: int, out: dict, p: list) -> None:
     """eval_strategy / save_strategy with their steps (eval_steps None = logging_steps, as transformers)."""
-    value = str(getattr(a(strategy), "value", a(strategy)))
+    value = a.text(strategy)
     if value in off:
         out[key] = (off[value], strategy)
     elif value == "steps":
@@ -641,7 +620,7 @@ def translate(args) -> Translation:
                      f"(docs/python_api.md); drop it")
         elif outcome is not None and outcome.kind == REFUSED and not a.is_default(name) and name != "optim":
             p.append(f"{_described(name, getattr(args, name))}: {outcome.text}")
-    optim = str(getattr(a("optim"), "value", a("optim") or "adamw_torch_fused"))
+    optim = a.text("optim") if a("optim") else "adamw_torch_fused"
     if optim not in ADAMW:
         p.append(f"args.optim={optim!r}: {TRL_FIELDS['optim'].text}")
     sizes = _batch(a, out, p)
@@ -662,15 +641,16 @@ def is_peft_model(model) -> bool:
     return hasattr(model, "get_base_model") and hasattr(model, "peft_config")
 
 
+def refused_argument(name: str) -> str:
+    """The problem line of GRPOTrainer's refused argument ``name`` (``TRL_TRAINER_ARGUMENTS``) when given."""
+    return f"{name}=: {TRL_TRAINER_ARGUMENTS[name].text}"
+
+
 def trainer_argument_problems(optimizers, quantization_config) -> list[str]:
-    """GRPOTrainer's arguments that are refused (``TRL_TRAINER_ARGUMENTS``), when given (a PeftModel as model=:
-    ``api.use_model``, before it saves anything)."""
-    p = []
-    if optimizers is not None and tuple(optimizers) != (None, None):
-        p.append(f"optimizers=: {TRL_TRAINER_ARGUMENTS['optimizers'].text}")
-    if quantization_config is not None:
-        p.append(f"quantization_config=: {TRL_TRAINER_ARGUMENTS['quantization_config'].text}")
-    return p
+    """GRPOTrainer's refused arguments given here (a PeftModel as model=: ``api.use_model``, before it saves)."""
+    given = {"optimizers": optimizers is not None and tuple(optimizers) != (None, None),
+             "quantization_config": quantization_config is not None}
+    return [refused_argument(name) for name, is_given in given.items() if is_given]
 
 
 def _is_user_set(cfg, key: str, reference) -> bool:

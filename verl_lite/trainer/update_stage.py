@@ -52,20 +52,20 @@ class Updates:
 
     def __init__(self, cfg, placement):
         self.cfg, self.placement = cfg, placement
-        # the actor's loss takes the rollout correction where an off-policy step's old log-probs come from the
-        # update's own forward, and always in bypass mode (verl: from the current policy, per micro-batch)
-        # (``actor_loss``'s ``correction``); else None
-        bypass = cfg.algorithm.rollout_correction.bypass_mode
-        self.loss_correction = ({**correction_settings(cfg), "bypass_mode": bypass}
+        # ``actor_loss``'s rollout correction: where an off-policy step's old log-probs come from the update's own
+        # forward, and always in bypass mode (verl: from the current policy, per micro-batch); else None
+        rc = cfg.algorithm.rollout_correction
+        bypass = rc.bypass_mode
+        self.loss_correction = ({**correction_settings(cfg), "bypass_mode": bypass, "loss_type": rc.loss_type}
                                 if bypass or (off_policy(cfg) and old_log_probs_from_update(cfg)) else None)
 
-    # ------------------------------------------------------------ forward passes (micro-batching: verl's keys)
-    def _log_probs(self, method: str, section, batch: Batch) -> dict:
-        """The actor's ``method`` over ``batch``, micro-batched by ``section``'s ``log_prob_*`` keys."""
+    def _log_probs(self, method: str, section, batch: Batch, role: RoleGroup | None = None) -> dict:
+        """``role``'s (default: the actor's) ``method`` over ``batch`` at the rollout's temperature, micro-batched
+        by ``section``'s ``log_prob_*`` keys."""
         sizing = MicroBatching.of(section.log_prob_use_dynamic_bsz, section.log_prob_micro_batch_size_per_gpu,
                                   section.log_prob_max_token_len_per_gpu)
-        return self.placement.actor.infer(method, batch.columns(ROLLOUT_COLUMNS), sizing,
-                                          self.cfg.actor_rollout_ref.rollout.temperature)
+        return (role or self.placement.actor).infer(method, batch.columns(ROLLOUT_COLUMNS), sizing,
+                                                    self.cfg.actor_rollout_ref.rollout.temperature)
 
     def compute_old_log_probs(self, batch: Batch) -> dict:
         return self._log_probs("compute_log_prob", self.cfg.actor_rollout_ref.rollout, batch)
@@ -74,20 +74,15 @@ class Updates:
         return self._log_probs("compute_ref_log_prob", self.cfg.actor_rollout_ref.ref, batch)
 
     def compute_teacher_log_probs(self, batch: Batch) -> dict:
-        """The distillation teacher's log-probs of the sampled tokens (``teacher_log_probs``), at the temperature
-        the student's are taken at, micro-batched like the reference's (``ref.log_prob_*``)."""
-        ref = self.cfg.actor_rollout_ref.ref
-        sizing = MicroBatching.of(ref.log_prob_use_dynamic_bsz, ref.log_prob_micro_batch_size_per_gpu,
-                                  ref.log_prob_max_token_len_per_gpu)
-        return self.placement.teacher.infer("compute_teacher_log_prob", batch.columns(ROLLOUT_COLUMNS), sizing,
-                                            self.cfg.actor_rollout_ref.rollout.temperature)
+        """The distillation teacher's log-probs of the sampled tokens (``teacher_log_probs``), micro-batched like
+        the reference's."""
+        return self._log_probs("compute_teacher_log_prob", self.cfg.actor_rollout_ref.ref, batch,
+                               self.placement.teacher)
 
     def old_log_probs_and_correction(self, batch: Batch, m: dict) -> None:
-        """The old policy's log-probs and entropy into ``batch``, and the behaviour (rollout) policy against it:
-        the log-prob gap always; off-policy the rollout correction's metrics and weights (where the old
-        log-probs come from the update instead, its forward computes them: ``loss_correction``). verl's rejection
-        (``drops_rejected``) leaves the rejected tokens out of ``response_mask`` for the updates. Bypass mode: the
-        old log-probs are the rollout's, no forward; the correction is the loss's."""
+        """The old policy's log-probs and entropy into ``batch``, and the rollout policy against it: the log-prob
+        gap always; off-policy the rollout correction's metrics and weights; verl's rejection leaves the rejected
+        tokens out of ``response_mask``. Bypass mode: the old log-probs are the rollout's (the loss corrects)."""
         if self.cfg.algorithm.rollout_correction.bypass_mode:
             batch.set("old_log_probs", batch["rollout_log_probs"])
             return
@@ -112,7 +107,6 @@ class Updates:
         sizing = MicroBatching.of(c.use_dynamic_bsz, c.forward_micro_batch_size_per_gpu, c.forward_max_token_len_per_gpu)
         return self.placement.critic.infer("compute_values", batch.columns(ROLLOUT_COLUMNS), sizing)["values"]
 
-    # ------------------------------------------------------------ mini-batches
     def _mini_batch_rows(self, num_trajectories: int, prompts_per_mini_batch: int, shuffle: bool,
                          epoch: int, salt: int, step: int) -> list[list[int]]:
         size = prompts_per_mini_batch * self.cfg.actor_rollout_ref.rollout.n
@@ -143,13 +137,12 @@ class Updates:
                 out.append((mini, NormalizationPlan.from_mask(mini["response_mask"], mode, horizon=horizon)))
         return out
 
-    # ------------------------------------------------------------ updates
     def update_actor(self, batch: Batch, step: int) -> list[dict]:
-        """ppo_epochs x mini-batches optimizer steps; returns per-step results merged over DP. With distillation the
-        teacher scores the step's rows first (``teacher_log_probs``)."""
+        """ppo_epochs x mini-batches optimizer steps; returns per-step results merged over DP. With distillation
+        the batch holds ``teacher_log_probs`` (the step's teacher pass)."""
         a = self.cfg.actor_rollout_ref.actor
         if self.cfg.distillation.enabled and "teacher_log_probs" not in batch:
-            batch.set("teacher_log_probs", self.compute_teacher_log_probs(batch)["teacher_log_probs"])
+            raise ValueError("distillation.enabled: the batch needs 'teacher_log_probs' (compute_teacher_log_probs)")
         wanted = ("old_log_probs", "ref_log_probs", "is_weights", "teacher_log_probs") + (
             ("rollout_log_probs",) if self.loss_correction is not None else ())
         keys = ROLLOUT_COLUMNS + ["advantages"] + [k for k in wanted if k in batch]

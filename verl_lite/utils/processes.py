@@ -65,8 +65,8 @@ class GuardedProcess:
         return None
 
     def stop(self) -> int | None:
-        """End the whole tree (idempotent); the guard's exit status. A guard that does not exit in
-        :data:`GUARD_EXIT_S` (it never hangs: a last resort) is SIGKILLed with its process group."""
+        """End the whole tree and close the child's pipes (idempotent); the guard's exit status. A guard that does
+        not exit in :data:`GUARD_EXIT_S` (it never hangs: a last resort) is SIGKILLed with its process group."""
         self.memory_used()  # keep a report that arrived before the end
         if self._lifeline is not None:
             self._lifeline.close()
@@ -77,3 +77,8 @@ class GuardedProcess:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             return self.proc.wait()
+        finally:
+            for pipe in (self.proc.stdin, self.proc.stdout):
+                with contextlib.suppress(OSError):
+                    if pipe is not None:
+                        pipe.close()

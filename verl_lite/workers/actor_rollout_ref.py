@@ -24,34 +24,48 @@ ACTOR_LOSS_KEYS = ("response_mask", "old_log_probs", "advantages", "ref_log_prob
 
 
 @dataclass
+class RolloutWorkerConfig:
+    """A generation model: its directory, its tokenizer's, and the backend with its settings (``make_rollout``)."""
+
+    model_path: str
+    tokenizer_path: str
+    rollout_name: str
+    rollout_kwargs: dict
+
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.tokenizer_path)
+
+    def build(self):
+        return make_rollout(self.rollout_name, self.model_path, self.tokenizer(), **self.rollout_kwargs)
+
+
+@dataclass
 class WorkerConfig(EngineWorkerConfig):
     """The actor's engine layout plus what the colocated ref and rollout need."""
 
-    tokenizer_path: str
     need_ref: bool
-    rollout_name: str
-    rollout_kwargs: dict  # backend settings passed to make_rollout
+    rollout: RolloutWorkerConfig
 
 
 class ActorRolloutRefWorker(EngineWorker):
     def __init__(self, rank: int, world_size: int, cfg: WorkerConfig):
         super().__init__(rank, world_size, cfg)
-        self.actor = self.ref = self.rollout = None
+        self.rollout_cfg = cfg.rollout
+        self.actor = self.ref = self.rollout = self.agent = None
         self.rollout_behind = False  # the actor was updated since the rollout last loaded its weights
 
-    def init_model(self) -> None:
-        from transformers import AutoTokenizer
+    @property
+    def engine(self):
+        return self.actor
 
-        c = self.cfg
+    def init_model(self) -> None:
         engine = self._init_world()
         self.actor = MegatronEngine(engine)
-        if c.need_ref and engine.lora is None:
+        if self.cfg.need_ref and engine.lora is None:
             self.ref = MegatronEngine(engine.forward_only_twin())
-        tokenizer = AutoTokenizer.from_pretrained(c.tokenizer_path)
-        self.rollout = make_rollout(c.rollout_name, engine.model_path, tokenizer, **c.rollout_kwargs)
-
-    def _owner_engine(self):
-        return self.actor
+        self.rollout = self.rollout_cfg.build()
 
     def _ref_is_actor_without_adapters(self) -> bool:
         return bool(self.cfg.need_ref and self.actor.cfg.lora is not None)
@@ -65,7 +79,6 @@ class ActorRolloutRefWorker(EngineWorker):
         return {"actor": size(self.actor), "ref": size(self.ref),
                 "ref_is_actor_without_adapters": self._ref_is_actor_without_adapters()}
 
-    # ------------------------------------------------------------------ rollout
     def generate(self, prompt_ids: list[list[int]], seeds: list[int] | None, sampling: dict) -> list[dict]:
         """:meth:`sample` from the actor's current weights (the rollout catches up first)."""
         self._catch_up_rollout()
@@ -88,16 +101,18 @@ class ActorRolloutRefWorker(EngineWorker):
 
     def init_agent(self, spec) -> None:
         """Build this worker's agent runner (multi-turn rollouts) from a ``verl_lite.agent.AgentSpec``."""
-        from transformers import AutoTokenizer
-
-        self.agent = AgentRunner(self.rollout, AutoTokenizer.from_pretrained(self.cfg.tokenizer_path), spec)
+        self.agent = AgentRunner(self.rollout, self.rollout_cfg.tokenizer(), spec)
 
     def generate_agent(self, rows: list[dict], seeds: list[int] | None, sampling: dict) -> list[dict]:
+        """:meth:`_run_agent` from the actor's current weights (the rollout catches up first)."""
+        self._catch_up_rollout()
+        return self._run_agent(rows, seeds, sampling)
+
+    def _run_agent(self, rows: list[dict], seeds: list[int] | None, sampling: dict) -> list[dict]:
         """``sampling['n']`` multi-turn trajectories per agent row (``verl_lite.agent.loop.agent_rows``),
         prompt-major; each turn of all of them is one batched rollout call (``AgentRunner.run``)."""
-        if getattr(self, "agent", None) is None:
+        if self.agent is None:
             raise RuntimeError("generate_agent: init_agent was not called (multi_turn.enable needs it)")
-        self._catch_up_rollout()
         return self.agent.run(rows, seeds, sampling) if rows else []
 
     def sync_rollout_weights(self) -> int:
@@ -118,7 +133,6 @@ class ActorRolloutRefWorker(EngineWorker):
             weights = [(name, t.detach().cpu().clone()) for name, t in self.actor.export_merged_hf()]
         return weights if self.rank == 0 else None
 
-    # ------------------------------------------------------------------ log-probs
     def compute_log_prob(self, piece: Batch, micro_batches: list[list[int]], temperature: float) -> dict | None:
         """Old log-probs and entropy [n, W] of this DP rank's piece (None off the output owner)."""
         return self.actor.infer(sequence_batch(piece), micro_batches, temperature, outputs=("log_probs", "entropy"))
@@ -134,25 +148,14 @@ class ActorRolloutRefWorker(EngineWorker):
             out = self.ref.infer(sequence_batch(piece), micro_batches, temperature, outputs=("log_probs",))
         return None if out is None else {"ref_log_probs": out["log_probs"]}
 
-    # ------------------------------------------------------------------ update
     def update_actor(self, jobs: list[dict], loss_cfg, temperature: float,
                      correction: dict | None = None, end_of_step: bool = True, distillation=None) -> list[dict]:
-        """One optimizer step per job (``RoleGroup.train``) of ``actor_loss`` with the actor section ``loss_cfg``
-        (and ``correction``, and ``distillation``: the ``distillation.distillation_loss`` section when on), then, at ``end_of_step`` (the RL step's last call), one LR schedule step. Returns the
-        engine's step metrics per job (loss metrics on output owners only)."""
-        results = []
-        for job in jobs:
-            loss_fn = partial(actor_loss, plan=job["plan"], cfg=loss_cfg, correction=correction,
-                              distillation=distillation)
-            results.append(self.actor.train_step(
-                sequence_batch(job["piece"], ACTOR_LOSS_KEYS), job["micro_batches"], loss_fn,
-                temperature=temperature, global_token_count=job["global_token_count"],
-            ))
-        if jobs:
-            self.rollout_behind = True
-        if jobs and end_of_step:
-            self.actor.advance_lr_schedule()
-        return results
+        """``_train_jobs`` of ``actor_loss`` with the actor section ``loss_cfg``, ``correction`` and
+        ``distillation`` (the ``distillation.distillation_loss`` section when on); the LR schedule steps at
+        ``end_of_step`` (the RL step's last call)."""
+        loss = partial(actor_loss, cfg=loss_cfg, correction=correction, distillation=distillation)
+        self.rollout_behind = self.rollout_behind or bool(jobs)
+        return self._train_jobs(jobs, loss, ACTOR_LOSS_KEYS, end_of_step, temperature=temperature)
 
     # ------------------------------------------------------------------ checkpoints (dist_checkpointing: on use)
     def save_checkpoint(self, path: str, hf_dir: str | None = None) -> None:
@@ -160,7 +163,7 @@ class ActorRolloutRefWorker(EngineWorker):
         directory. Collective. The reference policy is the initial model: not saved."""
         from verl_lite.engine.checkpoint import save_role_state
 
-        save_role_state(self.actor, path, tokenizer_path=self.cfg.tokenizer_path or self.cfg.engine.model_path)
+        save_role_state(self.actor, path, tokenizer_path=self.rollout_cfg.tokenizer_path)
         if hf_dir is not None:
             self.export_hf_dir(hf_dir)
 
@@ -176,5 +179,4 @@ class ActorRolloutRefWorker(EngineWorker):
         """The current policy as an HF directory (safetensors + config + tokenizer). Collective."""
         from verl_lite.engine.checkpoint import save_hf_pretrained
 
-        save_hf_pretrained(self.actor, self.actor.hf_config, hf_dir,
-                           tokenizer_path=self.cfg.tokenizer_path or self.cfg.engine.model_path)
+        save_hf_pretrained(self.actor, self.actor.hf_config, hf_dir, tokenizer_path=self.rollout_cfg.tokenizer_path)

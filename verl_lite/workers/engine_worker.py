@@ -6,6 +6,7 @@ actor and the critic can use different layouts on the same machines.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -13,7 +14,7 @@ from verl_lite.compat.lazy_compile import compile_decorators_deferred
 from verl_lite.controller.worker_group import Worker
 from verl_lite.engine.config import EngineConfig
 from verl_lite.engine.distributed import data_parallel_rank, data_parallel_size, destroy_distributed, init_distributed
-from verl_lite.engine.engine import SequenceBatch
+from verl_lite.engine.engine import MegatronEngine, SequenceBatch
 from verl_lite.protocol import Batch, response_lengths
 
 
@@ -39,11 +40,17 @@ def sequence_batch(piece: Batch, loss_keys: tuple[str, ...] = ()):
 
 
 class EngineWorker(Worker):
-    """Joins the role's process group and reports its place for dispatch."""
+    """Joins the role's process group and reports its place for dispatch; ``engine``: the role's
+    ``MegatronEngine`` (the one that owns the outputs), once ``init_model`` built it."""
+
+    engine = None
 
     def __init__(self, rank: int, world_size: int, cfg: EngineWorkerConfig):
         super().__init__(rank, world_size)
         self.cfg = cfg
+
+    def init_model(self) -> None:
+        self.engine = MegatronEngine(self._init_world())
 
     def _init_world(self) -> EngineConfig:
         """init_distributed with this role's layout; returns its ``EngineConfig``."""
@@ -55,13 +62,21 @@ class EngineWorker(Worker):
                          seed=engine.seed)
         return engine
 
-    def _owner_engine(self):
-        raise NotImplementedError
+    def _train_jobs(self, jobs: list[dict], loss, loss_keys: tuple[str, ...], advance_lr: bool = True,
+                    **step_kwargs) -> list[dict]:
+        """One optimizer step per job (``RoleGroup.train``) of ``loss`` with the job's plan, then, at ``advance_lr``
+        (the RL step's last call), one LR schedule step. Returns the engine's step metrics per job (loss metrics
+        on output owners only)."""
+        results = [self.engine.train_step(sequence_batch(job["piece"], loss_keys), job["micro_batches"],
+                                          partial(loss, plan=job["plan"]), global_token_count=job["global_token_count"],
+                                          **step_kwargs) for job in jobs]
+        if jobs and advance_lr:
+            self.engine.advance_lr_schedule()
+        return results
 
     def layout(self) -> dict:
-        engine = self._owner_engine()
         return {"dp_rank": data_parallel_rank(), "dp_size": data_parallel_size(),
-                "is_output_owner": bool(engine.is_output_owner), "shares_prompts": bool(engine.share_prompts)}
+                "is_output_owner": bool(self.engine.is_output_owner), "shares_prompts": bool(self.engine.share_prompts)}
 
     def shutdown(self) -> None:
         destroy_distributed()

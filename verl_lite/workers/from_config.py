@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from verl_lite.engine.config import EngineConfig
-from verl_lite.workers.actor_rollout_ref import WorkerConfig
+from verl_lite.workers.actor_rollout_ref import RolloutWorkerConfig, WorkerConfig
 from verl_lite.workers.engine_worker import EngineWorkerConfig
 
 
@@ -17,38 +17,27 @@ def role_engine(model, megatron, seed: int, optim=None, total_steps: int = 1, **
                         gradient_checkpointing=getattr(model, "enable_gradient_checkpointing", False), **role)
 
 
-def rollout_max_length(cfg) -> int:
-    """The longest sequence the policy's rollout holds: data.max_prompt_length + data.max_response_length."""
-    return cfg.data.max_prompt_length + cfg.data.max_response_length
-
-
 def actor_worker_config(cfg, total_steps: int, need_ref: bool) -> WorkerConfig:
+    a = cfg.actor_rollout_ref
+    return WorkerConfig(role_engine(a.model, a.actor.megatron, cfg.trainer.seed, a.actor.optim, total_steps),
+                        need_ref=need_ref, rollout=rollout_worker_config(cfg))
+
+
+def rollout_worker_config(cfg) -> RolloutWorkerConfig:
+    """The policy's rollout (colocated with the actor, or split placement's pool), holding a sequence of
+    data.max_prompt_length + data.max_response_length tokens."""
     from verl_lite.rollout import rollout_kwargs
 
-    arr = cfg.actor_rollout_ref
-    return WorkerConfig(engine=role_engine(arr.model, arr.actor.megatron, cfg.trainer.seed, arr.actor.optim, total_steps),
-                        tokenizer_path=arr.model.tokenizer_path, need_ref=need_ref, rollout_name=arr.rollout.name,
-                        rollout_kwargs=rollout_kwargs(arr.rollout, rollout_max_length(cfg)))
-
-
-def rollout_worker_config(cfg):
-    """The rollout pool's ``RolloutWorkerConfig`` (split placement)."""
-    from verl_lite.rollout import rollout_kwargs
-    from verl_lite.workers.rollout_worker import RolloutWorkerConfig
-
-    arr = cfg.actor_rollout_ref
+    arr, d = cfg.actor_rollout_ref, cfg.data
     return RolloutWorkerConfig(model_path=arr.model.path, tokenizer_path=arr.model.tokenizer_path,
                                rollout_name=arr.rollout.name,
-                               rollout_kwargs=rollout_kwargs(arr.rollout, rollout_max_length(cfg)))
+                               rollout_kwargs=rollout_kwargs(arr.rollout, d.max_prompt_length + d.max_response_length))
 
 
-def judge_worker_config(cfg):
-    """The generative judge's ``RolloutWorkerConfig``: ``reward_model.model`` behind ``reward_model.rollout``'s backend,
-    with room for a prompt of ``prompt_length`` and a judgement of ``response_length`` tokens (vLLM's max_model_len)."""
-    from types import SimpleNamespace
-
+def judge_worker_config(cfg) -> RolloutWorkerConfig:
+    """The generative judge's rollout: ``reward_model.model`` behind ``reward_model.rollout``'s backend, with room
+    for a prompt of ``prompt_length`` and a judgement of ``response_length`` tokens (vLLM's max_model_len)."""
     from verl_lite.rollout import rollout_kwargs
-    from verl_lite.workers.rollout_worker import RolloutWorkerConfig
 
     rm = cfg.reward_model
     r = rm.rollout

@@ -9,20 +9,11 @@ keeps the placeholder out): what ``AutoModelForSequenceClassification`` returns 
 
 from __future__ import annotations
 
-from verl_lite.engine.engine import MegatronEngine
 from verl_lite.workers.engine_worker import EngineWorker, sequence_batch
 
 
 class RewardModelWorker(EngineWorker):
-    rm = None  # the engine, once init_model built it
-
-    def init_model(self) -> None:
-        self.rm = MegatronEngine(self._init_world())
-
-    def _owner_engine(self):
-        return self.rm
-
     def compute_rm_score(self, piece, micro_batches: list[list[int]]) -> dict | None:
         """``{"rm_scores": [n]}`` of this DP rank's piece (None off the output owner)."""
-        out = self.rm.infer(sequence_batch(piece), micro_batches, outputs=("values",))
+        out = self.engine.infer(sequence_batch(piece), micro_batches, outputs=("values",))
         return None if out is None else {"rm_scores": out["values"][:, 0]}

@@ -6,61 +6,46 @@ one version, which ``generate`` reports with its outputs (``policy_version``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from transformers import AutoTokenizer
-
 from verl_lite.agent.loop import AgentRunner, VersionedRollout
 from verl_lite.agent.stream import TrajectoryStream
 from verl_lite.controller.worker_group import Worker
-from verl_lite.rollout import make_rollout
-from verl_lite.workers.actor_rollout_ref import ActorRolloutRefWorker
-
-
-@dataclass
-class RolloutWorkerConfig:
-    model_path: str
-    tokenizer_path: str
-    rollout_name: str
-    rollout_kwargs: dict  # backend settings passed to make_rollout
+from verl_lite.workers.actor_rollout_ref import ActorRolloutRefWorker, RolloutWorkerConfig
 
 
 class RolloutWorker(Worker):
     def __init__(self, rank: int, world_size: int, cfg: RolloutWorkerConfig):
         super().__init__(rank, world_size)
-        self.cfg, self.rollout, self.version = cfg, None, 0
+        self.cfg = self.rollout_cfg = cfg
+        self.rollout = self.agent = self.stream = None
+        self.version = 0
 
     def init_model(self) -> None:
-        c = self.cfg
-        self.rollout = make_rollout(c.rollout_name, c.model_path, AutoTokenizer.from_pretrained(c.tokenizer_path),
-                                    **c.rollout_kwargs)
+        self.rollout = self.cfg.build()
+
+    def _tagged(self, outputs: list[dict]) -> list[dict]:
+        return [dict(o, policy_version=self.version) for o in outputs]
 
     def generate(self, prompt_ids: list[list[int]], seeds: list[int] | None, sampling: dict) -> list[dict]:
         """``ActorRolloutRefWorker.sample``'s outputs, each tagged with the policy version that sampled it."""
-        samples = ActorRolloutRefWorker.sample(self, prompt_ids, seeds, sampling)  # the colocated contract
-        return [dict(o, policy_version=self.version) for o in samples]
+        return self._tagged(ActorRolloutRefWorker.sample(self, prompt_ids, seeds, sampling))
 
     init_agent = ActorRolloutRefWorker.init_agent  # multi-turn: the same agent runner over this worker's rollout
 
     def generate_agent(self, rows: list[dict], seeds: list[int] | None, sampling: dict) -> list[dict]:
-        """``ActorRolloutRefWorker.generate_agent``'s trajectories, each tagged with the version that sampled it."""
-        if getattr(self, "agent", None) is None:
-            raise RuntimeError("generate_agent: init_agent was not called (multi_turn.enable needs it)")
-        return [dict(o, policy_version=self.version) for o in (self.agent.run(rows, seeds, sampling) if rows else [])]
+        """``ActorRolloutRefWorker._run_agent``'s trajectories, each tagged with the version that sampled it."""
+        return self._tagged(ActorRolloutRefWorker._run_agent(self, rows, seeds, sampling))
 
     def load_weights(self, named_tensors: list, version: int) -> int:
         """The policy of ``version`` (the actor's whole export), then the version; with a stream running, applied
         between two of its backend calls (``agent.loop.VersionedRollout``)."""
-        stream = getattr(self, "stream", None)
+        stream = self.stream
         n = stream.runner.rollout.load(named_tensors, version) if stream else self.rollout.load_weights(named_tensors)
         self.version = int(version)
         return n
 
-    # ------------------------------------------------------------------ streaming (trainer.v1 separate_async)
     def stream_start(self, spec, sampling: dict) -> None:
         """Start this worker's trajectory stream (``verl_lite.agent.stream``) with an agent spec and the sampling."""
-        runner = AgentRunner(VersionedRollout(self.rollout, self.version),
-                             AutoTokenizer.from_pretrained(self.cfg.tokenizer_path), spec)
+        runner = AgentRunner(VersionedRollout(self.rollout, self.version), self.cfg.tokenizer(), spec)
         self.stream = TrajectoryStream(runner, sampling)
 
     def stream_submit(self, jobs: list[dict]) -> None:
@@ -68,4 +53,3 @@ class RolloutWorker(Worker):
 
     def stream_collect(self) -> list[dict]:
         return self.stream.collect()
-

@@ -1,13 +1,11 @@
-"""The distillation teacher's role: a frozen causal-LM ``MegatronEngine`` (``distillation.teacher_model.model_path``)
-on the actor's workers in processes and a layout of its own (``distillation.teacher_model.megatron``), as the reward
-model. It scores the student's rollout rows: the log-prob of every sampled token, at the temperature the student's
-log-probs are taken at, so the per-token divergences compare like with like. Its tokenizer must equal the student's
-(it reads the student's token ids): ``teacher_tokenizer_problems`` checks that before any worker starts.
+"""The distillation teacher's role: a frozen causal-LM ``MegatronEngine`` (``distillation.teacher_model``) on the
+actor's workers in a layout of its own, as the reward model. It scores the student's rollout rows: the log-prob of
+every sampled token at the student's temperature, so the per-token divergences compare like with like. Its
+tokenizer must equal the student's (it reads the student's token ids): ``teacher_problems`` checks that first.
 """
 
 from __future__ import annotations
 
-from verl_lite.engine.engine import MegatronEngine
 from verl_lite.engine.model_files import model_config_problems, model_weight_problems, read_config
 from verl_lite.workers.engine_worker import EngineWorker, sequence_batch
 
@@ -17,17 +15,9 @@ SPECIAL_TOKEN_ATTRIBUTES = ("bos_token_id", "eos_token_id", "pad_token_id", "unk
 
 
 class TeacherWorker(EngineWorker):
-    teacher = None  # the engine, once init_model built it
-
-    def init_model(self) -> None:
-        self.teacher = MegatronEngine(self._init_world())
-
-    def _owner_engine(self):
-        return self.teacher
-
     def compute_teacher_log_prob(self, piece, micro_batches: list[list[int]], temperature: float) -> dict | None:
         """``{"teacher_log_probs": [n, W]}`` of this DP rank's piece (None off the output owner)."""
-        out = self.teacher.infer(sequence_batch(piece), micro_batches, temperature, outputs=("log_probs",))
+        out = self.engine.infer(sequence_batch(piece), micro_batches, temperature, outputs=("log_probs",))
         return None if out is None else {"teacher_log_probs": out["log_probs"]}
 
 
