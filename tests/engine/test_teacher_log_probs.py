@@ -160,3 +160,30 @@ def test_a_teacher_that_is_no_causal_lm_is_refused(tmp_path):
         validate_config(_config(teacher))
     assert any(p.startswith(f"distillation.teacher_model.model_path={str(teacher)!r} is a "
                             f"['Qwen2ForSequenceClassification']; a teacher is a causal LM") for p in err.value.problems)
+
+
+@pytest.mark.parametrize("extra, lines", [
+    ([], ["distillation.teacher_model.n_gpus_per_node=0 must be >= 1 with distillation.teacher_model."
+          "enable_resource_pool=true", "distillation.teacher_model.nnodes=0 must be >= 1"]),
+    (["distillation.teacher_model.n_gpus_per_node=1", "distillation.teacher_model.nnodes=2"],
+     ["a teacher pool of its own is built on one node only"]),
+    (["distillation.teacher_model.n_gpus_per_node=1", "distillation.teacher_model.nnodes=1",
+      "distillation.teacher_model.megatron.tensor_model_parallel_size=2"],
+     ["the teacher's 1 workers (its own pool: n_gpus_per_node x nnodes) must divide by tp*pp*cp = 2*1*1 = 2"]),
+])
+def test_a_teacher_pool_of_its_own_is_checked_before_start(tmp_path, extra, lines):
+    """verl's pool keys (enable_resource_pool, n_gpus_per_node, nnodes): sizes >= 1, one node, and the teacher's
+    layout over ITS workers; each problem one line from validate_config. Accepted: one worker of its own."""
+    from verl_lite.config import load_config
+    from verl_lite.config.loader import ConfigError
+    from verl_lite.config.validate import validate_config
+
+    teacher = _make_teacher(tmp_path)
+    base = ["distillation.enabled=true", f"distillation.teacher_model.model_path={teacher}",
+            "distillation.teacher_model.enable_resource_pool=true"]
+    with pytest.raises(ConfigError) as err:
+        validate_config(load_config(base + extra))
+    for words in lines:
+        assert sum(words in p for p in err.value.problems) == 1, (words, err.value.problems)
+    one = ["distillation.teacher_model.n_gpus_per_node=1", "distillation.teacher_model.nnodes=1"]
+    assert validate_config(load_config(base + one)).world_size == 1

@@ -185,3 +185,26 @@ def test_recipe_trains_from_the_cli(recipe, shipped, tmp_path, shared_ray):
         assert "remax/baseline_reward/mean" in rows[1]
     if recipe == "one_step_off":  # batch 2 was sampled by version 1 (one step old), importance-weighted
         assert [r.get("async/staleness") for r in rows[1:]] == [0, 1] and "rollout_corr/is_weight_mean" in rows[2]
+
+
+def test_the_distill_recipe_with_the_teacher_on_workers_of_its_own(shipped, tmp_path, shared_ray):  # noqa: F811
+    """verl's ``distillation.teacher_model.enable_resource_pool`` / ``n_gpus_per_node`` / ``nnodes``: the teacher on
+    one worker of its own while the actor has two; it scores the same rollouts as the teacher colocated on the
+    actor's two workers: the same distillation KL at the first step (its layout changes the sums' order only)."""
+    from verl_lite.trainer import main_ppo
+
+    T = "distillation.teacher_model"
+    kl = {}
+    for name, extra in (("colocated", {}), ("own", {f"{T}.enable_resource_pool": "true", f"{T}.n_gpus_per_node": 1,
+                                                   f"{T}.nnodes": 1})):
+        out = tmp_path / name
+        overrides = {**shipped, "data.train_batch_size": 4, "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+                     "actor_rollout_ref.rollout.n": 2, "trainer.total_training_steps": 1, "trainer.test_freq": 0,
+                     "trainer.val_before_train": "false", "trainer.n_gpus_per_node": 2, "trainer.logger": "[jsonl]",
+                     "trainer.output_dir": str(out), **extra}
+        argv = ["--recipe", str(RECIPES / "distill.yaml")] + [f"{k}={v}" for k, v in overrides.items()]
+        assert main_ppo.main(argv) == 0
+        row = [json.loads(line) for line in next(out.glob("*/metrics.jsonl")).read_text().splitlines()][-1]
+        assert row["step"] == 1 and row["timing_s/teacher_log_prob"] > 0
+        kl[name] = row["actor/distillation/kl"]
+    assert kl["own"] == pytest.approx(kl["colocated"], rel=1e-6, abs=1e-9), kl

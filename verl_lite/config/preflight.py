@@ -219,11 +219,13 @@ def _roles(cfg, cuda: bool) -> list[_Role]:
         ref, tmg = arr.ref, teacher.megatron
         tmicro = _micro_batch(ref.log_prob_use_dynamic_bsz, ref.log_prob_micro_batch_size_per_gpu,
                               ref.log_prob_max_token_len_per_gpu, tmg.context_parallel_size,
-                              d.train_batch_size * n // _dp(tmg, world), longest)
-        roles.append(_Role(_spec("teacher", teacher.model_path, tmg, world, tmicro, longest, cuda, trains=False),
+                              d.train_batch_size * n // _dp(tmg, teacher.world(world)), longest)
+        tworld = teacher.world(world)
+        roles.append(_Role(_spec("teacher", teacher.model_path, tmg, tworld, tmicro, longest, cuda, trains=False),
                            "distillation.teacher_model.megatron", None,
                            f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu="
-                           f"{ref.log_prob_micro_batch_size_per_gpu}", "teacher"))
+                           f"{ref.log_prob_micro_batch_size_per_gpu}",
+                           "teacher (own workers)" if teacher.enable_resource_pool else "teacher"))
     return roles
 
 
@@ -250,10 +252,10 @@ def _fixes(role: _Role, estimate) -> tuple[str, str]:
 def memory_problems(cfg, device=None) -> list[str]:
     """The engines' estimated memory (``verl_lite.engine.memory``) against the device: on GPU each GPU holds
     one actor worker (actor, reference, rollout) and the workers colocated with it (a critic without workers of
-    its own, the reward model, the teacher), whose estimates must fit the GPU's memory (a critic with workers of its own:
-    its GPU alone); on CPU every worker process of this machine shares its available RAM. One line when they
-    do not fit: the numbers per engine and the knobs of the largest. ``device``: (bytes, description),
-    default ``memory.device_memory()``. An engine whose config.json does not read is not estimated."""
+    its own, the reward model, the teacher), whose estimates must fit the GPU's memory (a critic or teacher with
+    workers of its own: its GPU alone); on CPU every worker process of this machine shares its available RAM.
+    One line when they do not fit: the numbers per engine and the knobs of the largest. ``device``: (bytes,
+    description), default ``memory.device_memory()``. An engine whose config.json does not read is not estimated."""
     from verl_lite.engine.memory import device_memory, estimate_engine, gib
 
     cuda = _cuda_visible()
@@ -262,14 +264,17 @@ def memory_problems(cfg, device=None) -> list[str]:
         return []
     budget, what = device if device is not None else device_memory()
     estimates = [(r, estimate_engine(r.spec)) for r in roles]
-    tr, own = cfg.trainer, "critic (own workers)"
-    if cuda:
-        groups = [[re for re in estimates if re[0].process != own], [re for re in estimates if re[0].process == own]]
+    tr = cfg.trainer
+    own = {"critic (own workers)": cfg.critic.num_workers,  # roles on workers of their own: their worker counts
+           "teacher (own workers)": cfg.distillation.teacher_model.world(0)}
+    if cuda:  # the colocated engines share a GPU; each role of its own has GPUs of its own
+        groups = [[re for re in estimates if re[0].process not in own]]
+        groups += [[re for re in estimates if re[0].process == process] for process in own]
     else:
         groups = [estimates]
     out = []
     for group in filter(None, groups):
-        count = {r.process: 1 if cuda else (-(-cfg.critic.num_workers // max(1, tr.nnodes)) if r.process == own
+        count = {r.process: 1 if cuda else (-(-own[r.process] // max(1, tr.nnodes)) if r.process in own
                                             else tr.n_gpus_per_node) for r, _ in group}
         total = sum(e.total * count[r.process] for r, e in group)
         if total <= budget:

@@ -128,11 +128,32 @@ class TrainerConfig:
 
 @dataclass
 class DistillationTeacherModelConfig:
-    """verl's ``distillation.teacher_model``: the frozen teacher. verl serves it with vLLM on a pool of its own; here
-    it is an engine role on the actor's workers (processes and a layout of its own, as the reward model)."""
+    """verl's ``distillation.teacher_model``: the frozen teacher, an engine role (processes and a layout of its own,
+    as the reward model) colocated on the actor's workers, or with ``enable_resource_pool`` on workers of its own
+    (verl's keys; verl serves the teacher with vLLM there, here it is the engine)."""
 
     model_path: Optional[str] = None  # HF dir of the teacher; its tokenizer must equal the student's (required when enabled)
-    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # the teacher's layout over the actor's workers
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # the teacher's layout over its workers
+    enable_resource_pool: bool = False  # true: the teacher on n_gpus_per_node x nnodes workers of its own; false: on the actor's
+    n_gpus_per_node: int = 0  # with enable_resource_pool: the teacher's workers (per node)
+    nnodes: int = 0  # with enable_resource_pool: 1 (a teacher pool across nodes is not built)
+
+    def world(self, actor_world: int) -> int:
+        """The teacher's workers: its own pool's, or the actor's."""
+        return self.n_gpus_per_node * self.nnodes if self.enable_resource_pool else actor_world
+
+    def pool_problems(self, trainer_nnodes: int) -> list[str]:
+        """verl's rule for a pool of its own (both sizes >= 1), and the single-node limit of this placement."""
+        if not self.enable_resource_pool:
+            return []
+        key = "distillation.teacher_model"
+        out = [f"{key}.{name}={getattr(self, name)} must be >= 1 with {key}.enable_resource_pool=true"
+               for name in ("n_gpus_per_node", "nnodes") if not getattr(self, name) >= 1]
+        if self.nnodes > 1 or trainer_nnodes > 1:
+            out.append(f"{key}.enable_resource_pool=true with {key}.nnodes={self.nnodes} and trainer.nnodes="
+                       f"{trainer_nnodes}: a teacher pool of its own is built on one node only (the pool's workers "
+                       f"follow the actor's on it); set both to 1, or colocate the teacher (enable_resource_pool=false)")
+        return out
 
 
 @dataclass
@@ -144,9 +165,10 @@ class DistillationConfig:
     teacher_model: DistillationTeacherModelConfig = field(default_factory=DistillationTeacherModelConfig)
     distillation_loss: DistillationLossConfig = field(default_factory=DistillationLossConfig)
 
-    def problems(self, world: int, cuda: bool, student_tokenizer: str | None) -> list[str]:
+    def problems(self, world: int, cuda: bool, student_tokenizer: str | None, nnodes: int = 1) -> list[str]:
         """When enabled: the loss's rules, a teacher model directory whose tokenizer equals the student's
-        (``student_tokenizer``: its path), and the teacher's layout over the actor's ``world`` workers."""
+        (``student_tokenizer``: its path), its pool (``nnodes``: the trainer's), and the teacher's layout over its
+        workers (colocated: the actor's ``world``)."""
         from verl_lite.engine.config import transformer_override_problems
         from verl_lite.engine.model_files import model_dir_problem, read_config
         from verl_lite.workers.teacher import TEACHER_KEY, teacher_problems  # lazy on purpose: workers load megatron
@@ -168,9 +190,14 @@ class DistillationConfig:
         if missing:
             return p + [missing]
         p += teacher_problems(path, student_tokenizer)
+        pool = self.teacher_model.pool_problems(nnodes)
+        if pool:
+            return p + pool
         mg = self.teacher_model.megatron
-        p.extend(mg.problems("distillation.teacher_model.megatron", world,
-                             "the teacher's {world} workers (colocated: the actor's)", read_config(path)))
+        workers = ("the teacher's {world} workers (its own pool: n_gpus_per_node x nnodes)"
+                   if self.teacher_model.enable_resource_pool else "the teacher's {world} workers (colocated: the actor's)")
+        p.extend(mg.problems("distillation.teacher_model.megatron", self.teacher_model.world(world), workers,
+                             read_config(path)))
         p.extend(transformer_override_problems("distillation.teacher_model.megatron.override_transformer_config",
                                                mg.override_transformer_config, dtype=mg.dtype, cuda=cuda))
         return p

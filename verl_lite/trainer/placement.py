@@ -55,10 +55,13 @@ class Placement:
         c = cfg.critic
         separate = use_critic and c.num_workers is not None
         split = rollout_world_size(cfg)  # hybrid_engine=false: rollout workers on bundles of their own, last
-        self.pool = ResourcePool(world + (self.layout.critic_world_size if separate else 0) + split,
+        teacher, tm = cfg.distillation.enabled, cfg.distillation.teacher_model
+        own_teacher = teacher and tm.enable_resource_pool  # its bundles after the actor's and a critic's own
+        critic_bundles = self.layout.critic_world_size if separate else 0
+        self.pool = ResourcePool(world + critic_bundles + (tm.world(world) if own_teacher else 0) + split,
                                  nnodes=cfg.trainer.nnodes)  # per node, ranks node by node
-        teacher = cfg.distillation.enabled
-        colocated_share = 1.0 / (1 + (use_critic and not separate) + cfg.reward_model.enable + teacher)
+        colocated_share = 1.0 / (1 + (use_critic and not separate) + cfg.reward_model.enable
+                                 + (teacher and not own_teacher))
         self.actor = self._engine_role("actor", ActorRolloutRefWorker, world,
                                        actor_worker_config(cfg, actor_steps, need_ref),
                                        cfg.actor_rollout_ref.actor.megatron, share=colocated_share)
@@ -66,12 +69,15 @@ class Placement:
             self.critic = self._engine_role("critic", CriticWorker, self.layout.critic_world_size,
                                             critic_worker_config(cfg, critic_steps), c.megatron,
                                             bundle_offset=world if separate else 0, share=colocated_share)
-        # the reward model and the teacher: colocated on the actor's workers, each in a layout of its own
+        # the reward model and the teacher: colocated on the actor's workers (the teacher: or its own), each in a
+        # layout of its own
         if cfg.reward_model.enable:
             self.reward_model = self._reward_model(colocated_share, tokenizer)
         if teacher:
-            self.teacher = self._engine_role("teacher", TeacherWorker, world, teacher_worker_config(cfg),
-                                             cfg.distillation.teacher_model.megatron, share=colocated_share)
+            placed = dict(bundle_offset=world + critic_bundles, share=1.0) if own_teacher else \
+                dict(share=colocated_share)
+            self.teacher = self._engine_role("teacher", TeacherWorker, tm.world(world), teacher_worker_config(cfg),
+                                             tm.megatron, **placed)
         if split:
             # the trainer's roles are the critical path (they never wait on a rollout running ahead) and keep
             # the cores; the rollout pool, idle between policy versions, takes its share of them
