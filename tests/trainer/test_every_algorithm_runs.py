@@ -208,3 +208,27 @@ def test_the_distill_recipe_with_the_teacher_on_workers_of_its_own(shipped, tmp_
         assert row["step"] == 1 and row["timing_s/teacher_log_prob"] > 0
         kl[name] = row["actor/distillation/kl"]
     assert kl["own"] == pytest.approx(kl["colocated"], rel=1e-6, abs=1e-9), kl
+
+
+def test_ppo_with_the_critic_on_workers_of_its_own(shipped, tmp_path, shared_ray):  # noqa: F811
+    """``critic.num_workers``: the critic on one worker of its own beside the actor's one gives the colocated
+    critic's first update (value loss, explained variance) and the same actor update; across nodes it is refused
+    before start."""
+    from verl_lite.config import ConfigError, load_config, validate_config
+    from verl_lite.trainer import main_ppo
+
+    rows = {}
+    for name, extra in (("colocated", {}), ("own", {"critic.num_workers": 1})):
+        out = tmp_path / name
+        overrides = {**shipped, "data.train_batch_size": 4, "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+                     "actor_rollout_ref.rollout.n": 2, "trainer.total_training_steps": 1, "trainer.test_freq": 0,
+                     "trainer.val_before_train": "false", "trainer.logger": "[jsonl]", "trainer.output_dir": str(out),
+                     **extra}
+        argv = ["--recipe", str(RECIPES / "ppo.yaml")] + [f"{k}={v}" for k, v in overrides.items()]
+        assert main_ppo.main(argv) == 0
+        rows[name] = [json.loads(line) for line in next(out.glob("*/metrics.jsonl")).read_text().splitlines()][-1]
+    for key in ("critic/vf_loss", "critic/explained_variance", "actor/pg_loss", "actor/grad_norm"):
+        assert rows["own"][key] == pytest.approx(rows["colocated"][key], rel=1e-6, abs=1e-9), key
+    with pytest.raises(ConfigError, match="a critic on workers of its own is placed on one node only"):
+        validate_config(load_config([f"--recipe={RECIPES / 'ppo.yaml'}", "critic.num_workers=2",
+                                     "trainer.nnodes=2", "trainer.n_gpus_per_node=1"]))

@@ -79,7 +79,7 @@ class CriticConfig:
     shuffle: Optional[bool] = None  # reshuffle trajectories between critic mini-batches; None = the actor's
     cliprange_value: float = 0.5  # values stay within old_values +- this in the clipped loss
     loss_agg_mode: Optional[str] = None  # None = the actor's loss_agg_mode
-    num_workers: Optional[int] = None  # None = colocated on the actor's workers; N = N workers of its own
+    num_workers: Optional[int] = None  # None = colocated on the actor's workers; N = N workers of its own (one node: trainer.nnodes=1)
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
 

@@ -146,6 +146,10 @@ def _check_critic(cfg: PPOConfig, actor_world: int, p: list[str]) -> tuple[int, 
     if "critic.num_workers" in bad:
         return 0, 0
     world = actor_world if c.num_workers is None else c.num_workers
+    if c.num_workers is not None and cfg.trainer.nnodes > 1:
+        p.append(f"critic.num_workers={c.num_workers} with trainer.nnodes={cfg.trainer.nnodes}: a critic on workers of "
+                 f"its own is placed on one node only (its workers would push the actor's ranks onto other nodes); "
+                 f"colocate the critic (critic.num_workers=null) or run on one node")
     if c.model.path != cfg.actor_rollout_ref.model.path:
         p.extend(filter(None, [model_dir_problem("critic.model.path", c.model.path,
                                                  "the actor's model with a fresh value head")]))
