@@ -19,6 +19,7 @@ from verl_lite.controller.resource_pool import ResourcePool
 from verl_lite.controller.role_group import MicroBatching, RoleGroup, start_roles
 from verl_lite.data.char_tokenizer import build_char_tokenizer, save_char_tokenizer
 from verl_lite.protocol import Batch
+from verl_lite.utils.tiny_model import make_tiny_hf_model
 from verl_lite.workers.engine_worker import EngineWorkerConfig
 from verl_lite.workers.teacher import TeacherWorker
 
@@ -32,19 +33,10 @@ TOL = 1e-5
 
 
 def _make_teacher(root):
-    import transformers
-
-    cfg = transformers.Qwen2Config(vocab_size=104, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128,
-                                   tie_word_embeddings=False, rms_norm_eps=1e-6, use_sliding_window=False,
-                                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():  # far from the init's near-uniform distribution: a wrong position shows
-            p.add_(torch.randn_like(p) * 0.1)
-    teacher = root / "teacher"
-    model.save_pretrained(teacher, safe_serialization=True)
+    """A random Qwen2 (the project's tiny-model builder: weights far from uniform, so a wrong position shows) with
+    the char tokenizer the student uses."""
+    teacher = make_tiny_hf_model(root / "teacher", "qwen2", vocab_size=104, hidden_size=32, num_layers=2,
+                                 intermediate_size=64, max_position_embeddings=128)
     save_char_tokenizer(teacher)
     return teacher
 
