@@ -12,7 +12,7 @@ import torch
 from algo_reference import MODES, loss_config, make_batch, ref_weights
 from verl_lite.algorithms import NormalizationPlan, actor_loss
 from verl_lite.algorithms.config import DistillationLossConfig
-from verl_lite.algorithms.distillation import forward_kl_topk, reverse_kl_estimate
+from verl_lite.algorithms.distillation import STUDENT_TOPK_LOG_PROBS_KEY, forward_kl_topk, reverse_kl_estimate
 
 ESTIMATORS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 TOL = dict(rel_tol=1e-12, abs_tol=1e-13)
@@ -168,7 +168,7 @@ def _run(b, agg_mode, dcfg, student, teacher, rows=None, old=True):
     if old:
         data["old_log_probs"] = b.old[rows]
     if topk:
-        outputs["student_topk_log_probs"] = student[rows]
+        outputs[STUDENT_TOPK_LOG_PROBS_KEY] = student[rows]
         data["teacher_topk_log_probs"] = teacher[rows]
     else:
         outputs["log_probs"] = student[rows]
@@ -276,6 +276,6 @@ def test_missing_teacher_tensors_are_a_clear_error():
         actor_loss({"log_probs": student}, {"response_mask": b.mask, "advantages": b.adv}, plan,
                    _cfg("token-mean"), distillation=dcfg)
     topk = DistillationLossConfig(loss_mode="forward_kl_topk", use_policy_gradient=False)
-    with pytest.raises(ValueError, match="needs 'student_topk_log_probs'"):
+    with pytest.raises(ValueError, match="needs 'log_probs_at'"):
         actor_loss({"log_probs": student}, {"response_mask": b.mask, "advantages": b.adv}, plan,
                    _cfg("token-mean"), distillation=topk)

@@ -6,6 +6,7 @@ import torch
 from verl_lite.engine.packing import (
     assemble_response,
     pack_micro_batch,
+    pack_response,
     pad_multiple,
     unpack_response,
     zigzag_positions,
@@ -60,6 +61,30 @@ def test_labels_shift_across_chunk_boundaries(cp):
         assert ids[i, :r].long().tolist() == s[len(s) - r - 1 : len(s) - 1].tolist()
 
 
+@pytest.mark.parametrize("cp, shared", [(1, False), (1, True), (2, False), (4, False)])
+def test_pack_response_puts_each_value_at_the_row_that_scores_its_token(cp, shared):
+    """K values per response token ([b, W, K], e.g. token ids) packed onto each CP rank's rows: every rank's row
+    that scores response token t of sequence i holds that token's values, every other row 0, and unpacking the
+    ranks' packs gives the values back (0 past each response); with shared prompts (two sequences of one prompt)
+    too."""
+    lengths, resp, width, k = [5, 9, 2, 13, 11], [3, 4, 1, 6, 6], 8, 3
+    seqs = _seqs(lengths)
+    if shared:
+        seqs[4][:5] = seqs[1][:5]  # sequences 1 and 4 share their 5-token prompt
+    values = torch.randint(1, 1000, (len(seqs), width, k))
+    packs = [pack_micro_batch(seqs, resp, multiple=pad_multiple(cp), cp_size=cp, cp_rank=r, share_prompts=shared)
+             for r in range(cp)]
+    assert (packs[0].shared is not None) == shared
+    local = [pack_response(values, pk, width) for pk in packs]
+    for pk, rows in zip(packs, local):
+        assert rows.shape == (pk.num_local_tokens, k)
+        assert not bool(((rows != 0).any(-1) & (pk.labels[0] == 0)).any())  # values only on rows with a label
+    assert sum(int((rows != 0).any(-1).sum()) for rows in local) == sum(resp)  # each token once over the ranks
+    back = assemble_response(local, packs[0], width) if cp > 1 else unpack_response(local[0], packs[0], width)
+    valid = torch.arange(width)[None, :] < torch.tensor(resp)[:, None]
+    assert torch.equal(back[valid], values[valid]) and not bool(back[~valid].any())
+
+
 def test_only_local_shard_keeps_autograd():
     cp = 2
     seqs, resp = _seqs([7, 6]), [3, 4]
@@ -90,7 +115,7 @@ def test_cp1_unpack_matches_a_per_sequence_loop_values_and_grads(multiple):
     vals = torch.randn(pk.num_local_tokens, dtype=torch.float64)
     weights = torch.randn(len(seqs), width, dtype=torch.float64)
     local = vals.clone().requires_grad_(True)
-    out = unpack_response(local.unsqueeze(0), pk, width)
+    out = unpack_response(local, pk, width)
     (out * weights).sum().backward()
     ref = vals.clone().requires_grad_(True)
     rows, offset = [], 0

@@ -1,6 +1,8 @@
-"""The distillation teacher's role (``workers/teacher.py``): its log-probs of the student's sampled tokens equal HF
-AutoModelForCausalLM's float64 forward, at 1 worker, TP2 and PP2; and a teacher whose tokenizer is not the
-student's, or that is no causal LM, is refused by ``validate_config`` before any worker starts.
+"""The distillation teacher's role (``workers/teacher.py``): its log-probs of the student's sampled tokens, and its
+top-k log-probs and their ids at every response position (``forward_kl_topk``; ids only below the student's
+vocabulary size), equal HF AutoModelForCausalLM's float64 forward, at 1 worker, TP2 and PP2; and a teacher whose
+tokenizer is not the student's, or that is no causal LM, or a top k larger than a vocabulary, is refused by
+``validate_config`` before any worker starts.
 
 One Ray session; the teacher role is started at each layout in turn and scores one rollout batch (responses of
 different lengths, a hole in one mask, right padding). The reference runs HF's model in float64 on each unpadded
@@ -30,6 +32,7 @@ HOLE = (3, 2)  # (row, position): a token inside the response that the mask leav
 LAYOUTS = {"1 worker": (1, 1, 1), "TP2": (2, 2, 1), "PP2": (2, 1, 2)}  # name: (world, tp, pp)
 TEMPERATURE = 0.7
 TOL = 1e-5
+TOPK, TOPK_BELOW = 6, 100  # the top 6 among ids < 100 of the teacher's 104 (a student with a smaller vocabulary)
 
 
 def _make_teacher(root):
@@ -52,13 +55,16 @@ def _rollout_batch(tok) -> Batch:
     return Batch.from_dict({"responses": ids, "response_mask": mask}, {"prompt_ids": prompts})
 
 
-def _hf_log_probs(teacher_dir, batch: Batch) -> torch.Tensor:
-    """[n, W] float64: log_softmax(logits / T) of each response token given everything before it (0 elsewhere)."""
+def _hf_log_probs(teacher_dir, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 log_softmax(logits / T) of each response token given everything before it [n, W] (0 elsewhere),
+    and the top ``TOPK`` of those log-probs among ids < ``TOPK_BELOW`` with their ids [n, W, TOPK]."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float64).eval()
     tok = build_char_tokenizer()
     out = torch.zeros(batch["response_mask"].shape, dtype=torch.float64)
+    top_values = torch.zeros(*out.shape, TOPK, dtype=torch.float64)
+    top_ids = torch.zeros(*out.shape, TOPK, dtype=torch.long)
     for i, prompt in enumerate(batch["prompt_ids"]):
         response = tok(RESPONSES[i], add_special_tokens=False)["input_ids"]
         length, seq = len(response), list(prompt) + response
@@ -66,8 +72,10 @@ def _hf_log_probs(teacher_dir, batch: Batch) -> torch.Tensor:
             logits = model(torch.tensor([seq])).logits[0]
         for t in range(length):
             position = len(prompt) + t - 1  # the logits that predict response token t
-            out[i, t] = torch.log_softmax(logits[position] / TEMPERATURE, dim=-1)[seq[position + 1]]
-    return out
+            log_probs = torch.log_softmax(logits[position] / TEMPERATURE, dim=-1)
+            out[i, t] = log_probs[seq[position + 1]]
+            top_values[i, t], top_ids[i, t] = log_probs[:TOPK_BELOW].topk(TOPK)
+    return out, top_values, top_ids
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +94,10 @@ def scored(tmp_path_factory):
             group = RoleGroup("teacher", TeacherWorker, world, EngineWorkerConfig(engine), pool, 300.0)
             start_roles(group)
             try:
-                results[name] = group.infer("compute_teacher_log_prob", batch, MicroBatching(micro_batch_size=2),
-                                            TEMPERATURE)["teacher_log_probs"]
+                sizing = MicroBatching(micro_batch_size=2)
+                results[name] = group.infer("compute_teacher_log_prob", batch, sizing, TEMPERATURE)
+                results[name].update(group.infer("compute_teacher_log_prob", batch, sizing, TEMPERATURE, TOPK,
+                                                 TOPK_BELOW))
             finally:
                 group.shutdown()
     finally:
@@ -99,8 +109,8 @@ def scored(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_teacher_log_probs_match_hf_float64(scored, layout):
-    results, batch, hf = scored
-    got, mask = results[layout], batch["response_mask"]
+    results, batch, (hf, _, _) = scored
+    got, mask = results[layout]["teacher_log_probs"], batch["response_mask"]
     assert got.shape == mask.shape
     valid = mask != 0
     err = (got.double() - hf).abs()[valid].max().item()
@@ -108,10 +118,23 @@ def test_teacher_log_probs_match_hf_float64(scored, layout):
     assert hf[valid].std() > 0.1  # log-probs that differ per token: a shifted position would show
 
 
-def _config(teacher_dir):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_teacher_topk_matches_hf_float64(scored, layout):
+    """Values within the tolerance, largest first; the ids HF's, at every response position the batch holds."""
+    results, batch, (_, hf_values, hf_ids) = scored
+    values, ids = results[layout]["teacher_topk_log_probs"], results[layout]["teacher_topk_ids"]
+    assert values.shape == ids.shape == (*batch["response_mask"].shape, TOPK) and ids.dtype == torch.int32
+    scored_positions = torch.arange(values.shape[1])[None, :] < batch["response_mask"].cumsum(1).argmax(1)[:, None] + 1
+    err = (values.double() - hf_values).abs()[scored_positions].max().item()
+    assert err < TOL, (layout, err)
+    assert torch.equal(ids.long()[scored_positions], hf_ids[scored_positions]), layout
+    assert int(ids.max()) < TOPK_BELOW and bool((values[scored_positions].diff(dim=-1) <= 0).all())
+
+
+def _config(teacher_dir, extra=()):
     from verl_lite.config import load_config
 
-    return load_config(["distillation.enabled=true", f"distillation.teacher_model.model_path={teacher_dir}"])
+    return load_config(["distillation.enabled=true", f"distillation.teacher_model.model_path={teacher_dir}", *extra])
 
 
 def test_a_teacher_with_another_tokenizer_is_refused_before_start(tmp_path):
@@ -152,6 +175,21 @@ def test_a_teacher_that_is_no_causal_lm_is_refused(tmp_path):
         validate_config(_config(teacher))
     assert any(p.startswith(f"distillation.teacher_model.model_path={str(teacher)!r} is a "
                             f"['Qwen2ForSequenceClassification']; a teacher is a causal LM") for p in err.value.problems)
+
+
+def test_a_topk_larger_than_a_vocabulary_is_refused(tmp_path):
+    """forward_kl_topk chooses among the ids both models hold: a top k above the smaller vocabulary is refused with
+    both sizes; one at it is accepted."""
+    from verl_lite.config.loader import ConfigError
+    from verl_lite.config.validate import validate_config
+
+    teacher = _make_teacher(tmp_path)
+    topk = ["distillation.distillation_loss.loss_mode=forward_kl_topk"]
+    assert validate_config(_config(teacher, topk + ["distillation.distillation_loss.topk=104"])).world_size == 1
+    with pytest.raises(ConfigError) as err:
+        validate_config(_config(teacher, topk + ["distillation.distillation_loss.topk=105"]))
+    (line,) = [p for p in err.value.problems if "topk=105" in p]
+    assert "distillation.teacher_model.model_path's vocab_size=104" in line and line.endswith("set topk <= 104")
 
 
 @pytest.mark.parametrize("extra, lines", [

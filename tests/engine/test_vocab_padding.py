@@ -5,9 +5,11 @@ real configs ``transformer_config_from_hf`` accepts (TP larger than the KV heads
 allows it: KV heads dividing TP) and the HF bridge's shard math at TP3 with a padded vocabulary.
 
 One 2-process launch (TP2, the tiny model with vocab 127, so the engine pads one row):
-- ``vocab_parallel_log_probs`` / ``vocab_parallel_entropy`` on logits whose padded column holds +80:
-  values and gradients vs float64 autograd over the true columns only, exactly 0 gradient at the
-  padded column, and an out-of-vocabulary label is one clear error;
+- ``vocab_parallel_log_probs`` / ``vocab_parallel_entropy`` / ``vocab_parallel_log_probs_at`` (K ids per token, one
+  repeated) on logits whose padded column holds +80: values and gradients vs float64 autograd over the true columns
+  only, exactly 0 gradient at the padded column, and an out-of-vocabulary label is one clear error;
+  ``vocab_parallel_topk``: the top k of the float64 log-softmax (values and ids, largest first), never the padded
+  column, and with ``candidates`` only ids below it;
 - ``MegatronEngine.infer`` with the padded LM-head row overwritten by large values: log-probs and
   entropies vs the float64 HF model within 1e-5 (the engine passes the true vocabulary);
 - ``export_hf`` gives the checkpoint's 127 rows bit for bit (what the HF rollout and the vLLM weight
@@ -105,7 +107,8 @@ def _vocab_parallel_check(rank):
     """vocab_parallel_* on a padded vocabulary (12 columns, V = 11) vs float64 autograd on 11 columns."""
     from megatron.core import parallel_state as ps
 
-    from verl_lite.engine.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
+    from verl_lite.engine.vocab_parallel import (vocab_parallel_entropy, vocab_parallel_log_probs,
+                                                 vocab_parallel_log_probs_at, vocab_parallel_topk)
 
     tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     gen = torch.Generator().manual_seed(7)
@@ -114,30 +117,55 @@ def _vocab_parallel_check(rank):
     full[..., V:] = 80.0  # padded column: would own the softmax if it took part
     labels = torch.randint(0, V, (3, 5), generator=gen)
     labels[0, 0] = V - 1
-    weights = torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    ids_at = torch.randint(0, V, (3, 5, 4), generator=gen)
+    ids_at[..., 3] = ids_at[..., 0]  # a repeated id: its gradient adds up
+    ids_at[1, 2, 1] = V - 1  # an id in the last rank's slice
+    weights = {"ent": torch.randn(3, 5, generator=gen, dtype=torch.float64)}
+    weights["lp"] = weights["ent"]
+    weights["at"] = torch.randn(3, 5, 4, generator=gen, dtype=torch.float64)
 
     def reference(kind):
         x = full[..., :V].clone().requires_grad_()
         lsm = x.log_softmax(-1)
-        y = lsm.gather(-1, labels[..., None])[..., 0] if kind == "lp" else -(lsm.exp() * lsm).sum(-1)
-        (y * weights).sum().backward()
+        y = {"lp": lambda: lsm.gather(-1, labels[..., None])[..., 0], "at": lambda: lsm.gather(-1, ids_at),
+             "ent": lambda: -(lsm.exp() * lsm).sum(-1)}[kind]()
+        (y * weights[kind]).sum().backward()
         grad = torch.cat([x.grad, torch.zeros_like(full[..., V:])], dim=-1)
         return y.detach(), grad.chunk(tp, dim=-1)[r]
 
+    def forward(kind, local):
+        if kind == "ent":
+            return vocab_parallel_entropy(local, vocab_size=V)
+        if kind == "lp":
+            return vocab_parallel_log_probs(local, labels, V)
+        return vocab_parallel_log_probs_at(local, ids_at, V)
+
     out = {}
-    for kind, dtype in (("ent", torch.float64), ("lp", torch.float32)):
+    for name, kind, dtype in (("ent", "ent", torch.float64), ("lp", "lp", torch.float32), ("at", "at", torch.float32),
+                              ("at64", "at", torch.float64)):
         ref, ref_grad = reference(kind)
         local = full.chunk(tp, dim=-1)[r].to(dtype).requires_grad_()
-        y = vocab_parallel_entropy(local, vocab_size=V) if kind == "ent" else vocab_parallel_log_probs(local, labels, V)
-        (y * weights.to(dtype)).sum().backward()
-        out[f"{kind}_err"] = (y.double() - ref).abs().max().item()
-        out[f"{kind}_grad_err"] = (local.grad.double() - ref_grad).abs().max().item()
-        out[f"{kind}_padded_grad_zero"] = bool((local.grad[..., V - r * 6:] == 0).all()) if r == tp - 1 else True
-    try:
-        vocab_parallel_log_probs(full.chunk(tp, dim=-1)[r].float(), torch.full((3, 5), V), V)
-        out["bad_label"] = "no error"
-    except ValueError as e:
-        out["bad_label"] = str(e)
+        y = forward(kind, local)
+        (y * weights[kind].to(dtype)).sum().backward()
+        out[f"{name}_err"] = (y.double() - ref).abs().max().item()
+        out[f"{name}_grad_err"] = (local.grad.double() - ref_grad).abs().max().item()
+        out[f"{name}_padded_grad_zero"] = bool((local.grad[..., V - r * 6:] == 0).all()) if r == tp - 1 else True
+    true_lsm = full[..., :V].log_softmax(-1)
+    for name, k, candidates in (("topk", 4, None), ("topk_below", 3, 5)):
+        ref_values, ref_ids = true_lsm[..., :candidates].topk(k, dim=-1)
+        values, ids = vocab_parallel_topk(full.chunk(tp, dim=-1)[r], k, vocab_size=V, candidates=candidates)
+        out[f"{name}_err"] = (values - ref_values).abs().max().item()
+        out[f"{name}_ids_equal"] = bool(torch.equal(ids, ref_ids))
+    for name, call in (("bad_label", lambda: vocab_parallel_log_probs(full.chunk(tp, dim=-1)[r].float(),
+                                                                       torch.full((3, 5), V), V)),
+                       ("bad_id", lambda: vocab_parallel_log_probs_at(full.chunk(tp, dim=-1)[r].float(),
+                                                                      torch.full((3, 5, 2), V), V)),
+                       ("bad_k", lambda: vocab_parallel_topk(full.chunk(tp, dim=-1)[r], V + 1, vocab_size=V))):
+        try:
+            call()
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = str(e)
     return out
 
 
@@ -219,8 +247,14 @@ def test_vocab_parallel_ignores_padded_columns(launch):
         r = res["vocab"]
         assert r["ent_err"] < 1e-12 and r["ent_grad_err"] < 1e-12, (rank, r)  # float64 in, float64 math
         assert r["lp_err"] < 1e-5 and r["lp_grad_err"] < 1e-5, (rank, r)  # megatron's cross entropy is float32
-        assert r["ent_padded_grad_zero"] and r["lp_padded_grad_zero"], (rank, r)
+        assert r["at_err"] < 1e-5 and r["at_grad_err"] < 1e-5, (rank, r)  # float32 in
+        assert r["at64_err"] < 1e-12 and r["at64_grad_err"] < 1e-12, (rank, r)
+        assert all(r[f"{name}_padded_grad_zero"] for name in ("ent", "lp", "at", "at64")), (rank, r)
+        assert r["topk_err"] < 1e-12 and r["topk_ids_equal"], (rank, r)
+        assert r["topk_below_err"] < 1e-12 and r["topk_below_ids_equal"], (rank, r)
         assert "label 11 is outside the vocabulary (vocab_size=11)" in r["bad_label"], r["bad_label"]
+        assert "ids in [11, 11] are outside the vocabulary (vocab_size=11)" in r["bad_id"], r["bad_id"]
+        assert "k=12: must be in [1, 11]" in r["bad_k"], r["bad_k"]
 
 
 def test_engine_log_probs_ignore_the_padded_row(launch):

@@ -35,9 +35,11 @@ import torch
 from verl_lite.utils.net import free_port
 
 LOSSES = ("vanilla", "gspo")
-# on-policy distillation (algorithms/distillation.py) on top of vanilla PPO: the supervised k3 reverse KL alone, and
-# k1 as a per-token reward (PPO-clip of advantage -d) added to the task's loss (``distillation_cfg``)
-DISTILL_LOSSES = ("distill_k3", "distill_k1_pg")
+# on-policy distillation (algorithms/distillation.py) on top of vanilla PPO: the supervised k3 reverse KL alone, k1
+# as a per-token reward (PPO-clip of advantage -d) added to the task's loss, and the top-k forward KL as a loss added
+# to the task's (its gradient through the student's log-probs at the teacher's top-k ids) (``distillation_cfg``)
+DISTILL_LOSSES = ("distill_k3", "distill_k1_pg", "distill_topk")
+TOPK = 4  # the teacher's top k in the distill_topk cells
 DISTILL_LAYOUTS = ("single", "dp2", "tp2", "pp2", "cp2")  # DP, TP, PP, CP; micro-batching rotated in each
 MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 MB_SCHEMES = ("one", "three", "budget")
@@ -192,8 +194,11 @@ def make_problem(root: Path) -> Path:
         "score_weight": 0.3 * torch.randn(1, 32, generator=g),
         "old_values": torch.randn(NUM_SEQS, width, generator=g),
         "returns": torch.randn(NUM_SEQS, width, generator=g),
-        "teacher_noise": 0.5 * torch.randn(NUM_SEQS, width, generator=g),  # last: the draws above stay as they were
+        "teacher_noise": 0.5 * torch.randn(NUM_SEQS, width, generator=g),  # the draws above stay as they were
     }
+    # a teacher's top k at every position: the k largest log-probs of a random distribution over the vocabulary
+    teacher = torch.log_softmax(2.0 * torch.randn(NUM_SEQS, width, 64, generator=g), dim=-1).topk(TOPK, dim=-1)
+    prob["teacher_topk_log_probs"], prob["teacher_topk_ids"] = teacher.values * (mask != 0)[..., None], teacher.indices
     path = root / "problem.pt"
     torch.save(prob, path)
     return path
@@ -210,9 +215,19 @@ def _hf_model(model_dir: str):
 def reference_outputs(model, prob, temperature=TEMPERATURE, outputs: list | None = None, **model_kwargs):
     """float64 log-probs and entropy [n, W] of the responses, one sequence at a time (no padding).
     ``outputs``: a list that receives each sequence's model output (e.g. its router logits)."""
+    logps, ents, _ = _reference_outputs(model, prob, temperature, outputs, **model_kwargs)
+    return logps, ents
+
+
+def reference_outputs_at_topk(model, prob, temperature=TEMPERATURE):
+    """float64 log-probs and entropy [n, W] and the log-probs at the teacher's top-k ids [n, W, K]."""
+    return _reference_outputs(model, prob, temperature, None, at_ids=prob["teacher_topk_ids"])
+
+
+def _reference_outputs(model, prob, temperature, outputs, at_ids=None, **model_kwargs):
     width = prob["mask"].shape[1]
-    logps, ents = [], []
-    for ids, r in zip(prob["ids"], prob["resp_lens"].tolist()):
+    logps, ents, ats = [], [], []
+    for i, (ids, r) in enumerate(zip(prob["ids"], prob["resp_lens"].tolist())):
         out = model(ids.unsqueeze(0), **model_kwargs)
         if outputs is not None:
             outputs.append(out)
@@ -224,7 +239,10 @@ def reference_outputs(model, prob, temperature=TEMPERATURE, outputs: list | None
         ent = -(scored.exp() * scored).sum(-1)
         logps.append(torch.nn.functional.pad(lp, (0, width - r)))
         ents.append(torch.nn.functional.pad(ent, (0, width - r)))
-    return torch.stack(logps), torch.stack(ents)
+        if at_ids is not None:
+            at = scored.gather(-1, at_ids[i, :r])
+            ats.append(torch.cat([at, at.new_zeros(width - r, at.shape[-1])]))
+    return torch.stack(logps), torch.stack(ents), torch.stack(ats) if ats else None
 
 
 def old_log_probs(prob) -> torch.Tensor:
@@ -257,7 +275,17 @@ def distillation_cfg(loss: str):
     if loss == "distill_k1_pg":
         return DistillationLossConfig(loss_mode="k1", use_policy_gradient=True, use_task_rewards=True,
                                       distillation_loss_coef=0.5, clip_ratio_low=0.15, clip_ratio_high=0.25)
+    if loss == "distill_topk":
+        return DistillationLossConfig(loss_mode="forward_kl_topk", topk=TOPK, use_policy_gradient=False,
+                                      use_task_rewards=True, distillation_loss_coef=0.5)
     return None
+
+
+def student_outputs(loss: str) -> dict:
+    """The engine's ``train_step`` output keywords a cell's loss needs (the student at the teacher's top-k ids)."""
+    if loss != "distill_topk":
+        return {}
+    return {"outputs": ("log_probs", "entropy", "log_probs_at"), "ids_key": "teacher_topk_ids"}
 
 
 def reference_step(prob, loss: str, mode: str, old_lp: torch.Tensor) -> dict:
@@ -275,15 +303,18 @@ def policy_references(prob, specs, old_lp: torch.Tensor | None = None, noise: to
 
     model = _hf_model(prob["model_dir"])
     params = dict(model.named_parameters())
-    lp, ent = reference_outputs(model, prob)
+    lp, ent, at = reference_outputs_at_topk(model, prob)
     mask = prob["mask"].double()
     if old_lp is None:
         old_lp = (lp.detach() + (prob["noise"] if noise is None else noise).double()) * (prob["mask"] != 0)
     data = {"response_mask": mask, "old_log_probs": old_lp.double(), "advantages": prob["advantages"].double(),
-            "teacher_log_probs": teacher_log_probs(prob, old_lp)}
+            "teacher_log_probs": teacher_log_probs(prob, old_lp),
+            "teacher_topk_log_probs": prob["teacher_topk_log_probs"].double(),
+            "teacher_topk_ids": prob["teacher_topk_ids"]}
     refs = {}
     for k, (loss, mode) in enumerate(specs):
-        L, _ = actor_loss({"log_probs": lp, "entropy": ent}, data, NormalizationPlan.from_mask(mask, mode),
+        L, _ = actor_loss({"log_probs": lp, "entropy": ent, "log_probs_at": at}, data,
+                          NormalizationPlan.from_mask(mask, mode),
                           loss_cfg(loss, mode), distillation=distillation_cfg(loss))
         refs[(loss, mode)] = {**reference_update(params, L, retain_graph=k + 1 < len(specs)),
                               "log_probs": lp.detach(), "entropy": ent.detach()}
@@ -518,12 +549,14 @@ def _compare(stream, ref: dict, base: dict | None = None) -> dict:
 def load_problem(problem_path, refs_path):
     """A layout run's inputs: the problem and its float64 references (both written by the test), the
     sequence lengths, and the actor's per-token data in fp32 (response mask, old log-probs, advantages, the
-    teacher's log-probs)."""
+    teacher's log-probs, its top-k log-probs and their ids)."""
     prob, refs = torch.load(problem_path), torch.load(refs_path)
     lengths = [int(x.numel()) for x in prob["ids"]]
     data_all = {"response_mask": prob["mask"], "old_log_probs": refs["old_log_probs"].float(),
                 "advantages": prob["advantages"].float(),
-                "teacher_log_probs": teacher_log_probs(prob, refs["old_log_probs"]).float()}
+                "teacher_log_probs": teacher_log_probs(prob, refs["old_log_probs"]).float(),
+                "teacher_topk_log_probs": prob["teacher_topk_log_probs"].float(),
+                "teacher_topk_ids": prob["teacher_topk_ids"]}
     return prob, refs, lengths, data_all
 
 
@@ -623,7 +656,7 @@ def _worker_body(rank, world, port, layout_name, cell_dicts, problem_path, refs_
                     loss_fn = partial(actor_loss, plan=nplan, cfg=loss_cfg(cell.loss, cell.mode),
                                       distillation=distillation_cfg(cell.loss))
                 out = engine.train_step(batch, mbs, loss_fn, temperature=TEMPERATURE,
-                                        global_token_count=sum(lengths))
+                                        global_token_count=sum(lengths), **student_outputs(cell.loss))
                 t2 = time.perf_counter()
                 ref = refs[(cell.loss, cell.mode)]
                 grads = None if distopt else _compare(engine.export_hf("main_grad"), ref["grads_clipped"])

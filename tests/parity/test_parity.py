@@ -9,7 +9,8 @@ per-token cell once, with micro-batching rotated so that each layout runs every 
 three schemes and each full-product cell runs in a third of the layouts (``harness.cells_for``). The
 critic (value head, clipped value loss: five modes x per-token off/on x micro-batching) runs the same way.
 On-policy distillation (``harness.DISTILL_LOSSES``: the supervised k3 reverse KL to a teacher's log-probs alone,
-and k1 as a per-token reward added to vanilla PPO) runs five modes x per-token off/on with micro-batching rotated
+k1 as a per-token reward added to vanilla PPO, and the top-k forward KL added to it as a loss, its gradient through
+the engine's log-probs at the teacher's top-k ids) runs five modes x per-token off/on with micro-batching rotated
 in the single process, DP2, TP2, PP2 and CP2 (``harness.distill_cells``): its gradient does not depend on the
 micro-batch split or the layout (verl #7200).
 

@@ -190,24 +190,31 @@ def test_recipe_trains_from_the_cli(recipe, shipped, tmp_path, shared_ray):
 def test_the_distill_recipe_with_the_teacher_on_workers_of_its_own(shipped, tmp_path, shared_ray):  # noqa: F811
     """verl's ``distillation.teacher_model.enable_resource_pool`` / ``n_gpus_per_node`` / ``nnodes``: the teacher on
     one worker of its own while the actor has two; it scores the same rollouts as the teacher colocated on the
-    actor's two workers: the same distillation KL at the first step (its layout changes the sums' order only)."""
+    actor's two workers: the same distillation KL and update at the first step (its layout changes the sums' order
+    only). With the top-k forward KL as the loss (``forward_kl_topk``, its gradient through the student's
+    log-probs at the teacher's top-k ids), so the top-k path runs end to end in both placements."""
     from verl_lite.trainer import main_ppo
 
     T = "distillation.teacher_model"
-    kl = {}
+    L = "distillation.distillation_loss"
+    topk = {f"{L}.loss_mode": "forward_kl_topk", f"{L}.topk": 8, f"{L}.use_policy_gradient": "false"}
+    rows = {}
     for name, extra in (("colocated", {}), ("own", {f"{T}.enable_resource_pool": "true", f"{T}.n_gpus_per_node": 1,
                                                    f"{T}.nnodes": 1})):
         out = tmp_path / name
         overrides = {**shipped, "data.train_batch_size": 4, "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
                      "actor_rollout_ref.rollout.n": 2, "trainer.total_training_steps": 1, "trainer.test_freq": 0,
                      "trainer.val_before_train": "false", "trainer.n_gpus_per_node": 2, "trainer.logger": "[jsonl]",
-                     "trainer.output_dir": str(out), **extra}
+                     "trainer.output_dir": str(out), **topk, **extra}
         argv = ["--recipe", str(RECIPES / "distill.yaml")] + [f"{k}={v}" for k, v in overrides.items()]
         assert main_ppo.main(argv) == 0
         row = [json.loads(line) for line in next(out.glob("*/metrics.jsonl")).read_text().splitlines()][-1]
         assert row["step"] == 1 and row["timing_s/teacher_log_prob"] > 0
-        kl[name] = row["actor/distillation/kl"]
-    assert kl["own"] == pytest.approx(kl["colocated"], rel=1e-6, abs=1e-9), kl
+        assert 0 < row["actor/distillation/teacher_mass"] <= 1 and 0 < row["actor/distillation/student_mass"] <= 1
+        rows[name] = row
+    for key in ("actor/distillation/kl", "actor/distillation/teacher_mass", "actor/grad_norm"):
+        assert rows["own"][key] == pytest.approx(rows["colocated"][key], rel=1e-5, abs=1e-9), key
+    assert rows["own"]["actor/distillation/kl"] > 0
 
 
 def test_ppo_with_the_critic_on_workers_of_its_own(shipped, tmp_path, shared_ray):  # noqa: F811

@@ -44,12 +44,19 @@ DISTILLATION_POLICY_LOSSES = ("vanilla",)
 TEACHER_LOG_PROBS_KEY = "teacher_log_probs"  # data [b, W]: the teacher's log-prob of each sampled token
 TEACHER_TOPK_LOG_PROBS_KEY = "teacher_topk_log_probs"  # data [b, W, K]: the teacher's top-k log-probs
 TEACHER_TOPK_IDS_KEY = "teacher_topk_ids"  # data [b, W, K]: their token ids
-STUDENT_TOPK_LOG_PROBS_KEY = "student_topk_log_probs"  # outputs [b, W, K]: log_softmax(student)[teacher_topk_ids]
+STUDENT_TOPK_LOG_PROBS_KEY = "log_probs_at"  # outputs [b, W, K]: log_softmax(student)[teacher_topk_ids]
+TEACHER_KEYS = (TEACHER_LOG_PROBS_KEY, TEACHER_TOPK_LOG_PROBS_KEY, TEACHER_TOPK_IDS_KEY)
 
 
 def uses_topk(loss_mode: str) -> bool:
     """Whether ``loss_mode`` needs the teacher's top-k (and the student's log-probs at those ids)."""
     return loss_mode in TOPK_MODES
+
+
+def teacher_keys(loss_mode: str) -> tuple[str, ...]:
+    """The data the teacher's pass gives ``loss_mode``: its log-prob of each sampled token, or its top-k
+    log-probs and their ids."""
+    return (TEACHER_TOPK_LOG_PROBS_KEY, TEACHER_TOPK_IDS_KEY) if uses_topk(loss_mode) else (TEACHER_LOG_PROBS_KEY,)
 
 
 def reverse_kl_estimate(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor,
@@ -81,7 +88,8 @@ def forward_kl_topk(student_topk_log_probs: torch.Tensor, teacher_topk_log_probs
 def per_token_distillation(outputs: dict[str, torch.Tensor], data: dict[str, torch.Tensor],
                            cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """d [b, W] of ``cfg.loss_mode`` after the ``loss_max_clamp`` clamp, and per-token statistics to report.
-    outputs: "log_probs" (estimators) or "student_topk_log_probs" (top-k); data: the teacher's tensors."""
+    outputs: "log_probs" (estimators) or "log_probs_at" (top-k: the student at the teacher's ids); data: the
+    teacher's tensors."""
     stats: dict[str, torch.Tensor] = {}
     if uses_topk(cfg.loss_mode):
         for source, key in ((outputs, STUDENT_TOPK_LOG_PROBS_KEY), (data, TEACHER_TOPK_LOG_PROBS_KEY)):

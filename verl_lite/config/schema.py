@@ -14,6 +14,7 @@ from typing import List, Optional
 
 from verl_lite.algorithms.aggregation import AGG_MODES
 from verl_lite.algorithms.config import AlgorithmConfig, DistillationLossConfig
+from verl_lite.algorithms.distillation import uses_topk
 from verl_lite.algorithms.objective import ActorLossConfig
 from verl_lite.controller.config import AsyncTrainingConfig, V1Config
 from verl_lite.data.config import DataConfig
@@ -165,10 +166,12 @@ class DistillationConfig:
     teacher_model: DistillationTeacherModelConfig = field(default_factory=DistillationTeacherModelConfig)
     distillation_loss: DistillationLossConfig = field(default_factory=DistillationLossConfig)
 
-    def problems(self, world: int, cuda: bool, student_tokenizer: str | None, nnodes: int = 1) -> list[str]:
+    def problems(self, world: int, cuda: bool, student_model: str | None, student_tokenizer: str | None,
+                 nnodes: int = 1) -> list[str]:
         """When enabled: the loss's rules, a teacher model directory whose tokenizer equals the student's
-        (``student_tokenizer``: its path), its pool (``nnodes``: the trainer's), and the teacher's layout over its
-        workers (colocated: the actor's ``world``)."""
+        (``student_tokenizer``: its path), a top k both vocabularies hold (``student_model``: the student's
+        directory), its pool (``nnodes``: the trainer's), and the teacher's layout over its workers (colocated:
+        the actor's ``world``)."""
         from verl_lite.engine.config import transformer_override_problems
         from verl_lite.engine.model_files import model_dir_problem, read_config
         from verl_lite.workers.teacher import TEACHER_KEY, teacher_problems  # lazy on purpose: workers load megatron
@@ -176,12 +179,6 @@ class DistillationConfig:
         if not self.enabled:
             return []
         p = self.distillation_loss.problems()
-        mode = self.distillation_loss.loss_mode
-        if mode == "forward_kl_topk":
-            p.append(f"distillation.distillation_loss.loss_mode={mode} is not built on the engine (it needs the "
-                     f"teacher's top-k log-probs and the student's log-softmax at those ids from the forward); its "
-                     f"math is in algorithms/distillation.py; use a sampled-token estimator (k3, k1 with "
-                     f"use_policy_gradient=true, ...)")
         path = self.teacher_model.model_path
         if not path:
             return p + [f"distillation.enabled=true needs {TEACHER_KEY}: an HF causal-LM directory sharing the "
@@ -190,6 +187,7 @@ class DistillationConfig:
         if missing:
             return p + [missing]
         p += teacher_problems(path, student_tokenizer)
+        p += self.topk_problems(path, student_model)
         pool = self.teacher_model.pool_problems(nnodes)
         if pool:
             return p + pool
@@ -201,6 +199,24 @@ class DistillationConfig:
         p.extend(transformer_override_problems("distillation.teacher_model.megatron.override_transformer_config",
                                                mg.override_transformer_config, dtype=mg.dtype, cuda=cuda))
         return p
+
+
+    def topk_problems(self, teacher_model: str, student_model: str | None) -> list[str]:
+        """forward_kl_topk: ``topk`` no larger than the ids both models score (the smaller vocabulary)."""
+        from verl_lite.engine.model_files import read_config
+        from verl_lite.workers.teacher import STUDENT_KEY, TEACHER_KEY
+
+        loss = self.distillation_loss
+        if not uses_topk(loss.loss_mode) or not isinstance(loss.topk, int):
+            return []
+        sizes = {key: (read_config(path) or {}).get("vocab_size") for key, path in
+                 ((TEACHER_KEY, teacher_model), (STUDENT_KEY, student_model)) if path}
+        sizes = {key: size for key, size in sizes.items() if isinstance(size, int)}
+        if sizes and loss.topk > min(sizes.values()):
+            shown = ", ".join(f"{key}'s vocab_size={size}" for key, size in sizes.items())
+            return [f"distillation.distillation_loss.topk={loss.topk} is larger than the ids the teacher may choose "
+                    f"({shown}); set topk <= {min(sizes.values())}"]
+        return []
 
 
 @dataclass

@@ -96,8 +96,9 @@ def validate_config(cfg: PPOConfig, world_size: int | None = None) -> Layout:
     critic_world, critic_dp = _check_critic(cfg, world, p) if "critic" in needs else (0, 0)
 
     p.extend(cfg.reward_model.problems(world, _cuda_visible()))
-    p.extend(cfg.distillation.problems(world, _cuda_visible(), cfg.actor_rollout_ref.model.tokenizer_path
-                                       or cfg.actor_rollout_ref.model.path, tr.nnodes))
+    model = cfg.actor_rollout_ref.model
+    p.extend(cfg.distillation.problems(world, _cuda_visible(), model.path, model.tokenizer_path or model.path,
+                                       tr.nnodes))
     p.extend(cfg.micro_batch_problems("critic" in needs))
     p.extend(_section_problems(cfg, needs, rollout.n if ok_sizes else None))
     if p:

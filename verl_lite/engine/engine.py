@@ -2,7 +2,8 @@
 
 The engine knows no RL. It packs variable-length sequences (prompt + response) THD per micro-batch
 (``packing.py``), runs megatron's pipeline schedules, turns the logits into per-token response outputs
-(log-probs, entropy, or values) and, for training, hands them to the caller's ``loss_fn``.
+(log-probs, entropy, or values; on request the top-k log-probs and their ids, or the log-probs of K given ids per
+token: ``TOKEN_OUTPUTS``) and, for training, hands them to the caller's ``loss_fn``.
 
 Loss contract. ``loss_fn(outputs, data) -> (contribution, metrics)`` is called once per micro-batch on
 every last-stage rank with full-sequence ``[b, W]`` outputs (under CP every CP rank holds the full rows;
@@ -45,12 +46,16 @@ from verl_lite.engine.config import EngineConfig
 from verl_lite.engine.hf_bridge import export_hf, load_hf_weights, reader
 from verl_lite.engine.lora import adapters_disabled, add_adapters, merge_into
 from verl_lite.engine.model import build_model_chunks, transformer_config_from_hf
-from verl_lite.engine.packing import PackedMicroBatch, pack_micro_batch, pad_multiple, unpack_response
-from verl_lite.engine.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
+from verl_lite.engine.packing import PackedMicroBatch, pack_micro_batch, pack_response, pad_multiple, unpack_response
+from verl_lite.engine.vocab_parallel import (vocab_parallel_entropy, vocab_parallel_log_probs,
+                                             vocab_parallel_log_probs_at, vocab_parallel_topk)
 from verl_lite.utils.metric_reduce import combine_all
 
 LM_OUTPUTS = ("log_probs", "entropy")
 VALUE_OUTPUTS = ("values",)
+# per token: the K largest log-probs and their ids (``topk=K``, forward only), and the log-probs of the K ids in
+# ``data[ids_key]`` ([n, W, K], with their gradient); each [n, W, K]
+TOKEN_OUTPUTS = ("topk_log_probs", "topk_ids", "log_probs_at")
 
 LossFn = Callable[[dict, dict], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
@@ -185,7 +190,8 @@ class MegatronEngine:
             add_adapters(self.chunks, self.hf_config, cfg.lora, cfg.seed)
         load_hf_weights(self.chunks, cfg.model_path, self.hf_config)
         self._adapter_source = self._initial_adapter_state()
-        self.output_names = VALUE_OUTPUTS if cfg.value_head else LM_OUTPUTS
+        self.output_names = VALUE_OUTPUTS if cfg.value_head else LM_OUTPUTS + TOKEN_OUTPUTS
+        self.default_outputs = VALUE_OUTPUTS if cfg.value_head else LM_OUTPUTS
         self._reduced_token_count: int | None = None
 
         self.mixed_precision = cfg.megatron.torch_dtype != torch.float32
@@ -345,13 +351,21 @@ class MegatronEngine:
                 f"to be a positive multiple of pp={self.pp}, got {len(micro_batches)}; plan them with "
                 f"plan_micro_batches(..., vpp_multiple={self.pp})")
 
-    def _prepare(self, batch: SequenceBatch, micro_batches, outputs, temperature: float):
+    def _prepare(self, batch: SequenceBatch, micro_batches, outputs, temperature: float, topk: int | None = None,
+                 ids_key: str | None = None):
         """The checked output names and the packed micro-batches of one :meth:`infer` / :meth:`train_step`."""
         outputs = tuple(outputs)
         if not outputs or any(o not in self.output_names for o in outputs):
             raise ValueError(f"outputs={outputs}: this model produces {self.output_names}")
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
+        if {"topk_log_probs", "topk_ids"} & set(outputs) and not (isinstance(topk, int) and topk >= 1):
+            raise ValueError(f"outputs={outputs} need topk=K >= 1, got {topk!r}")
+        if "log_probs_at" in outputs:
+            ids = batch.data.get(ids_key) if ids_key else None
+            if ids is None or ids.ndim != 3 or ids.shape[1] != batch.response_width:
+                raise ValueError(f"output 'log_probs_at' needs ids_key naming [n, {batch.response_width}, K] token ids "
+                                 f"in the batch's data, got ids_key={ids_key!r} ({getattr(ids, 'shape', None)})")
         self._check_micro_batches(batch, micro_batches)
         return outputs, self._pack(batch, micro_batches)
 
@@ -385,18 +399,28 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ outputs
     def _per_token_outputs(self, output: torch.Tensor, mb: _MicroBatch, names: tuple[str, ...], temperature: float,
-                           width: int) -> dict[str, torch.Tensor]:
-        """Last-stage model output on the local pack -> {name: [b, W]} full rows (CP-gathered)."""
+                           width: int, topk: int | None = None, ids_key: str | None = None,
+                           topk_below: int | None = None) -> dict[str, torch.Tensor]:
+        """Last-stage model output on the local pack -> {name: [b, W] (or [b, W, K])} full rows (CP-gathered)."""
         per_token: dict[str, torch.Tensor] = {}
+        tokens = mb.packed.num_local_tokens
         if self.cfg.value_head:
             per_token["values"] = output.reshape(-1).float()
         else:
             logits = output if temperature == 1.0 else output / temperature
-            labels = mb.packed.labels.to(logits.device)
+            vocab = self.hf_config.vocab_size
             if "log_probs" in names:
-                per_token["log_probs"] = vocab_parallel_log_probs(logits, labels, vocab_size=self.hf_config.vocab_size)
+                labels = mb.packed.labels.to(logits.device)
+                per_token["log_probs"] = vocab_parallel_log_probs(logits, labels, vocab_size=vocab).reshape(-1)
             if "entropy" in names:
-                per_token["entropy"] = vocab_parallel_entropy(logits, vocab_size=self.hf_config.vocab_size)
+                per_token["entropy"] = vocab_parallel_entropy(logits, vocab_size=vocab).reshape(-1)
+            if "topk_log_probs" in names or "topk_ids" in names:
+                values, ids = vocab_parallel_topk(logits.reshape(tokens, -1), topk, vocab_size=vocab,
+                                                  candidates=topk_below)
+                per_token["topk_log_probs"], per_token["topk_ids"] = values, ids
+            if "log_probs_at" in names:
+                ids = pack_response(mb.data[ids_key], mb.packed, width).to(logits.device)
+                per_token["log_probs_at"] = vocab_parallel_log_probs_at(logits.reshape(tokens, -1), ids, vocab_size=vocab)
         return {k: unpack_response(v, mb.packed, width, self.cp_group) for k, v in per_token.items() if k in names}
 
     def _forward_step(self, step_func, data_iterator, model):
@@ -412,13 +436,16 @@ class MegatronEngine:
     # ------------------------------------------------------------------ infer
     @torch.no_grad()
     def infer(self, batch: SequenceBatch, micro_batches: list[list[int]], temperature: float = 1.0,
-              outputs=("log_probs", "entropy")) -> dict[str, torch.Tensor] | None:
-        """Forward only. Returns {name: [n, W]} in batch row order on output owners, None elsewhere."""
+              outputs=LM_OUTPUTS, topk: int | None = None, ids_key: str | None = None,
+              topk_below: int | None = None) -> dict[str, torch.Tensor] | None:
+        """Forward only. Returns {name: [n, W] (``TOKEN_OUTPUTS``: [n, W, K])} in batch row order on output owners,
+        None elsewhere. ``topk_below``: the top k only among the ids below it (the softmax is the whole vocabulary's)."""
         names, mbs = self._prepare(batch, micro_batches, outputs if not self.cfg.value_head else VALUE_OUTPUTS,
-                                   temperature)
+                                   temperature, topk, ids_key)
 
         def collect(mb, output, non_loss_data=True):
-            res = self._per_token_outputs(output, mb, names, temperature, batch.response_width)
+            res = self._per_token_outputs(output, mb, names, temperature, batch.response_width, topk, ids_key,
+                                          topk_below)
             return {k: v.detach().cpu() for k, v in res.items()}
 
         for m in self.model:
@@ -433,7 +460,8 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ train
     def train_step(self, batch: SequenceBatch, micro_batches: list[list[int]], loss_fn: LossFn,
-                   temperature: float = 1.0, outputs=None, global_token_count: int | None = None) -> dict[str, float]:
+                   temperature: float = 1.0, outputs=None, global_token_count: int | None = None,
+                   ids_key: str | None = None) -> dict[str, float]:
         """One optimizer step over this DP rank's share of a mini-batch (the module docstring's loss contract).
 
         ``global_token_count`` (per-token mode and MoE router losses): the sum of sequence lengths over the WHOLE
@@ -441,8 +469,8 @@ class MegatronEngine:
         output owners "loss" plus the micro-batches' summed loss metrics}; raises :class:`NonFiniteStepError`."""
         if self.optimizer is None:
             raise RuntimeError("train_step on a forward_only engine; build it with forward_only=False")
-        names, mbs = self._prepare(batch, micro_batches, outputs if outputs is not None else self.output_names,
-                                   temperature)
+        names, mbs = self._prepare(batch, micro_batches, outputs if outputs is not None else self.default_outputs,
+                                   temperature, ids_key=ids_key)
         per_token = self.cfg.megatron.calculate_per_token_loss
         if per_token or moe.router_losses_enabled(self.tf_config):
             global_token_count = self._global_token_count(global_token_count, sum(batch.lengths))
@@ -451,7 +479,7 @@ class MegatronEngine:
 
         def loss_func(mb, output):
             with suspended():  # outputs + the caller's loss: plain tensor math on the output's device
-                outs = self._per_token_outputs(output, mb, names, temperature, batch.response_width)
+                outs = self._per_token_outputs(output, mb, names, temperature, batch.response_width, ids_key=ids_key)
                 data = {k: v.to(self.device) for k, v in mb.data.items()}
                 contribution, metrics = loss_fn(outs, data)
                 if contribution.ndim != 0:

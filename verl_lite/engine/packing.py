@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verl_lite.engine.regather import gather_rows, invert_index
+from verl_lite.engine.regather import gather_rows, invert_index, pad_rows
 
 
 def pad_multiple(cp_size: int, tp_size: int = 1, sequence_parallel: bool = False) -> int:
@@ -246,19 +246,40 @@ def _pack_shared(sequences: list[torch.Tensor], response_lengths, groups: dict[i
 
 
 def unpack_response(local: torch.Tensor, packed: PackedMicroBatch, width: int, cp_group=None) -> torch.Tensor:
-    """Per-token tensor on the local pack ([T_local] or [1, T_local]) -> [b, width] response tensor,
-    right-padded with 0 (module docstring)."""
+    """Per-token tensor on the local pack, ``[T_local, ...]`` (K values per token: ``[T_local, K]``) -> the
+    ``[b, width, ...]`` response tensor, right-padded with 0 (module docstring)."""
     import torch.distributed as dist
 
-    local = local.reshape(-1)
-    if local.numel() != packed.num_local_tokens:
-        raise ValueError(f"per-token tensor has {local.numel()} entries, pack has {packed.num_local_tokens}")
+    if local.shape[0] != packed.num_local_tokens:
+        raise ValueError(f"per-token tensor has {local.shape[0]} rows, pack has {packed.num_local_tokens}")
     if packed.cp_size == 1:
         return _gather_responses(local, packed, width)
     shards = [torch.empty_like(local) for _ in range(packed.cp_size)]
     dist.all_gather(shards, local.detach().contiguous(), group=cp_group)
     shards[packed.cp_rank] = local  # only this rank's entry keeps autograd
     return assemble_response(shards, packed, width)
+
+
+def response_rows(packed: PackedMicroBatch, width: int) -> torch.Tensor:
+    """``[b, width]`` long: the local pack row that scores each response token (:func:`unpack_response`'s way
+    back, read backwards), -1 past each response and, under CP, where another rank holds that row."""
+    n = packed.num_local_tokens
+    if packed.cp_size == 1:
+        return _gather_responses(torch.arange(1, n + 1), packed, width) - 1
+    shards = [torch.arange(rank * n + 1, (rank + 1) * n + 1) for rank in range(packed.cp_size)]
+    rows = assemble_response(shards, packed, width) - 1 - packed.cp_rank * n
+    return torch.where((rows >= 0) & (rows < n), rows, -1)
+
+
+def pack_response(values: torch.Tensor, packed: PackedMicroBatch, width: int) -> torch.Tensor:
+    """The inverse of :func:`unpack_response` on this rank: ``[b, width, ...]`` response values -> ``[T_local, ...]``
+    on the local pack, each at the row that scores its token (0 on the rows that score none)."""
+    rows = response_rows(packed, width).reshape(-1).to(values.device)
+    flat = values.reshape(rows.numel(), *values.shape[2:])
+    out = flat.new_zeros(packed.num_local_tokens, *values.shape[2:])
+    held = rows >= 0
+    out[rows[held]] = flat[held]
+    return out
 
 
 def _gather_responses(local: torch.Tensor, packed: PackedMicroBatch, width: int) -> torch.Tensor:
@@ -279,13 +300,15 @@ def _gather_responses(local: torch.Tensor, packed: PackedMicroBatch, width: int)
     if packed.shared is not None:  # scored positions are in each sequence's own segment: distinct rows
         index = packed.shared.virtual_rows[index]
     valid, index = valid.to(local.device), index.to(local.device)
-    inverse = invert_index(index, valid, local.numel())
+    inverse = invert_index(index, valid, local.shape[0])
     rows = gather_rows(local, index, inverse)
-    return torch.where(valid, rows, torch.zeros((), dtype=local.dtype, device=local.device)).view(len(packed.lengths), width)
+    valid = valid.view(-1, *[1] * (local.ndim - 1))
+    zero = torch.zeros((), dtype=local.dtype, device=local.device)
+    return torch.where(valid, rows, zero).view(len(packed.lengths), width, *local.shape[1:])
 
 
 def assemble_response(shards: list[torch.Tensor], packed: PackedMicroBatch, width: int) -> torch.Tensor:
-    """Un-zig-zag the CP shards ([T_local] each, in CP rank order), trim, slice the responses."""
+    """Un-zig-zag the CP shards ([T_local, ...] each, in CP rank order), trim, slice the responses."""
     cp = packed.cp_size
     if len(shards) != cp:
         raise ValueError(f"got {len(shards)} shards for CP={cp}")
@@ -304,5 +327,5 @@ def assemble_response(shards: list[torch.Tensor], packed: PackedMicroBatch, widt
         resp = full[n - r - 1 : n - 1]
         if r > width:
             raise ValueError(f"response length {r} exceeds the output width {width}")
-        rows.append(torch.nn.functional.pad(resp, (0, width - r)))
+        rows.append(pad_rows(resp, width))
     return torch.stack(rows)

@@ -212,7 +212,8 @@ class PPOTrainer:
                     batch.set("ref_log_probs", self.updates.compute_ref_log_probs(batch)["ref_log_probs"])
             if cfg.distillation.enabled:
                 with M.timer(m, "teacher_log_prob"):
-                    batch.set("teacher_log_probs", self.updates.compute_teacher_log_probs(batch)["teacher_log_probs"])
+                    for key, value in self.updates.compute_teacher_log_probs(batch).items():
+                        batch.set(key, value)
             values = None
             if self.use_critic:
                 with M.timer(m, "values"):

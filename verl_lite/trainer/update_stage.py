@@ -9,9 +9,11 @@ import random
 
 from verl_lite.algorithms import (LOSS_NEEDS, NormalizationPlan, rollout_correction, select_cov_tokens,
                                   truncated_is_weights)
+from verl_lite.algorithms.distillation import TEACHER_KEYS, teacher_keys, uses_topk
 from verl_lite.controller import MicroBatching, RoleGroup
 from verl_lite.controller.worker_group import WorkerError
 from verl_lite.engine.engine import NonFiniteStepError
+from verl_lite.engine.model_files import read_config
 from verl_lite.errors import NonFiniteTraining
 from verl_lite.protocol import Batch
 from verl_lite.trainer import metrics as M
@@ -58,14 +60,16 @@ class Updates:
         bypass = rc.bypass_mode
         self.loss_correction = ({**correction_settings(cfg), "bypass_mode": bypass, "loss_type": rc.loss_type}
                                 if bypass or (off_policy(cfg) and old_log_probs_from_update(cfg)) else None)
+        # the ids the student scores: a top-k distillation teacher chooses among these only
+        self.student_vocab_size = (read_config(cfg.actor_rollout_ref.model.path) or {}).get("vocab_size")
 
-    def _log_probs(self, method: str, section, batch: Batch, role: RoleGroup | None = None) -> dict:
-        """``role``'s (default: the actor's) ``method`` over ``batch`` at the rollout's temperature, micro-batched
-        by ``section``'s ``log_prob_*`` keys."""
+    def _log_probs(self, method: str, section, batch: Batch, role: RoleGroup | None = None, *args) -> dict:
+        """``role``'s (default: the actor's) ``method`` over ``batch`` at the rollout's temperature (then ``args``),
+        micro-batched by ``section``'s ``log_prob_*`` keys."""
         sizing = MicroBatching.of(section.log_prob_use_dynamic_bsz, section.log_prob_micro_batch_size_per_gpu,
                                   section.log_prob_max_token_len_per_gpu)
         return (role or self.placement.actor).infer(method, batch.columns(ROLLOUT_COLUMNS), sizing,
-                                                    self.cfg.actor_rollout_ref.rollout.temperature)
+                                                    self.cfg.actor_rollout_ref.rollout.temperature, *args)
 
     def compute_old_log_probs(self, batch: Batch) -> dict:
         return self._log_probs("compute_log_prob", self.cfg.actor_rollout_ref.rollout, batch)
@@ -74,10 +78,12 @@ class Updates:
         return self._log_probs("compute_ref_log_prob", self.cfg.actor_rollout_ref.ref, batch)
 
     def compute_teacher_log_probs(self, batch: Batch) -> dict:
-        """The distillation teacher's log-probs of the sampled tokens (``teacher_log_probs``), micro-batched like
-        the reference's."""
+        """The distillation teacher's pass, micro-batched like the reference's: its log-probs of the sampled tokens
+        (``teacher_log_probs``), or for a top-k loss its top-k log-probs and ids among the student's vocabulary."""
+        loss = self.cfg.distillation.distillation_loss
+        topk = (loss.topk, self.student_vocab_size) if uses_topk(loss.loss_mode) else ()
         return self._log_probs("compute_teacher_log_prob", self.cfg.actor_rollout_ref.ref, batch,
-                               self.placement.teacher)
+                               self.placement.teacher, *topk)
 
     def old_log_probs_and_correction(self, batch: Batch, m: dict) -> None:
         """The old policy's log-probs and entropy into ``batch``, and the rollout policy against it: the log-prob
@@ -141,9 +147,11 @@ class Updates:
         """ppo_epochs x mini-batches optimizer steps; returns per-step results merged over DP. With distillation
         the batch holds ``teacher_log_probs`` (the step's teacher pass)."""
         a = self.cfg.actor_rollout_ref.actor
-        if self.cfg.distillation.enabled and "teacher_log_probs" not in batch:
-            raise ValueError("distillation.enabled: the batch needs 'teacher_log_probs' (compute_teacher_log_probs)")
-        wanted = ("old_log_probs", "ref_log_probs", "is_weights", "teacher_log_probs") + (
+        d = self.cfg.distillation
+        missing = [k for k in teacher_keys(d.distillation_loss.loss_mode) if k not in batch] if d.enabled else []
+        if missing:
+            raise ValueError(f"distillation.enabled: the batch needs {missing} (compute_teacher_log_probs)")
+        wanted = ("old_log_probs", "ref_log_probs", "is_weights") + TEACHER_KEYS + (
             ("rollout_log_probs",) if self.loss_correction is not None else ())
         keys = ROLLOUT_COLUMNS + ["advantages"] + [k for k in wanted if k in batch]
         plans = self._plans(batch, keys, lambda epoch: self.mini_batches(len(batch), epoch, step), a.ppo_epochs,

@@ -13,6 +13,7 @@ from functools import partial
 
 from verl_lite.agent.loop import AgentRunner
 from verl_lite.algorithms import actor_loss
+from verl_lite.algorithms.distillation import STUDENT_TOPK_LOG_PROBS_KEY, TEACHER_KEYS, TEACHER_TOPK_IDS_KEY, uses_topk
 from verl_lite.compat.cpu_adapter import suspended
 from verl_lite.engine.engine import MegatronEngine
 from verl_lite.protocol import Batch
@@ -20,7 +21,7 @@ from verl_lite.rollout import make_rollout
 from verl_lite.workers.engine_worker import EngineWorker, EngineWorkerConfig, sequence_batch
 
 ACTOR_LOSS_KEYS = ("response_mask", "old_log_probs", "advantages", "ref_log_probs", "is_weights", "cov_mask",
-                   "rollout_log_probs", "teacher_log_probs")
+                   "rollout_log_probs") + TEACHER_KEYS
 
 
 @dataclass
@@ -155,7 +156,10 @@ class ActorRolloutRefWorker(EngineWorker):
         ``end_of_step`` (the RL step's last call)."""
         loss = partial(actor_loss, cfg=loss_cfg, correction=correction, distillation=distillation)
         self.rollout_behind = self.rollout_behind or bool(jobs)
-        return self._train_jobs(jobs, loss, ACTOR_LOSS_KEYS, end_of_step, temperature=temperature)
+        outputs = {}
+        if distillation is not None and uses_topk(distillation.loss_mode):  # the student at the teacher's top-k ids
+            outputs = {"outputs": ("log_probs", "entropy", STUDENT_TOPK_LOG_PROBS_KEY), "ids_key": TEACHER_TOPK_IDS_KEY}
+        return self._train_jobs(jobs, loss, ACTOR_LOSS_KEYS, end_of_step, temperature=temperature, **outputs)
 
     # ------------------------------------------------------------------ checkpoints (dist_checkpointing: on use)
     def save_checkpoint(self, path: str, hf_dir: str | None = None) -> None:

@@ -2,10 +2,15 @@
 actor's workers in a layout of its own, as the reward model. It scores the student's rollout rows: the log-prob of
 every sampled token at the student's temperature, so the per-token divergences compare like with like. Its
 tokenizer must equal the student's (it reads the student's token ids): ``teacher_problems`` checks that first.
+For ``forward_kl_topk`` it gives, per response position, its k largest log-probs and their ids instead (ids only
+below the student's vocabulary size, so the student can score every one).
 """
 
 from __future__ import annotations
 
+import torch
+
+from verl_lite.algorithms.distillation import TEACHER_LOG_PROBS_KEY, TEACHER_TOPK_IDS_KEY, TEACHER_TOPK_LOG_PROBS_KEY
 from verl_lite.engine.model_files import model_config_problems, model_weight_problems, read_config
 from verl_lite.workers.engine_worker import EngineWorker, sequence_batch
 
@@ -15,10 +20,18 @@ SPECIAL_TOKEN_ATTRIBUTES = ("bos_token_id", "eos_token_id", "pad_token_id", "unk
 
 
 class TeacherWorker(EngineWorker):
-    def compute_teacher_log_prob(self, piece, micro_batches: list[list[int]], temperature: float) -> dict | None:
-        """``{"teacher_log_probs": [n, W]}`` of this DP rank's piece (None off the output owner)."""
-        out = self.engine.infer(sequence_batch(piece), micro_batches, temperature, outputs=("log_probs",))
-        return None if out is None else {"teacher_log_probs": out["log_probs"]}
+    def compute_teacher_log_prob(self, piece, micro_batches: list[list[int]], temperature: float,
+                                 topk: int | None = None, topk_below: int | None = None) -> dict | None:
+        """This DP rank's piece (None off the output owner): ``{"teacher_log_probs": [n, W]}``, or with ``topk``
+        ``{"teacher_topk_log_probs": [n, W, k], "teacher_topk_ids": [n, W, k] int32}`` (ids < ``topk_below``)."""
+        batch = sequence_batch(piece)
+        if topk is None:
+            out = self.engine.infer(batch, micro_batches, temperature, outputs=("log_probs",))
+            return None if out is None else {TEACHER_LOG_PROBS_KEY: out["log_probs"]}
+        out = self.engine.infer(batch, micro_batches, temperature, outputs=("topk_log_probs", "topk_ids"), topk=topk,
+                                topk_below=topk_below)
+        return None if out is None else {TEACHER_TOPK_LOG_PROBS_KEY: out["topk_log_probs"],
+                                         TEACHER_TOPK_IDS_KEY: out["topk_ids"].to(torch.int32)}
 
 
 def tokenizer_difference(student, teacher) -> str | None:
