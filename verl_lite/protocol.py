@@ -107,16 +107,17 @@ class Batch:
 
     @staticmethod
     def concat(batches: Sequence["Batch"]) -> "Batch":
-        """Stack rows of batches with the same columns ([n, W] tensors of different W are right-padded with 0)."""
+        """Stack rows of batches with the same columns ([n, W, ...] tensors of different W are right-padded with 0)."""
         if not batches:
             raise ValueError("concat of no batches")
         keys = list(batches[0].tensors.keys())
         tensors = {}
         for k in keys:
             parts = [b.tensors[k] for b in batches]
-            if parts[0].dim() == 2:
+            if parts[0].dim() >= 2:
                 width = max(p.shape[1] for p in parts)
-                parts = [torch.nn.functional.pad(p, (0, width - p.shape[1])) if p.shape[1] < width else p for p in parts]
+                parts = [torch.cat([p, p.new_zeros(p.shape[0], width - p.shape[1], *p.shape[2:])], dim=1)
+                         if p.shape[1] < width else p for p in parts]
             tensors[k] = torch.cat(parts, dim=0)
         non_tensors = {k: [x for b in batches for x in b.non_tensors[k]] for k in batches[0].non_tensors}
         return Batch.from_dict(tensors, non_tensors, size=sum(len(b) for b in batches))

@@ -4,7 +4,10 @@ pipeline parallelism 2 (router losses on both stages), and 2 workers with a virt
 (PP2 x VPP2, four model chunks). Per-prompt seeds make the rollouts identical, so the first
 optimizer step (its policy loss, router loss and grad norm) must agree (rel 1e-5). A bf16 run of
 the same job must train (its first update close to fp32's within the bf16 tolerance, not equal). PPO with a
-MoE critic (a value head on the MoE body) gives the same actor and critic updates with EP2."""
+MoE critic (a value head on the MoE body) gives the same actor and critic updates with EP2. Routing replay R3
+(``router_replay.mode=R3``: the HF rollout records each token's experts, the actor's forwards replay them) with EP2
+gives the 1-worker run's first update (fp32: the trainer's routers agree with the rollout's on every token) and
+reports the per-layer routing mismatch, 0 here."""
 
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ LAYOUTS = {
     "bf16": [f"{M}.dtype=bfloat16"],
     "ep2": ["trainer.n_gpus_per_node=2", f"{M}.expert_model_parallel_size=2",
             "critic.megatron.expert_model_parallel_size=2"],
+    "r3_ep2": ["trainer.n_gpus_per_node=2", f"{M}.expert_model_parallel_size=2",
+               "actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"],
 }
 BF16_TOL = 0.072  # tests/parity/test_bf16_parity.py: 2 * 2^-8 * sqrt(86), relative
 
@@ -46,7 +51,8 @@ def moe_model(tiny_assets, tmp_path_factory):
 _runs: dict[str, dict] = {}
 # every run the tests below compare, largest first: the module's first test starts them two at a time
 # (a run's start-up and its 1- and 2-worker phases leave a core idle, which the other run uses)
-RUNS = [("ep2_pp2", "grpo"), ("ep2", "gae"), ("pp2_vpp2", "grpo"), ("1", "grpo"), ("1", "gae"), ("bf16", "grpo")]
+RUNS = [("ep2_pp2", "grpo"), ("ep2", "gae"), ("pp2_vpp2", "grpo"), ("r3_ep2", "grpo"), ("1", "grpo"), ("1", "gae"),
+        ("bf16", "grpo")]
 
 
 def _all_runs(assets, model: str, tmp_path_factory) -> None:
@@ -92,7 +98,7 @@ def _launch(layout: str, estimator: str, assets, model: str, tmp_path_factory) -
     _runs[layout, estimator] = trained[0]
 
 
-@pytest.mark.parametrize("layout", ["ep2_pp2", "pp2_vpp2"])
+@pytest.mark.parametrize("layout", ["ep2_pp2", "pp2_vpp2", "r3_ep2"])
 def test_moe_grpo_first_update_is_the_same_in_other_layouts(tiny_assets, moe_model, tmp_path_factory, layout):
     ref = first_update("1", tiny_assets, moe_model, tmp_path_factory)
     other = first_update(layout, tiny_assets, moe_model, tmp_path_factory)
@@ -103,6 +109,10 @@ def test_moe_grpo_first_update_is_the_same_in_other_layouts(tiny_assets, moe_mod
         assert k in ref and k in other, (k, sorted(ref))
         assert abs(other[k] - ref[k]) <= 1e-5 * max(abs(ref[k]), 1e-12), (k, other[k], ref[k])
     assert ref["actor/router_loss"] > 1e-4 and ref["actor/grad_norm"] > 1e-6, "the check needs a non-trivial update"
+    replayed = "actor/routing_mismatch" in other
+    assert replayed == (layout == "r3_ep2"), sorted(other)
+    if replayed:  # every layer's tokens compared, none routed otherwise by the trainer than by the rollout
+        assert [other[f"actor/routing_mismatch/layer_{layer}"] for layer in range(4)] == [0.0] * 4
 
 
 def test_moe_grpo_trains_in_bf16(tiny_assets, moe_model, tmp_path_factory):

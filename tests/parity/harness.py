@@ -212,6 +212,25 @@ def _hf_model(model_dir: str):
     return model
 
 
+def hf_checkpoint_names(model, grads: dict) -> dict:
+    """HF's in-memory parameters (experts fused [E, 2I, h] / [E, h, I]) -> checkpoint tensor names."""
+    out = {}
+    for name, t in grads.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            p = name[: -len("gate_up_proj")]
+            for e in range(t.shape[0]):
+                gate, up = t[e].chunk(2, dim=0)
+                out[f"{p}{e}.gate_proj.weight"] = gate
+                out[f"{p}{e}.up_proj.weight"] = up
+        elif name.endswith("mlp.experts.down_proj"):
+            p = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{p}{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
 def reference_outputs(model, prob, temperature=TEMPERATURE, outputs: list | None = None, **model_kwargs):
     """float64 log-probs and entropy [n, W] of the responses, one sequence at a time (no padding).
     ``outputs``: a list that receives each sequence's model output (e.g. its router logits)."""

@@ -96,25 +96,6 @@ def hf_moe_model(model_dir: str):
     return model
 
 
-def hf_checkpoint_names(model, grads: dict) -> dict:
-    """HF's in-memory parameters (experts fused [E, 2I, h] / [E, h, I]) -> checkpoint tensor names."""
-    out = {}
-    for name, t in grads.items():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            p = name[: -len("gate_up_proj")]
-            for e in range(t.shape[0]):
-                gate, up = t[e].chunk(2, dim=0)
-                out[f"{p}{e}.gate_proj.weight"] = gate
-                out[f"{p}{e}.up_proj.weight"] = up
-        elif name.endswith("mlp.experts.down_proj"):
-            p = name[: -len("down_proj")]
-            for e in range(t.shape[0]):
-                out[f"{p}{e}.down_proj.weight"] = t[e]
-        else:
-            out[name] = t
-    return out
-
-
 def reference_router_loss(model, prob, router_logits=None) -> tuple[torch.Tensor, float, float]:
     """R = sum over layers of Z_COEFF * Z_l + AUX_COEFF * A_l (see verl_lite/engine/moe.py), float64,
     one sequence at a time: Z_l = sum_t lse^2 / N, A_l = sum_s (n_s/N) E sum_e f_se P_se.
@@ -167,9 +148,9 @@ def moe_reference_steps(prob, specs, old_lp: torch.Tensor | None = None):
         refs[(loss, mode)] = {
             "policy_loss": float(policy.detach()), "router_loss": float(router.detach()),
             "router_z_loss": z_mean, "router_aux_loss": aux_mean, "grad_norm": out["grad_norm"],
-            "grads_clipped": hf_checkpoint_names(model, out["grads_clipped"]),
-            "params_before": hf_checkpoint_names(model, out["params_before"]),
-            "params_after": hf_checkpoint_names(model, out["params_after"]),
+            "grads_clipped": H.hf_checkpoint_names(model, out["grads_clipped"]),
+            "params_before": H.hf_checkpoint_names(model, out["params_before"]),
+            "params_after": H.hf_checkpoint_names(model, out["params_after"]),
         }
     return old_lp, refs
 

@@ -28,6 +28,24 @@ def apply_timeout_to_groups(timeout: timedelta) -> None:
             dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
+def reduce_replicated_experts(chunks, tf_config) -> None:
+    """megatron 0.16.1 marks expert weights for the expert-data-parallel reduction (``allreduce=False``) only when
+    EP > 1 (``ColumnParallelLinear`` / ``RowParallelLinear``: ``not (is_expert and expert_parallel)``). At EP = 1 with
+    TP > ETP the TP ranks hold the same experts but route different tokens (sequence parallelism), so their
+    gradients must be summed over the expert-data-parallel group, which the DP x CP reduction of ``allreduce=True``
+    skips: each TP rank would train its copy of the experts on its own tokens. Mark them as EP > 1 does (before
+    the DDP wrap, which files them by that attribute)."""
+    etp = tf_config.expert_tensor_parallel_size or tf_config.tensor_model_parallel_size
+    if tf_config.num_moe_experts is None or tf_config.expert_model_parallel_size > 1 \
+            or tf_config.tensor_model_parallel_size <= etp:
+        return
+    for chunk in chunks:
+        for module in chunk.modules():
+            if getattr(module, "is_expert", False):
+                for param in module.parameters(recurse=False):
+                    param.allreduce = False
+
+
 def prepare_host_dispatch() -> None:
     """Before building MoE layers on a CPU-only torch: give megatron's alltoall dispatcher a placeholder for the
     class-level device-to-host copy stream (``torch.cuda.Stream()``) it creates unless one exists. No-op with CUDA."""

@@ -34,6 +34,43 @@ class ModelConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA on the actor (the KL reference = its adapters off)
 
 
+ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")
+
+
+@dataclass
+class RouterReplayConfig:
+    """verl's ``actor.router_replay``: MoE routing replay (docs/algorithms.md "Routing replay")."""
+
+    mode: str = "disabled"  # disabled | R3: the actor's forwards route each token to the experts the rollout chose (R2: not built)
+
+    def problems(self, A: str, rollout, moe: bool, trainer_mode: str) -> list[str]:
+        """The mode's rules with the ``rollout`` section; ``moe``: the actor's model has experts; ``trainer_mode``:
+        ``trainer.v1.trainer_mode``."""
+        K, R = f"{A}.router_replay.mode", "actor_rollout_ref.rollout"
+        if self.mode not in ROUTER_REPLAY_MODES:
+            return [f"{K}={self.mode!r} is unknown; choose one of {list(ROUTER_REPLAY_MODES)}"]
+        if self.mode == "R2":
+            return [f"{K}=R2 (replay the old-log-prob pass's own routing in the update) is not built: the engine does "
+                    f"not return its routing; use R3 (the rollout's routing, in both forwards) or disabled"]
+        if self.mode == "disabled":
+            return [f"{R}.enable_rollout_routing_replay=true records the rollout's routing, which only "
+                    f"{K}=R3 replays; set both or neither"] if rollout.enable_rollout_routing_replay else []
+        out = []
+        if not rollout.enable_rollout_routing_replay:
+            out.append(f"{K}=R3 replays the rollout's routing: set {R}.enable_rollout_routing_replay=true (verl's rule)")
+        if not moe:
+            out.append(f"{K}=R3: actor_rollout_ref.model.path is no mixture-of-experts model the engine builds "
+                       f"(config.json model_type qwen3_moe / qwen2_moe); routing replay is for MoE models")
+        if rollout.name != "hf":
+            out.append(f"{K}=R3 with {R}.name={rollout.name}: only the hf rollout records routing here (vLLM's "
+                       f"routed-experts return is not wired); use name=hf")
+        if rollout.multi_turn.enable or trainer_mode == "separate_async":
+            out.append(f"{K}=R3 with multi-turn agents or streamed partial rollouts (trainer.v1.trainer_mode="
+                       f"separate_async) is not built: their trajectories join several generate calls, whose routing "
+                       f"is not carried; use single-turn generation (synchronous or one-step-off)")
+        return out
+
+
 @dataclass
 class ActorConfig(ActorLossConfig):
     """The actor: its batch sizes, optimizer and layout; the loss keys are algorithms' ``ActorLossConfig``."""
@@ -46,6 +83,7 @@ class ActorConfig(ActorLossConfig):
     shuffle: bool = False  # reshuffle trajectories between mini-batches each epoch
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
 
 
 @dataclass

@@ -14,7 +14,7 @@ from pathlib import Path
 from verl_lite.config.loader import ConfigError
 from verl_lite.config.schema import ACTOR_KEY, LOGGER_BACKENDS, ROLLOUT_KEY, PPOConfig
 from verl_lite.controller.config import placement_problems, resolve_placement
-from verl_lite.engine.config import (MEGATRON_NAMES, RECOMPUTE, router_loss_recompute_problems,
+from verl_lite.engine.config import (MEGATRON_NAMES, MOE_MODEL_TYPES, RECOMPUTE, router_loss_recompute_problems,
                                      transformer_override_problems)
 from verl_lite.engine.model_files import config_int, lora_adapter_problems, model_dir_problem, read_config
 
@@ -193,6 +193,11 @@ def _section_problems(cfg: PPOConfig, needs, n: int | None) -> list[str]:
         if enabled and not _cuda_visible():
             p.append(f"{key}.enable_gradient_checkpointing=true: megatron's activation recompute saves and restores "
                      f"the CUDA RNG state, so it runs on GPU only; set it false on CPU")
+    moe = (read_config(arr.model.path) or {}).get("model_type") in MOE_MODEL_TYPES
+    p.extend(actor.router_replay.problems(A, rollout, moe, tr.v1.trainer_mode))
+    if actor.router_replay.mode == "R3" and arr.model.enable_gradient_checkpointing:
+        p.append(f"{A}.router_replay.mode=R3 with actor_rollout_ref.model.enable_gradient_checkpointing=true is not "
+                 f"built (a recomputed router forward would replay another micro-batch's routing); turn one off")
     max_pos = config_int(arr.model.path, "max_position_embeddings") if arr.model.path else None
     p.extend(rollout.problems(R, d.max_prompt_length + d.max_response_length, max_pos, _cuda_visible()))
     p.extend(d.problems())

@@ -442,7 +442,8 @@ class EngineConfig:
     lora rank 0 is no LoRA (``lora`` becomes None; a critic's value head trains whole either way);
     gradient_checkpointing: megatron activation recompute (``RECOMPUTE``); adam_eps is not a config key;
     attention_backend: the THD kernel (``attention.select_attention_backend``), also set by
-    ``megatron.override_transformer_config.attention_backend`` (megatron's names)."""
+    ``megatron.override_transformer_config.attention_backend`` (megatron's names); routing_replay: an MoE model
+    whose routers can replay given routing (``SequenceBatch.routing``; engine/moe.py)."""
 
     model_path: str
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
@@ -455,6 +456,7 @@ class EngineConfig:
     seed: int = 0
     adam_eps: float = 1e-8
     attention_backend: str = "auto"
+    routing_replay: bool = False
 
     def __post_init__(self):
         from pathlib import Path

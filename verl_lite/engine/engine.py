@@ -46,7 +46,8 @@ from verl_lite.engine.config import EngineConfig
 from verl_lite.engine.hf_bridge import export_hf, load_hf_weights, reader
 from verl_lite.engine.lora import adapters_disabled, add_adapters, merge_into
 from verl_lite.engine.model import build_model_chunks, transformer_config_from_hf
-from verl_lite.engine.packing import PackedMicroBatch, pack_micro_batch, pack_response, pad_multiple, unpack_response
+from verl_lite.engine.packing import (PackedMicroBatch, pack_micro_batch, pack_response, pack_tokens, pad_multiple,
+                                      unpack_response)
 from verl_lite.engine.vocab_parallel import (vocab_parallel_entropy, vocab_parallel_log_probs,
                                              vocab_parallel_log_probs_at, vocab_parallel_topk)
 from verl_lite.utils.metric_reduce import combine_all
@@ -79,12 +80,15 @@ class SequenceBatch:
     """Sequences of one DP rank: ``input_ids[i]`` = prompt + response tokens (1-D LongTensor),
     ``response_lengths[i]`` = how many trailing tokens are response, ``data`` = per-row tensors
     ``[n, ...]`` handed (row-selected per micro-batch) to the loss function.
-    ``response_width`` = W of the ``[n, W]`` outputs (default: the longest response)."""
+    ``response_width`` = W of the ``[n, W]`` outputs (default: the longest response).
+    ``routing`` (MoE, an engine built with ``routing_replay``): ``[n, >= max L_i, num_layers, k]`` expert ids
+    each token is routed to, position p of sequence i at ``routing[i, p]`` (``moe.UNKNOWN_EXPERT``: not recorded)."""
 
     input_ids: list[torch.Tensor]
     response_lengths: torch.Tensor
     data: dict[str, torch.Tensor] = field(default_factory=dict)
     response_width: int | None = None
+    routing: torch.Tensor | None = None
 
     def __post_init__(self):
         self.response_lengths = torch.as_tensor(self.response_lengths, dtype=torch.long).reshape(-1)
@@ -96,6 +100,10 @@ class SequenceBatch:
         for k, v in self.data.items():
             if not torch.is_tensor(v) or v.ndim == 0 or v.shape[0] != n:
                 raise ValueError(f"SequenceBatch.data[{k!r}] must be a tensor with {n} rows, got {getattr(v, 'shape', v)}")
+        if self.routing is not None and (self.routing.ndim != 4 or self.routing.shape[0] != n
+                                         or self.routing.shape[1] < max(self.lengths)):
+            raise ValueError(f"SequenceBatch.routing must be [{n}, >= {max(self.lengths)}, layers, k], got "
+                             f"{tuple(self.routing.shape)}")
         longest = int(self.response_lengths.max())
         if self.response_width is None:
             self.response_width = longest
@@ -119,6 +127,7 @@ class _MicroBatch:
     packed: PackedMicroBatch
     data: dict[str, torch.Tensor]
     indices: list[int]
+    routing: moe.RoutingReplay | None = None
 
 
 def _schedule_shape(s: dict) -> str:
@@ -178,11 +187,16 @@ class MegatronEngine:
         self.hf_config = AutoConfig.from_pretrained(cfg.model_path)
         self.tf_config = transformer_config_from_hf(
             self.hf_config, par, calculate_per_token_loss=par.calculate_per_token_loss, params_dtype=par.torch_dtype,
-            attention_backend=_megatron_attention_backend(cfg.attention_backend), **cfg.model_overrides)
+            attention_backend=_megatron_attention_backend(cfg.attention_backend), **cfg.model_overrides,
+            **({"moe_enable_routing_replay": True} if cfg.routing_replay else {}))
+        if cfg.routing_replay and (self.tf_config.num_moe_experts is None or self.tf_config.recompute_granularity):
+            raise ValueError("routing_replay needs an MoE model without activation recompute (a recomputed router "
+                             "forward would replay another micro-batch's routing)")
         # shared prompts packed once (packing.py) where attention and RoPE can read it; not MoE, whose router
         # statistics count every token of every sequence
         self.share_prompts = self.cp == 1 and self.tf_config.num_moe_experts is None and plain_rotary(self.tf_config)
         self.chunks = build_model_chunks(self.hf_config, self.tf_config, value_head=cfg.value_head)
+        megatron_internals.reduce_replicated_experts(self.chunks, self.tf_config)
         if cfg.forward_only:  # nothing trains: megatron's frozen-weight linears (the same kernels as a LoRA base)
             for chunk in self.chunks:
                 chunk.requires_grad_(False)
@@ -370,13 +384,21 @@ class MegatronEngine:
         return outputs, self._pack(batch, micro_batches)
 
     def _pack(self, batch: SequenceBatch, micro_batches: list[list[int]]) -> list[_MicroBatch]:
+        if batch.routing is not None and not self.cfg.routing_replay:
+            raise ValueError("SequenceBatch.routing given to an engine built without routing_replay")
         with suspended():  # CPU-side index work only
-            return [_MicroBatch(packed=pack_micro_batch([batch.input_ids[i] for i in mb],
-                                                        [int(batch.response_lengths[i]) for i in mb],
-                                                        multiple=self.pad_multiple, cp_size=self.cp,
-                                                        cp_rank=self.cp_rank, share_prompts=self.share_prompts),
-                                data=batch.rows(mb), indices=list(mb))
-                    for mb in micro_batches]
+            mbs = [_MicroBatch(packed=pack_micro_batch([batch.input_ids[i] for i in mb],
+                                                       [int(batch.response_lengths[i]) for i in mb],
+                                                       multiple=self.pad_multiple, cp_size=self.cp,
+                                                       cp_rank=self.cp_rank, share_prompts=self.share_prompts),
+                               data=batch.rows(mb), indices=list(mb))
+                   for mb in micro_batches]
+            if batch.routing is not None:
+                for m in mbs:
+                    experts = pack_tokens(batch.routing[m.indices], m.packed, moe.UNKNOWN_EXPERT)
+                    m.routing = moe.RoutingReplay(experts, moe.sequence_ids(m.packed), len(m.indices),
+                                                  bool(self.tf_config.sequence_parallel))
+            return mbs
 
     def _run_schedule(self, mbs: list[_MicroBatch], step_func, **kwargs):
         """megatron's pipeline schedule over the micro-batches; ``step_func(mb, output)`` makes each one's loss."""
@@ -429,7 +451,7 @@ class MegatronEngine:
         if router_step is not None:  # MoE router losses (moe.py)
             router_step.micro_batch(mb.packed)
         ids = mb.packed.input_ids.to(self.device)
-        with suspended():  # the forward needs no CUDA->CPU rewriting (see cpu_adapter)
+        with suspended(), moe.replaying(mb.routing):  # the forward needs no CUDA->CPU rewriting (see cpu_adapter)
             output = model(ids, None, None, packed_seq_params=self._packed_seq_params(mb.packed))
         return output, partial(step_func, mb)
 
@@ -439,7 +461,10 @@ class MegatronEngine:
               outputs=LM_OUTPUTS, topk: int | None = None, ids_key: str | None = None,
               topk_below: int | None = None) -> dict[str, torch.Tensor] | None:
         """Forward only. Returns {name: [n, W] (``TOKEN_OUTPUTS``: [n, W, K])} in batch row order on output owners,
-        None elsewhere. ``topk_below``: the top k only among the ids below it (the softmax is the whole vocabulary's)."""
+        None elsewhere. ``topk_below``: the top k only among the ids below it (the softmax is the whole vocabulary's).
+        With ``batch.routing`` also ``routing_mismatched`` / ``routing_compared`` [n, num_layers]: per sequence and
+        layer, the recorded tokens whose router would have chosen other experts, of those compared
+        (``moe.RoutingReplay``)."""
         names, mbs = self._prepare(batch, micro_batches, outputs if not self.cfg.value_head else VALUE_OUTPUTS,
                                    temperature, topk, ids_key)
 
@@ -451,12 +476,30 @@ class MegatronEngine:
         for m in self.model:
             m.eval()
         store = self._run_schedule(mbs, collect, forward_only=True, collect_non_loss_data=True)
+        routing = self._routing_counts(mbs) if batch.routing is not None else {}
         if not self.is_output_owner:
             return None
         order = torch.as_tensor([i for m in mbs for i in m.indices])
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel())
-        return {name: torch.cat([d[name] for d in store])[inverse] for name in names}
+        out = {name: torch.cat([d[name] for d in store])[inverse] for name in names}
+        return out | {name: counts[inverse] for name, counts in routing.items()}
+
+    def _routing_counts(self, mbs: list[_MicroBatch], whole_mini_batch: bool = False) -> dict[str, torch.Tensor]:
+        """The micro-batches' routing mismatch counts per sequence, in micro-batch order, summed over TP, CP and PP
+        (collective over this model replica's ranks); ``whole_mini_batch``: summed over the sequences and DP too."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        groups = (ps.get_tensor_model_parallel_group(), self.cp_group, ps.get_pipeline_model_parallel_group())
+        counts = [m.routing.reduced_counts(groups) for m in mbs]
+        mismatched, compared = torch.cat([c[0] for c in counts]), torch.cat([c[1] for c in counts])
+        if whole_mini_batch:
+            totals = torch.stack([mismatched.sum(0), compared.sum(0)])
+            if self.dp > 1:
+                dist.all_reduce(totals, group=ps.get_data_parallel_group())
+            mismatched, compared = totals[0], totals[1]
+        return {"routing_mismatched": mismatched, "routing_compared": compared}
 
     # ------------------------------------------------------------------ train
     def train_step(self, batch: SequenceBatch, micro_batches: list[list[int]], loss_fn: LossFn,
@@ -514,6 +557,9 @@ class MegatronEngine:
         result = {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": float(lr)}
         if router_step is not None:  # every rank: each MoE stage adds its layers
             result.update(router_step.metrics(int(self.tf_config.num_layers), self.tf_config.router_loss))
+        if batch.routing is not None:  # every rank: the mini-batch's replayed routing against the routers' own
+            counts = self._routing_counts(mbs, whole_mini_batch=True)
+            result.update(moe.mismatch_shares(counts["routing_mismatched"], counts["routing_compared"]))
         if owner and self._is_last_stage:
             result.update(combine_all(store))  # the micro-batches' loss metrics (utils/metric_reduce.py)
         return result

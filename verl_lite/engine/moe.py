@@ -17,6 +17,11 @@ are summed over the TP x CP group.
 Megatron's own router losses (with their micro-batch and per-token-mode scalings, verl #6609) are off; each
 router adds its local share of R, back-propagated with the engine's ``grad_scale`` (the factor it applies to
 the policy loss), inside a train step only.
+
+Routing replay (:class:`RoutingReplay`): given the experts each token was routed to (by the rollout: verl's R3),
+every router takes those instead of its own top k, through megatron-core's ``RouterReplay`` (its
+``REPLAY_FORWARD``: the gates are the router's scores at the given experts, so the router still gets its
+gradient). The router losses above keep the router's own top k for f (the choice the loss balances).
 """
 
 from __future__ import annotations
@@ -54,6 +59,94 @@ class RouterLossCoefficients:
 
 
 _STEP: "RouterLossStep | None" = None  # the active train step's, read by the routers
+_REPLAY: "RoutingReplay | None" = None  # the micro-batch's routing to replay, read by the routers
+UNKNOWN_EXPERT = 255  # a token whose routing the rollout did not record (its last token; dense layers)
+
+
+def sequence_ids(packed) -> torch.Tensor:
+    """``[T_local]`` long: the sequence (its index in the micro-batch) of each row of the local pack, -1 on padding
+    (a pack without shared prompts: sequence i holds P_i / CP consecutive rows)."""
+    per_seq = torch.tensor([p // packed.cp_size for p in packed.padded_lengths], dtype=torch.long)
+    ids = torch.repeat_interleave(torch.arange(len(packed.lengths), dtype=torch.long), per_seq)
+    return torch.where(packed.real_mask.reshape(-1), ids, torch.full_like(ids, -1))
+
+
+class RoutingReplay:
+    """The experts to route each token of one micro-batch to: ``experts`` ``[T_local, num_layers, k]`` on the local
+    pack (``packing.pack_tokens``), ``UNKNOWN_EXPERT`` where not recorded (the last token of each sequence, padding:
+    those tokens take the router's own choice, as without replay).
+
+    It also counts, per sequence and layer, the recorded tokens whose router would have chosen other experts
+    (``mismatched``) out of those it saw (``compared``) ``[b, num_layers]``: this rank's share (the tokens it routes;
+    TP ranks without sequence parallelism see the same tokens, so only TP rank 0 counts), summed over the model-
+    parallel groups by :meth:`reduced_counts`."""
+
+    def __init__(self, experts: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int, sequence_parallel: bool):
+        self.experts, self.seq_ids, self.sequence_parallel = experts, seq_ids, sequence_parallel
+        self.mismatched = torch.zeros(num_seqs, experts.shape[1], dtype=torch.float64)
+        self.compared = torch.zeros_like(self.mismatched)
+
+    def _local(self, x: torch.Tensor, tp_group) -> torch.Tensor:
+        """The rows of ``x`` (the local pack's) this router sees: its TP slice under sequence parallelism."""
+        if not self.sequence_parallel:
+            return x
+        chunk = x.shape[0] // tp_group.size()
+        return x[tp_group.rank() * chunk : (tp_group.rank() + 1) * chunk]
+
+    def layer_experts(self, layer_number: int, logits: torch.Tensor, top_k: int, tp_group) -> torch.Tensor:
+        """``[tokens, k]`` long of decoder layer ``layer_number`` (1-based, global) for the tokens this router sees
+        (``logits`` ``[tokens, E]``: its own scores, compared with the recorded choice)."""
+        recorded = self._local(self.experts[:, layer_number - 1], tp_group).to(logits.device).long()
+        if recorded.shape[0] != logits.shape[0]:
+            raise RuntimeError(f"router saw {logits.shape[0]} tokens, the replayed routing has {recorded.shape[0]}")
+        known = (recorded != UNKNOWN_EXPERT).all(-1)
+        largest = int(torch.where(known[:, None], recorded, 0).max()) if recorded.numel() else 0
+        if largest >= logits.shape[-1]:
+            raise ValueError(f"replayed routing names expert {largest} of a layer with {logits.shape[-1]}")
+        own = logits.detach().topk(top_k, dim=-1).indices
+        if self.sequence_parallel or tp_group.rank() == 0:
+            seq = self._local(self.seq_ids, tp_group).to(logits.device)
+            counted = known & (seq >= 0)
+            differs = (own.sort(-1).values != recorded.sort(-1).values).any(-1)
+            self.compared[:, layer_number - 1].index_add_(0, seq[counted].cpu(), torch.ones(int(counted.sum()),
+                                                                                             dtype=torch.float64))
+            self.mismatched[:, layer_number - 1].index_add_(0, seq[counted & differs].cpu(),
+                                                            torch.ones(int((counted & differs).sum()), dtype=torch.float64))
+        return torch.where(known[:, None], recorded, own)
+
+    def reduced_counts(self, groups) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mismatched, compared) ``[b, num_layers]`` summed over ``groups`` (TP, CP and PP: every rank of a DP
+        rank's model replica, in the same order on each)."""
+        import torch.distributed as dist
+
+        counts = torch.stack([self.mismatched, self.compared])
+        for group in groups:
+            if group is not None and group.size() > 1:
+                dist.all_reduce(counts, group=group)
+        return counts[0], counts[1]
+
+
+def mismatch_shares(mismatched: torch.Tensor, compared: torch.Tensor) -> dict[str, float]:
+    """Of the tokens whose routing was replayed, the share whose experts the router itself would have chosen
+    otherwise, per decoder layer (``routing_mismatch/layer_<l>``, 0-based, layers with any compared token) and over
+    all of them (``routing_mismatch``); from counts ``[..., layers]`` (summed over the leading dims)."""
+    mismatched, compared = mismatched.reshape(-1, mismatched.shape[-1]).sum(0), compared.reshape(-1, compared.shape[-1]).sum(0)
+    out = {f"routing_mismatch/layer_{layer}": float(mismatched[layer] / compared[layer])
+           for layer in range(compared.numel()) if compared[layer] > 0}
+    if compared.sum() > 0:
+        out["routing_mismatch"] = float(mismatched.sum() / compared.sum())
+    return out
+
+
+@contextlib.contextmanager
+def replaying(routing: "RoutingReplay | None"):
+    """Routers replay ``routing`` inside (nothing when None)."""
+    global _REPLAY
+    _REPLAY = routing
+    try:
+        yield
+    finally:
+        _REPLAY = None
 
 
 class _InjectLossGradient(torch.autograd.Function):
@@ -98,9 +191,7 @@ class RouterLossStep(contextlib.AbstractContextManager):
 
     def micro_batch(self, packed) -> None:
         """Before a micro-batch's forward (every stage): which sequence each token of ``packed`` is."""
-        per_seq = torch.tensor([p // packed.cp_size for p in packed.padded_lengths], dtype=torch.long)
-        ids = torch.repeat_interleave(torch.arange(len(packed.lengths), dtype=torch.long), per_seq)
-        self.seq_ids = torch.where(packed.real_mask.reshape(-1), ids, torch.full_like(ids, -1))
+        self.seq_ids = sequence_ids(packed)
         self.seq_lengths = torch.as_tensor(packed.lengths, dtype=torch.float64).reshape(-1)
 
     def metrics(self, num_moe_layers: int, coeffs: RouterLossCoefficients) -> dict[str, float]:
@@ -171,6 +262,22 @@ def router_class():
             return torch.nn.functional.linear(input.to(dtype), self.weight.to(dtype), bias)
 
         def routing(self, logits, padding_mask=None):
+            replay = _REPLAY
+            if replay is None or self.router_replay is None:
+                return self._routing_with_losses(logits, padding_mask)
+            from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+            flat = logits.view(-1, self.config.num_moe_experts)
+            experts = replay.layer_experts(int(self.layer_number), flat, self.topk, self.tp_group)
+            self.router_replay.set_target_indices(experts)
+            self.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            try:
+                return self._routing_with_losses(logits, padding_mask)
+            finally:
+                self.router_replay.clear_indices()
+                self.router_replay.clear_router_replay_action()
+
+        def _routing_with_losses(self, logits, padding_mask=None):
             step = _STEP
             coeffs: RouterLossCoefficients = getattr(self.config, "router_loss", RouterLossCoefficients())
             if step is not None and coeffs.enabled and self.training and torch.is_grad_enabled():

@@ -271,6 +271,33 @@ def response_rows(packed: PackedMicroBatch, width: int) -> torch.Tensor:
     return torch.where((rows >= 0) & (rows < n), rows, -1)
 
 
+def token_rows(packed: PackedMicroBatch) -> list[torch.Tensor]:
+    """For each sequence i, ``[L_i]`` long: the local pack row that holds its token at each position, -1 where
+    another CP rank holds it. With shared prompts a shared prefix position is the one row every member reads."""
+    if packed.shared is not None:
+        bounds = packed.shared.virtual_bounds
+        return [packed.shared.virtual_rows[bounds[i]:bounds[i + 1]] for i in range(len(packed.lengths))]
+    out, offset = [], 0
+    for n, p in zip(packed.lengths, packed.padded_lengths):
+        local = p // packed.cp_size
+        rows = torch.full((p,), -1, dtype=torch.long)
+        rows[zigzag_positions(p, packed.cp_size, packed.cp_rank)] = torch.arange(offset, offset + local)
+        out.append(rows[:n])
+        offset += local
+    return out
+
+
+def pack_tokens(values: torch.Tensor, packed: PackedMicroBatch, fill) -> torch.Tensor:
+    """Per-token inputs ``[b, >= max L_i, ...]`` (sequence i's token at position p in ``values[i, p]``) -> ``[T_local,
+    ...]`` on the local pack, each at the row that holds its token; ``fill`` on padding rows."""
+    out = torch.empty(packed.num_local_tokens, *values.shape[2:], dtype=values.dtype)
+    out[:] = fill
+    for i, rows in enumerate(token_rows(packed)):
+        held = rows >= 0
+        out[rows[held]] = values[i, : rows.numel()][held]
+    return out
+
+
 def pack_response(values: torch.Tensor, packed: PackedMicroBatch, width: int) -> torch.Tensor:
     """The inverse of :func:`unpack_response` on this rank: ``[b, width, ...]`` response values -> ``[T_local, ...]``
     on the local pack, each at the row that scores its token (0 on the rows that score none)."""

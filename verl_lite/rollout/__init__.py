@@ -52,7 +52,7 @@ def rollout_kwargs(rollout_cfg, max_model_len: int | None = None) -> dict:
     if rollout_cfg.name == "hf":
         import torch
 
-        return {"dtype": getattr(torch, rollout_cfg.dtype)}
+        return {"dtype": getattr(torch, rollout_cfg.dtype), "record_routing": rollout_cfg.enable_rollout_routing_replay}
     if rollout_cfg.name == "vllm":
         return {
             "dtype": rollout_cfg.dtype,

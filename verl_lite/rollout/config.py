@@ -93,6 +93,7 @@ class RolloutConfig(GenerationConfig):
     tensor_model_parallel_size: int = 1  # the rollout's own TP; 1 = a full model per worker (the only one built)
     n_gpus_per_node: int = 1  # with actor_rollout_ref.hybrid_engine=false: rollout workers per node, in a pool of their own
     nnodes: int = 1  # with actor_rollout_ref.hybrid_engine=false: nodes of the rollout pool (rollout workers = n_gpus_per_node x nnodes)
+    enable_rollout_routing_replay: bool = False  # MoE: record each token's routed experts for the actor's router_replay.mode=R3 (hf)
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     agent: AgentLoopConfig = field(default_factory=AgentLoopConfig)

@@ -14,6 +14,7 @@ in place (``compat.kv_cache``) where transformers allows.
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Iterable
 
 import torch
@@ -23,7 +24,8 @@ from verl_lite.compat.kv_cache import reserved_cache
 from verl_lite.compat.torch_internals import torch_function_disabled
 from verl_lite.engine.attention import MATMUL_ATTENTION_DTYPES, grouped_matmul_attention
 from verl_lite.engine.hf_bridge import fused_expert_view
-from verl_lite.rollout.base import Rollout, rollout_temperature
+from verl_lite.engine.moe import UNKNOWN_EXPERT
+from verl_lite.rollout.base import ROUTED_EXPERTS_KEY, Rollout, rollout_temperature
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
@@ -113,13 +115,52 @@ def _cache_of(out):
     return cache if cache is not None else out.past_key_values
 
 
+class _RouterRecorder:
+    """Forward hooks on the routers of an HF MoE model (transformers' qwen3_moe / qwen2_moe: a module whose class
+    name ends in ``TopKRouter``, inside decoder layer ``layers.<i>``, whose forward returns ``(router_logits,
+    router_scores, router_indices)``). :meth:`take` gives the routing of the model's latest forward."""
+
+    def __init__(self, model, model_path: str):
+        routers = {int(m.group(1)): module for name, module in model.named_modules()
+                   if type(module).__name__.endswith("TopKRouter") and (m := re.search(r"layers\.(\d+)\.", name))}
+        if not routers:
+            raise ValueError(f"record_routing=True: the model of {model_path} ({type(model).__name__}) has no MoE "
+                             "router (no decoder-layer module *TopKRouter); use an MoE model or record_routing=False")
+        if (num_experts := max(int(r.num_experts) for r in routers.values())) > UNKNOWN_EXPERT:
+            raise ValueError(f"record_routing=True: the model of {model_path} has {num_experts} experts; the uint8 "
+                             f"routing record holds ids up to {UNKNOWN_EXPERT - 1} ({UNKNOWN_EXPERT}: unknown)")
+        self.num_layers, self.top_k = model.config.num_hidden_layers, max(int(r.top_k) for r in routers.values())
+        self._indices: dict[int, torch.Tensor] = {}  # decoder layer -> router_indices of its latest forward
+        for layer, router in routers.items():
+            router.register_forward_hook(lambda _m, _args, out, layer=layer: self._indices.__setitem__(layer, out[2]))
+
+    def take(self) -> torch.Tensor:
+        """uint8 ``[tokens of the latest forward (batch x seq, row-major), num_hidden_layers, top_k]``: each token's
+        experts per layer in the router's top-k order, ``UNKNOWN_EXPERT`` for layers without a router."""
+        indices, self._indices = self._indices, {}
+        tokens = next(iter(indices.values()))
+        out = torch.full((tokens.shape[0], self.num_layers, self.top_k), UNKNOWN_EXPERT, dtype=torch.uint8,
+                         device=tokens.device)
+        for layer, idx in indices.items():
+            out[:, layer, : idx.shape[1]] = idx.to(torch.uint8)
+        return out
+
+
 class HFRollout(Rollout):
     """An HF causal LM (``model_path``, a local HF model dir) used for generation; weights are synced in place from
-    the trainer. The eos / pad ids are read from ``tokenizer``."""
+    the trainer. The eos / pad ids are read from ``tokenizer``.
+
+    ``record_routing`` (an MoE model: transformers' qwen3_moe / qwen2_moe; ValueError for a model without routers):
+    every result of ``generate`` also holds ``routed_experts``, uint8 ``[len(prompt) + len(response),
+    num_hidden_layers, top_k]``: row p the experts (the router's top-k order) the rollout's router chose for the
+    token at position p of prompt + response, in the forward that fed that token to the model (the prefill; the
+    decode step after its draw). ``UNKNOWN_EXPERT`` (255) where the rollout computed none: the last response token
+    (never fed) and decoder layers without experts."""
 
     interruptible = True
 
-    def __init__(self, model_path: str, tokenizer, dtype: torch.dtype = torch.float32, device: str | None = None):
+    def __init__(self, model_path: str, tokenizer, dtype: torch.dtype = torch.float32, device: str | None = None,
+                 record_routing: bool = False):
         import transformers
 
         self.tokenizer = tokenizer
@@ -135,6 +176,7 @@ class HFRollout(Rollout):
         if self.eos_token_id is None:
             raise ValueError(f"tokenizer of {model_path} has no eos_token; HFRollout needs one to stop generation")
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_id
+        self._router_recorder = _RouterRecorder(self.model, model_path) if record_routing else None
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = False) -> int:
@@ -178,12 +220,17 @@ class HFRollout(Rollout):
         # no __torch_function__ overrides (e.g. a colocated engine's CPU adapter: a Python hop per torch call) and
         # no autograd bookkeeping
         with torch_function_disabled(), torch.inference_mode():
-            tokens, logps, lengths, running = self._sample(
+            tokens, logps, lengths, running, routing = self._sample(
                 prompt_ids, n, do_sample, temperature, top_p, top_k, max_new_tokens, keys, float(repetition_penalty),
                 float(min_p or 0.0), stop, list(stop_token_ids or []), interrupt)
         # cloned outside inference mode: the caller gets ordinary tensors
-        return [{"response_ids": tokens[i, :k].tolist(), "log_probs": logps[i, :k].clone(), "interrupted": running[i]}
-                for i, k in enumerate(lengths)]
+        results = [{"response_ids": tokens[i, :k].tolist(), "log_probs": logps[i, :k].clone(),
+                    "interrupted": running[i]} for i, k in enumerate(lengths)]
+        if routing is not None:  # row i's columns: its prompt right-aligned at the prefill's width, then its response
+            routing, width = routing.cpu(), routing.shape[1] - max_new_tokens
+            for i, (res, k) in enumerate(zip(results, lengths)):
+                res[ROUTED_EXPERTS_KEY] = routing[i, width - len(prompt_ids[i // n]) : width + k].clone()
+        return results
 
     def _prefill(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int):
         """The prompts' forward, ONE row per prompt, its KV cache rows and last logits then repeated for its n
@@ -221,14 +268,16 @@ class HFRollout(Rollout):
         return torch.tensor(out, dtype=torch.bool, device=tokens.device)
 
     def _sample(self, prompt_ids, n, do_sample, temperature, top_p, top_k, max_new_tokens, keys, repetition_penalty,
-                min_p, stop, stop_ids, interrupt) -> tuple[torch.Tensor, torch.Tensor, list[int], list[bool]]:
+                min_p, stop, stop_ids, interrupt) -> tuple:
         """Tokens [rows, max_new_tokens], their log-probs, each row's response length and whether it was still
-        running when ``interrupt()`` stopped the call (``_generate``'s rows)."""
+        running when ``interrupt()`` stopped the call (``_generate``'s rows), and with ``record_routing`` the routing
+        uint8 [rows, prefill width + max_new_tokens, layers, top_k] (column width + t: response token t), else None."""
         scale = rollout_temperature(temperature)
         b = len(prompt_ids) * n
         row_seeds, row_samples = torch.tensor(keys, dtype=torch.int64, device=self.device).unbind(-1)
         row_hashes = row_keys(row_seeds, row_samples)  # counter_uniform's per-row part, hashed once per call
         ids, attn, past, logits = self._prefill(prompt_ids, n, max_new_tokens)
+        routing = self._prefill_routing(b, ids.shape[1], max_new_tokens)
         position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
         next_pos = position_ids[:, -1:] + 1
 
@@ -271,7 +320,7 @@ class HFRollout(Rollout):
             if interrupt is not None and interrupt():
                 interrupted = torch.zeros(b, dtype=torch.bool)
                 interrupted[rows[alive].cpu()] = True
-                return tokens.cpu(), logps.cpu(), lengths.tolist(), interrupted.tolist()
+                return tokens.cpu(), logps.cpu(), lengths.tolist(), interrupted.tolist(), routing
             if compact and int(alive.sum()) <= COMPACT_AT * alive.numel():
                 keep = alive.nonzero().squeeze(-1)
                 past.batch_select_indices(keep)
@@ -281,5 +330,18 @@ class HFRollout(Rollout):
                              use_cache=True, **{self._cache_kw: past})
             past, logits = _cache_of(out), out.logits[:, -1, :]
             next_pos = next_pos + 1
+            if routing is not None:  # a row stopped by token t was fed it masked: its routing stays unknown
+                routing[rows[alive], width + t] = self._router_recorder.take()[alive]
 
-        return tokens.cpu(), logps.cpu(), lengths.tolist(), [False] * b
+        return tokens.cpu(), logps.cpu(), lengths.tolist(), [False] * b, routing
+
+    def _prefill_routing(self, b: int, width: int, max_new_tokens: int) -> torch.Tensor | None:
+        """The routing of ``_prefill``'s (last) forward, ``UNKNOWN_EXPERT`` in the response columns: uint8 [b, width +
+        max_new_tokens, layers, top_k] (None without ``record_routing``). That forward ran once per prompt (its rows
+        then repeated for the n samples) or once per sample: told apart by its token count."""
+        if self._router_recorder is None:
+            return None
+        prefill = self._router_recorder.take().unflatten(0, (-1, width))
+        routing = prefill.new_full((prefill.shape[0], width + max_new_tokens, *prefill.shape[2:]), UNKNOWN_EXPERT)
+        routing[:, :width] = prefill
+        return routing.repeat_interleave(b // prefill.shape[0], dim=0)

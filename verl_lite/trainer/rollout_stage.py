@@ -11,13 +11,26 @@ import torch
 from verl_lite.agent.loop import agent_rows
 from verl_lite.algorithms import groups_with_signal, overlong_penalty
 from verl_lite.controller import RoleGroup
+from verl_lite.engine.moe import UNKNOWN_EXPERT
 from verl_lite.errors import RunFailure
 from verl_lite.protocol import Batch, response_lengths
 from verl_lite.reward import RewardError
 from verl_lite.reward.model_reward import combine_scores
+from verl_lite.rollout.base import ROUTED_EXPERTS_KEY
 from verl_lite.trainer import metrics as M
 from verl_lite.utils.seeds import dynamic_sampling_seed, rollout_seed
 
+
+
+def routing_column(outs: list[dict]) -> dict[str, torch.Tensor]:
+    """The samples' MoE routing (``ROUTED_EXPERTS_KEY``: uint8 [prompt + response, layers, k] each) as one column
+    ``[n, longest, layers, k]``, ``UNKNOWN_EXPERT`` past each sequence."""
+    rows = [o[ROUTED_EXPERTS_KEY] for o in outs]
+    column = torch.full((len(rows), max(r.shape[0] for r in rows), *rows[0].shape[1:]), UNKNOWN_EXPERT,
+                        dtype=torch.uint8)
+    for i, r in enumerate(rows):
+        column[i, : r.shape[0]] = r
+    return {ROUTED_EXPERTS_KEY: column}
 
 class DynamicSamplingError(RunFailure):
     """DAPO's dynamic sampling hit ``algorithm.filter_groups.max_num_gen_batches``."""
@@ -79,8 +92,9 @@ class Rollouts:
             return [v for v in values for _ in range(n)]
 
         agent_columns = {k: [o[k] for o in outs] for k in ("agent_stats", "turn_scores")} if self.agent else {}
+        routing = routing_column(outs) if ROUTED_EXPERTS_KEY in outs[0] else {}
         return Batch.from_dict(
-            {"responses": responses, "response_mask": mask, "rollout_log_probs": rollout_lp},
+            {"responses": responses, "response_mask": mask, "rollout_log_probs": rollout_lp, **routing},
             {
                 "prompt_ids": repeat(prompts),
                 "uid": repeat([f"{step}-{uid_prefix}{p}" for p in range(len(rows))]),

@@ -13,9 +13,11 @@ from verl_lite.algorithms.distillation import TEACHER_KEYS, teacher_keys, uses_t
 from verl_lite.controller import MicroBatching, RoleGroup
 from verl_lite.controller.worker_group import WorkerError
 from verl_lite.engine.engine import NonFiniteStepError
+from verl_lite.engine.moe import mismatch_shares
 from verl_lite.engine.model_files import read_config
 from verl_lite.errors import NonFiniteTraining
 from verl_lite.protocol import Batch
+from verl_lite.rollout.base import ROUTED_EXPERTS_KEY
 from verl_lite.trainer import metrics as M
 from verl_lite.utils.seeds import cov_selection_seed, shuffle_seed
 
@@ -68,7 +70,8 @@ class Updates:
         micro-batched by ``section``'s ``log_prob_*`` keys."""
         sizing = MicroBatching.of(section.log_prob_use_dynamic_bsz, section.log_prob_micro_batch_size_per_gpu,
                                   section.log_prob_max_token_len_per_gpu)
-        return (role or self.placement.actor).infer(method, batch.columns(ROLLOUT_COLUMNS), sizing,
+        columns = ROLLOUT_COLUMNS + ([ROUTED_EXPERTS_KEY] if role is None and ROUTED_EXPERTS_KEY in batch else [])
+        return (role or self.placement.actor).infer(method, batch.columns(columns), sizing,
                                                     self.cfg.actor_rollout_ref.rollout.temperature, *args)
 
     def compute_old_log_probs(self, batch: Batch) -> dict:
@@ -95,6 +98,9 @@ class Updates:
         with M.timer(m, "old_log_prob"):
             old = self.compute_old_log_probs(batch)
             batch.set("old_log_probs", old["log_probs"]).set("entropy", old["entropy"])
+        if "routing_compared" in old:  # routing replay: how far the trainer's own routing is from the rollout's
+            shares = mismatch_shares(old["routing_mismatched"], old["routing_compared"])
+            m.update({f"rollout/{name}": share for name, share in shares.items()})
         mask = batch["response_mask"]
         corr = rollout_correction(old["log_probs"], batch["rollout_log_probs"], mask, **correction_settings(self.cfg))
         m.update({k: float(v) for k, v in corr.metrics.items()
@@ -151,7 +157,7 @@ class Updates:
         missing = [k for k in teacher_keys(d.distillation_loss.loss_mode) if k not in batch] if d.enabled else []
         if missing:
             raise ValueError(f"distillation.enabled: the batch needs {missing} (compute_teacher_log_probs)")
-        wanted = ("old_log_probs", "ref_log_probs", "is_weights") + TEACHER_KEYS + (
+        wanted = ("old_log_probs", "ref_log_probs", "is_weights", ROUTED_EXPERTS_KEY) + TEACHER_KEYS + (
             ("rollout_log_probs",) if self.loss_correction is not None else ())
         keys = ROLLOUT_COLUMNS + ["advantages"] + [k for k in wanted if k in batch]
         plans = self._plans(batch, keys, lambda epoch: self.mini_batches(len(batch), epoch, step), a.ppo_epochs,

@@ -136,7 +136,8 @@ class ActorRolloutRefWorker(EngineWorker):
 
     def compute_log_prob(self, piece: Batch, micro_batches: list[list[int]], temperature: float) -> dict | None:
         """Old log-probs and entropy [n, W] of this DP rank's piece (None off the output owner)."""
-        return self.actor.infer(sequence_batch(piece), micro_batches, temperature, outputs=("log_probs", "entropy"))
+        return self.actor.infer(sequence_batch(piece, routing=self.actor.cfg.routing_replay), micro_batches,
+                                temperature, outputs=("log_probs", "entropy"))
 
     def compute_ref_log_prob(self, piece: Batch, micro_batches: list[list[int]], temperature: float) -> dict | None:
         """Reference log-probs [n, W]: the reference engine's, or with LoRA the actor's with its adapters off."""

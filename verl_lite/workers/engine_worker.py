@@ -16,6 +16,7 @@ from verl_lite.engine.config import EngineConfig
 from verl_lite.engine.distributed import data_parallel_rank, data_parallel_size, destroy_distributed, init_distributed
 from verl_lite.engine.engine import MegatronEngine, SequenceBatch
 from verl_lite.protocol import Batch, response_lengths
+from verl_lite.rollout.base import ROUTED_EXPERTS_KEY
 
 
 @dataclass
@@ -25,9 +26,10 @@ class EngineWorkerConfig:
     engine: EngineConfig
 
 
-def sequence_batch(piece: Batch, loss_keys: tuple[str, ...] = ()):
+def sequence_batch(piece: Batch, loss_keys: tuple[str, ...] = (), routing: bool = False):
     """A Batch piece -> the engine's ``SequenceBatch`` (prompt + response tokens up to the last valid position:
-    tokens in a mask's holes stay); ``loss_keys`` present in the piece travel to the loss as per-token data."""
+    tokens in a mask's holes stay); ``loss_keys`` present in the piece travel to the loss as per-token data;
+    ``routing`` (an engine built with routing_replay): the piece's ``ROUTED_EXPERTS_KEY`` is replayed."""
     mask = piece["response_mask"]
     lengths = response_lengths(mask)
     responses = piece["responses"]
@@ -36,7 +38,11 @@ def sequence_batch(piece: Batch, loss_keys: tuple[str, ...] = ()):
         for i, p in enumerate(piece["prompt_ids"])
     ]
     data = {k: piece[k] for k in loss_keys if k in piece}
-    return SequenceBatch(input_ids, lengths, data, response_width=mask.shape[1])
+    replay = piece[ROUTED_EXPERTS_KEY] if routing and ROUTED_EXPERTS_KEY in piece else None
+    if routing and replay is None:
+        raise ValueError(f"routing replay: the batch has no {ROUTED_EXPERTS_KEY!r} (the rollout's routing); build the "
+                         f"rollout with record_routing (actor_rollout_ref.rollout.enable_rollout_routing_replay=true)")
+    return SequenceBatch(input_ids, lengths, data, response_width=mask.shape[1], routing=replay)
 
 
 class EngineWorker(Worker):
@@ -67,7 +73,8 @@ class EngineWorker(Worker):
         """One optimizer step per job (``RoleGroup.train``) of ``loss`` with the job's plan, then, at ``advance_lr``
         (the RL step's last call), one LR schedule step. Returns the engine's step metrics per job (loss metrics
         on output owners only)."""
-        results = [self.engine.train_step(sequence_batch(job["piece"], loss_keys), job["micro_batches"],
+        routing = self.engine.cfg.routing_replay
+        results = [self.engine.train_step(sequence_batch(job["piece"], loss_keys, routing), job["micro_batches"],
                                           partial(loss, plan=job["plan"]), global_token_count=job["global_token_count"],
                                           **step_kwargs) for job in jobs]
         if jobs and advance_lr:
