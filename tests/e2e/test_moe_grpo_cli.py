@@ -7,11 +7,13 @@ the same job must train (its first update close to fp32's within the bf16 tolera
 MoE critic (a value head on the MoE body) gives the same actor and critic updates with EP2. Routing replay R3
 (``router_replay.mode=R3``: the HF rollout records each token's experts, the actor's forwards replay them) with EP2
 gives the 1-worker run's first update (fp32: the trainer's routers agree with the rollout's on every token) and
-reports the per-layer routing mismatch, 0 here."""
+reports the per-layer routing mismatch, 0 here. R2 (the update replays the routing its old-log-prob pass chose; two
+epochs, so that pass runs) trains and reports the mismatch of the update's routers against that pass."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -33,6 +35,8 @@ LAYOUTS = {
             "critic.megatron.expert_model_parallel_size=2"],
     "r3_ep2": ["trainer.n_gpus_per_node=2", f"{M}.expert_model_parallel_size=2",
                "actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"],
+    "r2_ep2": ["trainer.n_gpus_per_node=2", f"{M}.expert_model_parallel_size=2",
+               "actor_rollout_ref.actor.router_replay.mode=R2", "actor_rollout_ref.actor.ppo_epochs=2"],
 }
 BF16_TOL = 0.072  # tests/parity/test_bf16_parity.py: 2 * 2^-8 * sqrt(86), relative
 
@@ -51,8 +55,8 @@ def moe_model(tiny_assets, tmp_path_factory):
 _runs: dict[str, dict] = {}
 # every run the tests below compare, largest first: the module's first test starts them two at a time
 # (a run's start-up and its 1- and 2-worker phases leave a core idle, which the other run uses)
-RUNS = [("ep2_pp2", "grpo"), ("ep2", "gae"), ("pp2_vpp2", "grpo"), ("r3_ep2", "grpo"), ("1", "grpo"), ("1", "gae"),
-        ("bf16", "grpo")]
+RUNS = [("ep2_pp2", "grpo"), ("ep2", "gae"), ("pp2_vpp2", "grpo"), ("r3_ep2", "grpo"), ("r2_ep2", "grpo"),
+        ("1", "grpo"), ("1", "gae"), ("bf16", "grpo")]
 
 
 def _all_runs(assets, model: str, tmp_path_factory) -> None:
@@ -113,6 +117,15 @@ def test_moe_grpo_first_update_is_the_same_in_other_layouts(tiny_assets, moe_mod
     assert replayed == (layout == "r3_ep2"), sorted(other)
     if replayed:  # every layer's tokens compared, none routed otherwise by the trainer than by the rollout
         assert [other[f"actor/routing_mismatch/layer_{layer}"] for layer in range(4)] == [0.0] * 4
+
+
+def test_routing_replay_r2_replays_the_old_log_prob_pass_routing(tiny_assets, moe_model, tmp_path_factory):
+    row = first_update("r2_ep2", tiny_assets, moe_model, tmp_path_factory)
+    assert row["actor/old_log_prob_recomputed"] == 1.0 and row["actor/num_updates"] == 2, sorted(row)
+    assert "rollout/routing_mismatch" not in row  # R2 replays nothing of the rollout's
+    for layer in range(4):  # the update's routers against the recorded pass: the same weights at the first step
+        assert 0.0 <= row[f"actor/routing_mismatch/layer_{layer}"] <= 0.05, row
+    assert math.isfinite(row["actor/grad_norm"]) and row["actor/grad_norm"] > 0
 
 
 def test_moe_grpo_trains_in_bf16(tiny_assets, moe_model, tmp_path_factory):

@@ -12,6 +12,8 @@ parallelism, PP2, CP2 and EP2 (DP2), Qwen3-MoE and, at TP2, Qwen2-MoE (shared ex
   the reference's;
 - a ``train_step``'s gradients (router weights included: the gates carry the router's gradient) equal the forced
   float64 reference's within 1e-5 relative (global norm of the difference / global norm);
+- recording (``infer(record_routing=True)``, R2's first pass): the experts every token was routed to equal the
+  float64 model's own top k at every position, and replaying them gives the recording pass's log-probs;
 - ``routing`` given to an engine built without ``routing_replay`` is one clear error.
 """
 
@@ -92,7 +94,11 @@ def _reference(model_dir: str, ids, routing, weights) -> dict:
             n = seq.numel()
             forced.update({layer: _forced_experts(routing[i], layer, n) for layer in range(NUM_LAYERS)})
             forced["known"] = {layer: (routing[i, :n, layer] != UNKNOWN).all(-1) for layer in range(NUM_LAYERS)}
-            lsm = model(seq[None]).logits[0].log_softmax(-1)[n - r - 1 : n - 1]
+            output = model(seq[None], output_router_logits=not forced_run)
+            lsm = output.logits[0].log_softmax(-1)[n - r - 1 : n - 1]
+            if not forced_run:  # the model's own routing of every token, per layer
+                own = torch.stack([lg.topk(TOP_K, dim=-1).indices for lg in output.router_logits], dim=1)
+                out.setdefault("own_routing", []).append(own.sort(-1).values)
             for layer in range(NUM_LAYERS):
                 counts[:, i, layer] = torch.tensor([mismatched.get(layer, 0), int(forced["known"][layer].sum())])
             lp = lsm.gather(-1, seq[n - r :, None])[:, 0]
@@ -137,6 +143,21 @@ def _layout_run(rank, model_dir, layout: str, ids, routing, weights, ref) -> dic
         got = torch.stack([replayed["routing_mismatched"], replayed["routing_compared"]])
         out["counts_equal"] = torch.equal(got, ref["counts"][:, rows])
         out["mismatched"] = float(got[0].sum())
+
+    recorded = engine.infer(plain, micro, outputs=("log_probs",), record_routing=True)
+    if recorded is not None:
+        rec = recorded["routed_experts"]
+        out["recorded_equal"] = all(torch.equal(rec[k, : LENGTHS[i]].long().sort(-1).values, ref["own_routing"][i])
+                                    for k, i in enumerate(rows))
+    import torch.distributed as dist
+
+    owners = [None] * 2  # the owner's recording, for every rank of its model replica (the controller's job)
+    dist.all_gather_object(owners, None if recorded is None else recorded["routed_experts"])
+    routing_back = recorded["routed_experts"] if recorded is not None else next(o for o in owners if o is not None)
+    again = engine.infer(SequenceBatch(plain.input_ids, plain.response_lengths, plain.data, plain.response_width,
+                                       routing=routing_back), micro, outputs=("log_probs",))
+    if recorded is not None:  # R2's second pass: the recorded routing replayed gives the recording pass's outputs
+        out["replay_recorded_err"] = float((again["log_probs"] - recorded["log_probs"]).abs().max())
 
     def loss(outputs, data):
         return -(outputs["log_probs"] * data["weights"]).sum() / 10.0, {}
@@ -199,6 +220,7 @@ def test_replayed_routing_gives_the_forced_float64_log_probs_and_gradients(launc
                 assert r["lp_err"] < 1e-5 and r["own_lp_err"] < 1e-5, (rank, k, r)
                 assert r["forced_vs_own"] > 1e-2, (rank, k, r)  # the forced routing changes the outputs
                 assert r["counts_equal"] and r["mismatched"] > 0, (rank, k, r)
+                assert r["recorded_equal"] and r["replay_recorded_err"] < 1e-6, (rank, k, r)
     assert compared == set(range(len(launch[0]["layouts"])))
 
 

@@ -41,26 +41,29 @@ ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")
 class RouterReplayConfig:
     """verl's ``actor.router_replay``: MoE routing replay (docs/algorithms.md "Routing replay")."""
 
-    mode: str = "disabled"  # disabled | R3: the actor's forwards route each token to the experts the rollout chose (R2: not built)
+    mode: str = "disabled"  # disabled | R2: the update replays the old-log-prob pass's own routing | R3: both forwards replay the rollout's
 
-    def problems(self, A: str, rollout, moe: bool, trainer_mode: str) -> list[str]:
+    def problems(self, A: str, rollout, moe: bool, trainer_mode: str, bypass_mode: bool) -> list[str]:
         """The mode's rules with the ``rollout`` section; ``moe``: the actor's model has experts; ``trainer_mode``:
-        ``trainer.v1.trainer_mode``."""
+        ``trainer.v1.trainer_mode``; ``bypass_mode``: ``algorithm.rollout_correction.bypass_mode``."""
         K, R = f"{A}.router_replay.mode", "actor_rollout_ref.rollout"
         if self.mode not in ROUTER_REPLAY_MODES:
             return [f"{K}={self.mode!r} is unknown; choose one of {list(ROUTER_REPLAY_MODES)}"]
-        if self.mode == "R2":
-            return [f"{K}=R2 (replay the old-log-prob pass's own routing in the update) is not built: the engine does "
-                    f"not return its routing; use R3 (the rollout's routing, in both forwards) or disabled"]
+        if self.mode != "R3" and rollout.enable_rollout_routing_replay:
+            return [f"{R}.enable_rollout_routing_replay=true records the rollout's routing, which only {K}=R3 "
+                    f"replays; set both or neither"]
         if self.mode == "disabled":
-            return [f"{R}.enable_rollout_routing_replay=true records the rollout's routing, which only "
-                    f"{K}=R3 replays; set both or neither"] if rollout.enable_rollout_routing_replay else []
-        out = []
+            return []
+        out = [] if moe else [f"{K}={self.mode}: actor_rollout_ref.model.path is no mixture-of-experts model the "
+                              f"engine builds (config.json model_type qwen3_moe / qwen2_moe); routing replay is for "
+                              f"MoE models"]
+        if self.mode == "R2":
+            if bypass_mode:
+                out.append(f"{K}=R2 replays the old-log-prob pass's routing, and algorithm.rollout_correction."
+                           f"bypass_mode=true runs none (the old log-probs are the rollout's); use R3 or drop bypass")
+            return out
         if not rollout.enable_rollout_routing_replay:
             out.append(f"{K}=R3 replays the rollout's routing: set {R}.enable_rollout_routing_replay=true (verl's rule)")
-        if not moe:
-            out.append(f"{K}=R3: actor_rollout_ref.model.path is no mixture-of-experts model the engine builds "
-                       f"(config.json model_type qwen3_moe / qwen2_moe); routing replay is for MoE models")
         if rollout.name != "hf":
             out.append(f"{K}=R3 with {R}.name={rollout.name}: only the hf rollout records routing here (vLLM's "
                        f"routed-experts return is not wired); use name=hf")

@@ -69,8 +69,9 @@ class Shards:
         out: dict[str, torch.Tensor] = {}
         for key in outputs[0]:
             parts = [o[key] for o in outputs]
-            width = max(p.shape[1] for p in parts) if parts[0].dim() == 2 else None
-            full = torch.zeros((n, width) if width is not None else (n, *parts[0].shape[1:]), dtype=parts[0].dtype)
+            width = max(p.shape[1] for p in parts) if parts[0].dim() >= 2 else None
+            full = torch.zeros((n, width, *parts[0].shape[2:]) if width is not None else (n, *parts[0].shape[1:]),
+                               dtype=parts[0].dtype)
             for rows, part in zip(self.rows, parts):
                 if width is not None:
                     full[rows, : part.shape[1]] = part

@@ -47,7 +47,7 @@ from verl_lite.engine.hf_bridge import export_hf, load_hf_weights, reader
 from verl_lite.engine.lora import adapters_disabled, add_adapters, merge_into
 from verl_lite.engine.model import build_model_chunks, transformer_config_from_hf
 from verl_lite.engine.packing import (PackedMicroBatch, pack_micro_batch, pack_response, pack_tokens, pad_multiple,
-                                      unpack_response)
+                                      token_positions, unpack_response)
 from verl_lite.engine.vocab_parallel import (vocab_parallel_entropy, vocab_parallel_log_probs,
                                              vocab_parallel_log_probs_at, vocab_parallel_topk)
 from verl_lite.utils.metric_reduce import combine_all
@@ -366,7 +366,7 @@ class MegatronEngine:
                 f"plan_micro_batches(..., vpp_multiple={self.pp})")
 
     def _prepare(self, batch: SequenceBatch, micro_batches, outputs, temperature: float, topk: int | None = None,
-                 ids_key: str | None = None):
+                 ids_key: str | None = None, record_routing: bool = False):
         """The checked output names and the packed micro-batches of one :meth:`infer` / :meth:`train_step`."""
         outputs = tuple(outputs)
         if not outputs or any(o not in self.output_names for o in outputs):
@@ -381,11 +381,13 @@ class MegatronEngine:
                 raise ValueError(f"output 'log_probs_at' needs ids_key naming [n, {batch.response_width}, K] token ids "
                                  f"in the batch's data, got ids_key={ids_key!r} ({getattr(ids, 'shape', None)})")
         self._check_micro_batches(batch, micro_batches)
-        return outputs, self._pack(batch, micro_batches)
+        return outputs, self._pack(batch, micro_batches, record_routing)
 
-    def _pack(self, batch: SequenceBatch, micro_batches: list[list[int]]) -> list[_MicroBatch]:
+    def _pack(self, batch: SequenceBatch, micro_batches: list[list[int]], record_routing: bool = False) -> list[_MicroBatch]:
         if batch.routing is not None and not self.cfg.routing_replay:
             raise ValueError("SequenceBatch.routing given to an engine built without routing_replay")
+        if record_routing and (batch.routing is not None or self.tf_config.num_moe_experts is None):
+            raise ValueError("record_routing needs an MoE model and a batch without routing to replay")
         with suspended():  # CPU-side index work only
             mbs = [_MicroBatch(packed=pack_micro_batch([batch.input_ids[i] for i in mb],
                                                        [int(batch.response_lengths[i]) for i in mb],
@@ -393,11 +395,13 @@ class MegatronEngine:
                                                        cp_rank=self.cp_rank, share_prompts=self.share_prompts),
                                data=batch.rows(mb), indices=list(mb))
                    for mb in micro_batches]
-            if batch.routing is not None:
+            if batch.routing is not None or record_routing:
+                layers, k = int(self.tf_config.num_layers), int(self.tf_config.moe_router_topk)
                 for m in mbs:
-                    experts = pack_tokens(batch.routing[m.indices], m.packed, moe.UNKNOWN_EXPERT)
+                    experts = (None if record_routing else
+                               pack_tokens(batch.routing[m.indices], m.packed, moe.UNKNOWN_EXPERT))
                     m.routing = moe.RoutingReplay(experts, moe.sequence_ids(m.packed), len(m.indices),
-                                                  bool(self.tf_config.sequence_parallel))
+                                                  bool(self.tf_config.sequence_parallel), layers, k)
             return mbs
 
     def _run_schedule(self, mbs: list[_MicroBatch], step_func, **kwargs):
@@ -459,14 +463,15 @@ class MegatronEngine:
     @torch.no_grad()
     def infer(self, batch: SequenceBatch, micro_batches: list[list[int]], temperature: float = 1.0,
               outputs=LM_OUTPUTS, topk: int | None = None, ids_key: str | None = None,
-              topk_below: int | None = None) -> dict[str, torch.Tensor] | None:
+              topk_below: int | None = None, record_routing: bool = False) -> dict[str, torch.Tensor] | None:
         """Forward only. Returns {name: [n, W] (``TOKEN_OUTPUTS``: [n, W, K])} in batch row order on output owners,
         None elsewhere. ``topk_below``: the top k only among the ids below it (the softmax is the whole vocabulary's).
         With ``batch.routing`` also ``routing_mismatched`` / ``routing_compared`` [n, num_layers]: per sequence and
         layer, the recorded tokens whose router would have chosen other experts, of those compared
-        (``moe.RoutingReplay``)."""
+        (``moe.RoutingReplay``); with ``record_routing`` (MoE) ``routed_experts`` [n, max L_i, num_layers, k] uint8:
+        the experts each token was routed to (``SequenceBatch.routing``'s form, for a later pass to replay)."""
         names, mbs = self._prepare(batch, micro_batches, outputs if not self.cfg.value_head else VALUE_OUTPUTS,
-                                   temperature, topk, ids_key)
+                                   temperature, topk, ids_key, record_routing)
 
         def collect(mb, output, non_loss_data=True):
             res = self._per_token_outputs(output, mb, names, temperature, batch.response_width, topk, ids_key,
@@ -477,6 +482,8 @@ class MegatronEngine:
             m.eval()
         store = self._run_schedule(mbs, collect, forward_only=True, collect_non_loss_data=True)
         routing = self._routing_counts(mbs) if batch.routing is not None else {}
+        if record_routing:
+            routing = {"routed_experts": self._recorded_routing(mbs, max(batch.lengths))}
         if not self.is_output_owner:
             return None
         order = torch.as_tensor([i for m in mbs for i in m.indices])
@@ -484,6 +491,14 @@ class MegatronEngine:
         inverse[order] = torch.arange(order.numel())
         out = {name: torch.cat([d[name] for d in store])[inverse] for name in names}
         return out | {name: counts[inverse] for name, counts in routing.items()}
+
+    def _recorded_routing(self, mbs: list[_MicroBatch], width: int) -> torch.Tensor:
+        """The routing the micro-batches' routers chose, per sequence in micro-batch order [n, width, layers, k]
+        (collective over TP, CP and PP)."""
+        from megatron.core import parallel_state as ps
+
+        groups = (ps.get_tensor_model_parallel_group(), self.cp_group, ps.get_pipeline_model_parallel_group())
+        return torch.cat([m.routing.reduced_routing(token_positions(m.packed), width, groups) for m in mbs])
 
     def _routing_counts(self, mbs: list[_MicroBatch], whole_mini_batch: bool = False) -> dict[str, torch.Tensor]:
         """The micro-batches' routing mismatch counts per sequence, in micro-batch order, summed over TP, CP and PP

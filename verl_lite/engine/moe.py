@@ -74,17 +74,48 @@ def sequence_ids(packed) -> torch.Tensor:
 class RoutingReplay:
     """The experts to route each token of one micro-batch to: ``experts`` ``[T_local, num_layers, k]`` on the local
     pack (``packing.pack_tokens``), ``UNKNOWN_EXPERT`` where not recorded (the last token of each sequence, padding:
-    those tokens take the router's own choice, as without replay).
+    those tokens take the router's own choice, as without replay). ``experts=None`` records instead: every router
+    keeps its own choice in ``recorded`` (``[T_local, num_layers, k]``, -1 for the tokens and layers this rank does not
+    route), gathered per sequence by :meth:`reduced_routing`.
 
     It also counts, per sequence and layer, the recorded tokens whose router would have chosen other experts
     (``mismatched``) out of those it saw (``compared``) ``[b, num_layers]``: this rank's share (the tokens it routes;
     TP ranks without sequence parallelism see the same tokens, so only TP rank 0 counts), summed over the model-
     parallel groups by :meth:`reduced_counts`."""
 
-    def __init__(self, experts: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int, sequence_parallel: bool):
+    def __init__(self, experts: torch.Tensor | None, seq_ids: torch.Tensor, num_seqs: int, sequence_parallel: bool,
+                 num_layers: int, top_k: int):
         self.experts, self.seq_ids, self.sequence_parallel = experts, seq_ids, sequence_parallel
-        self.mismatched = torch.zeros(num_seqs, experts.shape[1], dtype=torch.float64)
+        self.mismatched = torch.zeros(num_seqs, num_layers, dtype=torch.float64)
         self.compared = torch.zeros_like(self.mismatched)
+        self.recorded = (torch.full((seq_ids.numel(), num_layers, top_k), -1, dtype=torch.long)  # -1: not routed here
+                         if experts is None else None)
+
+    def record(self, layer_number: int, logits: torch.Tensor, top_k: int, tp_group) -> None:
+        """Keep this router's own top k of its tokens (the TP slice of the local pack under sequence parallelism;
+        without it only TP rank 0 keeps them, the others see the same tokens)."""
+        if not (self.sequence_parallel or tp_group.rank() == 0):
+            return
+        own = logits.detach().topk(top_k, dim=-1).indices.cpu()
+        if self.sequence_parallel:
+            start = tp_group.rank() * own.shape[0]
+            self.recorded[start : start + own.shape[0], layer_number - 1] = own
+        else:
+            self.recorded[:, layer_number - 1] = own
+
+    def reduced_routing(self, positions: torch.Tensor, width: int, groups) -> torch.Tensor:
+        """The recorded routing per sequence, uint8 ``[b, width, num_layers, k]`` (``positions``: each local row's
+        position in its sequence, -1 on padding), each token's from the rank that routed it: a sum over ``groups``
+        (TP, CP, PP) of one-hot contributions, ``UNKNOWN_EXPERT`` where no rank routed it."""
+        import torch.distributed as dist
+
+        rows = (self.seq_ids >= 0) & (positions >= 0)
+        out = torch.zeros(self.mismatched.shape[0], width, *self.recorded.shape[1:], dtype=torch.int32)
+        out[self.seq_ids[rows], positions[rows]] = (self.recorded[rows] + 1).to(torch.int32)  # 0: not routed here
+        for group in groups:
+            if group is not None and group.size() > 1:
+                dist.all_reduce(out, group=group)
+        return torch.where(out > 0, out - 1, UNKNOWN_EXPERT).to(torch.uint8)
 
     def _local(self, x: torch.Tensor, tp_group) -> torch.Tensor:
         """The rows of ``x`` (the local pack's) this router sees: its TP slice under sequence parallelism."""
@@ -263,7 +294,10 @@ def router_class():
 
         def routing(self, logits, padding_mask=None):
             replay = _REPLAY
-            if replay is None or self.router_replay is None:
+            if replay is not None and replay.experts is None:  # recording: the router's own choice, kept
+                replay.record(int(self.layer_number), logits.view(-1, self.config.num_moe_experts), self.topk,
+                              self.tp_group)
+            if replay is None or replay.experts is None or self.router_replay is None:
                 return self._routing_with_losses(logits, padding_mask)
             from megatron.core.transformer.moe.router_replay import RouterReplayAction
 

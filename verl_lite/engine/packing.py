@@ -287,6 +287,16 @@ def token_rows(packed: PackedMicroBatch) -> list[torch.Tensor]:
     return out
 
 
+def token_positions(packed: PackedMicroBatch) -> torch.Tensor:
+    """``[T_local]`` long: each local row's position in its sequence (:func:`token_rows` read backwards), -1 on
+    padding rows. A pack without shared prompts (a shared prefix row has several)."""
+    out = torch.full((packed.num_local_tokens,), -1, dtype=torch.long)
+    for rows in token_rows(packed):
+        held = rows >= 0
+        out[rows[held]] = torch.arange(rows.numel())[held]
+    return out
+
+
 def pack_tokens(values: torch.Tensor, packed: PackedMicroBatch, fill) -> torch.Tensor:
     """Per-token inputs ``[b, >= max L_i, ...]`` (sequence i's token at position p in ``values[i, p]``) -> ``[T_local,
     ...]`` on the local pack, each at the row that holds its token; ``fill`` on padding rows."""

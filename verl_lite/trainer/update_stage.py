@@ -98,6 +98,8 @@ class Updates:
         with M.timer(m, "old_log_prob"):
             old = self.compute_old_log_probs(batch)
             batch.set("old_log_probs", old["log_probs"]).set("entropy", old["entropy"])
+        if ROUTED_EXPERTS_KEY in old:  # R2: the routing of this pass, for the update to replay
+            batch.set(ROUTED_EXPERTS_KEY, old[ROUTED_EXPERTS_KEY])
         if "routing_compared" in old:  # routing replay: how far the trainer's own routing is from the rollout's
             shares = mismatch_shares(old["routing_mismatched"], old["routing_compared"])
             m.update({f"rollout/{name}": share for name, share in shares.items()})
@@ -155,8 +157,11 @@ class Updates:
         a = self.cfg.actor_rollout_ref.actor
         d = self.cfg.distillation
         missing = [k for k in teacher_keys(d.distillation_loss.loss_mode) if k not in batch] if d.enabled else []
+        if a.router_replay.mode == "R3" and ROUTED_EXPERTS_KEY not in batch:
+            missing.append(ROUTED_EXPERTS_KEY)  # the rollout records it (enable_rollout_routing_replay)
         if missing:
-            raise ValueError(f"distillation.enabled: the batch needs {missing} (compute_teacher_log_probs)")
+            raise ValueError(f"the actor's update needs {missing} in the batch (the teacher's pass; R3: the rollout's "
+                             f"routing)")
         wanted = ("old_log_probs", "ref_log_probs", "is_weights", ROUTED_EXPERTS_KEY) + TEACHER_KEYS + (
             ("rollout_log_probs",) if self.loss_correction is not None else ())
         keys = ROLLOUT_COLUMNS + ["advantages"] + [k for k in wanted if k in batch]

@@ -48,6 +48,7 @@ class WorkerConfig(EngineWorkerConfig):
 
     need_ref: bool
     rollout: RolloutWorkerConfig
+    router_replay: str = "disabled"  # R2: the old-log-prob pass records the routing the update replays; R3: both replay the rollout's
 
 
 class ActorRolloutRefWorker(EngineWorker):
@@ -136,8 +137,9 @@ class ActorRolloutRefWorker(EngineWorker):
 
     def compute_log_prob(self, piece: Batch, micro_batches: list[list[int]], temperature: float) -> dict | None:
         """Old log-probs and entropy [n, W] of this DP rank's piece (None off the output owner)."""
-        return self.actor.infer(sequence_batch(piece, routing=self.actor.cfg.routing_replay), micro_batches,
-                                temperature, outputs=("log_probs", "entropy"))
+        mode = self.cfg.router_replay
+        return self.actor.infer(sequence_batch(piece, routing=mode == "R3"), micro_batches, temperature,
+                                outputs=("log_probs", "entropy"), record_routing=mode == "R2")
 
     def compute_ref_log_prob(self, piece: Batch, micro_batches: list[list[int]], temperature: float) -> dict | None:
         """Reference log-probs [n, W]: the reference engine's, or with LoRA the actor's with its adapters off."""

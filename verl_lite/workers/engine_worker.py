@@ -29,7 +29,7 @@ class EngineWorkerConfig:
 def sequence_batch(piece: Batch, loss_keys: tuple[str, ...] = (), routing: bool = False):
     """A Batch piece -> the engine's ``SequenceBatch`` (prompt + response tokens up to the last valid position:
     tokens in a mask's holes stay); ``loss_keys`` present in the piece travel to the loss as per-token data;
-    ``routing`` (an engine built with routing_replay): the piece's ``ROUTED_EXPERTS_KEY`` is replayed."""
+    ``routing`` (an engine built with routing_replay): the piece's ``ROUTED_EXPERTS_KEY``, where it has one, is replayed."""
     mask = piece["response_mask"]
     lengths = response_lengths(mask)
     responses = piece["responses"]
@@ -39,9 +39,6 @@ def sequence_batch(piece: Batch, loss_keys: tuple[str, ...] = (), routing: bool 
     ]
     data = {k: piece[k] for k in loss_keys if k in piece}
     replay = piece[ROUTED_EXPERTS_KEY] if routing and ROUTED_EXPERTS_KEY in piece else None
-    if routing and replay is None:
-        raise ValueError(f"routing replay: the batch has no {ROUTED_EXPERTS_KEY!r} (the rollout's routing); build the "
-                         f"rollout with record_routing (actor_rollout_ref.rollout.enable_rollout_routing_replay=true)")
     return SequenceBatch(input_ids, lengths, data, response_width=mask.shape[1], routing=replay)
 
 

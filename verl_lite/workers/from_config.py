@@ -19,9 +19,10 @@ def role_engine(model, megatron, seed: int, optim=None, total_steps: int = 1, **
 
 def actor_worker_config(cfg, total_steps: int, need_ref: bool) -> WorkerConfig:
     a = cfg.actor_rollout_ref
+    mode = a.actor.router_replay.mode
     return WorkerConfig(role_engine(a.model, a.actor.megatron, cfg.trainer.seed, a.actor.optim, total_steps,
-                                    routing_replay=a.actor.router_replay.mode == "R3"),
-                        need_ref=need_ref, rollout=rollout_worker_config(cfg))
+                                    routing_replay=mode != "disabled"),
+                        need_ref=need_ref, rollout=rollout_worker_config(cfg), router_replay=mode)
 
 
 def rollout_worker_config(cfg) -> RolloutWorkerConfig:
