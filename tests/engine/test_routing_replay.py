@@ -4,14 +4,15 @@ Reference: HF transformers' MoE model in float64 with each router forced to the 
 softmax of its own logits at those experts, renormalised where the model renormalises: what megatron-core's
 ``RouterReplay`` computes), one sequence at a time. The given routing is random (k distinct experts per token and
 layer, far from the routers' own choice), with the last token of every sequence and one layer of one sequence left
-unrecorded (``UNKNOWN_EXPERT``: those tokens take the router's own choice). One 2-process launch runs TP2 with sequence
-parallelism, PP2, CP2 and EP2 (DP2), Qwen3-MoE and, at TP2, Qwen2-MoE (shared expert, no renormalisation):
+unrecorded (``UNKNOWN_EXPERT``: those tokens take the router's own choice). Layouts: 1 process; TP2 with sequence
+parallelism, PP2, CP2 and EP2 (DP2) in one 2-process launch; EP2 x PP2 (DP2) in a 4-process one; Qwen3-MoE and, at
+TP2, Qwen2-MoE (shared expert, no renormalisation):
 - log-probs from ``infer`` equal the forced float64 reference (1e-5), and differ from the unforced model's (so the
   replay took effect; without ``routing`` the engine gives the unforced log-probs); its routing counts per sequence
   and layer (recorded tokens compared, and those where the router itself would have chosen other experts) equal
   the reference's;
-- a ``train_step``'s gradients (router weights included: the gates carry the router's gradient) equal the forced
-  float64 reference's within 1e-5 relative (global norm of the difference / global norm);
+- a ``train_step``'s gradients equal the forced float64 reference's within 1e-5 relative (global norm of the
+  difference / global norm), and so do the routers' own (the gates carry the router's gradient);
 - recording (``infer(record_routing=True)``, R2's first pass): the experts every token was routed to equal the
   float64 model's own top k at every position, and replaying them gives the recording pass's log-probs;
 - ``routing`` given to an engine built without ``routing_replay`` is one clear error.
@@ -32,7 +33,8 @@ import harness as H  # noqa: E402
 
 LENGTHS, RESPONSES = [9, 14, 5, 11], [4, 6, 2, 5]
 NUM_LAYERS, NUM_EXPERTS, TOP_K = 2, 4, 2
-LAYOUTS = {"tp2_sp": dict(tp=2, sequence_parallel=True), "pp2": dict(pp=2), "cp2": dict(cp=2), "ep2": dict(ep=2)}
+LAYOUTS = {"single": (1, {}), "tp2_sp": (2, dict(tp=2, sequence_parallel=True)), "pp2": (2, dict(pp=2)),
+           "cp2": (2, dict(cp=2)), "ep2": (2, dict(ep=2)), "ep2_pp2": (4, dict(ep=2, pp=2))}  # name: (world, layout)
 UNKNOWN = 255
 
 
@@ -120,8 +122,9 @@ def _layout_run(rank, model_dir, layout: str, ids, routing, weights, ref) -> dic
 
     from .conftest import use_layout
 
-    par = MegatronConfig.layout(timeout_s=120.0, **LAYOUTS[layout])
-    use_layout(rank, 2, par)
+    world, shape = LAYOUTS[layout]
+    par = MegatronConfig.layout(timeout_s=120.0, **shape)
+    use_layout(rank, world, par)
     engine = MegatronEngine(EngineConfig(model_dir, par, OptimConfig(lr=1e-2, weight_decay=0.0, clip_grad=1e9),
                                          routing_replay=True))
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -151,9 +154,9 @@ def _layout_run(rank, model_dir, layout: str, ids, routing, weights, ref) -> dic
                                     for k, i in enumerate(rows))
     import torch.distributed as dist
 
-    owners = [None] * 2  # the owner's recording, for every rank of its model replica (the controller's job)
-    dist.all_gather_object(owners, None if recorded is None else recorded["routed_experts"])
-    routing_back = recorded["routed_experts"] if recorded is not None else next(o for o in owners if o is not None)
+    owners = [None] * world  # the owner's recording, for every rank of its model replica (the controller's job)
+    dist.all_gather_object(owners, None if recorded is None else (dp_rank, recorded["routed_experts"]))
+    routing_back = next(o[1] for o in owners if o is not None and o[0] == dp_rank)
     again = engine.infer(SequenceBatch(plain.input_ids, plain.response_lengths, plain.data, plain.response_width,
                                        routing=routing_back), micro, outputs=("log_probs",))
     if recorded is not None:  # R2's second pass: the recorded routing replayed gives the recording pass's outputs
@@ -167,6 +170,9 @@ def _layout_run(rank, model_dir, layout: str, ids, routing, weights, ref) -> dic
     diff = sum(float((grads[k].double() - g).pow(2).sum()) for k, g in ref["grads"].items() if k in grads)
     norm = sum(float(g.pow(2).sum()) for g in ref["grads"].values())
     out["grad_rel"] = (diff / norm) ** 0.5
+    router = [k for k in ref["grads"] if k.endswith("mlp.gate.weight")]
+    out["router_grad_rel"] = (sum(float((grads[k].double() - ref["grads"][k]).pow(2).sum()) for k in router)
+                              / sum(float(ref["grads"][k].pow(2).sum()) for k in router)) ** 0.5
     out["grad_norm_rel"] = abs(out["grad_norm"] - norm ** 0.5) / norm ** 0.5
     out["grads_missing"] = sorted(set(ref["grads"]) - set(grads))
     out["router_grad"] = sum(float(g.abs().sum()) for k, g in grads.items() if k.endswith("mlp.gate.weight"))
@@ -192,38 +198,50 @@ def _no_replay_engine_refuses(rank, model_dir, ids, routing) -> str:
 def _run(rank, world, cases):
     results = [_layout_run(rank, *case) for case in cases]
     model_dir, _, ids, routing, _, _ = cases[0]
-    return {"layouts": results, "refused": _no_replay_engine_refuses(rank, model_dir, ids, routing)}
+    refused = _no_replay_engine_refuses(rank, model_dir, ids, routing) if world == 2 else None
+    return {"layouts": results, "refused": refused}
 
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
+    """{world size: per-rank results} of one launch per world size."""
     from verl_lite.utils.tiny_model import make_tiny_moe_model
 
     ids, routing, weights = _problem()
-    cases = []
+    cases: dict[int, list] = {}
     for arch, layouts in (("qwen3_moe", list(LAYOUTS)), ("qwen2_moe", ["tp2_sp"])):
         model_dir = str(make_tiny_moe_model(tmp_path_factory.mktemp(arch) / "m", arch, num_layers=NUM_LAYERS,
                                             num_experts=NUM_EXPERTS, top_k=TOP_K, seed=5))
         ref = _reference(model_dir, ids, routing, weights)
-        cases += [(model_dir, layout, ids, routing, weights, ref) for layout in layouts]
-    return spawn_ranks(_run, 2, cases, timeout_s=300.0)
+        for layout in layouts:
+            cases.setdefault(LAYOUTS[layout][0], []).append((model_dir, layout, ids, routing, weights, ref))
+    return {world: spawn_ranks(_run, world, world_cases, timeout_s=300.0) for world, world_cases in cases.items()}
 
 
 def test_replayed_routing_gives_the_forced_float64_log_probs_and_gradients(launch):
-    compared = set()
-    for rank, res in enumerate(launch):
-        for k, r in enumerate(res["layouts"]):
-            assert r["grad_rel"] < 1e-5 and r["grad_norm_rel"] < 1e-5 and not r["grads_missing"], (rank, k, r)
-            assert r["router_grad"] > 0, (rank, k, r)  # the router learns through the replayed gates
-            if "lp_err" in r:
-                compared.add(k)
-                assert r["lp_err"] < 1e-5 and r["own_lp_err"] < 1e-5, (rank, k, r)
-                assert r["forced_vs_own"] > 1e-2, (rank, k, r)  # the forced routing changes the outputs
-                assert r["counts_equal"] and r["mismatched"] > 0, (rank, k, r)
-                assert r["recorded_equal"] and r["replay_recorded_err"] < 1e-6, (rank, k, r)
-    assert compared == set(range(len(launch[0]["layouts"])))
+    layouts = set()
+    for world, ranks in launch.items():
+        compared = set()
+        for rank, res in enumerate(ranks):
+            for k, r in enumerate(res["layouts"]):
+                layouts.add(r["layout"])
+                _check_layout(r, (world, rank, k))
+                compared.add(k) if "lp_err" in r else None
+        assert compared == set(range(len(ranks[0]["layouts"]))), world  # every layout's outputs read somewhere
+    assert layouts == set(LAYOUTS)
+
+
+def _check_layout(r: dict, where) -> None:
+    assert r["grad_rel"] < 1e-5 and r["grad_norm_rel"] < 1e-5 and not r["grads_missing"], (where, r)
+    assert r["router_grad_rel"] < 1e-5, (where, r)
+    assert r["router_grad"] > 0, (where, r)  # the router learns through the replayed gates
+    if "lp_err" in r:
+        assert r["lp_err"] < 1e-5 and r["own_lp_err"] < 1e-5, (where, r)
+        assert r["forced_vs_own"] > 1e-2, (where, r)  # the forced routing changes the outputs
+        assert r["counts_equal"] and r["mismatched"] > 0, (where, r)
+        assert r["recorded_equal"] and r["replay_recorded_err"] < 1e-6, (where, r)
 
 
 def test_routing_for_an_engine_without_replay_is_refused(launch):
-    for res in launch:
+    for res in launch[2]:
         assert "SequenceBatch.routing given to an engine built without routing_replay" in res["refused"]
