@@ -89,9 +89,10 @@ class Updates:
                                self.placement.teacher, *topk)
 
     def old_log_probs_and_correction(self, batch: Batch, m: dict) -> None:
-        """The old policy's log-probs and entropy into ``batch``, and the rollout policy against it: the log-prob
-        gap always; off-policy the rollout correction's metrics and weights; verl's rejection leaves the rejected
-        tokens out of ``response_mask``. Bypass mode: the old log-probs are the rollout's (the loss corrects)."""
+        """The old policy's log-probs and entropy into ``batch``, and the rollout policy against it: the mismatch
+        metrics (log-prob gap, KL, verl's off-policy metrics; with routing replay the routing mismatch) always;
+        off-policy the rollout correction's weights; verl's rejection leaves the rejected tokens out of
+        ``response_mask``. Bypass mode: the old log-probs are the rollout's (the loss corrects)."""
         if self.cfg.algorithm.rollout_correction.bypass_mode:
             batch.set("old_log_probs", batch["rollout_log_probs"])
             return
@@ -105,8 +106,7 @@ class Updates:
             m.update({f"rollout/{name}": share for name, share in shares.items()})
         mask = batch["response_mask"]
         corr = rollout_correction(old["log_probs"], batch["rollout_log_probs"], mask, **correction_settings(self.cfg))
-        m.update({k: float(v) for k, v in corr.metrics.items()
-                  if off_policy(self.cfg) or k.startswith("rollout/logprob_diff")})
+        m.update({k: float(v) for k, v in corr.metrics.items()})  # the gen-vs-train gap, every step it is measured
         cap = self.cfg.actor_rollout_ref.actor.tis_imp_ratio_cap
         if cap > 0:  # rollout/trainer mismatch correction on the policy loss
             batch.set("is_weights", truncated_is_weights(old["log_probs"], batch["rollout_log_probs"], mask, cap))
