@@ -1,5 +1,7 @@
 """The worker's only data transform: a Batch piece -> the engine's SequenceBatch."""
 
+from types import SimpleNamespace
+
 import torch
 
 from verl_lite.protocol import Batch, response_lengths
@@ -37,6 +39,8 @@ def test_masks_with_holes_keep_every_response_token():
 
 class _CountingActor:
     """An engine stand-in: each optimizer step bumps a version the exported weight carries."""
+
+    cfg = SimpleNamespace(routing_replay=False)
 
     def __init__(self):
         self.version = 0

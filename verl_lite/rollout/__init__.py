@@ -52,7 +52,8 @@ def rollout_kwargs(rollout_cfg, max_model_len: int | None = None) -> dict:
     if rollout_cfg.name == "hf":
         import torch
 
-        return {"dtype": getattr(torch, rollout_cfg.dtype), "record_routing": rollout_cfg.enable_rollout_routing_replay}
+        record = {"record_routing": True} if rollout_cfg.enable_rollout_routing_replay else {}  # R3 (routing replay)
+        return {"dtype": getattr(torch, rollout_cfg.dtype), **record}
     if rollout_cfg.name == "vllm":
         return {
             "dtype": rollout_cfg.dtype,

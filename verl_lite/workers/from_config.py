@@ -43,7 +43,8 @@ def judge_worker_config(cfg) -> RolloutWorkerConfig:
 
     rm = cfg.reward_model
     r = rm.rollout
-    backend = SimpleNamespace(**vars(r), tensor_model_parallel_size=1)  # one full judge model (the only TP built)
+    # one full judge model (the only TP built), recording no routing (nothing replays a judge's)
+    backend = SimpleNamespace(**vars(r), tensor_model_parallel_size=1, enable_rollout_routing_replay=False)
     return RolloutWorkerConfig(model_path=rm.model.path, tokenizer_path=rm.model.tokenizer_path, rollout_name=r.name,
                                rollout_kwargs=rollout_kwargs(backend, r.prompt_length + r.response_length))
 
