@@ -23,7 +23,7 @@ One multi-process launch per rank count runs every config and layout.
 
 The cut (memory and time: 2-4 ranks on a shared 2-core, 24 GB machine each hold an HF model, its
 float64 copy of the decoder layers and their shards): ``num_hidden_layers = 2`` (one per PP2 stage),
-``hidden_size = 256``, ``intermediate_size = 512`` (the vocabulary matrices, 128k-152k rows x hidden, are
+``hidden_size = 128``, ``intermediate_size = 256`` (the vocabulary matrices, 128k-152k rows x hidden, are
 most of the launch's time). Never cut: the
 vocabulary, num heads, KV heads, head_dim (pinned to the real value, so q/k/v keep the real head
 layout and GQA ratio), tied/untied embeddings, RoPE (theta, Llama-3 scaling), RMS eps, q/k/v bias,
@@ -44,7 +44,7 @@ from .conftest import pack, pipeline_forward, spawn_ranks, use_layout
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "verl_lite" / "assets" / "model_configs"
 REAL_MODELS = sorted(p.name for p in CONFIG_DIR.iterdir() if (p / "config.json").is_file())
 TRUE_TOKENIZER_VOCAB = {"qwen2": 151665, "qwen3": 151669, "llama": 128255}  # llama: an odd variant
-MAX_HIDDEN, CUT_HIDDEN, CUT_INTERMEDIATE = 256, 256, 512
+MAX_HIDDEN, CUT_HIDDEN, CUT_INTERMEDIATE = 128, 128, 256
 LENGTHS = [9, 1, 16, 6]
 TOL = 1e-5
 
