@@ -217,6 +217,37 @@ def test_the_distill_recipe_with_the_teacher_on_workers_of_its_own(shipped, tmp_
     assert rows["own"]["actor/distillation/kl"] > 0
 
 
+def test_a_teacher_of_another_size_and_layout(shipped, tmp_path, shared_ray):  # noqa: F811
+    """A teacher larger than the student (Qwen3, 192 wide, 6 layers, tied embeddings, against the student's Qwen2,
+    128 wide, 4 layers) in a layout of its own (TP2 over the actor's two DP workers) scores the student's samples:
+    two steps of each loss family (k3 as a loss, top-k forward KL as a per-token reward) train, with the teacher
+    timed and its KL logged."""
+    from verl_lite.data import save_char_tokenizer
+    from verl_lite.trainer import main_ppo
+    from verl_lite.utils import make_tiny_hf_model
+
+    teacher = make_tiny_hf_model(tmp_path / "teacher", "qwen3", vocab_size=128, hidden_size=192, num_layers=6,
+                                 num_attention_heads=6, num_key_value_heads=2, intermediate_size=384,
+                                 tie_word_embeddings=True, seed=4)
+    save_char_tokenizer(teacher)
+    L = "distillation.distillation_loss"
+    for name, loss in (("k3", {f"{L}.loss_mode": "k3", f"{L}.use_policy_gradient": "false"}),
+                       ("topk", {f"{L}.loss_mode": "forward_kl_topk", f"{L}.topk": 16})):
+        out = tmp_path / name
+        overrides = {**shipped, "data.train_batch_size": 4, "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+                     "actor_rollout_ref.rollout.n": 2, "trainer.total_training_steps": 2, "trainer.test_freq": 0,
+                     "trainer.val_before_train": "false", "trainer.n_gpus_per_node": 2, "trainer.logger": "[jsonl]",
+                     "trainer.output_dir": str(out), "distillation.teacher_model.model_path": str(teacher),
+                     "distillation.teacher_model.megatron.tensor_model_parallel_size": 2, **loss}
+        argv = ["--recipe", str(RECIPES / "distill.yaml")] + [f"{k}={v}" for k, v in overrides.items()]
+        assert main_ppo.main(argv) == 0
+        rows = [json.loads(line) for line in next(out.glob("*/metrics.jsonl")).read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1, 2], name
+        for r in rows:
+            assert r["timing_s/teacher_log_prob"] > 0 and r["actor/distillation/kl"] > 0, (name, r)
+            assert math.isfinite(r["actor/grad_norm"]), (name, r)
+
+
 def test_ppo_with_the_critic_on_workers_of_its_own(shipped, tmp_path, shared_ray):  # noqa: F811
     """``critic.num_workers``: the critic on one worker of its own beside the actor's one gives the colocated
     critic's first update (value loss, explained variance) and the same actor update; across nodes it is refused
