@@ -65,8 +65,9 @@ class RouterReplayConfig:
         if not rollout.enable_rollout_routing_replay:
             out.append(f"{K}=R3 replays the rollout's routing: set {R}.enable_rollout_routing_replay=true (verl's rule)")
         if rollout.name != "hf":
-            out.append(f"{K}=R3 with {R}.name={rollout.name}: only the hf rollout records routing here (vLLM's "
-                       f"routed-experts return is not wired); use name=hf")
+            out.append(f"{K}=R3 with {R}.name={rollout.name}: only the hf rollout records routing here (vLLM 0.32's "
+                       f"enable_return_routed_experts needs its model runner V2, which needs Triton; not wired); "
+                       f"use name=hf")
         if rollout.multi_turn.enable or trainer_mode == "separate_async":
             out.append(f"{K}=R3 with multi-turn agents or streamed partial rollouts (trainer.v1.trainer_mode="
                        f"separate_async) is not built: their trajectories join several generate calls, whose routing "
