@@ -33,10 +33,20 @@ def test_select_chunk_concat_union_keep_rows_aligned():
 
 
 def test_concat_pads_ragged_widths():
-    a = Batch.from_dict({"m": torch.ones(2, 3)})
-    b = Batch.from_dict({"m": torch.ones(1, 5)})
+    a = Batch.from_dict({"m": torch.ones(2, 3), "r": torch.ones(2, 3, 4, 2, dtype=torch.uint8)})
+    b = Batch.from_dict({"m": torch.ones(1, 5), "r": torch.ones(1, 5, 4, 2, dtype=torch.uint8)})
     c = Batch.concat([a, b])
     assert c["m"].shape == (3, 5) and c["m"].sum().item() == 2 * 3 + 5
+    # [n, W, ...] columns (routing: [n, tokens, layers, k]) pad their second dim the same way
+    assert c["r"].shape == (3, 5, 4, 2) and c["r"].dtype == torch.uint8 and int(c["r"].sum()) == (2 * 3 + 5) * 8
+
+
+def test_gather_pads_ragged_widths_of_any_rank():
+    b = _batch(4)
+    shards = shard_evenly(b, 2)
+    outs = [{"r": torch.ones(2, width, 3, dtype=torch.uint8) * (d + 1)} for d, width in enumerate((2, 4))]
+    got = shards.gather(outs)["r"]
+    assert got.shape == (4, 4, 3) and got[:2, :2].eq(1).all() and got[:2, 2:].eq(0).all() and got[2:].eq(2).all()
 
 
 @pytest.mark.parametrize("dp,mbs", [(1, 2), (2, 1), (2, 3), (4, 2)])
