@@ -35,7 +35,7 @@ def _engine_config(model_dir, par):
     return EngineConfig(model_path=model_dir, megatron=par, optim=OptimConfig(lr=1e-3))
 
 
-def _worker(rank, world, port, model_dir, ckpt, out):
+def _worker(rank, world, port, model_dir, ckpt, out, layout=(("ep", 2),)):
     torch.set_num_threads(1)
     try:
         import torch.distributed as dist
@@ -44,22 +44,27 @@ def _worker(rank, world, port, model_dir, ckpt, out):
         from verl_lite.engine.config import MegatronConfig
         from verl_lite.engine.engine import MegatronEngine, SequenceBatch
 
-        par = MegatronConfig.layout(ep=2, timeout_s=120)
+        from megatron.core import parallel_state as ps
+
+        par = MegatronConfig.layout(timeout_s=120, **dict(layout))
         init_distributed(rank, world, "127.0.0.1", port, par)
         cfg = _engine_config(model_dir, par)
-        batch = SequenceBatch(_rank_sequences(rank), [4, 4], {"w": torch.full((2, 4), 1 / 16)})
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()  # TP2: one DP rank, all sequences
+        sequences = [s for r in range(2) if r % dp == dp_rank for s in _rank_sequences(r)]
+        batch = SequenceBatch(sequences, [4] * len(sequences), {"w": torch.full((len(sequences), 4), 1 / (32 // dp))})
         loss_fn = _loss_fn
 
         engine = MegatronEngine(cfg)
-        engine.train_step(batch, [[0, 1]], loss_fn, global_token_count=TOKENS)
+        micro = [list(range(len(sequences)))]
+        engine.train_step(batch, micro, loss_fn, global_token_count=TOKENS)
         engine.save_checkpoint(ckpt)
         saved = dict(engine.export_hf("param"))
-        engine.train_step(batch, [[0, 1]], loss_fn, global_token_count=TOKENS)
+        engine.train_step(batch, micro, loss_fn, global_token_count=TOKENS)
         stepped = dict(engine.export_hf("param"))
         resumed = MegatronEngine(cfg)
         resumed.load_checkpoint(ckpt)
         loaded = dict(resumed.export_hf("param"))
-        resumed.train_step(batch, [[0, 1]], loss_fn, global_token_count=TOKENS)
+        resumed.train_step(batch, micro, loss_fn, global_token_count=TOKENS)
         restepped = dict(resumed.export_hf("param"))
         if rank == 0:
             Path(out).write_text(repr((
@@ -99,6 +104,34 @@ def _ep1_worker(rank, world, port, model_dir, ckpt, out):
     except BaseException:
         Path(f"{out}.rank{rank}.err").write_text(traceback.format_exc())
         raise
+
+
+def test_moe_checkpoint_at_tp2_resumes_exactly_and_refuses_tp1(tmp_path):
+    """TP2 with sequence parallelism at EP1: the TP ranks route their own tokens, so the experts are reduced over the
+    expert-data-parallel group in an optimizer of their own (compat.reduce_replicated_experts); the checkpoint resumes
+    bit-exactly at TP2, and a trainable engine at TP1 (experts with the dense weights) refuses it with the reason."""
+    import torch.multiprocessing as mp
+
+    from verl_lite.utils.net import free_port
+    from verl_lite.utils.tiny_model import make_tiny_moe_model
+
+    model = make_tiny_moe_model(tmp_path / "model", "qwen3_moe")
+    out = tmp_path / "out.txt"
+    layout = (("tp", 2), ("sequence_parallel", True))
+    try:
+        mp.spawn(_worker, args=(2, free_port(), str(model), str(tmp_path / "ckpt"), str(out), layout), nprocs=2)
+    except Exception as e:
+        raise RuntimeError("\n".join(p.read_text()[-3000:] for p in tmp_path.glob("out.txt.rank*.err"))) from e
+    load_diff, resume_diff, step_size = eval(out.read_text())
+    assert step_size > 0 and load_diff == 0.0 and resume_diff == 0.0, (load_diff, resume_diff, step_size)
+    try:
+        mp.spawn(_ep1_worker, args=(1, free_port(), str(model), str(tmp_path / "ckpt"), str(out)), nprocs=1)
+    except Exception as e:
+        raise RuntimeError("\n".join(p.read_text()[-3000:] for p in tmp_path.glob("out.txt.rank*.err"))) from e
+    trainable, forward_only = eval(Path(f"{out}.ep1").read_text())
+    assert "keeps the experts' optimizer state in an optimizer of their own (saved at tensor_model_parallel_size=2" \
+        in trainable and "resume with the saved tensor_model_parallel_size=2" in trainable, trainable
+    assert forward_only == "", forward_only  # weights alone load at TP1
 
 
 def test_moe_checkpoint_resume_is_bit_exact(tmp_path):

@@ -215,6 +215,9 @@ def _describe(engine) -> dict:
                    "ep": engine.cfg.megatron.ep},
         "value_head": bool(engine.cfg.value_head),
         "with_optimizer": engine.optimizer is not None,
+        # expert weights reduced over the expert-data-parallel group, in an optimizer of their own (EP > 1, or TP > 1
+        # at EP = 1: compat.megatron_internals.reduce_replicated_experts)
+        "expert_optimizer": any(not getattr(p, "allreduce", True) for chunk in engine.chunks for p in chunk.parameters()),
         "use_distributed_optimizer": bool(engine.optimizer is not None and engine.cfg.megatron.use_distributed_optimizer),
         "params_dtype": canonical_dtype(engine.cfg.megatron.dtype),
         "padded_vocab_size": padded_vocab_size(hf.vocab_size, engine.tp),
@@ -330,6 +333,16 @@ def check_compatible(engine, saved: dict) -> None:
             f"experts' optimizer state in an optimizer of its own only when EP > 1, and an EP change misplaces "
             f"weights); resume with expert_model_parallel_size={saved_ep} (TP/PP/CP/DP may change), or export the "
             f"weights in the saved layout (python -m verl_lite.trainer.export) and start a new run from them")
+    saved_apart = saved.get("expert_optimizer", saved_ep > 1)
+    if here["with_optimizer"] and saved["with_optimizer"] and saved_apart != here["expert_optimizer"]:
+        kept = {True: "in an optimizer of their own", False: "with the dense weights"}
+        raise CheckpointLayoutError(
+            f"the checkpoint keeps the experts' optimizer state {kept[saved_apart]} (saved at tensor_model_parallel_size="
+            f"{saved['layout']['tp']}, expert_model_parallel_size={saved_ep}) and this engine keeps it "
+            f"{kept[here['expert_optimizer']]}: experts are reduced apart when EP > 1, or when TP > 1 at EP = 1 (each TP "
+            f"rank routes its own tokens); resume with the saved tensor_model_parallel_size={saved['layout']['tp']} and "
+            f"expert_model_parallel_size={saved_ep}, or export the weights in the saved layout (python -m "
+            f"verl_lite.trainer.export) and start a new run from them")
     if here["with_optimizer"] and not saved["with_optimizer"]:
         raise CheckpointLayoutError("the checkpoint holds no optimizer state (saved by a forward-only engine) but "
                                     "this engine trains; load the weights with load_hf or save from a trainable engine")
