@@ -37,6 +37,8 @@ LAYOUTS = {
                "actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"],
     "r2_ep2": ["trainer.n_gpus_per_node=2", f"{M}.expert_model_parallel_size=2",
                "actor_rollout_ref.actor.router_replay.mode=R2", "actor_rollout_ref.actor.ppo_epochs=2"],
+    "r3_stream": ["actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+                  "actor_rollout_ref.hybrid_engine=false", "trainer.use_v1=true", "trainer.v1.trainer_mode=separate_async"],
 }
 BF16_TOL = 0.072  # tests/parity/test_bf16_parity.py: 2 * 2^-8 * sqrt(86), relative
 
@@ -56,7 +58,7 @@ _runs: dict[str, dict] = {}
 # every run the tests below compare, largest first: the module's first test starts them two at a time
 # (a run's start-up and its 1- and 2-worker phases leave a core idle, which the other run uses)
 RUNS = [("ep2_pp2", "grpo"), ("ep2", "gae"), ("pp2_vpp2", "grpo"), ("r3_ep2", "grpo"), ("r2_ep2", "grpo"),
-        ("1", "grpo"), ("1", "gae"), ("bf16", "grpo")]
+        ("r3_stream", "grpo"), ("1", "grpo"), ("1", "gae"), ("bf16", "grpo")]
 
 
 def _all_runs(assets, model: str, tmp_path_factory) -> None:
@@ -125,6 +127,14 @@ def test_routing_replay_r2_replays_the_old_log_prob_pass_routing(tiny_assets, mo
     assert "rollout/routing_mismatch" not in row  # R2 replays nothing of the rollout's
     for layer in range(4):  # the update's routers against the recorded pass: the same weights at the first step
         assert 0.0 <= row[f"actor/routing_mismatch/layer_{layer}"] <= 0.05, row
+    assert math.isfinite(row["actor/grad_norm"]) and row["actor/grad_norm"] > 0
+
+
+def test_routing_replay_r3_streams(tiny_assets, moe_model, tmp_path_factory):
+    """R3 with streamed partial rollouts (the rollout pool's agent-loop stream, trajectories carrying their routing
+    per segment): trains, replaying every recorded token (the mismatch of the update's routers is reported)."""
+    row = first_update("r3_stream", tiny_assets, moe_model, tmp_path_factory)
+    assert all(0.0 <= row[f"actor/routing_mismatch/layer_{layer}"] <= 0.05 for layer in range(4)), row
     assert math.isfinite(row["actor/grad_norm"]) and row["actor/grad_norm"] > 0
 
 

@@ -84,20 +84,47 @@ class Trajectory:
     tool_rewards: list[float] = field(default_factory=list)
     stop_reason: str = ""
     extra: dict = field(default_factory=dict)  # free space for custom loops
+    # MoE routing replay (R3): each token's experts [prompt + response so far, layers, k], per segment: a token keeps
+    # the routing of the call that first fed it to the model (the prompt: the first prefill; a model token: the
+    # decode step after its draw; an environment token: the next call's prefill)
+    routing: object = None
 
     def room(self) -> int:
         """Response tokens still allowed (model and environment together)."""
         return self.budget - len(self.response_ids)
 
-    def add_model(self, ids: list[int], log_probs: list[float], version: int | None = None) -> None:
+    def add_model(self, ids: list[int], log_probs: list[float], version: int | None = None, routing=None) -> None:
+        """A model segment; ``routing``: the call's recorded routing of prompt + response so far + ``ids``."""
         if len(ids) != len(log_probs):
             raise ValueError(f"model segment: {len(ids)} tokens but {len(log_probs)} log-probs")
         if len(ids) > self.room():
             raise ValueError(f"model segment of {len(ids)} tokens exceeds the {self.room()} left of the response")
+        if routing is not None:
+            self._merge_routing(routing[: len(self.prompt_ids) + len(self.response_ids) + len(ids)])
         self.response_ids += list(ids)
         self.response_mask += [1] * len(ids)
         self.log_probs += [float(x) for x in log_probs]
         self.segment_versions.append(version)
+
+    def _merge_routing(self, call_routing) -> None:
+        """Take ``call_routing`` where this trajectory has none yet (see ``routing``)."""
+        from verl_lite.engine.moe import UNKNOWN_EXPERT
+
+        merged = call_routing.clone()
+        if self.routing is not None:
+            kept = self.routing[: merged.shape[0]]
+            known = (kept != UNKNOWN_EXPERT).all(-1)
+            merged[: kept.shape[0]][known] = kept[known]
+        self.routing = merged
+
+    def _padded_routing(self):
+        import torch
+
+        from verl_lite.engine.moe import UNKNOWN_EXPERT
+
+        length = len(self.prompt_ids) + len(self.response_ids)
+        pad = self.routing.new_full((length - self.routing.shape[0], *self.routing.shape[1:]), UNKNOWN_EXPERT)
+        return torch.cat([self.routing, pad])
 
     def add_env(self, ids: list[int]) -> bool:
         """Append environment tokens (mask 0). False (nothing added) when they do not fit the response."""
@@ -109,9 +136,13 @@ class Trajectory:
         return True
 
     def output(self) -> dict:
-        """What the worker sends back: tokens, mask, log-probs, per-turn rewards and the stats metrics use."""
+        """What the worker sends back: tokens, mask, log-probs, per-turn rewards and the stats metrics use (and the
+        routing, ``UNKNOWN_EXPERT`` on the tokens no call fed: the trailing ones)."""
+        from verl_lite.rollout.base import ROUTED_EXPERTS_KEY  # lazy: tool processes import this package, not torch
+
         model = sum(self.response_mask)
-        return {
+        routing = {} if self.routing is None else {ROUTED_EXPERTS_KEY: self._padded_routing()}
+        return {**routing,
             "response_ids": self.response_ids, "response_mask": self.response_mask, "log_probs": self.log_probs,
             "turn_scores": list(self.turn_scores), "tool_rewards": list(self.tool_rewards),
             "segment_versions": list(self.segment_versions),
@@ -318,9 +349,9 @@ class _TurnBatcher:
         self.wake = asyncio.Event()
         self.calls = 0  # backend calls made
 
-    async def generate(self, ids: list[int], max_new: int, seed: int | None) -> tuple[list[int], list[float], int | None, bool]:
-        """The turn's tokens, their log-probs, the policy version that generated them and whether a weight load
-        cut the turn short (``VersionedRollout``)."""
+    async def generate(self, ids: list[int], max_new: int, seed: int | None) -> tuple:
+        """The turn's tokens, their log-probs, the policy version that generated them, whether a weight load
+        cut the turn short (``VersionedRollout``) and the call's routing (MoE with record_routing; else None)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         if not self.waiting:
@@ -363,6 +394,8 @@ class _TurnBatcher:
             await self._flush(batch)
 
     async def _flush(self, batch) -> None:
+        from verl_lite.rollout.base import ROUTED_EXPERTS_KEY
+
         seeds = [s for _, _, s, _ in batch]
         kw = dict(self.sampling, n=1, max_new_tokens=max(m for _, m, _, _ in batch))
         if all(s is not None for s in seeds):
@@ -377,7 +410,8 @@ class _TurnBatcher:
         for (_, max_new, _, future), o in zip(batch, outs):
             lp = o["log_probs"]
             lp = lp.tolist() if hasattr(lp, "tolist") else list(lp)
-            future.set_result((list(o["response_ids"])[:max_new], lp[:max_new], version, bool(o.get("interrupted"))))
+            future.set_result((list(o["response_ids"])[:max_new], lp[:max_new], version, bool(o.get("interrupted")),
+                               o.get(ROUTED_EXPERTS_KEY)))
 
 
 @dataclass
@@ -409,9 +443,9 @@ class AgentContext:
         seed = None if self.seed is None else turn_seed(self.seed, self.sample, traj.assistant_turns)
         turn: list[int] = []
         while True:  # a turn a weight load cut short goes on with the new weights, one segment per version
-            ids, lps, version, interrupted = await self.batcher.generate(traj.prompt_ids + traj.response_ids,
-                                                                         traj.room(), seed)
-            traj.add_model(ids, lps, version)
+            ids, lps, version, interrupted, routing = await self.batcher.generate(traj.prompt_ids + traj.response_ids,
+                                                                                  traj.room(), seed)
+            traj.add_model(ids, lps, version, routing)
             turn += ids
             if not interrupted or traj.room() <= 0:
                 break

@@ -43,9 +43,9 @@ class RouterReplayConfig:
 
     mode: str = "disabled"  # disabled | R2: the update replays the old-log-prob pass's own routing | R3: both forwards replay the rollout's
 
-    def problems(self, A: str, rollout, moe: bool, trainer_mode: str, bypass_mode: bool) -> list[str]:
-        """The mode's rules with the ``rollout`` section; ``moe``: the actor's model has experts; ``trainer_mode``:
-        ``trainer.v1.trainer_mode``; ``bypass_mode``: ``algorithm.rollout_correction.bypass_mode``."""
+    def problems(self, A: str, rollout, moe: bool, bypass_mode: bool) -> list[str]:
+        """The mode's rules with the ``rollout`` section; ``moe``: the actor's model has experts; ``bypass_mode``:
+        ``algorithm.rollout_correction.bypass_mode``."""
         K, R = f"{A}.router_replay.mode", "actor_rollout_ref.rollout"
         if self.mode not in ROUTER_REPLAY_MODES:
             return [f"{K}={self.mode!r} is unknown; choose one of {list(ROUTER_REPLAY_MODES)}"]
@@ -68,10 +68,6 @@ class RouterReplayConfig:
             out.append(f"{K}=R3 with {R}.name={rollout.name}: only the hf rollout records routing here (vLLM 0.32's "
                        f"enable_return_routed_experts needs its model runner V2, which needs Triton; not wired); "
                        f"use name=hf")
-        if rollout.multi_turn.enable or trainer_mode == "separate_async":
-            out.append(f"{K}=R3 with multi-turn agents or streamed partial rollouts (trainer.v1.trainer_mode="
-                       f"separate_async) is not built: their trajectories join several generate calls, whose routing "
-                       f"is not carried; use single-turn generation (synchronous or one-step-off)")
         return out
 
 

@@ -194,7 +194,7 @@ def _section_problems(cfg: PPOConfig, needs, n: int | None) -> list[str]:
             p.append(f"{key}.enable_gradient_checkpointing=true: megatron's activation recompute saves and restores "
                      f"the CUDA RNG state, so it runs on GPU only; set it false on CPU")
     moe = (read_config(arr.model.path) or {}).get("model_type") in MOE_MODEL_TYPES
-    p.extend(actor.router_replay.problems(A, rollout, moe, tr.v1.trainer_mode, alg.rollout_correction.bypass_mode))
+    p.extend(actor.router_replay.problems(A, rollout, moe, alg.rollout_correction.bypass_mode))
     if actor.router_replay.mode != "disabled" and arr.model.enable_gradient_checkpointing:
         p.append(f"{A}.router_replay.mode={actor.router_replay.mode} with actor_rollout_ref.model.enable_gradient_checkpointing=true is not "
                  f"built (a recomputed router forward would replay another micro-batch's routing); turn one off")
