@@ -25,6 +25,7 @@ from tests.e2e.conftest import tiny_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 M = "actor_rollout_ref.actor.megatron"
+R3 = ["actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"]
 LAYOUTS = {
     "1": [],
     "ep2_pp2": ["trainer.n_gpus_per_node=4", f"{M}.expert_model_parallel_size=2", f"{M}.pipeline_model_parallel_size=2"],
@@ -33,12 +34,11 @@ LAYOUTS = {
     "bf16": [f"{M}.dtype=bfloat16"],
     "ep2": ["trainer.n_gpus_per_node=2", f"{M}.expert_model_parallel_size=2",
             "critic.megatron.expert_model_parallel_size=2"],
-    "r3_ep2": ["trainer.n_gpus_per_node=2", f"{M}.expert_model_parallel_size=2",
-               "actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"],
+    "r3_ep2": ["trainer.n_gpus_per_node=2", f"{M}.expert_model_parallel_size=2", *R3],
     "r2_ep2": ["trainer.n_gpus_per_node=2", f"{M}.expert_model_parallel_size=2",
                "actor_rollout_ref.actor.router_replay.mode=R2", "actor_rollout_ref.actor.ppo_epochs=2"],
-    "r3_stream": ["actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
-                  "actor_rollout_ref.hybrid_engine=false", "trainer.use_v1=true", "trainer.v1.trainer_mode=separate_async"],
+    "r3_stream": [*R3, "actor_rollout_ref.hybrid_engine=false", "trainer.use_v1=true",
+                  "trainer.v1.trainer_mode=separate_async"],
 }
 BF16_TOL = 0.072  # tests/parity/test_bf16_parity.py: 2 * 2^-8 * sqrt(86), relative
 

@@ -401,7 +401,8 @@ class _TurnBatcher:
         if all(s is not None for s in seeds):
             kw["seeds"] = seeds
         try:
-            outs, version = await asyncio.to_thread(self.rollout.generate_versioned, [ids for ids, _, _, _ in batch], **kw)
+            prompts = [ids for ids, _, _, _ in batch]
+            outs, version = await asyncio.to_thread(self.rollout.generate_versioned, prompts, **kw)
             self.calls += 1
         except BaseException as e:
             for *_, future in batch:
