@@ -20,6 +20,10 @@ import torch
 
 from verl_lite.compat.lazy_compile import compile_decorators_deferred
 
+# a sample's (and the batch's) MoE routing per token, [tokens, layers, k] uint8: HFRollout(record_routing), the agent
+# loop's trajectories, the engine's routing replay
+ROUTED_EXPERTS_KEY = "routed_experts"
+
 with compile_decorators_deferred():  # tensordict's import-time allow_in_graph would import torch._dynamo (a large import)
     from tensordict import TensorDict
 

@@ -138,7 +138,7 @@ class Trajectory:
     def output(self) -> dict:
         """What the worker sends back: tokens, mask, log-probs, per-turn rewards and the stats metrics use (and the
         routing, ``UNKNOWN_EXPERT`` on the tokens no call fed: the trailing ones)."""
-        from verl_lite.rollout.base import ROUTED_EXPERTS_KEY  # lazy: tool processes import this package, not torch
+        from verl_lite.protocol import ROUTED_EXPERTS_KEY  # lazy: tool processes import this package, not torch
 
         model = sum(self.response_mask)
         routing = {} if self.routing is None else {ROUTED_EXPERTS_KEY: self._padded_routing()}
@@ -394,7 +394,7 @@ class _TurnBatcher:
             await self._flush(batch)
 
     async def _flush(self, batch) -> None:
-        from verl_lite.rollout.base import ROUTED_EXPERTS_KEY
+        from verl_lite.protocol import ROUTED_EXPERTS_KEY
 
         seeds = [s for _, _, s, _ in batch]
         kw = dict(self.sampling, n=1, max_new_tokens=max(m for _, m, _, _ in batch))

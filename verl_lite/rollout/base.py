@@ -61,9 +61,6 @@ class Rollout:
         raise NotImplementedError
 
 
-ROUTED_EXPERTS_KEY = "routed_experts"  # a result's (and the batch's) MoE routing per token: HFRollout(record_routing)
-
-
 def rollout_temperature(temperature: float) -> float:
     """T of the reported log-probs: ``temperature`` if > 0, else 1 (greedy at temperature 0)."""
     return float(temperature) if temperature and temperature > 0 else 1.0

@@ -25,7 +25,8 @@ from verl_lite.compat.torch_internals import torch_function_disabled
 from verl_lite.engine.attention import MATMUL_ATTENTION_DTYPES, grouped_matmul_attention
 from verl_lite.engine.hf_bridge import fused_expert_view
 from verl_lite.engine.moe import UNKNOWN_EXPERT
-from verl_lite.rollout.base import ROUTED_EXPERTS_KEY, Rollout, rollout_temperature
+from verl_lite.protocol import ROUTED_EXPERTS_KEY
+from verl_lite.rollout.base import Rollout, rollout_temperature
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:

@@ -13,10 +13,9 @@ from verl_lite.algorithms import groups_with_signal, overlong_penalty
 from verl_lite.controller import RoleGroup
 from verl_lite.engine.moe import UNKNOWN_EXPERT
 from verl_lite.errors import RunFailure
-from verl_lite.protocol import Batch, response_lengths
+from verl_lite.protocol import ROUTED_EXPERTS_KEY, Batch, response_lengths
 from verl_lite.reward import RewardError
 from verl_lite.reward.model_reward import combine_scores
-from verl_lite.rollout.base import ROUTED_EXPERTS_KEY
 from verl_lite.trainer import metrics as M
 from verl_lite.utils.seeds import dynamic_sampling_seed, rollout_seed
 

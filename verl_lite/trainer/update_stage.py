@@ -16,8 +16,7 @@ from verl_lite.engine.engine import NonFiniteStepError
 from verl_lite.engine.moe import mismatch_shares
 from verl_lite.engine.model_files import read_config
 from verl_lite.errors import NonFiniteTraining
-from verl_lite.protocol import Batch
-from verl_lite.rollout.base import ROUTED_EXPERTS_KEY
+from verl_lite.protocol import ROUTED_EXPERTS_KEY, Batch
 from verl_lite.trainer import metrics as M
 from verl_lite.utils.seeds import cov_selection_seed, shuffle_seed
 

@@ -15,8 +15,7 @@ from verl_lite.controller.worker_group import Worker
 from verl_lite.engine.config import EngineConfig
 from verl_lite.engine.distributed import data_parallel_rank, data_parallel_size, destroy_distributed, init_distributed
 from verl_lite.engine.engine import MegatronEngine, SequenceBatch
-from verl_lite.protocol import Batch, response_lengths
-from verl_lite.rollout.base import ROUTED_EXPERTS_KEY
+from verl_lite.protocol import ROUTED_EXPERTS_KEY, Batch, response_lengths
 
 
 @dataclass
