@@ -289,7 +289,7 @@ def _fake_engine(vocab: int, tp: int):
     from verl_lite.engine.config import MegatronConfig
 
     cfg = SimpleNamespace(value_head=False, megatron=MegatronConfig())
-    return SimpleNamespace(hf_config=hf, tp=tp, pp=1, vpp=1, cp=1, dp=1, cfg=cfg, optimizer=None)
+    return SimpleNamespace(hf_config=hf, tp=tp, pp=1, vpp=1, cp=1, dp=1, cfg=cfg, optimizer=None, chunks=())
 
 
 def test_checkpoint_refuses_a_change_of_the_padded_size_and_names_the_tps_that_fit():
