@@ -383,7 +383,8 @@ class MegatronEngine:
         self._check_micro_batches(batch, micro_batches)
         return outputs, self._pack(batch, micro_batches, record_routing)
 
-    def _pack(self, batch: SequenceBatch, micro_batches: list[list[int]], record_routing: bool = False) -> list[_MicroBatch]:
+    def _pack(self, batch: SequenceBatch, micro_batches: list[list[int]],
+              record_routing: bool = False) -> list[_MicroBatch]:
         if batch.routing is not None and not self.cfg.routing_replay:
             raise ValueError("SequenceBatch.routing given to an engine built without routing_replay")
         if record_routing and (batch.routing is not None or self.tf_config.num_moe_experts is None):
@@ -398,11 +399,26 @@ class MegatronEngine:
             if batch.routing is not None or record_routing:
                 layers, k = int(self.tf_config.num_layers), int(self.tf_config.moe_router_topk)
                 for m in mbs:
-                    experts = (None if record_routing else
-                               pack_tokens(batch.routing[m.indices], m.packed, moe.UNKNOWN_EXPERT))
-                    m.routing = moe.RoutingReplay(experts, moe.sequence_ids(m.packed), len(m.indices),
+                    experts = None if record_routing else self._packed_routing(batch.routing[m.indices], m.packed)
+                    m.routing = moe.RoutingReplay(experts, moe.sequence_ids(m.packed).to(self.device), len(m.indices),
                                                   bool(self.tf_config.sequence_parallel), layers, k)
             return mbs
+
+    def _packed_routing(self, routing: torch.Tensor, packed: PackedMicroBatch) -> torch.Tensor:
+        """A micro-batch's routing to replay on the local pack (``packing.pack_tokens``), on the device; every
+        recorded id checked against the experts here, once."""
+        experts = pack_tokens(routing, packed, moe.UNKNOWN_EXPERT)
+        recorded = experts[experts != moe.UNKNOWN_EXPERT]
+        if recorded.numel() and int(recorded.max()) >= self.tf_config.num_moe_experts:
+            raise ValueError(f"replayed routing names expert {int(recorded.max())} of a model with "
+                             f"{self.tf_config.num_moe_experts} experts per layer")
+        return experts.to(self.device)
+
+    def _replica_groups(self) -> tuple:
+        """The groups of this rank's model replica (TP, CP, PP), in that order on every rank."""
+        from megatron.core import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_group(), self.cp_group, ps.get_pipeline_model_parallel_group()
 
     def _run_schedule(self, mbs: list[_MicroBatch], step_func, **kwargs):
         """megatron's pipeline schedule over the micro-batches; ``step_func(mb, output)`` makes each one's loss."""
@@ -446,7 +462,8 @@ class MegatronEngine:
                 per_token["topk_log_probs"], per_token["topk_ids"] = values, ids
             if "log_probs_at" in names:
                 ids = pack_response(mb.data[ids_key], mb.packed, width).to(logits.device)
-                per_token["log_probs_at"] = vocab_parallel_log_probs_at(logits.reshape(tokens, -1), ids, vocab_size=vocab)
+                per_token["log_probs_at"] = vocab_parallel_log_probs_at(logits.reshape(tokens, -1), ids,
+                                                                        vocab_size=vocab)
         return {k: unpack_response(v, mb.packed, width, self.cp_group) for k, v in per_token.items() if k in names}
 
     def _forward_step(self, step_func, data_iterator, model):
@@ -495,26 +512,22 @@ class MegatronEngine:
     def _recorded_routing(self, mbs: list[_MicroBatch], width: int) -> torch.Tensor:
         """The routing the micro-batches' routers chose, per sequence in micro-batch order [n, width, layers, k]
         (collective over TP, CP and PP)."""
-        from megatron.core import parallel_state as ps
-
-        groups = (ps.get_tensor_model_parallel_group(), self.cp_group, ps.get_pipeline_model_parallel_group())
+        groups = self._replica_groups()
         return torch.cat([m.routing.reduced_routing(token_positions(m.packed), width, groups) for m in mbs])
 
     def _routing_counts(self, mbs: list[_MicroBatch], whole_mini_batch: bool = False) -> dict[str, torch.Tensor]:
         """The micro-batches' routing mismatch counts per sequence, in micro-batch order, summed over TP, CP and PP
         (collective over this model replica's ranks); ``whole_mini_batch``: summed over the sequences and DP too."""
-        import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        groups = (ps.get_tensor_model_parallel_group(), self.cp_group, ps.get_pipeline_model_parallel_group())
-        counts = [m.routing.reduced_counts(groups) for m in mbs]
-        mismatched, compared = torch.cat([c[0] for c in counts]), torch.cat([c[1] for c in counts])
+        groups = self._replica_groups()
         if whole_mini_batch:
-            totals = torch.stack([mismatched.sum(0), compared.sum(0)])
-            if self.dp > 1:
-                dist.all_reduce(totals, group=ps.get_data_parallel_group())
-            mismatched, compared = totals[0], totals[1]
-        return {"routing_mismatched": mismatched, "routing_compared": compared}
+            totals = sum(torch.stack([m.routing.mismatched.sum(0), m.routing.compared.sum(0)]) for m in mbs)
+            totals = moe.summed_over(totals, (*groups, ps.get_data_parallel_group())).cpu()
+            return {"routing_mismatched": totals[0], "routing_compared": totals[1]}
+        counts = [m.routing.reduced_counts(groups) for m in mbs]
+        return {"routing_mismatched": torch.cat([c[0] for c in counts]),
+                "routing_compared": torch.cat([c[1] for c in counts])}
 
     # ------------------------------------------------------------------ train
     def train_step(self, batch: SequenceBatch, micro_batches: list[list[int]], loss_fn: LossFn,

@@ -85,37 +85,31 @@ class RoutingReplay:
 
     def __init__(self, experts: torch.Tensor | None, seq_ids: torch.Tensor, num_seqs: int, sequence_parallel: bool,
                  num_layers: int, top_k: int):
+        """``experts`` and ``seq_ids`` (``sequence_ids``) on the device the routers run on: the counts and the record
+        stay there (no host sync per layer) until :meth:`reduced_counts` / :meth:`reduced_routing`."""
         self.experts, self.seq_ids, self.sequence_parallel = experts, seq_ids, sequence_parallel
-        self.mismatched = torch.zeros(num_seqs, num_layers, dtype=torch.float64)
+        self.mismatched = torch.zeros(num_seqs, num_layers, dtype=torch.float64, device=seq_ids.device)
         self.compared = torch.zeros_like(self.mismatched)
-        self.recorded = (torch.full((seq_ids.numel(), num_layers, top_k), -1, dtype=torch.long)  # -1: not routed here
-                         if experts is None else None)
+        self.recorded = (torch.full((seq_ids.numel(), num_layers, top_k), -1, dtype=torch.long, device=seq_ids.device)
+                         if experts is None else None)  # -1: not routed here
 
     def record(self, layer_number: int, logits: torch.Tensor, top_k: int, tp_group) -> None:
         """Keep this router's own top k of its tokens (the TP slice of the local pack under sequence parallelism;
         without it only TP rank 0 keeps them, the others see the same tokens)."""
         if not (self.sequence_parallel or tp_group.rank() == 0):
             return
-        own = logits.detach().topk(top_k, dim=-1).indices.cpu()
-        if self.sequence_parallel:
-            start = tp_group.rank() * own.shape[0]
-            self.recorded[start : start + own.shape[0], layer_number - 1] = own
-        else:
-            self.recorded[:, layer_number - 1] = own
+        self._local(self.recorded, tp_group)[:, layer_number - 1] = logits.detach().topk(top_k, dim=-1).indices
 
     def reduced_routing(self, positions: torch.Tensor, width: int, groups) -> torch.Tensor:
-        """The recorded routing per sequence, uint8 ``[b, width, num_layers, k]`` (``positions``: each local row's
-        position in its sequence, -1 on padding), each token's from the rank that routed it: a sum over ``groups``
-        (TP, CP, PP) of one-hot contributions, ``UNKNOWN_EXPERT`` where no rank routed it."""
-        import torch.distributed as dist
-
+        """The recorded routing per sequence, uint8 ``[b, width, num_layers, k]`` on the CPU (``positions``: each
+        local row's position in its sequence, -1 on padding), each token's from the rank that routed it: a sum over
+        ``groups`` (TP, CP, PP) of one-hot contributions, ``UNKNOWN_EXPERT`` where no rank routed it."""
+        positions = positions.to(self.seq_ids.device)
         rows = (self.seq_ids >= 0) & (positions >= 0)
-        out = torch.zeros(self.mismatched.shape[0], width, *self.recorded.shape[1:], dtype=torch.int32)
+        out = self.recorded.new_zeros(self.mismatched.shape[0], width, *self.recorded.shape[1:], dtype=torch.int32)
         out[self.seq_ids[rows], positions[rows]] = (self.recorded[rows] + 1).to(torch.int32)  # 0: not routed here
-        for group in groups:
-            if group is not None and group.size() > 1:
-                dist.all_reduce(out, group=group)
-        return torch.where(out > 0, out - 1, UNKNOWN_EXPERT).to(torch.uint8)
+        out = summed_over(out, groups)
+        return torch.where(out > 0, out - 1, UNKNOWN_EXPERT).to(torch.uint8).cpu()
 
     def _local(self, x: torch.Tensor, tp_group) -> torch.Tensor:
         """The rows of ``x`` (the local pack's) this router sees: its TP slice under sequence parallelism."""
@@ -126,42 +120,45 @@ class RoutingReplay:
 
     def layer_experts(self, layer_number: int, logits: torch.Tensor, top_k: int, tp_group) -> torch.Tensor:
         """``[tokens, k]`` long of decoder layer ``layer_number`` (1-based, global) for the tokens this router sees
-        (``logits`` ``[tokens, E]``: its own scores, compared with the recorded choice)."""
-        recorded = self._local(self.experts[:, layer_number - 1], tp_group).to(logits.device).long()
+        (``logits`` ``[tokens, E]``: its own scores, compared with the recorded choice; the recorded ids were
+        checked against E when the micro-batch was packed)."""
+        recorded = self._local(self.experts[:, layer_number - 1], tp_group).long()
         if recorded.shape[0] != logits.shape[0]:
             raise RuntimeError(f"router saw {logits.shape[0]} tokens, the replayed routing has {recorded.shape[0]}")
         known = (recorded != UNKNOWN_EXPERT).all(-1)
-        largest = int(torch.where(known[:, None], recorded, 0).max()) if recorded.numel() else 0
-        if largest >= logits.shape[-1]:
-            raise ValueError(f"replayed routing names expert {largest} of a layer with {logits.shape[-1]}")
         own = logits.detach().topk(top_k, dim=-1).indices
         if self.sequence_parallel or tp_group.rank() == 0:
-            seq = self._local(self.seq_ids, tp_group).to(logits.device)
+            seq = self._local(self.seq_ids, tp_group)
             counted = known & (seq >= 0)
             differs = (own.sort(-1).values != recorded.sort(-1).values).any(-1)
-            self.compared[:, layer_number - 1].index_add_(0, seq[counted].cpu(), torch.ones(int(counted.sum()),
-                                                                                             dtype=torch.float64))
-            self.mismatched[:, layer_number - 1].index_add_(0, seq[counted & differs].cpu(),
-                                                            torch.ones(int((counted & differs).sum()), dtype=torch.float64))
+            rows = seq.clamp(min=0)  # padding rows add 0
+            self.compared[:, layer_number - 1].index_add_(0, rows, counted.to(torch.float64))
+            self.mismatched[:, layer_number - 1].index_add_(0, rows, (counted & differs).to(torch.float64))
         return torch.where(known[:, None], recorded, own)
 
     def reduced_counts(self, groups) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mismatched, compared) ``[b, num_layers]`` summed over ``groups`` (TP, CP and PP: every rank of a DP
-        rank's model replica, in the same order on each)."""
-        import torch.distributed as dist
-
-        counts = torch.stack([self.mismatched, self.compared])
-        for group in groups:
-            if group is not None and group.size() > 1:
-                dist.all_reduce(counts, group=group)
+        """(mismatched, compared) ``[b, num_layers]`` on the CPU, summed over ``groups`` (TP, CP and PP: every rank of
+        a DP rank's model replica, in the same order on each)."""
+        counts = summed_over(torch.stack([self.mismatched, self.compared]), groups).cpu()
         return counts[0], counts[1]
+
+
+def summed_over(x: torch.Tensor, groups) -> torch.Tensor:
+    """``x`` all-reduced (summed) over each of ``groups`` in turn (a group of one, or None, skipped)."""
+    import torch.distributed as dist
+
+    for group in groups:
+        if group is not None and group.size() > 1:
+            dist.all_reduce(x, group=group)
+    return x
 
 
 def mismatch_shares(mismatched: torch.Tensor, compared: torch.Tensor) -> dict[str, float]:
     """Of the tokens whose routing was replayed, the share whose experts the router itself would have chosen
     otherwise, per decoder layer (``routing_mismatch/layer_<l>``, 0-based, layers with any compared token) and over
     all of them (``routing_mismatch``); from counts ``[..., layers]`` (summed over the leading dims)."""
-    mismatched, compared = mismatched.reshape(-1, mismatched.shape[-1]).sum(0), compared.reshape(-1, compared.shape[-1]).sum(0)
+    mismatched = mismatched.reshape(-1, mismatched.shape[-1]).sum(0)
+    compared = compared.reshape(-1, compared.shape[-1]).sum(0)
     out = {f"routing_mismatch/layer_{layer}": float(mismatched[layer] / compared[layer])
            for layer in range(compared.numel()) if compared[layer] > 0}
     if compared.sum() > 0:

@@ -195,8 +195,8 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, vocab_size: int | None = N
     largest first; only ids below ``candidates`` (default: the vocabulary) may be chosen, the softmax is still over
     the whole vocabulary. Each rank's local top k, all-gathered over TP (rank order), then the top k of those."""
     group = _tp_group(group)
-    limit = min(x for x in (vocab_size, candidates, logits.shape[-1] * (dist.get_world_size(group) if group is not None
-                                                                        else 1)) if x is not None)
+    world = dist.get_world_size(group) if group is not None else 1
+    limit = min(x for x in (vocab_size, candidates, logits.shape[-1] * world) if x is not None)
     if not 1 <= k <= limit:
         raise ValueError(f"top-k of k={k}: must be in [1, {limit}] (the ids that may be chosen)")
     x = _masked(logits.to(_compute_dtype(logits)), _padding_mask(logits.shape[-1], vocab_size, group, logits.device))
@@ -206,9 +206,9 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, vocab_size: int | None = N
         log_probs = _masked(log_probs, torch.arange(start, start + logits.shape[-1], device=x.device) >= candidates)
     values, ids = log_probs.topk(min(k, logits.shape[-1]), dim=-1)
     ids = ids + start
-    world = dist.get_world_size(group) if group is not None else 1
     if world > 1:
-        gathered_values, gathered_ids = [torch.empty_like(values) for _ in range(world)], [torch.empty_like(ids) for _ in range(world)]
+        gathered_values = [torch.empty_like(values) for _ in range(world)]
+        gathered_ids = [torch.empty_like(ids) for _ in range(world)]
         dist.all_gather(gathered_values, values.contiguous(), group=group)
         dist.all_gather(gathered_ids, ids.contiguous(), group=group)
         values, position = torch.cat(gathered_values, dim=-1).topk(k, dim=-1)

@@ -62,7 +62,9 @@ class Updates:
         self.loss_correction = ({**correction_settings(cfg), "bypass_mode": bypass, "loss_type": rc.loss_type}
                                 if bypass or (off_policy(cfg) and old_log_probs_from_update(cfg)) else None)
         # the ids the student scores: a top-k distillation teacher chooses among these only
-        self.student_vocab_size = (read_config(cfg.actor_rollout_ref.model.path) or {}).get("vocab_size")
+        topk = cfg.distillation.enabled and uses_topk(cfg.distillation.distillation_loss.loss_mode)
+        student = read_config(cfg.actor_rollout_ref.model.path) if topk else None
+        self.student_vocab_size = (student or {}).get("vocab_size")
 
     def _log_probs(self, method: str, section, batch: Batch, role: RoleGroup | None = None, *args) -> dict:
         """``role``'s (default: the actor's) ``method`` over ``batch`` at the rollout's temperature (then ``args``),
