@@ -99,12 +99,13 @@ def causal_matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     return grouped_matmul_attention(q, k, v, scale, future.repeat(q.shape[1] // k.shape[1], 1))
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      matmul: bool = False) -> torch.Tensor:
     """Causal attention of ``[b, h, L, d]`` queries over ``[b, g, L, d]`` keys/values: ``causal_matmul_attention``
-    on the CPU speed paths where it is the faster, else SDPA."""
+    when asked (``matmul``) or on the CPU speed paths where it is the faster, else SDPA."""
     b, heads, length, _ = q.shape
-    if (speed_paths.cpu_speed_paths() and q.dtype in MATMUL_ATTENTION_DTYPES and length <= SHORT_CAUSAL_MAX_LEN
-            and b * heads * length * length <= MATMUL_ATTENTION_MAX_SCORES):
+    if matmul or (speed_paths.cpu_speed_paths() and q.dtype in MATMUL_ATTENTION_DTYPES
+                  and length <= SHORT_CAUSAL_MAX_LEN and b * heads * length * length <= MATMUL_ATTENTION_MAX_SCORES):
         return causal_matmul_attention(q, k, v, scale)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
@@ -189,6 +190,9 @@ class PackedCoreAttention(torch.nn.Module):
         requested = _OUR_NAMES.get(requested, requested)
         self.backend, self.backend_reason = select_attention_backend(requested, dtype)
         self._flash = _flash_attn_varlen() if self.backend == "flash" else None
+        # > 0: batch-invariant (engine/batch_invariant.py): every sequence's keys padded to this many positions,
+        # attention as matmuls of that one shape (set by the engine)
+        self.invariant_length = 0
         if layer_number == 1:
             logger.info("THD core attention: %s (%s)", self.backend, self.backend_reason)
 
@@ -211,6 +215,10 @@ class PackedCoreAttention(torch.nn.Module):
             raise ValueError("self-attention needs identical q and kv cu_seqlens")
         cp = self.cp_size
         shared = getattr(cu, "shared_prompts", None)
+        if self.invariant_length:
+            if cp > 1 or shared is not None:
+                raise ValueError("batch-invariant attention runs at CP = 1 without shared prompts")
+            return self._thd_batched(q, k, v, cu.tolist())
         if shared is not None:
             if cp > 1:
                 raise ValueError("a pack with shared prompts runs at CP=1 only")
@@ -276,6 +284,11 @@ class PackedCoreAttention(torch.nn.Module):
         max_len = int(lengths.max()) if lengths.numel() else 0
         if max_len == 0:
             return q.new_zeros(t_local, np_ * hn)
+        if self.invariant_length:
+            if max_len > self.invariant_length:
+                raise ValueError(f"a sequence of {max_len} positions is longer than the batch-invariant attention's "
+                                 f"{self.invariant_length}")
+            max_len = self.invariant_length
         b = lengths.numel()
         offsets = torch.arange(max_len, dtype=torch.long)
         valid = (offsets[None, :] < lengths[:, None]).reshape(-1)
@@ -299,7 +312,7 @@ class PackedCoreAttention(torch.nn.Module):
 
         qb = gather(q, lambda x: gather_rows(x, index, inverse))
         kb, vb = gather(k, key_gather), gather(v, key_gather)
-        out = _causal_attention(qb, kb, vb, self.scale)
+        out = _causal_attention(qb, kb, vb, self.scale, matmul=bool(self.invariant_length))
         out = out.permute(0, 2, 1, 3).reshape(b * max_len, np_ * hn)
         out = gather_rows(out, read.clamp(min=0), readers)
         if shared is not None:
@@ -362,7 +375,7 @@ class PackedCoreAttention(torch.nn.Module):
                 out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed, scale=self.scale,
                                                      enable_gqa=np_ != kb.shape[1])
             else:
-                out = _causal_attention(qb, kb, vb, self.scale)
+                out = _causal_attention(qb, kb, vb, self.scale, matmul=bool(self.invariant_length))
         else:
             if attention_mask is not None:
                 raise NotImplementedError("an explicit attention_mask under context parallelism is not supported; use THD packing")

@@ -443,7 +443,9 @@ class EngineConfig:
     gradient_checkpointing: megatron activation recompute (``RECOMPUTE``); adam_eps is not a config key;
     attention_backend: the THD kernel (``attention.select_attention_backend``), also set by
     ``megatron.override_transformer_config.attention_backend`` (megatron's names); routing_replay: an MoE model
-    whose routers can replay given routing (``SequenceBatch.routing``; engine/moe.py)."""
+    whose routers can replay given routing (``SequenceBatch.routing``; engine/moe.py); batch_invariant_length:
+    0, or every forward batch-invariant (engine/batch_invariant.py) with attention over this many key positions
+    (the longest sequence it may see), at TP = PP = CP = 1."""
 
     model_path: str
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
@@ -457,6 +459,7 @@ class EngineConfig:
     adam_eps: float = 1e-8
     attention_backend: str = "auto"
     routing_replay: bool = False
+    batch_invariant_length: int = 0
 
     def __post_init__(self):
         from pathlib import Path
@@ -476,6 +479,11 @@ class EngineConfig:
         _raise_on(self.megatron.problems("megatron")
                   + (self.optim.problems("optim", self.total_steps) if self.optim is not None else [])
                   + (self.lora.problems("lora") if self.lora is not None else []))
+        if self.batch_invariant_length < 0 or (self.batch_invariant_length and (
+                self.megatron.tp, self.megatron.pp, self.megatron.cp) != (1, 1, 1)):
+            raise ValueError(f"EngineConfig.batch_invariant_length={self.batch_invariant_length}: >= 0, and a batch-"
+                             f"invariant engine runs at TP = PP = CP = 1 (got tp={self.megatron.tp}, pp="
+                             f"{self.megatron.pp}, cp={self.megatron.cp}): their collectives sum in another order")
         overrides = self.megatron.override_transformer_config or {}
         if "attention_backend" in overrides:  # verl's override_transformer_config.attention_backend
             value = overrides["attention_backend"]

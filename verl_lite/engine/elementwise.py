@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from verl_lite.engine import batch_invariant
+
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
@@ -114,5 +116,9 @@ class _Rotary(torch.autograd.Function):
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE in the rotate-half layout: ``x cos + [-x2 | x1] sin`` for ``x = [x1 | x2]`` (halves of the last
-    dim); ``cos``/``sin`` broadcast against ``x`` and are constants (no gradient)."""
+    dim); ``cos``/``sin`` broadcast against ``x`` and are constants (no gradient). Batch-invariant passes take
+    the unfused form (``batch_invariant.active``)."""
+    if batch_invariant.active():
+        first, second = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-second, first], dim=-1) * sin
     return _Rotary.apply(x, cos, sin)

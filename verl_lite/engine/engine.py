@@ -3,7 +3,10 @@
 The engine knows no RL. It packs variable-length sequences (prompt + response) THD per micro-batch
 (``packing.py``), runs megatron's pipeline schedules, turns the logits into per-token response outputs
 (log-probs, entropy, or values; on request the top-k log-probs and their ids, or the log-probs of K given ids per
-token: ``TOKEN_OUTPUTS``) and, for training, hands them to the caller's ``loss_fn``.
+token: ``TOKEN_OUTPUTS``) and, for training, hands them to the caller's ``loss_fn``. With
+``EngineConfig.batch_invariant_length`` every pass is batch-invariant (``batch_invariant.py``): a token's outputs
+are bit for bit the same in any batch, pack or micro-batch, and :meth:`MegatronEngine.next_token_logits` gives
+what a generator needs to sample tokens whose log-probs the trainer reproduces exactly.
 
 Loss contract. ``loss_fn(outputs, data) -> (contribution, metrics)`` is called once per micro-batch on
 every last-stage rank with full-sequence ``[b, W]`` outputs (under CP every CP rank holds the full rows;
@@ -42,6 +45,8 @@ from verl_lite.compat import megatron_internals
 from verl_lite.compat.cpu_adapter import suspended
 from verl_lite.compat.megatron_internals import main_param_shard_range, plain_rotary
 from verl_lite.engine import lora, moe
+from verl_lite.engine.attention import PackedCoreAttention
+from verl_lite.engine.batch_invariant import BatchInvariantMode
 from verl_lite.engine.config import EngineConfig
 from verl_lite.engine.hf_bridge import export_hf, load_hf_weights, reader
 from verl_lite.engine.lora import adapters_disabled, add_adapters, merge_into
@@ -55,8 +60,9 @@ from verl_lite.utils.metric_reduce import combine_all
 LM_OUTPUTS = ("log_probs", "entropy")
 VALUE_OUTPUTS = ("values",)
 # per token: the K largest log-probs and their ids (``topk=K``, forward only), and the log-probs of the K ids in
-# ``data[ids_key]`` ([n, W, K], with their gradient); each [n, W, K]
-TOKEN_OUTPUTS = ("topk_log_probs", "topk_ids", "log_probs_at")
+# ``data[ids_key]`` ([n, W, K], with their gradient); each [n, W, K]; the temperature-scaled logits ([n, W, V]
+# with V the padded vocabulary; TP = 1)
+TOKEN_OUTPUTS = ("topk_log_probs", "topk_ids", "log_probs_at", "logits")
 
 LossFn = Callable[[dict, dict], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 
@@ -194,8 +200,11 @@ class MegatronEngine:
                              "forward would replay another micro-batch's routing)")
         # shared prompts packed once (packing.py) where attention and RoPE can read it; not MoE, whose router
         # statistics count every token of every sequence
-        self.share_prompts = self.cp == 1 and self.tf_config.num_moe_experts is None and plain_rotary(self.tf_config)
+        self.share_prompts = (self.cp == 1 and self.tf_config.num_moe_experts is None and plain_rotary(self.tf_config)
+                              and not cfg.batch_invariant_length)
         self.chunks = build_model_chunks(self.hf_config, self.tf_config, value_head=cfg.value_head)
+        for module in (m for chunk in self.chunks for m in chunk.modules() if isinstance(m, PackedCoreAttention)):
+            module.invariant_length = cfg.batch_invariant_length
         megatron_internals.reduce_replicated_experts(self.chunks, self.tf_config)
         if cfg.forward_only:  # nothing trains: megatron's frozen-weight linears (the same kernels as a LoRA base)
             for chunk in self.chunks:
@@ -424,11 +433,12 @@ class MegatronEngine:
         """megatron's pipeline schedule over the micro-batches; ``step_func(mb, output)`` makes each one's loss."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        return get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, step_func), model=self.model,
-            data_iterator=[iter(mbs) for _ in range(self.vpp)] if self.vpp > 1 else iter(mbs),
-            num_microbatches=len(mbs), seq_length=max(m.packed.num_local_tokens for m in mbs), micro_batch_size=1,
-            **kwargs)
+        with BatchInvariantMode() if self.cfg.batch_invariant_length else contextlib.nullcontext():
+            return get_forward_backward_func()(
+                forward_step_func=partial(self._forward_step, step_func), model=self.model,
+                data_iterator=[iter(mbs) for _ in range(self.vpp)] if self.vpp > 1 else iter(mbs),
+                num_microbatches=len(mbs), seq_length=max(m.packed.num_local_tokens for m in mbs), micro_batch_size=1,
+                **kwargs)
 
     def _packed_seq_params(self, packed: PackedMicroBatch):
         from megatron.core.packed_seq_params import PackedSeqParams
@@ -464,7 +474,16 @@ class MegatronEngine:
                 ids = pack_response(mb.data[ids_key], mb.packed, width).to(logits.device)
                 per_token["log_probs_at"] = vocab_parallel_log_probs_at(logits.reshape(tokens, -1), ids,
                                                                         vocab_size=vocab)
+            if "logits" in names:
+                if self.tp > 1:
+                    raise ValueError("output 'logits' needs TP = 1 (each TP rank holds a slice of the vocabulary)")
+                per_token["logits"] = logits.reshape(tokens, -1)
         return {k: unpack_response(v, mb.packed, width, self.cp_group) for k, v in per_token.items() if k in names}
+
+    def _plain_torch(self):
+        """Where the forward and the loss run: without torch-function modes (the forward needs no CUDA->CPU
+        rewriting, see cpu_adapter), except a batch-invariant engine's, whose mode must see every call."""
+        return contextlib.nullcontext() if self.cfg.batch_invariant_length else suspended()
 
     def _forward_step(self, step_func, data_iterator, model):
         mb: _MicroBatch = next(data_iterator)
@@ -472,7 +491,7 @@ class MegatronEngine:
         if router_step is not None:  # MoE router losses (moe.py)
             router_step.micro_batch(mb.packed)
         ids = mb.packed.input_ids.to(self.device)
-        with suspended(), moe.replaying(mb.routing):  # the forward needs no CUDA->CPU rewriting (see cpu_adapter)
+        with self._plain_torch(), moe.replaying(mb.routing):
             output = model(ids, None, None, packed_seq_params=self._packed_seq_params(mb.packed))
         return output, partial(step_func, mb)
 
@@ -508,6 +527,21 @@ class MegatronEngine:
         inverse[order] = torch.arange(order.numel())
         out = {name: torch.cat([d[name] for d in store])[inverse] for name in names}
         return out | {name: counts[inverse] for name, counts in routing.items()}
+
+    @torch.no_grad()
+    def next_token_logits(self, sequences: list[list[int]], temperature: float) -> torch.Tensor:
+        """The temperature-scaled logits (float32, [n, padded vocabulary]) each sequence's last position gives
+        for its next token, in one forward (TP = 1). Batch-invariant engines give bit for bit the logits of that
+        position in any longer sequence's forward, so :meth:`token_log_probs` of them is the log-prob
+        :meth:`infer` reports for the token drawn there."""
+        placeholder = [torch.tensor([*seq, 0], dtype=torch.long) for seq in sequences]  # its logits are not read
+        batch = SequenceBatch(placeholder, torch.ones(len(sequences), dtype=torch.long))
+        return self.infer(batch, [list(range(len(sequences)))], temperature, outputs=("logits",))["logits"][:, 0]
+
+    def token_log_probs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """log softmax(logits)[tokens] per row ([n, V], [n] -> [n]): :meth:`infer`'s ``log_probs`` arithmetic."""
+        with BatchInvariantMode() if self.cfg.batch_invariant_length else contextlib.nullcontext():
+            return vocab_parallel_log_probs(logits, tokens, vocab_size=self.hf_config.vocab_size)
 
     def _recorded_routing(self, mbs: list[_MicroBatch], width: int) -> torch.Tensor:
         """The routing the micro-batches' routers chose, per sequence in micro-batch order [n, width, layers, k]
@@ -549,7 +583,7 @@ class MegatronEngine:
         owner = self.is_output_owner
 
         def loss_func(mb, output):
-            with suspended():  # outputs + the caller's loss: plain tensor math on the output's device
+            with self._plain_torch():  # outputs + the caller's loss: plain tensor math on the output's device
                 outs = self._per_token_outputs(output, mb, names, temperature, batch.response_width, ids_key=ids_key)
                 data = {k: v.to(self.device) for k, v in mb.data.items()}
                 contribution, metrics = loss_fn(outs, data)
