@@ -16,6 +16,7 @@ process, idempotently (nothing inside megatron is edited):
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -27,6 +28,7 @@ require("megatron-core", "verl_lite.compat.cpu_adapter")
 require("torch", "verl_lite.compat.cpu_adapter")
 
 _INSTALLED_MODE: "_CudaToCpuMode | None" = None
+_INSTALLED_IN_THREAD: int | None = None  # torch-function modes are per thread: the one whose stack holds it
 _CPU = torch.device("cpu")
 
 
@@ -67,13 +69,21 @@ def suspended():
     return torch_function_disabled()
 
 
+def in_this_thread():
+    """A context in which the adapter's mode is active in the calling thread too (an engine called from a thread
+    other than the installing one, e.g. an agent loop's). A no-op on GPU and in the installing thread."""
+    if _INSTALLED_MODE is None or threading.get_ident() == _INSTALLED_IN_THREAD:
+        return contextlib.nullcontext()
+    return _CudaToCpuMode()
+
+
 def is_installed() -> bool:
     return _INSTALLED_MODE is not None
 
 
 def install() -> bool:
     """Install the adapter if CUDA is absent. Returns True when it is active. Idempotent."""
-    global _INSTALLED_MODE
+    global _INSTALLED_MODE, _INSTALLED_IN_THREAD
     if torch.cuda.is_available():
         return False
     if _INSTALLED_MODE is None:
@@ -81,5 +91,5 @@ def install() -> bool:
         torch.cuda.synchronize = lambda device=None: None
         mode = _CudaToCpuMode()
         mode.__enter__()  # stays entered for the life of the process
-        _INSTALLED_MODE = mode
+        _INSTALLED_MODE, _INSTALLED_IN_THREAD = mode, threading.get_ident()
     return True

@@ -200,6 +200,7 @@ def _section_problems(cfg: PPOConfig, needs, n: int | None) -> list[str]:
                  f"built (a recomputed router forward would replay another micro-batch's routing); turn one off")
     max_pos = config_int(arr.model.path, "max_position_embeddings") if arr.model.path else None
     p.extend(rollout.problems(R, d.max_prompt_length + d.max_response_length, max_pos, _cuda_visible()))
+    p.extend(rollout.batch_invariant_problems(R, actor.megatron, M, arr.hybrid_engine))
     p.extend(d.problems())
     mpath, tpath = arr.model.path, arr.model.tokenizer_path
     p.extend(filter(None, [model_dir_problem("actor_rollout_ref.model.path", mpath)]))

@@ -42,6 +42,7 @@ from typing import Callable
 import torch
 
 from verl_lite.compat import megatron_internals
+from verl_lite.compat import cpu_adapter
 from verl_lite.compat.cpu_adapter import suspended
 from verl_lite.compat.megatron_internals import main_param_shard_range, plain_rotary
 from verl_lite.engine import lora, moe
@@ -433,7 +434,8 @@ class MegatronEngine:
         """megatron's pipeline schedule over the micro-batches; ``step_func(mb, output)`` makes each one's loss."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        with BatchInvariantMode() if self.cfg.batch_invariant_length else contextlib.nullcontext():
+        with cpu_adapter.in_this_thread(), (BatchInvariantMode() if self.cfg.batch_invariant_length
+                                            else contextlib.nullcontext()):
             return get_forward_backward_func()(
                 forward_step_func=partial(self._forward_step, step_func), model=self.model,
                 data_iterator=[iter(mbs) for _ in range(self.vpp)] if self.vpp > 1 else iter(mbs),

@@ -94,6 +94,7 @@ class RolloutConfig(GenerationConfig):
     n_gpus_per_node: int = 1  # with actor_rollout_ref.hybrid_engine=false: rollout workers per node, in a pool of their own
     nnodes: int = 1  # with actor_rollout_ref.hybrid_engine=false: nodes of the rollout pool (rollout workers = n_gpus_per_node x nnodes)
     enable_rollout_routing_replay: bool = False  # MoE: record each token's routed experts for the actor's router_replay.mode=R3 (hf)
+    batch_invariant: bool = False  # hf: the actor's own engine generates, batch-invariant: every reported log-prob equals the trainer's bit for bit (docs/algorithms.md "Consistency mode")
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     agent: AgentLoopConfig = field(default_factory=AgentLoopConfig)
@@ -116,6 +117,30 @@ class RolloutConfig(GenerationConfig):
         if vk.n > 1 and not vk.do_sample:
             out.append(f"{R}.val_kwargs.n={vk.n} > 1 needs val_kwargs.do_sample=true (greedy samples repeat)")
         return out + self.agent.problems(R, self.multi_turn)  # multi_turn.* and agent.*
+
+    def batch_invariant_problems(self, R: str, actor_megatron, megatron_key: str, colocated: bool) -> list[str]:
+        """``batch_invariant``'s rules with the actor's layout (``actor_megatron`` at ``megatron_key``) and placement
+        (``colocated``: the rollout runs on the actor's workers)."""
+        if not self.batch_invariant:
+            return []
+        out = []
+        if self.name != "hf":
+            out.append(f"{R}.batch_invariant=true generates with the actor's own engine, under {R}.name=hf's "
+                       f"sampling rules; {R}.name={self.name} is another program than the trainer (vLLM's "
+                       f"VLLM_BATCH_INVARIANT makes it invariant to its batches, not equal to the trainer); use hf")
+        layout = (actor_megatron.tp, actor_megatron.pp, actor_megatron.cp)
+        if layout != (1, 1, 1):
+            out.append(f"{R}.batch_invariant=true needs the actor at TP = PP = CP = 1 (got {layout}): their "
+                       f"collectives sum in another order than one process; set {megatron_key}.*_parallel_size=1 "
+                       f"(DP is fine)")
+        if self.dtype != actor_megatron.dtype:
+            out.append(f"{R}.dtype={self.dtype} with {R}.batch_invariant=true: the actor's engine generates, in "
+                       f"{megatron_key}.dtype={actor_megatron.dtype}; set them equal")
+        if not colocated:
+            out.append(f"{R}.batch_invariant=true: the actor's engine generates, so the rollout runs on the actor's "
+                       f"workers (actor_rollout_ref.hybrid_engine=true, synchronous); split placement is not built "
+                       f"with it")
+        return out
 
 
 # generation_kwargs (Python API) each backend takes, beyond the rollout config's sampling keys

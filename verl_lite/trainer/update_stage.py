@@ -35,14 +35,6 @@ def old_log_probs_from_update(cfg) -> bool:
             and a.tis_imp_ratio_cap <= 0 and not rc.needs_whole_step() and not rc.bypass_mode)
 
 
-def off_policy(cfg) -> bool:
-    """Whether the behaviour policy may differ from the policy at the update: a staleness bound > 0 (the
-    old log-probs are then the proximal policy recomputed by the trainer, decoupled PPO) or a rollout
-    correction asked for (its ratio needs them)."""
-    rc = cfg.algorithm.rollout_correction
-    return cfg.async_training.staleness_threshold > 0 or rc.rollout_is is not None or rc.rollout_rs is not None
-
-
 def correction_settings(cfg) -> dict:
     """``algorithm.rollout_correction`` as ``algorithms.rollout_correction``'s keyword arguments."""
     rc = cfg.algorithm.rollout_correction
@@ -55,12 +47,12 @@ class Updates:
 
     def __init__(self, cfg, placement):
         self.cfg, self.placement = cfg, placement
-        # ``actor_loss``'s rollout correction: where an off-policy step's old log-probs come from the update's own
-        # forward, and always in bypass mode (verl: from the current policy, per micro-batch); else None
+        # ``actor_loss``'s rollout correction: where the old log-probs come from the update's own forward (on-policy:
+        # the mismatch metrics only), and always in bypass mode (verl: from the current policy, per micro-batch)
         rc = cfg.algorithm.rollout_correction
         bypass = rc.bypass_mode
         self.loss_correction = ({**correction_settings(cfg), "bypass_mode": bypass, "loss_type": rc.loss_type}
-                                if bypass or (off_policy(cfg) and old_log_probs_from_update(cfg)) else None)
+                                if bypass or old_log_probs_from_update(cfg) else None)
         # the ids the student scores: a top-k distillation teacher chooses among these only
         topk = cfg.distillation.enabled and uses_topk(cfg.distillation.distillation_loss.loss_mode)
         student = read_config(cfg.actor_rollout_ref.model.path) if topk else None

@@ -26,12 +26,14 @@ ACTOR_LOSS_KEYS = ("response_mask", "old_log_probs", "advantages", "ref_log_prob
 
 @dataclass
 class RolloutWorkerConfig:
-    """A generation model: its directory, its tokenizer's, and the backend with its settings (``make_rollout``)."""
+    """A generation model: its directory, its tokenizer's, and the backend with its settings (``make_rollout``);
+    ``on_engine``: the actor's own batch-invariant engine generates instead (``rollout.engine_rollout``)."""
 
     model_path: str
     tokenizer_path: str
     rollout_name: str
     rollout_kwargs: dict
+    on_engine: bool = False
 
     def tokenizer(self):
         from transformers import AutoTokenizer
@@ -67,7 +69,13 @@ class ActorRolloutRefWorker(EngineWorker):
         self.actor = MegatronEngine(engine)
         if self.cfg.need_ref and engine.lora is None:
             self.ref = MegatronEngine(engine.forward_only_twin())
-        self.rollout = self.rollout_cfg.build()
+        if self.rollout_cfg.on_engine:
+            from verl_lite.rollout.engine_rollout import EngineRollout
+
+            record = bool(self.rollout_cfg.rollout_kwargs.get("record_routing"))
+            self.rollout = EngineRollout(self.actor, self.rollout_cfg.tokenizer(), record_routing=record)
+        else:
+            self.rollout = self.rollout_cfg.build()
 
     def _ref_is_actor_without_adapters(self) -> bool:
         return bool(self.cfg.need_ref and self.actor.cfg.lora is not None)
@@ -120,6 +128,8 @@ class ActorRolloutRefWorker(EngineWorker):
     def sync_rollout_weights(self) -> int:
         """Copy the actor's current weights (LoRA: merged into the base) into the rollout model. Collective."""
         self.rollout_behind = False
+        if getattr(self.rollout, "shares_trainer_weights", False):
+            return 0
         with suspended():  # reading, gathering and copying tensors: no CUDA->CPU rewriting on the way
             return self.rollout.load_weights(self.actor.export_merged_hf())
 

@@ -20,8 +20,10 @@ def role_engine(model, megatron, seed: int, optim=None, total_steps: int = 1, **
 def actor_worker_config(cfg, total_steps: int, need_ref: bool) -> WorkerConfig:
     a = cfg.actor_rollout_ref
     mode = a.actor.router_replay.mode
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     return WorkerConfig(role_engine(a.model, a.actor.megatron, cfg.trainer.seed, a.actor.optim, total_steps,
-                                    routing_replay=mode != "disabled"),
+                                    routing_replay=mode != "disabled",
+                                    batch_invariant_length=longest if a.rollout.batch_invariant else 0),
                         need_ref=need_ref, rollout=rollout_worker_config(cfg), router_replay=mode)
 
 
@@ -33,7 +35,8 @@ def rollout_worker_config(cfg) -> RolloutWorkerConfig:
     arr, d = cfg.actor_rollout_ref, cfg.data
     return RolloutWorkerConfig(model_path=arr.model.path, tokenizer_path=arr.model.tokenizer_path,
                                rollout_name=arr.rollout.name,
-                               rollout_kwargs=rollout_kwargs(arr.rollout, d.max_prompt_length + d.max_response_length))
+                               rollout_kwargs=rollout_kwargs(arr.rollout, d.max_prompt_length + d.max_response_length),
+                               on_engine=arr.rollout.batch_invariant)
 
 
 def judge_worker_config(cfg) -> RolloutWorkerConfig:
