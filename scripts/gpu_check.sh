@@ -137,7 +137,14 @@ EOF
 else
     fail moe_model "the tiny MoE could not be built; see $OUT/moe_model.log"
 fi
-SUMMARY+=("INFO  consistency mode (bitwise rollout = trainer): not built, not measured")
+# ---- the consistency mode: the actor's batch-invariant engine generates; every sampled token's rollout log-prob
+# must equal the trainer's bit for bit (tolerance 0), dense and MoE with R3 (fp32 rollout and trainer)
+run_grpo consistency "$PY" 2 0 actor_rollout_ref.rollout.batch_invariant=true
+if [ -d "$MOE" ]; then
+    run_grpo consistency_moe_r3 "$PY" 2 0 actor_rollout_ref.rollout.batch_invariant=true \
+        actor_rollout_ref.model.path="$MOE" data.train_batch_size=16 actor_rollout_ref.actor.router_replay.mode=R3 \
+        actor_rollout_ref.rollout.enable_rollout_routing_replay=true
+fi
 
 # ---- 5-step GRPO on the shipped tiny model + throughput
 ROLLOUT=hf; GPY=$PY
