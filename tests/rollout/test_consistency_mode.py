@@ -6,7 +6,8 @@ bit for bit: ``rollout/logprob_diff_max`` is exactly 0.0 on every step of
 - the tool-agent recipe (multi-turn, tool calls, the environment's tokens masked), at 1 worker and DP2;
 - a MoE GRPO run with routing replay R3 (the rollout's routing recorded and replayed), at 1 worker and DP2.
 The same default job without the mode reports a nonzero difference (the HF rollout is another program).
-Settings the mode cannot honour are refused before start (``tests/config``)."""
+Settings the mode cannot honour are refused before start (``tests/config``). Its runs are mostly start-up and
+1-2 worker steps: the module runs in the suite's first phase, beside another one."""
 
 from __future__ import annotations
 
