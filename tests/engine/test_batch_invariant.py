@@ -114,6 +114,22 @@ def _train_case(rank, world, model_dir) -> dict:
     return results
 
 
+CASES = {"fp32": ("float32", 0, False), "bf16": ("bfloat16", 0, False), "lora": ("float32", 4, False),
+         "moe": ("float32", 0, True)}
+
+
+def _all_cases(rank, world, models) -> dict:
+    """Every case in one launched process (one start-up for all)."""
+    return {name: _case(rank, world, models["moe" if moe else "dense"], dtype, lora_rank, moe)
+            for name, (dtype, lora_rank, moe) in CASES.items()} | {"train": _train_case(rank, world, models["dense"])}
+
+
+@pytest.fixture(scope="module")
+def results(models):
+    (out,) = spawn_ranks(_all_cases, 1, models, timeout_s=300)
+    return out
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     from verl_lite.utils.tiny_model import make_tiny_hf_model, make_tiny_moe_model
@@ -125,20 +141,17 @@ def models(tmp_path_factory):
     return {"dense": str(dense), "moe": str(moe)}
 
 
-@pytest.mark.parametrize("dtype,lora_rank,moe", [("float32", 0, False), ("bfloat16", 0, False),
-                                                 ("float32", 4, False), ("float32", 0, True)],
-                         ids=["fp32", "bf16", "lora", "moe"])
-def test_a_token_s_outputs_do_not_depend_on_its_batch(models, dtype, lora_rank, moe):
-    (out,) = spawn_ranks(_case, 1, models["moe" if moe else "dense"], dtype, lora_rank, moe)
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_token_s_outputs_do_not_depend_on_its_batch(results, case):
+    out = results[case]
     print(f"standard engine: {out['standard_differences']} output values differ across packings")
     assert out["invariant_differences"] == 0
     for generated, reported in zip(out["generated"], out["reported"]):
         assert torch.equal(generated, reported), (generated - reported).abs().max()
 
 
-def test_training_in_the_mode_takes_the_standard_step(models):
-    (out,) = spawn_ranks(_train_case, 1, models["dense"])
-    for (loss_std, norm_std), (loss_bi, norm_bi) in zip(out[False], out[True]):
+def test_training_in_the_mode_takes_the_standard_step(results):
+    for (loss_std, norm_std), (loss_bi, norm_bi) in zip(results["train"][False], results["train"][True]):
         assert loss_bi == pytest.approx(loss_std, abs=1e-6)  # terms of ~0.1 whose weights sum to about 0
         assert norm_bi == pytest.approx(norm_std, rel=1e-5)
 
