@@ -252,9 +252,10 @@ def test_one_name_for_a_list_of_names_is_a_list_of_one():
 @pytest.mark.parametrize("overrides,expected", [
     (["trainer.n_gpus_per_node=2", f"{M}.tensor_model_parallel_size=2"], "TP = PP = CP = 1"),
     (["trainer.n_gpus_per_node=2", f"{M}.pipeline_model_parallel_size=2"], "TP = PP = CP = 1"),
+    (["trainer.n_gpus_per_node=2", f"{M}.expert_model_parallel_size=2"], "all-to-all across the DP ranks"),
     (["actor_rollout_ref.rollout.dtype=bfloat16"], "set them equal"),
     (["actor_rollout_ref.hybrid_engine=false"], "split placement is not built with it"),
-], ids=["tp2", "pp2", "dtype", "split"])
+], ids=["tp2", "pp2", "ep2", "dtype", "split"])
 def test_the_consistency_mode_refuses_what_it_cannot_honour(overrides, expected):
     problems = _problems(["actor_rollout_ref.rollout.batch_invariant=true", *overrides])
     assert any(expected in p and "batch_invariant" in p for p in problems), problems

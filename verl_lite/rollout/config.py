@@ -133,6 +133,10 @@ class RolloutConfig(GenerationConfig):
             out.append(f"{R}.batch_invariant=true needs the actor at TP = PP = CP = 1 (got {layout}): their "
                        f"collectives sum in another order than one process; set {megatron_key}.*_parallel_size=1 "
                        f"(DP is fine)")
+        if actor_megatron.ep != 1:
+            out.append(f"{R}.batch_invariant=true with {megatron_key}.expert_model_parallel_size="
+                       f"{actor_megatron.ep}: every decode step would be an all-to-all across the DP ranks, which "
+                       f"generate different numbers of tokens; set it to 1")
         if self.dtype != actor_megatron.dtype:
             out.append(f"{R}.dtype={self.dtype} with {R}.batch_invariant=true: the actor's engine generates, in "
                        f"{megatron_key}.dtype={actor_megatron.dtype}; set them equal")
