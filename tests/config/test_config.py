@@ -259,3 +259,10 @@ def test_one_name_for_a_list_of_names_is_a_list_of_one():
 def test_the_consistency_mode_refuses_what_it_cannot_honour(overrides, expected):
     problems = _problems(["actor_rollout_ref.rollout.batch_invariant=true", *overrides])
     assert any(expected in p and "batch_invariant" in p for p in problems), problems
+
+
+def test_rollout_tensor_parallelism_is_vllm_s_and_must_divide_the_heads():
+    problems = _problems(["actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
+    assert any("only the vLLM rollout shards its model" in p for p in problems), problems
+    problems = _problems(["actor_rollout_ref.rollout.tensor_model_parallel_size=3"])
+    assert any("must divide the model's" in p and "attention heads" in p for p in problems), problems

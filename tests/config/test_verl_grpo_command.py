@@ -6,7 +6,8 @@ What is changed, and why (the key set is identical; only values differ):
 - paths: `actor_rollout_ref.model.path` -> the shipped tiny model; `data.train_files` /
   `data.val_files` -> 8 + 8 prompts of the built-in task;
 - GPU counts: `trainer.n_gpus_per_node` 8 -> 4 CPU worker processes (the command's TP2 x PP2, DP 1);
-  `actor_rollout_ref.rollout.tensor_model_parallel_size` 2 -> 1 (every worker holds a full rollout);
+  `actor_rollout_ref.rollout.tensor_model_parallel_size` 2 -> 1 (the HF rollout holds a full model; with vLLM, 4
+  workers x a TP2 engine would be 8 engine processes on 2 cores: rollout TP2 is tests/rollout/test_vllm_rollout.py's);
 - sizes the CPU cannot hold: `data.train_batch_size` 1024 -> 4 and `ppo_mini_batch_size` 256 -> 4
   (5120 trajectories of 2048 tokens per step); `data.max_prompt_length` / `max_response_length`
   1024 -> 16 / 12 (the tiny model has 128 positions);

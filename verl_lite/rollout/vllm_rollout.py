@@ -1,9 +1,11 @@
 """Generation with vLLM (``actor_rollout_ref.rollout.name=vllm``), colocated with the actor.
 
 One in-process vLLM engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) per worker process, next to that rank's megatron
-actor, holding the full model (rollout TP 1, as the HF rollout): ``load_weights`` hands the actor's exported tensors
-to vLLM's model by reference (no restart, no disk, no pickling). vllm is imported in the constructor only
-(install: ``VLLM_INSTALL_HINT``).
+actor. At rollout TP 1 it holds the full model and ``load_weights`` hands the actor's exported tensors to vLLM's model
+by reference (no restart, no disk, no pickling). At rollout TP > 1 (CPU: vLLM's CPU build runs one worker process
+per TP rank, on its share of this process's cores, ``cpu_bind``) the engine's workers each hold their shard, and
+``load_weights`` sends them the full HF tensors, which vLLM's loaders shard (so any trainer layout syncs into any
+rollout TP). vllm is imported in the constructor only (install: ``VLLM_INSTALL_HINT``).
 
 Output contract: ``verl_lite.rollout.base.Rollout``'s. vLLM's ``processed_logprobs`` are renormalised over the
 top-k / top-p set and its ``raw_logprobs`` are taken before temperature, so for each call the model's logit scale
@@ -26,6 +28,7 @@ One engine per process at a time: vLLM's engine shutdown tears down the process'
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Iterable
 
 import torch
@@ -43,6 +46,30 @@ VLLM_INSTALL_HINT = (
 
 _MASK64 = (1 << 64) - 1
 _open_engine: list = []  # the process's open VLLMRollout (at most one; see the module docstring)
+
+
+def cpu_bind(tp: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tp`` CPU workers: this process's cores split into ``tp`` groups
+    (``"0,1|2,3"``); with fewer cores than workers every worker gets them all (vLLM's autobind wants a NUMA node per
+    worker)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < tp:
+        return "|".join([",".join(map(str, cores))] * tp)
+    share = len(cores) // tp
+    return "|".join(",".join(map(str, cores[i * share:(i + 1) * share])) for i in range(tp))
+
+
+def _swap_logit_scale(model, value: float | None) -> float:
+    """In each vLLM worker (pickled by reference): read, and set unless ``value`` is None, the model's logit
+    multiplier (``LogitsProcessor.scale``); the value before."""
+    proc = getattr(model, "logits_processor", None)
+    if proc is None or not hasattr(proc, "scale"):
+        raise RuntimeError(f"VLLMRollout: {type(model).__name__} has no logits_processor.scale; "
+                           "cannot report log-probs at the rollout temperature")
+    before = float(proc.scale)
+    if value is not None:
+        proc.scale = value
+    return before
 
 
 def request_seed(seed: int, sample: int) -> int:
@@ -75,11 +102,9 @@ class VLLMRollout(Rollout):
         seed: int = 0,
         engine_args: dict | None = None,
     ):
-        if tensor_model_parallel_size != 1:
-            raise ValueError(
-                f"VLLMRollout: tensor_model_parallel_size={tensor_model_parallel_size} is not built; every worker "
-                "holds a full rollout model (tensor_model_parallel_size=1)"
-            )
+        if tensor_model_parallel_size > 1 and torch.cuda.is_available():
+            raise ValueError(f"VLLMRollout: tensor_model_parallel_size={tensor_model_parallel_size} on GPUs: a rollout "
+                             "TP group spanning the workers' GPUs is not built; use 1")
         if free_cache_engine and not torch.cuda.is_available():
             raise ValueError("VLLMRollout: free_cache_engine=True needs vLLM's sleep mode, which needs a CUDA GPU; "
                              "set actor_rollout_ref.rollout.free_cache_engine=false on CPU")
@@ -96,6 +121,10 @@ class VLLMRollout(Rollout):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if not torch.cuda.is_available():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        executor = {}
+        if tensor_model_parallel_size > 1:  # vLLM's CPU workers, one process per TP rank, each on its share of cores
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(tensor_model_parallel_size))
+            executor = {"distributed_executor_backend": "mp"}
         quiet_vllm()  # its log level, read at import
         try:
             from vllm import LLM
@@ -112,7 +141,7 @@ class VLLMRollout(Rollout):
         self.llm = LLM(
             model=model_path,
             dtype=str(dtype).replace("torch.", ""),
-            tensor_parallel_size=1,
+            tensor_parallel_size=tensor_model_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
             max_model_len=max_model_len,
@@ -121,6 +150,7 @@ class VLLMRollout(Rollout):
             generation_config="vllm",  # no defaults (extra stop ids, sampling) from generation_config.json
             logprobs_mode="raw_logprobs",
             enable_sleep_mode=self.free_cache_engine,
+            **executor,
             **engine_args,
         )
         _open_engine.append(self)
@@ -137,19 +167,8 @@ class VLLMRollout(Rollout):
             del self.llm
 
     def _logit_scale(self, value: float | None) -> float:
-        """Set (value given) or read vLLM's logit multiplier; returns the value before the call."""
-
-        def visit(model):
-            proc = getattr(model, "logits_processor", None)
-            if proc is None or not hasattr(proc, "scale"):
-                raise RuntimeError(f"VLLMRollout: {type(model).__name__} has no logits_processor.scale; "
-                                   "cannot report log-probs at the rollout temperature")
-            before = float(proc.scale)
-            if value is not None:
-                proc.scale = value
-            return before
-
-        return self.llm.apply_model(visit)[0]
+        """Set (value given) or read vLLM's logit multiplier on every TP rank; returns the value before the call."""
+        return self.llm.apply_model(partial(_swap_logit_scale, value=value))[0]
 
     def _sleep(self) -> None:
         self.llm.sleep(level=1)
