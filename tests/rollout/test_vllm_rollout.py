@@ -292,16 +292,17 @@ def test_grpo_with_vllm_rollout_syncs_weights_every_step(tmp_path, model_path, t
     assert all(not torch.equal(a, b) for a, b in zip(seen, seen[1:])), "every step must change the synced weights"
 
 
-# rollout TP2 (vLLM's CPU workers, one process per TP rank) from every trainer layout: the default job, and the
-# tool-agent recipe (multi-turn, the tool's tokens between the model's), 2 steps each; every step the rollout's
+# rollout TP2 (vLLM's CPU workers, one process per TP rank) from every trainer layout: the default job at trainer
+# TP1 and TP2 with LoRA, the tool-agent recipe (multi-turn, the tool's tokens between the model's) at trainer PP2,
+# 2 steps each; every step the rollout's
 # log-probs equal the engine's within 1e-4 (the first step's: the shipped weights; the second's: synced ones)
 ROLLOUT_TP2 = {
     "trainer_1": (None, {}),
     "trainer_tp2_lora": (None, {"trainer.n_gpus_per_node": 2, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": 2,
                                 "actor_rollout_ref.model.lora.rank": 8, "actor_rollout_ref.model.lora.alpha": 16}),
-    "trainer_pp2": (None, {"trainer.n_gpus_per_node": 2,
-                           "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size": 2}),
-    "tool_agent": ("tool_agent", {"data.train_batch_size": 4, "actor_rollout_ref.rollout.n": 2}),
+    "tool_agent_trainer_pp2": ("tool_agent", {"data.train_batch_size": 4, "actor_rollout_ref.rollout.n": 2,
+                                              "trainer.n_gpus_per_node": 2,
+                                              "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size": 2}),
 }
 
 

@@ -7,8 +7,8 @@ states the formula and its calibration against measured resident memory.
 
 Counted per device (one rank of the layout): the rank's share of the parameters; megatron's fp32 gradient
 buffer and Adam's fp32 moments (plus a bf16 run's fp32 main copy, sharded over DP x CP with the
-distributed optimizer) for what trains, and the optimizer step's fp32 scratch beyond the freed
-activations; LoRA factors; activations (:func:`activation_bytes`); an HF rollout's full model copy in the
+distributed optimizer) for what trains, and the optimizer step's fp32 scratch (on gloo with the distributed
+optimizer: the gradient reduce-scatter's full copy) beyond the freed activations; LoRA factors; activations (:func:`activation_bytes`); an HF rollout's full model copy in the
 actor's process. Not counted: the process's runtime (Python, torch, a CUDA context) and fragmentation.
 """
 
@@ -57,6 +57,7 @@ class EngineSpec:
     flash_attention: bool = False  # the attention kernel keeps no [L, L] score matrix
     value_head: bool = False
     rollout_dtype: str | None = None  # an HF rollout's full model copy in the same process (None: no copy)
+    gloo: bool = False  # CPU collectives: gloo's reduce-scatter works on a full copy of its input
 
 
 @dataclass
@@ -204,6 +205,14 @@ def _saved_layers(spec: EngineSpec, d: _Dims) -> int:
     return -(-d.layers // max(1, spec.pp)) * max(1, spec.pp) if spec.trains else 1
 
 
+def _reduce_scatter_copy(spec: EngineSpec, trainable: int) -> int:
+    """The distributed optimizer reduce-scatters the whole fp32 gradient buffer (one bucket: megatron buckets only
+    to overlap the reduction, which the engine does not); gloo's ``reduce_scatter_tensor`` all-reduces a full copy
+    of its input, NCCL's writes the shard in place. After backward, before the step."""
+    sharded = spec.distributed_optimizer and max(1, spec.dp) * max(1, spec.cp) > 1
+    return trainable * FP32 if spec.gloo and sharded else 0
+
+
 def estimate_engine(spec: EngineSpec) -> Estimate:
     """The engine's bytes per part on one device (see the module docstring)."""
     d = model_dims(spec.model)
@@ -223,7 +232,7 @@ def estimate_engine(spec: EngineSpec) -> Estimate:
     if factors:
         parts["LoRA activations"] = lora_activation_bytes(spec, d)
     if trainable:  # the step's fp32 scratch comes after backward freed the activations: only its excess counts
-        scratch = -(-trainable * FP32 // shards)
+        scratch = max(-(-trainable * FP32 // shards), _reduce_scatter_copy(spec, trainable))
         parts["optimizer step"] = max(0, scratch - parts["activations"] - parts.get("LoRA activations", 0))
     if spec.rollout_dtype:
         parts["rollout weights"] = parameter_count(d, value_head=False) * DTYPE_BYTES.get(spec.rollout_dtype, 4)
