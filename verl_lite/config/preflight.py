@@ -167,7 +167,7 @@ def _spec(name: str, model_path: str, mg, world: int, micro: tuple[int, int], lo
         lora_projections=lora_projections(lora.target_modules, lora.exclude_modules) if rank else (),
         micro_batch_tokens=micro[0], micro_batch_sequences=micro[1], longest_sequence=longest,
         flash_attention=cuda and canonical_dtype(mg.dtype) == "bfloat16", value_head=value_head,
-        rollout_dtype=rollout_dtype)
+        rollout_dtype=rollout_dtype, gloo=not cuda)
 
 
 def _roles(cfg, cuda: bool) -> list[_Role]:
@@ -186,7 +186,7 @@ def _roles(cfg, cuda: bool) -> list[_Role]:
                          mg.context_parallel_size, actor.ppo_mini_batch_size * n // dp, longest)
     hybrid = getattr(arr, "hybrid_engine", True)
     roles = [_Role(_spec("actor", arr.model.path, mg, world, micro, longest, cuda, trains=True, lora=arr.model.lora,
-                         rollout_dtype=rollout.dtype if hybrid else None),
+                         rollout_dtype=rollout.dtype if hybrid and not rollout.batch_invariant else None),
                    M, "actor_rollout_ref.model.lora", micro_key, "actor")]
     if (actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not lora_on:
         ref = arr.ref

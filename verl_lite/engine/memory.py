@@ -8,8 +8,8 @@ states the formula and its calibration against measured resident memory.
 Counted per device (one rank of the layout): the rank's share of the parameters; megatron's fp32 gradient
 buffer and Adam's fp32 moments (plus a bf16 run's fp32 main copy, sharded over DP x CP with the
 distributed optimizer) for what trains, and the optimizer step's fp32 scratch (on gloo with the distributed
-optimizer: the gradient reduce-scatter's full copy) beyond the freed activations; LoRA factors; activations (:func:`activation_bytes`); an HF rollout's full model copy in the
-actor's process. Not counted: the process's runtime (Python, torch, a CUDA context) and fragmentation.
+optimizer: the gradient reduce-scatter's full copy) beyond the freed activations; LoRA factors; activations
+(:func:`activation_bytes`); an HF rollout's full model copy in the actor's process. Not counted: the process's runtime (Python, torch, a CUDA context) and fragmentation.
 """
 
 from __future__ import annotations
