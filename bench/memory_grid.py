@@ -12,7 +12,8 @@ growth = that peak minus the baseline, per rank (a 2-rank point reports its larg
 glibc's mmap threshold fixed at 1 MiB (``MALLOC_FOLLOWS_ALLOCATIONS``), so the resident set follows what is
 allocated; ``--default-malloc`` measures with glibc's defaults (the heap's fragmentation included). The estimate is ``estimate_engine``'s total
 for the same ``EngineSpec``: everything it counts (weights, gradients, optimizer state and scratch, activations,
-LoRA); what it does not count (the runtime: Python, torch, megatron, the gloo group) is in the baseline.
+LoRA); what it does not count (the runtime: Python, torch, megatron, the gloo group) is in the baseline. On a CUDA
+device (``scripts/gpu_check.sh``) the growth is ``torch.cuda.max_memory_allocated`` over the same span instead.
 
 Models: the shipped tiny model (``verl_lite/assets/tiny-addition``: h 128, 4 layers, V 128; its counted state
 is small, so its points are LoRA at a large rank or attention-heavy micro-batches) and a compute-bound
@@ -79,15 +80,17 @@ GRID = [
 ]
 
 
-def spec_of(point: Point, model_config: dict):
-    """The estimator's ``EngineSpec`` of ``point`` (CPU: no flash attention, gloo collectives)."""
+def spec_of(point: Point, model_config: dict, cuda: bool = False):
+    """The estimator's ``EngineSpec`` of ``point`` (CPU: no flash attention, gloo collectives; CUDA: NCCL, flash
+    attention in bf16, as pre-flight builds it)."""
     from verl_lite.engine.memory import EngineSpec
 
     return EngineSpec(name=point.name, model=model_config, dtype=point.dtype, tp=point.tp, dp=point.dp,
                       distributed_optimizer=point.distributed_optimizer, lora_rank=point.lora_rank,
                       lora_projections=ALL_LINEAR if point.lora_rank else (),
                       micro_batch_tokens=point.seqs * point.length, micro_batch_sequences=point.seqs,
-                      longest_sequence=point.length, flash_attention=False, gloo=True)
+                      longest_sequence=point.length, flash_attention=cuda and point.dtype == "bfloat16",
+                      gloo=not cuda)
 
 
 def _loss(outputs, data):
@@ -123,6 +126,10 @@ def _rank_growth(rank: int, world: int, point: Point, model_dir: str, port: int)
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     batch = _batch(point.seqs, point.length, vocab)
     gc.collect()
+    cuda = torch.cuda.is_available()
+    if cuda:  # the device's allocator: what the estimate counts per device
+        torch.cuda.reset_peak_memory_stats()
+        allocated = torch.cuda.memory_allocated()
     before = _status()
     lora = (LoraConfig(rank=point.lora_rank, alpha=2.0 * point.lora_rank, target_modules=("all-linear",))
             if point.lora_rank else None)
@@ -131,6 +138,8 @@ def _rank_growth(rank: int, world: int, point: Point, model_dir: str, port: int)
         engine.train_step(batch, [list(range(point.seqs))], _loss)
     after = _status()
     destroy_distributed()
+    if cuda:
+        return torch.cuda.max_memory_allocated() - allocated
     return after["VmHWM"] - after["RssFile"] - before["RssAnon"]
 
 
@@ -187,7 +196,10 @@ def run_point(point: Point, model_dir: str, default_malloc: bool = False) -> dic
     if done.returncode != 0:
         raise RuntimeError(f"{point.name}: the measuring process failed:\n{done.stderr[-4000:]}")
     growth = int(done.stdout.strip().splitlines()[-1])
-    estimate = estimate_engine(spec_of(point, json.loads((Path(model_dir) / "config.json").read_text())))
+    import torch
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    estimate = estimate_engine(spec_of(point, config, cuda=torch.cuda.is_available()))
     return {"point": point.name, "estimate": estimate.total, "growth": growth, "ratio": estimate.total / growth,
             "parts": {k: v for k, v in estimate.parts.items() if v}}
 

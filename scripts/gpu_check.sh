@@ -137,6 +137,19 @@ EOF
 else
     fail moe_model "the tiny MoE could not be built; see $OUT/moe_model.log"
 fi
+# ---- the memory estimate against torch.cuda.max_memory_allocated (bench/memory_grid.py's one-process points on the
+# device; each within 15%, the CPU grid's bound)
+if [ "$NGPU" -ge 1 ]; then
+    if "$PY" bench/memory_grid.py --points wide-full-fp32-s,wide-full-fp32-l,wide-full-bf16-s,wide-full-bf16-l,wide-lora64-fp32-l \
+            > "$OUT/memory_estimate.log" 2>&1; then
+        pass memory_estimate "$(tail -1 "$OUT/memory_estimate.log")"
+    else
+        fail memory_estimate "see $OUT/memory_estimate.log"
+    fi
+else
+    skip memory_estimate "no CUDA device; on CPU the grid runs in bench/memory_grid.py and tests/engine/test_memory_calibration.py"
+fi
+
 # ---- the consistency mode: the actor's batch-invariant engine generates; every sampled token's rollout log-prob
 # must equal the trainer's bit for bit (tolerance 0), dense and MoE with R3 (fp32 rollout and trainer)
 run_grpo consistency "$PY" 2 0 actor_rollout_ref.rollout.batch_invariant=true
