@@ -8,7 +8,7 @@ adapters, and MoE:
   and in reversed order over two micro-batches of other sizes;
 - ``next_token_logits`` of every prefix of a sequence, then ``token_log_probs`` at the token that follows: bit for
   bit ``infer``'s log-prob of that token in the whole sequence's forward (what a generator sampling from these
-  logits reports is what the trainer computes);
+  logits reports is what the trainer computes), in one forward or cut into micro-batches of a token budget;
 - a ``train_step`` in the mode moves the weights as the standard engine's does (the blocks change the rounding
   only: over two steps, losses within 1e-6 and gradient norms within 1e-5 relative of the same steps without it);
 - a sequence longer than the attention's fixed length is one clear error; TP/PP/CP > 1 are refused at config time.
@@ -78,6 +78,9 @@ def _case(rank, world, model_dir, dtype, lora_rank, moe) -> dict:
         n, r = LENGTHS[i], RESPONSES[i]
         prefixes = [seqs[i][:p].tolist() for p in range(n - r, n)]
         logits = engine.next_token_logits(prefixes, temperature=0.7)
+        split = engine.next_token_logits(prefixes, temperature=0.7, max_tokens=2 * n)  # several micro-batches
+        out.setdefault("split_differences", 0)
+        out["split_differences"] += int((split != logits).sum())
         generated.append(engine.token_log_probs(logits, seqs[i][n - r:]))
         from verl_lite.engine import SequenceBatch
 
@@ -146,6 +149,7 @@ def test_a_token_s_outputs_do_not_depend_on_its_batch(results, case):
     out = results[case]
     print(f"standard engine: {out['standard_differences']} output values differ across packings")
     assert out["invariant_differences"] == 0
+    assert out["split_differences"] == 0
     for generated, reported in zip(out["generated"], out["reported"]):
         assert torch.equal(generated, reported), (generated - reported).abs().max()
 

@@ -2,7 +2,8 @@
 batch-invariant engine generates, so the log-prob the rollout reports for every sampled token is the trainer's,
 bit for bit: ``rollout/logprob_diff_max`` is exactly 0.0 on every step of
 - the default job (the shipped model and task), at 1 worker (one mini-batch: the update's own forward gives the
-  old log-probs) and at DP2 with two mini-batches (a separate old-log-prob pass), in fp32 and in bf16;
+  old log-probs) and at DP2 with two mini-batches (a separate old-log-prob pass; each decode step's forward cut
+  into micro-batches of at most 64 tokens), in fp32 and in bf16;
 - the tool-agent recipe (multi-turn, tool calls, the environment's tokens masked), at 1 worker and DP2;
 - a MoE GRPO run with routing replay R3 (the rollout's routing recorded and replayed), at 1 worker and DP2.
 The same default job without the mode reports a nonzero difference (the HF rollout is another program).
@@ -53,7 +54,9 @@ def _run(tmp_path, recipe: str | None, overrides: dict, monkeypatch) -> list[dic
 
 
 BF16 = {"actor_rollout_ref.actor.megatron.dtype": "bfloat16", "actor_rollout_ref.rollout.dtype": "bfloat16"}
-CASES = {"default": (None, {}), "default_dp2": (None, DP2), "default_bf16_dp2": (None, {**BF16, **DP2}),
+# a decode step's forward split into micro-batches of at most 64 tokens (the rollout's log-prob token budget)
+SPLIT = {"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": 64}
+CASES = {"default": (None, {}), "default_dp2": (None, {**DP2, **SPLIT}), "default_bf16_dp2": (None, {**BF16, **DP2}),
          "tool_agent": ("tool_agent", {}),
          "tool_agent_dp2": ("tool_agent", DP2), "moe_r3": (None, R3), "moe_r3_dp2": (None, {**R3, **DP2})}
 

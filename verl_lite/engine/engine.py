@@ -531,14 +531,24 @@ class MegatronEngine:
         return out | {name: counts[inverse] for name, counts in routing.items()}
 
     @torch.no_grad()
-    def next_token_logits(self, sequences: list[list[int]], temperature: float) -> torch.Tensor:
+    def next_token_logits(self, sequences: list[list[int]], temperature: float,
+                          max_tokens: int | None = None) -> torch.Tensor:
         """The temperature-scaled logits (float32, [n, padded vocabulary]) each sequence's last position gives
-        for its next token, in one forward (TP = 1). Batch-invariant engines give bit for bit the logits of that
-        position in any longer sequence's forward, so :meth:`token_log_probs` of them is the log-prob
-        :meth:`infer` reports for the token drawn there."""
+        for its next token (TP = 1), in micro-batches of at most ``max_tokens`` tokens (a longer sequence alone;
+        None: one; the output layer's logits of a micro-batch are [tokens, vocabulary]). Batch-invariant engines give
+        bit for bit the logits of that position in any longer sequence's forward, so :meth:`token_log_probs` of
+        them is the log-prob :meth:`infer` reports for the token drawn there."""
         placeholder = [torch.tensor([*seq, 0], dtype=torch.long) for seq in sequences]  # its logits are not read
         batch = SequenceBatch(placeholder, torch.ones(len(sequences), dtype=torch.long))
-        return self.infer(batch, [list(range(len(sequences)))], temperature, outputs=("logits",))["logits"][:, 0]
+        micro_batches: list[list[int]] = [[]]
+        used = 0
+        for i, seq in enumerate(placeholder):
+            if micro_batches[-1] and max_tokens is not None and used + seq.numel() > max_tokens:
+                micro_batches.append([])
+                used = 0
+            micro_batches[-1].append(i)
+            used += seq.numel()
+        return self.infer(batch, micro_batches, temperature, outputs=("logits",))["logits"][:, 0]
 
     def token_log_probs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """log softmax(logits)[tokens] per row ([n, V], [n] -> [n]): :meth:`infer`'s ``log_probs`` arithmetic."""

@@ -30,15 +30,17 @@ from verl_lite.rollout.hf_rollout import (_filter_top_k_top_p, _penalize_repetit
 class EngineRollout(Rollout):
     """A ``Rollout`` whose model is ``engine`` (a ``MegatronEngine`` built with ``batch_invariant_length``, TP = 1);
     the eos / pad ids are read from ``tokenizer``. ``record_routing``: every result also holds ``routed_experts``
-    (uint8 ``[len(prompt) + len(response), layers, top_k]``, as ``HFRollout``'s)."""
+    (uint8 ``[len(prompt) + len(response), layers, top_k]``, as ``HFRollout``'s). ``max_tokens_per_forward``: a
+    decode step's forward in micro-batches of at most that many tokens (None: one)."""
 
     interruptible = True
     shares_trainer_weights = True  # nothing to sync after an update
 
-    def __init__(self, engine, tokenizer, record_routing: bool = False):
+    def __init__(self, engine, tokenizer, record_routing: bool = False, max_tokens_per_forward: int | None = None):
         if not engine.cfg.batch_invariant_length:
             raise ValueError("EngineRollout needs an engine built with batch_invariant_length > 0")
         self.engine, self.tokenizer, self.record_routing = engine, tokenizer, record_routing
+        self.max_tokens_per_forward = max_tokens_per_forward
         self.eos_token_id = tokenizer.eos_token_id
         if self.eos_token_id is None:
             raise ValueError("the tokenizer has no eos_token; the rollout needs one to stop generation")
@@ -63,7 +65,7 @@ class EngineRollout(Rollout):
         stop_ids = {self.eos_token_id, *(stop_token_ids or [])}
         running, interrupted = list(range(rows)), set()
         for t in range(max_new_tokens):
-            logits = self.engine.next_token_logits([sequences[i] for i in running], scale)
+            logits = self.engine.next_token_logits([sequences[i] for i in running], scale, self.max_tokens_per_forward)
             scaled = logits[:, : self.vocab_size]
             if repetition_penalty != 1.0:
                 seen = torch.zeros_like(scaled, dtype=torch.bool)

@@ -27,13 +27,14 @@ ACTOR_LOSS_KEYS = ("response_mask", "old_log_probs", "advantages", "ref_log_prob
 @dataclass
 class RolloutWorkerConfig:
     """A generation model: its directory, its tokenizer's, and the backend with its settings (``make_rollout``);
-    ``on_engine``: the actor's own batch-invariant engine generates instead (``rollout.engine_rollout``)."""
+    ``on_engine`` > 0: the actor's own batch-invariant engine generates instead (``rollout.engine_rollout``), in
+    forwards of at most that many tokens."""
 
     model_path: str
     tokenizer_path: str
     rollout_name: str
     rollout_kwargs: dict
-    on_engine: bool = False
+    on_engine: int = 0
 
     def tokenizer(self):
         from transformers import AutoTokenizer
@@ -73,7 +74,8 @@ class ActorRolloutRefWorker(EngineWorker):
             from verl_lite.rollout.engine_rollout import EngineRollout
 
             record = bool(self.rollout_cfg.rollout_kwargs.get("record_routing"))
-            self.rollout = EngineRollout(self.actor, self.rollout_cfg.tokenizer(), record_routing=record)
+            self.rollout = EngineRollout(self.actor, self.rollout_cfg.tokenizer(), record_routing=record,
+                                         max_tokens_per_forward=self.rollout_cfg.on_engine)
         else:
             self.rollout = self.rollout_cfg.build()
 

@@ -36,7 +36,15 @@ def rollout_worker_config(cfg) -> RolloutWorkerConfig:
     return RolloutWorkerConfig(model_path=arr.model.path, tokenizer_path=arr.model.tokenizer_path,
                                rollout_name=arr.rollout.name,
                                rollout_kwargs=rollout_kwargs(arr.rollout, d.max_prompt_length + d.max_response_length),
-                               on_engine=arr.rollout.batch_invariant)
+                               on_engine=_engine_rollout_tokens(arr))
+
+
+def _engine_rollout_tokens(arr) -> int:
+    """0, or with ``rollout.batch_invariant`` the token budget of the engine-generator's forwards: the rollout's
+    log-prob budget (null: the actor's ``ppo_max_token_len_per_gpu``)."""
+    if not arr.rollout.batch_invariant:
+        return 0
+    return max(1, int(arr.rollout.log_prob_max_token_len_per_gpu or arr.actor.ppo_max_token_len_per_gpu))
 
 
 def judge_worker_config(cfg) -> RolloutWorkerConfig:
