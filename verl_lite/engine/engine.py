@@ -41,8 +41,7 @@ from typing import Callable
 
 import torch
 
-from verl_lite.compat import megatron_internals
-from verl_lite.compat import cpu_adapter
+from verl_lite.compat import cpu_adapter, megatron_internals
 from verl_lite.compat.cpu_adapter import suspended
 from verl_lite.compat.megatron_internals import main_param_shard_range, plain_rotary
 from verl_lite.engine import lora, moe
