@@ -165,3 +165,31 @@ def test_layouts_that_sum_across_ranks_are_refused(models):
         with pytest.raises(ValueError, match="TP = PP = CP = 1"):
             EngineConfig(models["dense"], MegatronConfig.layout(**layout), forward_only=True, optim=None,
                          batch_invariant_length=FIXED)
+
+
+def test_the_mode_keeps_every_call_s_meaning():
+    """Calls the blocks cannot serve unchanged pass through: a tensor exponent, an in-place activation, ``out=``, a
+    full-size bias; the ones it serves give what they give outside the mode (reductions to rounding)."""
+    import torch.nn.functional as F
+
+    from verl_lite.engine.batch_invariant import BatchInvariantMode
+
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(200, 8, generator=gen), torch.rand(200, 8, generator=gen)
+    w, bias = torch.randn(4, 8, generator=gen), torch.randn(200, 4, generator=gen)
+    with BatchInvariantMode():
+        power = torch.pow(x.abs(), y)
+        inplace = x.clone()
+        F.silu(inplace, inplace=True)
+        out = torch.empty(0)
+        torch.matmul(x, w.t(), out=out)
+        added = torch.addmm(bias, x, w.t())
+        sums = (x.sum(-1), x.sum(dim=1, keepdim=True), torch.logsumexp(x, -1), torch.softmax(x, dim=-1),
+                torch.linalg.vector_norm(x, dim=-1))
+    assert torch.equal(power, torch.pow(x.abs(), y)) and torch.equal(inplace, F.silu(x))
+    torch.testing.assert_close(out, x @ w.t())
+    torch.testing.assert_close(added, bias + x @ w.t())
+    for got, want in zip(sums, (x.sum(-1), x.sum(dim=1, keepdim=True), torch.logsumexp(x, -1),
+                                torch.softmax(x, dim=-1), torch.linalg.vector_norm(x, dim=-1))):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want)

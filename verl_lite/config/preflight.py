@@ -152,7 +152,8 @@ def _micro_batch(dynamic: bool, micro, budget, cp: int, per_rank: int, longest: 
 
 
 def _spec(name: str, model_path: str, mg, world: int, micro: tuple[int, int], longest: int, cuda: bool, *,
-          trains: bool, lora=None, value_head: bool = False, rollout_dtype: str | None = None):
+          trains: bool, lora=None, value_head: bool = False, rollout_dtype: str | None = None,
+          batch_invariant: bool = False):
     from verl_lite.engine.memory import EngineSpec
     from verl_lite.engine.model_files import read_config
     from verl_lite.engine.config import canonical_dtype, lora_projections
@@ -166,8 +167,8 @@ def _spec(name: str, model_path: str, mg, world: int, micro: tuple[int, int], lo
         distributed_optimizer=bool(mg.use_distributed_optimizer), lora_rank=rank,
         lora_projections=lora_projections(lora.target_modules, lora.exclude_modules) if rank else (),
         micro_batch_tokens=micro[0], micro_batch_sequences=micro[1], longest_sequence=longest,
-        flash_attention=cuda and canonical_dtype(mg.dtype) == "bfloat16", value_head=value_head,
-        rollout_dtype=rollout_dtype, gloo=not cuda)
+        flash_attention=cuda and canonical_dtype(mg.dtype) == "bfloat16" and not batch_invariant,
+        value_head=value_head, rollout_dtype=rollout_dtype, gloo=not cuda)
 
 
 def _roles(cfg, cuda: bool) -> list[_Role]:
@@ -186,7 +187,8 @@ def _roles(cfg, cuda: bool) -> list[_Role]:
                          mg.context_parallel_size, actor.ppo_mini_batch_size * n // dp, longest)
     hybrid = getattr(arr, "hybrid_engine", True)
     roles = [_Role(_spec("actor", arr.model.path, mg, world, micro, longest, cuda, trains=True, lora=arr.model.lora,
-                         rollout_dtype=rollout.dtype if hybrid and not rollout.batch_invariant else None),
+                         rollout_dtype=rollout.dtype if hybrid and not rollout.batch_invariant else None,
+                         batch_invariant=rollout.batch_invariant),
                    M, "actor_rollout_ref.model.lora", micro_key, "actor")]
     if (actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not lora_on:
         ref = arr.ref

@@ -202,9 +202,12 @@ def _section_problems(cfg: PPOConfig, needs, n: int | None) -> list[str]:
     p.extend(rollout.problems(R, d.max_prompt_length + d.max_response_length, max_pos, _cuda_visible()))
     p.extend(rollout.batch_invariant_problems(R, actor.megatron, M, arr.hybrid_engine))
     heads = config_int(arr.model.path, "num_attention_heads") if arr.model.path else None
+    kv_heads = (config_int(arr.model.path, "num_key_value_heads") if arr.model.path else None) or heads
     rollout_tp = rollout.tensor_model_parallel_size
-    if isinstance(rollout_tp, int) and rollout_tp > 1 and heads and heads % rollout_tp:
-        p.append(f"{R}.tensor_model_parallel_size={rollout_tp} must divide the model's {heads} attention heads")
+    if isinstance(rollout_tp, int) and rollout_tp > 1 and heads and (heads % rollout_tp or (
+            kv_heads % rollout_tp and rollout_tp % kv_heads)):
+        p.append(f"{R}.tensor_model_parallel_size={rollout_tp} must divide the model's {heads} attention heads, and "
+                 f"it and the {kv_heads} key/value heads must divide one another (vLLM's rule)")
     p.extend(d.problems())
     mpath, tpath = arr.model.path, arr.model.tokenizer_path
     p.extend(filter(None, [model_dir_problem("actor_rollout_ref.model.path", mpath)]))

@@ -21,6 +21,8 @@ batches, orders and micro-batches and asserts bitwise-equal outputs (dense, MoE,
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -73,38 +75,37 @@ def _is_last_dim(func, args: tuple, kwargs: dict) -> bool:
     return isinstance(dim, int) and x.dim() >= 2 and dim in (-1, x.dim() - 1)
 
 
-_active_modes = 0
+_modes = threading.local()  # torch-function modes are per thread, and so is this count
 
 
 def active() -> bool:
-    """Whether a :class:`BatchInvariantMode` is on: code with a fused kernel whose rounding depends on the element's
-    place in its buffer (``elementwise.rotary``'s multiply-adds) takes its plain form then."""
-    return _active_modes > 0
+    """Whether a :class:`BatchInvariantMode` is on in this thread: code with a fused kernel whose rounding depends on
+    the element's place in its buffer (``elementwise.rotary``'s multiply-adds) takes its plain form then."""
+    return getattr(_modes, "depth", 0) > 0
 
 
 class BatchInvariantMode(TorchFunctionMode):
     """Within it, the token-major kernels run on fixed ``ROW_CHUNK``-row blocks (the module docstring)."""
 
     def __enter__(self):
-        global _active_modes
-        _active_modes += 1
+        _modes.depth = getattr(_modes, "depth", 0) + 1
         return super().__enter__()
 
     def __exit__(self, *exc):
-        global _active_modes
-        _active_modes -= 1
+        _modes.depth -= 1
         return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _WEIGHT_MATMULS and len(args) >= 2 and _is_weight_matmul(*args[:2]):
+        if func in _WEIGHT_MATMULS and len(args) >= 2 and "out" not in kwargs and _is_weight_matmul(*args[:2]):
             first, weight, *rest = args
             return rowwise(lambda block: func(block, weight, *rest, **kwargs), first)
-        if func is torch.addmm and len(args) == 3 and "out" not in kwargs and args[1].dim() == 2:
+        if (func is torch.addmm and len(args) == 3 and "out" not in kwargs and args[1].dim() == 2
+                and (not isinstance(args[0], torch.Tensor) or args[0].dim() <= 1)):
             bias, first, weight = args
             return rowwise(lambda block: torch.addmm(bias, block, weight, **kwargs), first)
         if (func in _UNARY and args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 1
-                and args[0].is_floating_point()):
+                and args[0].is_floating_point() and not kwargs.get("inplace") and _scalar_operands(args[1:])):
             out = kwargs.pop("out", None)
             result = rowwise(lambda block: func(block, *args[1:], **kwargs), args[0])
             return result if out is None else out.copy_(result)
@@ -112,6 +113,12 @@ class BatchInvariantMode(TorchFunctionMode):
                 and _is_last_dim(func, args, kwargs)):
             return rowwise(lambda block: func(block, *args[1:], **kwargs), args[0])
         return func(*args, **kwargs)
+
+
+def _scalar_operands(rest: tuple) -> bool:
+    """Whether the further operands of an elementwise call are scalars (a tensor operand, as ``pow``'s exponent,
+    would not line up with the blocks)."""
+    return all(not isinstance(x, torch.Tensor) or x.numel() == 1 for x in rest)
 
 
 def _is_weight_matmul(first, second) -> bool:

@@ -532,27 +532,36 @@ class MegatronEngine:
     @torch.no_grad()
     def next_token_logits(self, sequences: list[list[int]], temperature: float,
                           max_tokens: int | None = None) -> torch.Tensor:
-        """The temperature-scaled logits (float32, [n, padded vocabulary]) each sequence's last position gives
+        """The temperature-scaled logits (the output's dtype, [n, padded vocabulary]) each sequence's last position gives
         for its next token (TP = 1), in micro-batches of at most ``max_tokens`` tokens (a longer sequence alone;
         None: one; the output layer's logits of a micro-batch are [tokens, vocabulary]). Batch-invariant engines give
         bit for bit the logits of that position in any longer sequence's forward, so :meth:`token_log_probs` of
         them is the log-prob :meth:`infer` reports for the token drawn there."""
         placeholder = [torch.tensor([*seq, 0], dtype=torch.long) for seq in sequences]  # its logits are not read
         batch = SequenceBatch(placeholder, torch.ones(len(sequences), dtype=torch.long))
+        micro_batches = self.token_budget_micro_batches(batch.lengths, max_tokens)
+        return self.infer(batch, micro_batches, temperature, outputs=("logits",))["logits"][:, 0]
+
+    def token_budget_micro_batches(self, lengths: list[int], max_tokens: int | None) -> list[list[int]]:
+        """Consecutive rows in micro-batches of at most ``max_tokens`` tokens (None: one micro-batch; a longer row
+        alone), a row counted at the batch-invariant attention's fixed length where that is longer (its scores)."""
         micro_batches: list[list[int]] = [[]]
         used = 0
-        for i, seq in enumerate(placeholder):
-            if micro_batches[-1] and max_tokens is not None and used + seq.numel() > max_tokens:
+        for i, length in enumerate(lengths):
+            cost = max(length, self.cfg.batch_invariant_length)
+            if micro_batches[-1] and max_tokens is not None and used + cost > max_tokens:
                 micro_batches.append([])
                 used = 0
             micro_batches[-1].append(i)
-            used += seq.numel()
-        return self.infer(batch, micro_batches, temperature, outputs=("logits",))["logits"][:, 0]
+            used += cost
+        return micro_batches
 
     def token_log_probs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """log softmax(logits)[tokens] per row ([n, V], [n] -> [n]): :meth:`infer`'s ``log_probs`` arithmetic."""
+        """log softmax(logits)[tokens] per row ([n, V], [n] -> [n], on the CPU): :meth:`infer`'s ``log_probs``
+        arithmetic, on the engine's device as there."""
         with BatchInvariantMode() if self.cfg.batch_invariant_length else contextlib.nullcontext():
-            return vocab_parallel_log_probs(logits, tokens, vocab_size=self.hf_config.vocab_size)
+            return vocab_parallel_log_probs(logits.to(self.device), tokens.to(self.device),
+                                            vocab_size=self.hf_config.vocab_size).cpu()
 
     def _recorded_routing(self, mbs: list[_MicroBatch], width: int) -> torch.Tensor:
         """The routing the micro-batches' routers chose, per sequence in micro-batch order [n, width, layers, k]

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from verl_lite.agent.config import AgentLoopConfig, MultiTurnConfig
+from verl_lite.engine.config import canonical_dtype
 from verl_lite.rollout import ROLLOUT_NAMES, VLLM_ENGINE_KEYS, vllm_unavailable_reason
 
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
@@ -143,7 +144,7 @@ class RolloutConfig(GenerationConfig):
             out.append(f"{R}.batch_invariant=true with {megatron_key}.expert_model_parallel_size="
                        f"{actor_megatron.ep}: every decode step would be an all-to-all across the DP ranks, which "
                        f"generate different numbers of tokens; set it to 1")
-        if self.dtype != actor_megatron.dtype:
+        if canonical_dtype(self.dtype) != canonical_dtype(actor_megatron.dtype):
             out.append(f"{R}.dtype={self.dtype} with {R}.batch_invariant=true: the actor's engine generates, in "
                        f"{megatron_key}.dtype={actor_megatron.dtype}; set them equal")
         if not colocated:

@@ -66,7 +66,7 @@ class EngineRollout(Rollout):
         running, interrupted = list(range(rows)), set()
         for t in range(max_new_tokens):
             logits = self.engine.next_token_logits([sequences[i] for i in running], scale, self.max_tokens_per_forward)
-            scaled = logits[:, : self.vocab_size]
+            scaled = logits[:, : self.vocab_size].float()  # the draw's rules in float32, as the HF rollout's
             if repetition_penalty != 1.0:
                 seen = torch.zeros_like(scaled, dtype=torch.bool)
                 for row, i in enumerate(running):
@@ -84,7 +84,10 @@ class EngineRollout(Rollout):
                 sequences[i].append(token)
                 responses[i].append(token)
                 log_probs[i].append(reported[row])
-                if token not in stop_ids and not self._ends_in(responses[i], stop):
+                # a row at the attention's fixed length stops: past it is beyond every caller's room (an agent's
+                # batched turns ask for the largest room of the batch and cut each row to its own)
+                full = len(sequences[i]) >= self.engine.cfg.batch_invariant_length
+                if token not in stop_ids and not full and not self._ends_in(responses[i], stop):
                     still.append(i)
             running = still
             if not running or t + 1 == max_new_tokens:
@@ -109,7 +112,7 @@ class EngineRollout(Rollout):
         """One recording pass over the trajectories (prompt + response): each one's routing per token."""
         batch = SequenceBatch([torch.tensor(s, dtype=torch.long) for s in sequences],
                               torch.tensor([max(1, len(r["response_ids"])) for r in results]))
-        recorded = self.engine.infer(batch, [list(range(len(sequences)))], outputs=("log_probs",),
-                                     record_routing=True)["routed_experts"]
+        micro_batches = self.engine.token_budget_micro_batches(batch.lengths, self.max_tokens_per_forward)
+        recorded = self.engine.infer(batch, micro_batches, outputs=("log_probs",), record_routing=True)["routed_experts"]
         for i, (seq, res) in enumerate(zip(sequences, results)):
             res[ROUTED_EXPERTS_KEY] = recorded[i, : len(seq)].clone()
