@@ -46,6 +46,7 @@ VLLM_INSTALL_HINT = (
 
 _MASK64 = (1 << 64) - 1
 _open_engine: list = []  # the process's open VLLMRollout (at most one; see the module docstring)
+_USER_CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND" in os.environ  # the user's own binding is kept
 
 
 def cpu_bind(tp: int) -> str:
@@ -122,8 +123,11 @@ class VLLMRollout(Rollout):
         if not torch.cuda.is_available():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         executor = {}
+        if not _USER_CPU_BIND and not torch.cuda.is_available():  # this engine's binding, not an earlier one's
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
         if tensor_model_parallel_size > 1:  # vLLM's CPU workers, one process per TP rank, each on its share of cores
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(tensor_model_parallel_size))
+            if not _USER_CPU_BIND:
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind(tensor_model_parallel_size)
             executor = {"distributed_executor_backend": "mp"}
         quiet_vllm()  # its log level, read at import
         try:
