@@ -193,21 +193,14 @@ def _section_problems(cfg: PPOConfig, needs, n: int | None) -> list[str]:
         if enabled and not _cuda_visible():
             p.append(f"{key}.enable_gradient_checkpointing=true: megatron's activation recompute saves and restores "
                      f"the CUDA RNG state, so it runs on GPU only; set it false on CPU")
-    moe = (read_config(arr.model.path) or {}).get("model_type") in MOE_MODEL_TYPES
+    model_cfg = read_config(arr.model.path) if arr.model.path else None
+    moe = (model_cfg or {}).get("model_type") in MOE_MODEL_TYPES
     p.extend(actor.router_replay.problems(A, rollout, moe, alg.rollout_correction.bypass_mode))
     if actor.router_replay.mode != "disabled" and arr.model.enable_gradient_checkpointing:
         p.append(f"{A}.router_replay.mode={actor.router_replay.mode} with actor_rollout_ref.model.enable_gradient_checkpointing=true is not "
                  f"built (a recomputed router forward would replay another micro-batch's routing); turn one off")
-    max_pos = config_int(arr.model.path, "max_position_embeddings") if arr.model.path else None
-    p.extend(rollout.problems(R, d.max_prompt_length + d.max_response_length, max_pos, _cuda_visible()))
+    p.extend(rollout.problems(R, d.max_prompt_length + d.max_response_length, model_cfg, _cuda_visible()))
     p.extend(rollout.batch_invariant_problems(R, actor.megatron, M, arr.hybrid_engine))
-    heads = config_int(arr.model.path, "num_attention_heads") if arr.model.path else None
-    kv_heads = (config_int(arr.model.path, "num_key_value_heads") if arr.model.path else None) or heads
-    rollout_tp = rollout.tensor_model_parallel_size
-    if isinstance(rollout_tp, int) and rollout_tp > 1 and heads and (heads % rollout_tp or (
-            kv_heads % rollout_tp and rollout_tp % kv_heads)):
-        p.append(f"{R}.tensor_model_parallel_size={rollout_tp} must divide the model's {heads} attention heads, and "
-                 f"it and the {kv_heads} key/value heads must divide one another (vLLM's rule)")
     p.extend(d.problems())
     mpath, tpath = arr.model.path, arr.model.tokenizer_path
     p.extend(filter(None, [model_dir_problem("actor_rollout_ref.model.path", mpath)]))

@@ -31,11 +31,11 @@ from torch.overrides import TorchFunctionMode
 ROW_CHUNK = 128
 
 
-def rowwise(fn, x: torch.Tensor, *args, **kwargs):
-    """``fn(block, *args, **kwargs)`` on fixed ``[ROW_CHUNK, width]`` blocks of ``x``'s rows (``x``: ``[..., width]``;
-    1-D: one value per row), concatenated back: ``fn`` must act on each row alone."""
+def rowwise(fn, x: torch.Tensor):
+    """``fn(block)`` on fixed ``[ROW_CHUNK, width]`` blocks of ``x``'s rows (``x``: ``[..., width]``; 1-D: one value
+    per row), concatenated back: ``fn`` must act on each row alone."""
     if x.dim() == 1:
-        return rowwise(fn, x.unsqueeze(-1), *args, **kwargs).reshape(x.shape)
+        return rowwise(fn, x.unsqueeze(-1)).reshape(x.shape)
     lead, width = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, width)
     blocks = []
@@ -43,14 +43,13 @@ def rowwise(fn, x: torch.Tensor, *args, **kwargs):
         block = rows[start:start + ROW_CHUNK]
         short = ROW_CHUNK - block.shape[0]
         block = torch.cat([block, block.new_zeros(short, width)]) if short else block.contiguous()
-        blocks.append(fn(block, *args, **kwargs))
-    out = torch.cat(blocks)[: rows.shape[0]] if blocks else fn(rows, *args, **kwargs)
+        blocks.append(fn(block))
+    out = torch.cat(blocks)[: rows.shape[0]] if blocks else fn(rows)
     return out.reshape(*lead, *out.shape[1:])
 
 
-# matmuls whose second operand is a 2-D weight: (name, the weight's argument index)
-_WEIGHT_MATMULS = {F.linear: 1, torch.matmul: 1, torch.Tensor.matmul: 1, torch.Tensor.__matmul__: 1,
-                   torch.mm: 1, torch.Tensor.mm: 1}
+# matmuls (input, weight): blocked where the weight is 2-D
+_WEIGHT_MATMULS = {F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm}
 # elementwise functions of one tensor whose vector and scalar paths may round differently
 _UNARY = {torch.exp, torch.Tensor.exp, torch.log, torch.Tensor.log, torch.sigmoid, torch.Tensor.sigmoid,
           torch.tanh, torch.Tensor.tanh, torch.rsqrt, torch.Tensor.rsqrt, torch.sqrt, torch.Tensor.sqrt,

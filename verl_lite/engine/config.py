@@ -203,6 +203,17 @@ def _raise_on(problems: list[str]) -> None:
         raise ValueError("; ".join(problems))
 
 
+def head_split_problem(key: str, tp: int, model_cfg: dict | None, why: str) -> str | None:
+    """The one rule of splitting attention over ``tp`` ranks (``key`` = its setting): ``tp`` divides the model's
+    attention heads, and it and the key/value heads divide one another (``why``: who replicates KV heads)."""
+    heads = (model_cfg or {}).get("num_attention_heads")
+    kv_heads = (model_cfg or {}).get("num_key_value_heads") or heads
+    if heads is None or not (heads % tp or (kv_heads % tp and tp % kv_heads)):
+        return None
+    return (f"{key}={tp} must divide the model's attention heads ({heads}), and TP and the key/value heads "
+            f"({kv_heads}) must divide one another ({why})")
+
+
 @dataclass
 class MegatronConfig:
     tensor_model_parallel_size: int = 1  # TP: each layer's weights split over this many ranks
@@ -279,10 +290,8 @@ class MegatronConfig:
             if layers is not None and layers % stages:
                 out.append(f"the model's {layers} layers must divide by pp x vpp = {pp} x {vpp or 1} = {stages}; "
                            f"change {name('pp')} / {MEGATRON_NAMES['vpp']}")
-            if heads is not None and (heads % tp or (kv_heads % tp and tp % kv_heads)):
-                out.append(f"{name('tp')}={tp} must divide the model's attention heads ({heads}), and TP and the "
-                           f"key/value heads ({kv_heads}) must divide one another (megatron replicates KV heads when "
-                           f"TP exceeds them)")
+            out += filter(None, [head_split_problem(name("tp"), tp, model_cfg,
+                                                    "megatron replicates KV heads when TP exceeds them")])
         return out
 
     def moe_problems(self, key: str, world: int, model_cfg: dict | None) -> list[str]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from verl_lite.agent.config import AgentLoopConfig, MultiTurnConfig
-from verl_lite.engine.config import canonical_dtype
+from verl_lite.engine.config import canonical_dtype, head_split_problem
 from verl_lite.rollout import ROLLOUT_NAMES, VLLM_ENGINE_KEYS, vllm_unavailable_reason
 
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
@@ -100,10 +100,11 @@ class RolloutConfig(GenerationConfig):
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     agent: AgentLoopConfig = field(default_factory=AgentLoopConfig)
 
-    def problems(self, R: str, longest: int, max_pos: int | None, cuda: bool) -> list[str]:
-        """This section, named ``R``; ``longest`` = prompt + response tokens at most; ``max_pos`` = the model's
-        max_position_embeddings (None: unknown); ``cuda``: a GPU is visible."""
+    def problems(self, R: str, longest: int, model_cfg: dict | None, cuda: bool) -> list[str]:
+        """This section, named ``R``; ``longest`` = prompt + response tokens at most; ``model_cfg`` = the model's
+        config.json (None: unknown); ``cuda``: a GPU is visible."""
         out = self.generation_problems(R, longest, cuda)
+        max_pos = (model_cfg or {}).get("max_position_embeddings")
         if self.name == "vllm" and max_pos and longest > max_pos:
             out.append(f"{R}.name=vllm: data.max_prompt_length + data.max_response_length = {longest} exceeds the "
                        f"model's max_position_embeddings {max_pos} (vLLM's max_model_len); shorten them")
@@ -116,6 +117,9 @@ class RolloutConfig(GenerationConfig):
         elif tp > 1 and cuda:
             out.append(f"{R}.tensor_model_parallel_size={tp} on GPUs: a rollout TP group spanning the workers' GPUs "
                        f"is not built (vLLM's CPU build runs it on one machine); set it to 1")
+        if isinstance(tp, int) and tp > 1:
+            out += filter(None, [head_split_problem(f"{R}.tensor_model_parallel_size", tp, model_cfg,
+                                                    "vLLM replicates KV heads when TP exceeds them")])
         vk, hint = self.val_kwargs, "use val_kwargs.do_sample=false for greedy"
         out += sampling_problems(R, self.temperature, self.top_p, self.top_k, True, hint)
         out += sampling_problems(f"{R}.val_kwargs", vk.temperature, vk.top_p, vk.top_k, vk.do_sample, hint)

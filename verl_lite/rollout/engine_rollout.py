@@ -23,13 +23,13 @@ import torch
 from verl_lite.engine.engine import SequenceBatch
 from verl_lite.protocol import ROUTED_EXPERTS_KEY
 from verl_lite.rollout.base import Rollout, rollout_temperature
-from verl_lite.rollout.hf_rollout import (_filter_top_k_top_p, _penalize_repetition, inverse_cdf_sample, row_keys,
-                                          uniform_at)
+from verl_lite.rollout.hf_rollout import (_filter_top_k_top_p, _penalize_repetition, ends_in_stop_string,
+                                          inverse_cdf_sample, row_keys, uniform_at)
 
 
 class EngineRollout(Rollout):
     """A ``Rollout`` whose model is ``engine`` (a ``MegatronEngine`` built with ``batch_invariant_length``, TP = 1);
-    the eos / pad ids are read from ``tokenizer``. ``record_routing``: every result also holds ``routed_experts``
+    the eos id is read from ``tokenizer``. ``record_routing``: every result also holds ``routed_experts``
     (uint8 ``[len(prompt) + len(response), layers, top_k]``, as ``HFRollout``'s). ``max_tokens_per_forward``: a
     decode step's forward in micro-batches of at most that many tokens (None: one)."""
 
@@ -59,7 +59,7 @@ class EngineRollout(Rollout):
         sequences = [list(p) for p in prompt_ids for _ in range(n)]
         rows = len(sequences)
         responses: list[list[int]] = [[] for _ in range(rows)]
-        log_probs: list[list[float]] = [[] for _ in range(rows)]
+        log_probs: list[list[torch.Tensor]] = [[] for _ in range(rows)]
         seeds, samples = torch.tensor(keys, dtype=torch.int64).unbind(-1)
         hashes = row_keys(seeds, samples)
         stop_ids = {self.eos_token_id, *(stop_token_ids or [])}
@@ -87,7 +87,8 @@ class EngineRollout(Rollout):
                 # a row at the attention's fixed length stops: past it is beyond every caller's room (an agent's
                 # batched turns ask for the largest room of the batch and cut each row to its own)
                 full = len(sequences[i]) >= self.engine.cfg.batch_invariant_length
-                if token not in stop_ids and not full and not self._ends_in(responses[i], stop):
+                if token not in stop_ids and not full and not (stop and ends_in_stop_string(self.tokenizer,
+                                                                                             responses[i], stop)):
                     still.append(i)
             running = still
             if not running or t + 1 == max_new_tokens:
@@ -100,13 +101,6 @@ class EngineRollout(Rollout):
         if self.record_routing:
             self._attach_routing(sequences, results)
         return results
-
-    def _ends_in(self, response: list[int], stop: list[str]) -> bool:
-        if not stop:
-            return False
-        window = 4 * max(len(s) for s in stop) + 4
-        tail = self.tokenizer.decode(response[-window:], skip_special_tokens=False)
-        return any(s in tail for s in stop)
 
     def _attach_routing(self, sequences: list[list[int]], results: list[dict]) -> None:
         """One recording pass over the trajectories (prompt + response): each one's routing per token."""

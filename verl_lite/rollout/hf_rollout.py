@@ -111,6 +111,14 @@ def inverse_cdf_sample(scaled_logits: torch.Tensor, uniforms: torch.Tensor) -> t
 COMPACT_AT = 7 / 8
 
 
+def ends_in_stop_string(tokenizer, response: list[int], stop: list[str]) -> bool:
+    """Whether ``response`` ends in one of ``stop`` (only its last tokens are decoded: a stop string that completed
+    earlier would have stopped the row then)."""
+    window = 4 * max(len(s) for s in stop) + 4
+    tail = tokenizer.decode(response[-window:], skip_special_tokens=False)
+    return any(s in tail for s in stop)
+
+
 def _cache_of(out):
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
@@ -258,14 +266,8 @@ class HFRollout(Rollout):
 
     def _stopped_by_string(self, tokens: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor,
                            stop: list[str]) -> torch.Tensor:
-        """[len(rows)] bool: the response of each row ends in one of ``stop`` (only its last tokens are
-        decoded: a stop string that completed earlier would have stopped the row then)."""
-        window = 4 * max(len(s) for s in stop) + 4
-        out = []
-        for r in rows.tolist():
-            k = int(lengths[r])
-            tail = self.tokenizer.decode(tokens[r, max(0, k - window):k].tolist(), skip_special_tokens=False)
-            out.append(any(s in tail for s in stop))
+        """[len(rows)] bool: the response of each row ends in one of ``stop`` (:func:`ends_in_stop_string`)."""
+        out = [ends_in_stop_string(self.tokenizer, tokens[r, : int(lengths[r])].tolist(), stop) for r in rows.tolist()]
         return torch.tensor(out, dtype=torch.bool, device=tokens.device)
 
     def _sample(self, prompt_ids, n, do_sample, temperature, top_p, top_k, max_new_tokens, keys, repetition_penalty,

@@ -122,13 +122,14 @@ class VLLMRollout(Rollout):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if not torch.cuda.is_available():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        executor = {}
-        if not _USER_CPU_BIND and not torch.cuda.is_available():  # this engine's binding, not an earlier one's
-            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-        if tensor_model_parallel_size > 1:  # vLLM's CPU workers, one process per TP rank, each on its share of cores
-            if not _USER_CPU_BIND:
+        # TP > 1: vLLM's CPU workers, one process per TP rank, each on its share of the cores (this engine's binding,
+        # not an earlier one's in the process; a user's own is kept)
+        if not _USER_CPU_BIND and not torch.cuda.is_available():
+            if tensor_model_parallel_size > 1:
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind(tensor_model_parallel_size)
-            executor = {"distributed_executor_backend": "mp"}
+            else:
+                os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        executor = {"distributed_executor_backend": "mp"} if tensor_model_parallel_size > 1 else {}
         quiet_vllm()  # its log level, read at import
         try:
             from vllm import LLM

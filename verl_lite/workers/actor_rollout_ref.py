@@ -18,6 +18,7 @@ from verl_lite.compat.cpu_adapter import suspended
 from verl_lite.engine.engine import MegatronEngine
 from verl_lite.protocol import Batch
 from verl_lite.rollout import make_rollout
+from verl_lite.rollout.engine_rollout import EngineRollout
 from verl_lite.workers.engine_worker import EngineWorker, EngineWorkerConfig, sequence_batch
 
 ACTOR_LOSS_KEYS = ("response_mask", "old_log_probs", "advantages", "ref_log_probs", "is_weights", "cov_mask",
@@ -71,8 +72,6 @@ class ActorRolloutRefWorker(EngineWorker):
         if self.cfg.need_ref and engine.lora is None:
             self.ref = MegatronEngine(engine.forward_only_twin())
         if self.rollout_cfg.on_engine:
-            from verl_lite.rollout.engine_rollout import EngineRollout
-
             record = bool(self.rollout_cfg.rollout_kwargs.get("record_routing"))
             self.rollout = EngineRollout(self.actor, self.rollout_cfg.tokenizer(), record_routing=record,
                                          max_tokens_per_forward=self.rollout_cfg.on_engine)
