@@ -3,22 +3,28 @@
 Every run trains the tiny e2e model (hidden 32, 2 layers) for a few steps with 4 prompts x 2
 samples; its overrides are :func:`overrides`. ``Run`` starts ``python -m verl_lite.trainer.main_ppo``
 in its own process group and can kill it with everything it started (Ray, workers) by pid.
+The tiny assets and :func:`straight_run` are built once per pytest run (:func:`built_once`): its
+pytest-xdist workers share them.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.e2e.conftest import tiny_assets, tiny_overrides  # noqa: F401  (fixture)
+import tests.e2e.conftest as e2e
+from tests.e2e.conftest import tiny_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 TIMING_PREFIX = "timing_s/"
@@ -115,14 +121,54 @@ def hf_weights(directory: Path) -> dict:
     return load_file(str(Path(directory) / "model.safetensors"))
 
 
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], dict]) -> dict:
+    """``build(directory)`` done by the first process of this pytest run that asks, its JSON-able result kept
+    beside it and read back by the others (pytest-xdist's workers: each would otherwise build its own)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the workers' basetemps' parent
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        done = shared / f"{name}.json"
+        if done.is_file():
+            return json.loads(done.read_text())
+        directory = shared / name
+        shutil.rmtree(directory, ignore_errors=True)  # what a build that failed left
+        directory.mkdir()
+        result = build(directory)
+        done.write_text(json.dumps(result))
+        return result
+
+
+class _OneDirectory:
+    """Stands in for ``tmp_path_factory``: ``mktemp`` answers one given directory."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+
+    def mktemp(self, basename: str) -> Path:
+        return self.directory
+
+
 @pytest.fixture(scope="session")
-def straight_run(tiny_assets, tmp_path_factory):  # noqa: F811
-    """4 steps at DP2 without interruption, checkpoints at 2 and 4; all four loggers (W&B offline)."""
-    root = tmp_path_factory.mktemp("straight")
-    args = overrides(tiny_assets, root, **{"trainer.logger": "[console,jsonl,tensorboard,wandb]",
-                                           "trainer.log_freq": 2})
-    text = run_to_end(args, root / "driver.log", env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
-    return {"root": root, "log": text, "metrics": metrics(root / "out"), "ckpt": root / "ckpt"}
+def tiny_assets(tmp_path_factory):
+    """tests/e2e's tiny assets, built once per pytest run: a checkpoint's fingerprint holds the reward file's
+    path, so the workers that share :func:`straight_run` must share these too."""
+    return built_once(tmp_path_factory, "tiny_assets", lambda d: e2e.tiny_assets.__wrapped__(_OneDirectory(d)))
+
+
+@pytest.fixture(scope="session")
+def straight_run(tiny_assets, tmp_path_factory):
+    """4 steps at DP2 without interruption, checkpoints at 2 and 4; all four loggers (W&B offline). Built once
+    per pytest run; every test reads it or copies from it."""
+
+    def build(root: Path) -> dict:
+        args = overrides(tiny_assets, root, **{"trainer.logger": "[console,jsonl,tensorboard,wandb]",
+                                               "trainer.log_freq": 2})
+        text = run_to_end(args, root / "driver.log", env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+        return {"root": str(root), "log": text, "metrics": metrics(root / "out"), "ckpt": str(root / "ckpt")}
+
+    run = built_once(tmp_path_factory, "straight", build)
+    return {**run, "root": Path(run["root"]), "ckpt": Path(run["ckpt"])}
 
 
 # ---------------------------------------------------------------------------- damaged / crafted checkpoints

@@ -68,8 +68,8 @@ def test_a_killed_holder_does_not_block_even_with_children_alive(tmp_path):
 def test_a_second_run_on_the_same_checkpoint_dir_is_refused_until_the_first_is_gone(tiny_assets, tmp_path):
     ckpt = tmp_path / "ckpt"
     lock_file = ckpt / LOCK_NAME
-    first = Run(overrides(tiny_assets, tmp_path, **{"trainer.output_dir": str(tmp_path / "out1")}),
-                tmp_path / "first.log")
+    first = Run(overrides(tiny_assets, tmp_path, **{"trainer.output_dir": str(tmp_path / "out1"),
+                                                    "trainer.n_gpus_per_node": 1}), tmp_path / "first.log")
     try:
         locked = wait_for(lambda: _holder_pid(lock_file) == first.proc.pid, timeout=120, poll=0.05)
         assert locked, f"the first run never took the lock:\n{first.text()[-3000:]}"
