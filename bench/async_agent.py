@@ -91,6 +91,9 @@ def main() -> None:
     p.add_argument("--cap", type=float, default=10.0)
     p.add_argument("--sides", default=",".join(SIDES), help=f"which of {', '.join(SIDES)} (sync always runs)")
     a = p.parse_args()
+    unknown = set(a.sides.split(",")) - set(SIDES)
+    if unknown:
+        p.error(f"--sides: {', '.join(sorted(unknown))} not among {', '.join(SIDES)}")
     sides = tuple(s for s in SIDES if s == "sync" or s in a.sides.split(","))
     root = Path(tempfile.mkdtemp(prefix="async-agent-"))
     tool_config = root / "slow_tool.yaml"

@@ -139,21 +139,11 @@ def built_once(tmp_path_factory, name: str, build: Callable[[Path], dict]) -> di
         return result
 
 
-class _OneDirectory:
-    """Stands in for ``tmp_path_factory``: ``mktemp`` answers one given directory."""
-
-    def __init__(self, directory: Path):
-        self.directory = directory
-
-    def mktemp(self, basename: str) -> Path:
-        return self.directory
-
-
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory):
     """tests/e2e's tiny assets, built once per pytest run: a checkpoint's fingerprint holds the reward file's
     path, so the workers that share :func:`straight_run` must share these too."""
-    return built_once(tmp_path_factory, "tiny_assets", lambda d: e2e.tiny_assets.__wrapped__(_OneDirectory(d)))
+    return built_once(tmp_path_factory, "tiny_assets", e2e.build_tiny_assets)
 
 
 @pytest.fixture(scope="session")

@@ -19,10 +19,14 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory):
+    return build_tiny_assets(tmp_path_factory.mktemp("e2e_assets"))
+
+
+def build_tiny_assets(root: Path) -> dict:
+    """The tiny model, char tokenizer, synthetic task and reward file under ``root``; their paths."""
     from verl_lite.data import make_synthetic_task, save_char_tokenizer
     from verl_lite.utils import make_tiny_hf_model
 
-    root = tmp_path_factory.mktemp("e2e_assets")
     model = make_tiny_hf_model(root / "model", vocab_size=104, hidden_size=32, num_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, seed=0)
     save_char_tokenizer(model)
