@@ -6,12 +6,17 @@
 - ``async``: ``trainer.v1.trainer_mode=separate_async``: a rollout worker of its own streaming trajectories, one
   batch of prompt groups ahead (verl's default ``num_warmup_batches=1``), each step taking the oldest complete
   groups, weights landing between model turns;
-- ``async_w2``: the same, two batches ahead (``num_warmup_batches=2``).
+- ``async_w2``: the same, two batches ahead (``num_warmup_batches=2``);
+- ``async_w2_is``: two batches ahead with token-level importance weights pi_old / pi_behaviour on the loss
+  (``algorithm.rollout_correction.rollout_is=token``, as verl's asynchronous recipes set it): the trajectories
+  are 1-4 policy versions old, and without a correction their update is a plain on-policy gradient.
 
 Every side runs ``python -m verl_lite.trainer.main_ppo --recipe tool_agent`` with the recipe's calculator replaced
 by ``bench/slow_tool.py``'s (each call sleeps a lognormal time: median 1 s, sigma 1, capped at 10 s) and
 ``--steps`` RL steps, validating before and after (the held-out set, greedy, the slow tool running). Rounds
-alternate the order of the sides. Printed per side: training wall time (the sum of the steps' ``timing_s/step``),
+alternate the order of the sides; round r seeds every side with ``trainer.seed=data.seed=r`` (``--same-seed``: 0 in
+every round) so the synchronous side's own spread over seeds is the noise an asynchronous side is judged against.
+Printed per side: training wall time (the sum of the steps' ``timing_s/step``),
 the whole process, steps per minute of training, held-out accuracy before and after, held-out points per minute of
 training; then the ratios to ``sync`` (steps per minute also without each run's first step: an asynchronous run's
 first step waits for its pipeline to fill, a cost paid once per run however long).
@@ -32,10 +37,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SIDES = ("lockstep", "sync", "async", "async_w2")
+SIDES = ("lockstep", "sync", "async", "async_w2", "async_w2_is")
 SIDE_KEYS = {"lockstep": ["actor_rollout_ref.rollout.multi_turn.batch_wait_s=null"], "sync": [],
              "async": ["trainer.v1.trainer_mode=separate_async"],
-             "async_w2": ["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.num_warmup_batches=2"]}
+             "async_w2": ["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.num_warmup_batches=2"],
+             "async_w2_is": ["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.num_warmup_batches=2",
+                             "algorithm.rollout_correction.rollout_is=token"]}
 TOOL_CONFIG = """tools:
 - class_name: bench.slow_tool.SlowCalculator
   config: {type: native, median_s: %(median)s, sigma: %(sigma)s, cap_s: %(cap)s}
@@ -52,20 +59,21 @@ TOOL_CONFIG = """tools:
 """
 
 
-def command(side: str, out: Path, steps: int, tool_config: Path, tool_processes: int) -> list[str]:
+def command(side: str, out: Path, steps: int, tool_config: Path, tool_processes: int, seed: int = 0) -> list[str]:
     return [sys.executable, "-m", "verl_lite.trainer.main_ppo", "--recipe", "tool_agent", *SIDE_KEYS[side],
+            f"trainer.seed={seed}", f"data.seed={seed}",
             f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tool_config}",
             f"actor_rollout_ref.rollout.multi_turn.tool_processes={tool_processes}",
             f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}", "trainer.val_before_train=true",
             f"trainer.output_dir={out}", f"trainer.default_local_dir={out / 'ckpt'}", "trainer.logger=[jsonl]"]
 
 
-def run_side(side: str, out: Path, a, tool_config: Path) -> dict:
+def run_side(side: str, out: Path, a, tool_config: Path, seed: int) -> dict:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=str(REPO) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
     started = time.perf_counter()
-    proc = subprocess.run(command(side, out, a.steps, tool_config, a.tool_processes), env=env, capture_output=True,
-                          text=True, cwd=str(REPO))
+    proc = subprocess.run(command(side, out, a.steps, tool_config, a.tool_processes, seed), env=env,
+                          capture_output=True, text=True, cwd=str(REPO))
     whole = time.perf_counter() - started
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
@@ -90,6 +98,7 @@ def main() -> None:
     p.add_argument("--sigma", type=float, default=1.0)
     p.add_argument("--cap", type=float, default=10.0)
     p.add_argument("--sides", default=",".join(SIDES), help=f"which of {', '.join(SIDES)} (sync always runs)")
+    p.add_argument("--same-seed", action="store_true", help="seed 0 in every round (default: round r uses seed r)")
     a = p.parse_args()
     unknown = set(a.sides.split(",")) - set(SIDES)
     if unknown:
@@ -101,9 +110,10 @@ def main() -> None:
     runs: dict[str, list[dict]] = {s: [] for s in sides}
     for r in range(a.rounds):
         for side in sides[r % len(sides):] + sides[:r % len(sides)]:
-            result = run_side(side, root / f"{side}-{r}", a, tool_config)
+            result = run_side(side, root / f"{side}-{r}", a, tool_config, 0 if a.same_seed else r)
             runs[side].append(result)
-            print(f"round {r + 1}/{a.rounds} {side}: training {result['train_s']:.1f} s, whole {result['whole_s']:.1f} s, "
+            print(f"round {r + 1}/{a.rounds} (seed {0 if a.same_seed else r}) {side}: training {result['train_s']:.1f} s, "
+                  f"whole {result['whole_s']:.1f} s, "
                   f"held-out {result['before']:.3f} -> {result['after']:.3f} (load average {os.getloadavg()[0]:.2f})",
                   flush=True)
     summary = {}
@@ -115,7 +125,7 @@ def main() -> None:
         points_per_min = statistics.median(100 * (x["after"] - x["before"]) / (x["train_s"] / 60) for x in rs)
         steady = statistics.median((x["steps"] - 1) / (x["after_first_s"] / 60) for x in rs)
         summary[side] = (steps_per_min, points_per_min, steady)
-        print(f"{side:>9}: {steps_per_min:.2f} steps/min of training ({steady:.2f} after the first step), held-out "
+        print(f"{side:>11}: {steps_per_min:.2f} steps/min of training ({steady:.2f} after the first step), held-out "
               f"{', '.join('%.3f -> %.3f' % (x['before'], x['after']) for x in rs)}, {points_per_min:.2f} points/min, "
               f"whole process {statistics.median(x['whole_s'] for x in rs):.0f} s, max staleness "
               f"{max(x['staleness'] for x in rs)}")
