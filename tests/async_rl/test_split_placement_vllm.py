@@ -30,7 +30,9 @@ STEPS = 3
 COMMON = {"trainer.total_training_steps": STEPS, "trainer.test_freq": 0, "trainer.val_before_train": "false",
           "trainer.logger": "[jsonl]", "actor_rollout_ref.actor.optim.lr": 1e-2,
           "actor_rollout_ref.rollout.name": "vllm", "algorithm.rollout_correction.rollout_is": "token"}
-SPLIT = {"actor_rollout_ref.hybrid_engine": "false", "actor_rollout_ref.rollout.n_gpus_per_node": 1}
+# weight syncs in buckets of 256 KiB: about a dozen per policy of the shipped model
+SPLIT = {"actor_rollout_ref.hybrid_engine": "false", "actor_rollout_ref.rollout.n_gpus_per_node": 1,
+         "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes": 0.25}
 NOISE = 1e-3  # |behaviour - trainer| log-prob of one token sampled by the trained version (vLLM CPU vs the engine)
 
 
@@ -62,6 +64,7 @@ def test_staleness_zero_vllm_pool_samples_the_trained_version(runs):
         assert records[0]["actor/grad_norm"] > 1e-3, "the check needs a first update that moves the policy"
     for r in runs["split0"]:
         assert r["async/staleness"] == 0 and r["async/policy_version"] == r["step"] - 1, r
+        assert r["perf/weight_sync_bytes"] > 1 << 20 and r["perf/weight_sync_gb_per_s"] > 0, r
 
 
 def test_one_step_off_vllm_pool_lags_by_at_most_one_version(runs):

@@ -86,6 +86,25 @@ class GenerationConfig:
 
 
 @dataclass
+class CheckpointEngineConfig:
+    """How an updated policy reaches a rollout pool of its own (split placement; colocated rollouts load from their
+    own actor in process): HF-named tensors in flat buckets (``verl_lite.rollout.buckets``), one object each in
+    Ray's object store, loaded by every rollout worker bucket by bucket."""
+
+    backend: str = "naive"  # naive: through Ray's object store (the only backend built; verl's nccl/nixl are GPU transports)
+    update_weights_bucket_megabytes: float = 2048  # megabytes (MiB) per bucket of a weight sync (a larger single tensor travels alone)
+
+    def problems(self, key: str) -> list[str]:
+        out = [] if self.backend == "naive" else [
+            f"{key}.backend={self.backend!r} is not built: the weights travel through Ray's object store in flat "
+            f"buckets (naive); set it to naive or drop it"]
+        size = self.update_weights_bucket_megabytes
+        if not isinstance(size, (int, float)) or isinstance(size, bool) or not size > 0:
+            out.append(f"{key}.update_weights_bucket_megabytes={size!r} must be a number > 0")
+        return out
+
+
+@dataclass
 class RolloutConfig(GenerationConfig):
     n: int = 8  # samples per prompt
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # old-log-prob recompute; None = actor's micro size
@@ -99,6 +118,7 @@ class RolloutConfig(GenerationConfig):
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     agent: AgentLoopConfig = field(default_factory=AgentLoopConfig)
+    checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
 
     def problems(self, R: str, longest: int, model_cfg: dict | None, cuda: bool) -> list[str]:
         """This section, named ``R``; ``longest`` = prompt + response tokens at most; ``model_cfg`` = the model's
@@ -127,6 +147,7 @@ class RolloutConfig(GenerationConfig):
             out.append(f"{R}.val_kwargs.n={vk.n} must be >= 1")
         if vk.n > 1 and not vk.do_sample:
             out.append(f"{R}.val_kwargs.n={vk.n} > 1 needs val_kwargs.do_sample=true (greedy samples repeat)")
+        out += self.checkpoint_engine.problems(f"{R}.checkpoint_engine")
         return out + self.agent.problems(R, self.multi_turn)  # multi_turn.* and agent.*
 
     def batch_invariant_problems(self, R: str, actor_megatron, megatron_key: str, colocated: bool) -> list[str]:

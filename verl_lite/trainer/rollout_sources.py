@@ -12,6 +12,7 @@ schedule) or ``StreamedRollouts`` (``trainer.v1.trainer_mode=separate_async``, p
 
 from __future__ import annotations
 
+import time
 from typing import Iterator
 
 import torch
@@ -21,9 +22,9 @@ from verl_lite.agent.preflight import multi_turn_values
 from verl_lite.controller import RoleGroup
 from verl_lite.controller.pipeline import PipelineError, RolloutItem, RolloutPipeline
 from verl_lite.controller.stream import StreamingPipeline, off_policy_metrics
-from verl_lite.controller.wire import wire
 from verl_lite.controller.worker_group import WorkerError
 from verl_lite.protocol import Batch
+from verl_lite.rollout.buckets import bucket_bytes_of
 from verl_lite.trainer import metrics as M
 from verl_lite.trainer.rollout_stage import Rollouts, round_uid_prefix
 from verl_lite.utils.seeds import rollout_seed, stream_group_seed
@@ -63,19 +64,26 @@ class _PoolRollouts(RolloutSource):
         super().__init__(rollouts)
         self.placement, self.cfg = rollouts.placement, rollouts.cfg
         self.bound = self.cfg.async_training.weight_sync_timeout_s
+        self.export_s = self.load_s = 0.0  # the latest export's and the latest completed load's wall seconds
 
-    def _publish(self, version: int, step: int) -> None:
-        """Policy ``version``: the actor's weights after ``step`` RL steps (an ObjectRef the workers resolve)."""
-        import ray
-
-        exported = self._call(self.placement.actor, f"step {step + 1}: exporting the actor's weights for the "
-                              "rollout pool", "export_rollout_weights")
-        self.pipeline.publish(version, ray.put(wire(exported[0])))  # tensors as raw bytes, as broadcast sends them
+    def _publish(self, version: int, step: int) -> int:
+        """Policy ``version``: the actor's weights after ``step`` RL steps, in the buckets its rank 0 put into the
+        object store (``rollout.checkpoint_engine``); returns their bytes."""
+        engine, started = self.cfg.actor_rollout_ref.rollout.checkpoint_engine, time.perf_counter()
+        refs, nbytes = self._call(self.placement.actor, f"step {step + 1}: exporting the actor's weights for the "
+                                  "rollout pool", "export_rollout_weights",
+                                  bucket_bytes_of(engine.update_weights_bucket_megabytes))[0]
+        self.export_s = time.perf_counter() - started
+        self.pipeline.publish(version, refs)
+        return nbytes
 
     def _load(self, weights, version: int) -> None:
-        """Policy ``version`` into every rollout worker (the pipeline calls it)."""
+        """Policy ``version`` into every rollout worker (the pipeline calls it; in the stream's publish, in the
+        one-step-off pipeline's thread)."""
+        started = time.perf_counter()
         self._call(self.placement.rollout, f"the weight sync of policy version {version} to the rollout pool",
                    "load_weights", weights, version)
+        self.load_s = time.perf_counter() - started
 
     def _call(self, role: RoleGroup, what: str, method: str, *args) -> list:
         try:
@@ -86,9 +94,14 @@ class _PoolRollouts(RolloutSource):
                                 "raise async_training.weight_sync_timeout_s, or check the rollout workers") from err
 
     def after_update(self, step: int, m: dict) -> None:
-        """Policy version ``step + 1`` to the pipeline (a stream's running trajectories go on with it)."""
+        """Policy version ``step + 1`` to the pipeline (a stream's running trajectories go on with it). Metrics:
+        the policy's bytes, the export's seconds, the latest completed load's (into every rollout worker) and the
+        bytes per second of the two together."""
         with M.timer(m, "sync_weights"):
-            self._publish(step + 1, step)
+            nbytes = self._publish(step + 1, step)
+        m.update({"perf/weight_sync_bytes": nbytes, "perf/weight_sync_export_s": self.export_s,
+                  "perf/weight_sync_load_s": self.load_s,
+                  "perf/weight_sync_gb_per_s": nbytes / 1e9 / max(self.export_s + self.load_s, 1e-9)})
 
 
 class PipelinedRollouts(_PoolRollouts):

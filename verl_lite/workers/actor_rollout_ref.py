@@ -15,9 +15,11 @@ from verl_lite.agent.loop import AgentRunner
 from verl_lite.algorithms import actor_loss
 from verl_lite.algorithms.distillation import STUDENT_TOPK_LOG_PROBS_KEY, TEACHER_KEYS, TEACHER_TOPK_IDS_KEY, uses_topk
 from verl_lite.compat.cpu_adapter import suspended
+from verl_lite.controller.wire import wire
 from verl_lite.engine.engine import MegatronEngine
 from verl_lite.protocol import Batch
 from verl_lite.rollout import make_rollout
+from verl_lite.rollout.buckets import weight_buckets
 from verl_lite.rollout.engine_rollout import EngineRollout
 from verl_lite.workers.engine_worker import EngineWorker, EngineWorkerConfig, sequence_batch
 
@@ -140,11 +142,19 @@ class ActorRolloutRefWorker(EngineWorker):
         if self.rollout_behind:
             self.sync_rollout_weights()
 
-    def export_rollout_weights(self) -> list | None:
-        """Split placement: the actor's weights (LoRA merged) as [(hf_name, tensor)] on rank 0. Collective."""
+    def export_rollout_weights(self, bucket_bytes: int) -> tuple[list, int] | None:
+        """Split placement: the actor's weights (LoRA merged) in flat buckets of at most ``bucket_bytes``, each put
+        into Ray's object store by rank 0, which returns (the buckets' ObjectRefs, their bytes). Collective."""
+        import ray
+
         with suspended():
-            weights = [(name, t.detach().cpu().clone()) for name, t in self.actor.export_merged_hf()]
-        return weights if self.rank == 0 else None
+            tensors = self.actor.export_merged_hf()
+            if self.rank != 0:
+                for _ in tensors:  # the gathers are collective: every rank takes part
+                    pass
+                return None
+            buckets = list(weight_buckets(tensors, bucket_bytes))
+        return [ray.put(wire(b)) for b in buckets], sum(b.data.numel() for b in buckets)
 
     def compute_log_prob(self, piece: Batch, micro_batches: list[list[int]], temperature: float) -> dict | None:
         """Old log-probs and entropy [n, W] of this DP rank's piece (None off the output owner)."""

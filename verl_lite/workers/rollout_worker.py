@@ -9,6 +9,7 @@ from __future__ import annotations
 from verl_lite.agent.loop import AgentRunner, VersionedRollout
 from verl_lite.agent.stream import TrajectoryStream
 from verl_lite.controller.worker_group import Worker
+from verl_lite.rollout.buckets import bucket_tensors
 from verl_lite.workers.actor_rollout_ref import ActorRolloutRefWorker, RolloutWorkerConfig
 
 
@@ -35,9 +36,13 @@ class RolloutWorker(Worker):
         """``ActorRolloutRefWorker._run_agent``'s trajectories, each tagged with the version that sampled it."""
         return self._tagged(ActorRolloutRefWorker._run_agent(self, rows, seeds, sampling))
 
-    def load_weights(self, named_tensors: list, version: int) -> int:
-        """The policy of ``version`` (the actor's whole export), then the version; with a stream running, applied
-        between two of its backend calls (``agent.loop.VersionedRollout``)."""
+    def load_weights(self, bucket_refs: list, version: int) -> int:
+        """The policy of ``version`` (the actor's whole export: ObjectRefs of its ``WeightBucket``s, fetched one at a
+        time as the backend loads them), then the version; with a stream running, applied between two of its backend
+        calls (``agent.loop.VersionedRollout``)."""
+        import ray
+
+        named_tensors = (pair for ref in bucket_refs for pair in bucket_tensors(ray.get(ref)))
         stream = self.stream
         n = stream.runner.rollout.load(named_tensors, version) if stream else self.rollout.load_weights(named_tensors)
         self.version = int(version)
