@@ -42,7 +42,7 @@ def _model(name: str, tmp: Path) -> Path:
 
     path = tmp / "wide"
     make_tiny_hf_model(path, "qwen2", **WIDE)
-    for tokenizer_file in TINY.glob("*token*"):
+    for tokenizer_file in [*TINY.glob("*token*"), TINY / "chat_template.jinja"]:
         shutil.copy(tokenizer_file, path / tokenizer_file.name)
     return path
 
@@ -51,7 +51,8 @@ def _trainer(model: Path, split: bool, out: Path):
     from verl_lite.config import load_config
     from verl_lite.trainer.ppo_trainer import PPOTrainer
 
-    overrides = {**BASE, "actor_rollout_ref.model.path": str(model), "trainer.output_dir": str(out)}
+    overrides = {**BASE, "actor_rollout_ref.model.path": str(model), "trainer.output_dir": str(out),
+                 "trainer.default_local_dir": str(out / "ckpt")}
     if split:
         overrides.update({"actor_rollout_ref.hybrid_engine": "false", "async_training.staleness_threshold": 1,
                           "actor_rollout_ref.rollout.n_gpus_per_node": 1})
