@@ -14,6 +14,7 @@ fp32; ``bench/memory_grid.py``'s) written into a temporary directory with the ti
 of ``--repeats`` syncs per cell (after one warm-up sync), GB = 1e9 bytes.
 
     .venv/bin/python bench/weight_sync.py [--repeats 5] [--models tiny,wide] [--buckets 0,1,64,2048]
+        [--placements split,colocated]   (on GPUs split placement needs a second GPU for the rollout worker)
 """
 
 from __future__ import annotations
@@ -77,45 +78,66 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--models", default="tiny,wide")
     p.add_argument("--buckets", default="0,1,64,2048", help="bucket sizes in MB (0: one bucket per tensor)")
+    p.add_argument("--placements", default="split,colocated")
     a = p.parse_args()
+    placements = a.placements.split(",")
     buckets = [float(b) for b in a.buckets.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="weight-sync-"))
     print("model | placement | bucket | buckets | MB per sync | export s | load s | sync s | GB/s")
     for name in a.models.split(","):
         model = _model(name, tmp)
-        trainer = _trainer(model, split=True, out=tmp / f"{name}-split")
-        try:
-            version, times = 1, {b: [] for b in buckets}
-            for repeat in range(a.repeats + 1):
-                order = buckets if repeat % 2 == 0 else buckets[::-1]
-                for bucket_mb in order:
-                    result = _split_sync(trainer.placement, bucket_mb, version)
-                    version += 1
-                    if repeat > 0:  # the first round warms up
-                        times[bucket_mb].append(result)
-            for bucket_mb in buckets:
-                export_s, load_s = (statistics.median(t[i] for t in times[bucket_mb]) for i in (0, 1))
-                nbytes = times[bucket_mb][0][2]
-                count = _bucket_count(trainer.placement, bucket_mb)
-                label = "per tensor" if bucket_mb == 0 else f"{bucket_mb:g} MB"
-                print(f"{name} | split | {label} | {count} | {nbytes / 1e6:.1f} | {export_s:.3f} | {load_s:.3f} | "
-                      f"{export_s + load_s:.3f} | {nbytes / 1e9 / (export_s + load_s):.3f}", flush=True)
-        finally:
-            trainer.close()
-        trainer = _trainer(model, split=False, out=tmp / f"{name}-colocated")
-        try:
-            durations = []
-            for repeat in range(a.repeats + 1):
-                started = time.perf_counter()
-                trainer.placement.actor.call_all("sync_rollout_weights")
-                if repeat > 0:
-                    durations.append(time.perf_counter() - started)
-            sync_s = statistics.median(durations)
-            print(f"{name} | colocated | none | - | {nbytes / 1e6:.1f} | - | - | {sync_s:.3f} | "
-                  f"{nbytes / 1e9 / sync_s:.3f}", flush=True)
-        finally:
-            trainer.close()
+        if "split" in placements:
+            _split_rows(name, model, buckets, a.repeats, tmp)
+        if "colocated" in placements:
+            _colocated_row(name, model, a.repeats, tmp)
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _split_rows(name: str, model: Path, buckets: list[float], repeats: int, tmp: Path) -> None:
+    trainer = _trainer(model, split=True, out=tmp / f"{name}-split")
+    try:
+        version, times = 1, {b: [] for b in buckets}
+        for repeat in range(repeats + 1):
+            order = buckets if repeat % 2 == 0 else buckets[::-1]
+            for bucket_mb in order:
+                result = _split_sync(trainer.placement, bucket_mb, version)
+                version += 1
+                if repeat > 0:  # the first round warms up
+                    times[bucket_mb].append(result)
+        for bucket_mb in buckets:
+            export_s, load_s = (statistics.median(t[i] for t in times[bucket_mb]) for i in (0, 1))
+            nbytes = times[bucket_mb][0][2]
+            count = _bucket_count(trainer.placement, bucket_mb)
+            label = "per tensor" if bucket_mb == 0 else f"{bucket_mb:g} MB"
+            print(f"{name} | split | {label} | {count} | {nbytes / 1e6:.1f} | {export_s:.3f} | {load_s:.3f} | "
+                  f"{export_s + load_s:.3f} | {nbytes / 1e9 / (export_s + load_s):.3f}", flush=True)
+    finally:
+        trainer.close()
+
+
+def _colocated_row(name: str, model: Path, repeats: int, tmp: Path) -> None:
+    trainer = _trainer(model, split=False, out=tmp / f"{name}-colocated")
+    try:
+        durations = []
+        for repeat in range(repeats + 1):
+            started = time.perf_counter()
+            trainer.placement.actor.call_all("sync_rollout_weights")
+            if repeat > 0:
+                durations.append(time.perf_counter() - started)
+        sync_s = statistics.median(durations)
+        nbytes = _model_bytes(model)
+        print(f"{name} | colocated | none | - | {nbytes / 1e6:.1f} | - | - | {sync_s:.3f} | "
+              f"{nbytes / 1e9 / sync_s:.3f}", flush=True)
+    finally:
+        trainer.close()
+
+
+def _model_bytes(model: Path) -> int:
+    """The bytes of the model's tensors (its safetensors files)."""
+    from safetensors.torch import load_file
+
+    return sum(t.numel() * t.element_size() for path in model.glob("*.safetensors")
+               for t in load_file(str(path)).values())
 
 
 def _bucket_count(placement, bucket_mb: float) -> int:

@@ -11,7 +11,8 @@
 # selection logic and the varlen index math run anywhere, the kernel itself on CUDA), bf16 vs
 # fp32 (tests/parity/test_bf16_parity.py, tests/engine/test_bf16_engine.py, and a 2-step bf16
 # GRPO run), the vLLM rollout + weight sync (tests/rollout/test_vllm_rollout.py),
-# MoE routing replay's gen-vs-train gap (a tiny Qwen3-MoE, bf16 rollout, with and without R3),
+# MoE routing replay's gen-vs-train gap (a tiny Qwen3-MoE, bf16 rollout, with and without R3), the weight
+# sync's seconds per GB (bench/weight_sync.py),
 # a 5-step GRPO run on the shipped tiny model (vLLM rollout where vLLM runs) and its
 # generation / training tokens/s (+ MFU on a GPU). Exit status: 1 if any check failed.
 set -uo pipefail
@@ -148,6 +149,20 @@ if [ "$NGPU" -ge 1 ]; then
     fi
 else
     skip memory_estimate "no CUDA device; on CPU the grid runs in bench/memory_grid.py and tests/engine/test_memory_calibration.py"
+fi
+
+# ---- weight sync time per GB (bench/weight_sync.py on the compute-bound model): colocated on one GPU, split placement
+# (a rollout worker on a second GPU) by bucket size when two are visible; measured, not judged
+if [ "$NGPU" -ge 1 ]; then
+    PLACEMENTS=colocated; [ "$NGPU" -ge 2 ] && PLACEMENTS=split,colocated
+    if timeout 300 "$PY" bench/weight_sync.py --repeats 3 --models wide --buckets 0,64,2048 --placements "$PLACEMENTS" \
+            > "$OUT/weight_sync.log" 2>&1; then
+        while read -r row; do SUMMARY+=("INFO  weight sync: $row"); done < <(grep -E "^wide \|" "$OUT/weight_sync.log")
+    else
+        fail weight_sync "see $OUT/weight_sync.log"
+    fi
+else
+    skip weight_sync "no CUDA device; on CPU: python bench/weight_sync.py (docs/performance.md)"
 fi
 
 # ---- the consistency mode: the actor's batch-invariant engine generates; every sampled token's rollout log-prob
