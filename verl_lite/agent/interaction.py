@@ -1,22 +1,8 @@
 """Interactions: an environment that plays the user over several turns and may reward each turn.
 
-When the model ends a turn without a tool call and the row has an interaction, the loop asks it for the next
-user message (verl's ``BaseInteraction`` shape)::
-
-    class Tutor(Interaction):
-        def start(self, row: dict) -> Any:                      # per trajectory; the state it keeps
-            return {"tries": 0}
-        def respond(self, state, messages: list[dict]) -> InteractionTurn:
-            return InteractionTurn("Try again.", reward=0.0, done=False)
-
-``respond`` sees the conversation so far (decoded text) and returns the user's next message, the reward of the
-turn just taken (collected as ``turn_scores``; None adds none) and ``done=True`` to end the trajectory (its text
-is then not added). ``start`` / ``respond`` may be ``async``. A row chooses its interaction with
-``extra_info["interaction_kwargs"]["name"]`` (verl's key); ``multi_turn.interaction_config_path`` (verl's
-shape: ``interaction: [{name, class_name, config}]``) names the classes, the Python API takes instances
-(``PPOTrainer(..., interactions={"tutor": Tutor({})})``). verl's own interaction classes (``start_interaction``,
-``generate_response``, ``finalize_interaction``) run as they are (:class:`VerlInteraction`); where verl is not
-installed, they import :class:`BaseInteraction` from here.
+After a model turn without a tool call, ``respond(state, messages)`` (the conversation so far, decoded text; ``start``
+and ``respond`` may be ``async``) returns an :class:`InteractionTurn`; verl's classes run as they are through
+:class:`VerlInteraction` (docs/agents.md, "Interactions").
 """
 
 from __future__ import annotations
@@ -36,7 +22,7 @@ class InteractionTurn:
 
 
 class Interaction:
-    """Base class of a simulated user / environment (see module docstring)."""
+    """Base class of a simulated user / environment (docs/agents.md, "Interactions")."""
 
     def __init__(self, config: dict | None = None):
         self.config = dict(config or {})

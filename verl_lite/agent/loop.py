@@ -1,19 +1,9 @@
 """The agent loop: multi-turn rollouts with tools and interactions, token in, token out.
 
-A trajectory is the prompt ids plus a response of segments: **model tokens** (the backend's ids as generated,
-mask 1, the rollout's log-probs) and **environment tokens** (tool responses, user turns and the chat template's
-glue between turns, rendered with the model's chat template and tokenized ONCE; mask 0, log-prob 0). Nothing is
-re-tokenized from text: the trainer consumes exactly these ids. ``data.max_response_length`` bounds the whole
-response, environment tokens included (verl's meaning): a model turn gets the room left, and an environment
-segment that does not fit ends the trajectory without being added.
-
-Every trajectory of a worker's share runs as an asyncio task of its agent loop; :class:`_TurnBatcher` sends the
-waiting model turns to the backend in ONE ``Rollout.generate`` call. Each turn has its own seed (:func:`turn_seed`),
-so samples depend neither on the worker layout nor on which turns share a call.
-
-Agent loops register by name (``@register_agent_loop("name")`` or verl's ``agent.agent_loop_config_path`` YAML:
-``- {name: my_agent, _target_: pkg.module.MyLoop}``); a row's ``agent_name`` picks one, else
-``agent.default_agent_loop``. A loop implements ``async run(traj, ctx) -> Trajectory``.
+A trajectory is the prompt ids plus model segments (mask 1, the rollout's log-probs) and environment segments
+(mask 0, log-prob 0), all bounded by ``data.max_response_length``; :class:`_TurnBatcher` batches the waiting
+turns, :func:`turn_seed` seeds each one, ``@register_agent_loop`` names the loops
+(docs/agents.md, "The token / mask contract" and "The built-in loops and your own").
 """
 
 from __future__ import annotations
@@ -160,16 +150,9 @@ SENTINEL_USER, SENTINEL_ASSISTANT = "verl_lite_probe_user", "verl_lite_probe_ass
 
 
 class ChatGlue:
-    """Environment ids for new messages after a model turn, from the model's chat template.
-
-    Rendering a probe conversation ``[user, assistant]`` and the same plus the new messages (with the
-    generation prompt), the difference is what follows the assistant turn; the template's text after
-    the assistant's EOS (e.g. a newline after ``<|im_end|>``) belongs to it too, since the model's turn
-    ended at the EOS. The tool schemas are passed to the template (``tools=``) on every render.
-
-    ``escape_special_tokens``: the environment's text (a tool's output, a simulated user's turn) is the model's
-    input, not the template's, so a special-token string in it (``<eos>``, ``<|im_end|>``) is encoded as plain
-    text, never as the control token; the template around it encodes as usual."""
+    """Environment ids for new messages after a model turn: the probe render's difference plus the template's text
+    after the assistant's EOS; with ``escape_special_tokens`` a special-token string in a message's content is
+    encoded as plain text (docs/agents.md, "The token / mask contract" and "Tools": "Escaped")."""
 
     def __init__(self, tokenizer, tool_schemas: list[dict] | None = None, escape_special_tokens: bool = True):
         self.tokenizer, self.tools = tokenizer, tool_schemas or None
@@ -333,14 +316,8 @@ class VersionedRollout:
 
 
 class _TurnBatcher:
-    """Sends the model turns the live trajectories ask for to the backend, without a barrier across trajectories.
-
-    The backend is called from a thread, so tools, interactions and the agent loops go on while it generates.
-    When it is free, the waiting turns go out as ONE batched call as soon as either every live trajectory is
-    waiting for its model turn, or the oldest waiting turn has waited ``batch_wait_s`` (the others are busy with
-    tools or interactions): a slow tool never holds the others' next turns for longer than that, and
-    trajectories whose tools all return within it batch as a lockstep loop would. ``batch_wait_s=None`` is
-    lockstep: wait for every live trajectory."""
+    """Sends the waiting model turns to the backend (in a thread) as ONE call once every live trajectory waits or
+    the oldest turn has waited ``batch_wait_s`` (None: lockstep) (docs/agents.md, "Batched, without a barrier")."""
 
     def __init__(self, rollout, sampling: dict, live: int, batch_wait_s: float | None):
         self.rollout, self.sampling, self.live, self.batch_wait_s = rollout, sampling, live, batch_wait_s

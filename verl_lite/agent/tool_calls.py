@@ -1,10 +1,6 @@
-"""Tool calls in a model's turn, in the format ``multi_turn.format`` names (verl's names).
-
-The parsing is transformers' (``transformers.utils.chat_parsing.parse_response``, driven by a response template per
-format: the data below); this module checks each call it finds. A block that is not a call with a string name and an
-object of arguments (malformed JSON, a list, ...) or that names an unknown tool is still a call, with ``error`` saying
-what is wrong, so the loop answers it with that text instead of dropping it (the model learns from the answer; verl
-does the same). Text without a complete call has none.
+"""Tool calls in a model's turn, in the format ``multi_turn.format`` names (verl's names): transformers'
+``parse_response`` runs each format's response template (the data below); this module checks each call, and one that
+cannot run is still a call, with ``error`` saying why (docs/agents.md, "Tool-call formats").
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
-"""Tools the agent loop can call: plain Python functions and verl-style tool classes, each call bounded.
-
-Two ways to give tools, both ending as :class:`Tool` objects (``name``, OpenAI ``schema``, ``invoke``):
-
-- **Python functions** (``PPOTrainer(..., tools=[f, g])``), sync or ``async def``: the schema comes from the type
-  hints and the Google-style docstring (``transformers.utils.get_json_schema``, as TRL and verl do); the function
-  is called with the model's arguments as keywords and returns the response (read by :func:`as_text`).
-- **verl's tool config YAML** (``actor_rollout_ref.rollout.multi_turn.tool_config_path``)::
-
-      tools:
-        - class_name: my_pkg.tools.Calculator        # a BaseTool subclass, importable by module path
-          config: {type: native, ...}                # passed to the class as ``config``
-          tool_schema: {type: function, function: {name: calc, description: ..., parameters: {...}}}
-
-  The class follows verl's :class:`BaseTool` (each method may be sync or async).
-
-Every call runs in a tool process (``verl_lite.agent.tool_process``) for at most ``multi_turn.tool_timeout_s``,
-so a tool must be picklable by cloudpickle (:func:`build_tools` checks it before any worker starts). A call that
-raises or passes the bound becomes error text in the conversation (a tool's first timeout is also a warning on
-stderr), or, with ``multi_turn.tool_error=fail``, a :class:`ToolFailure` that stops the run naming the tool.
+"""Tools the agent loop can call, as :class:`Tool` objects (``name``, OpenAI ``schema``, ``invoke``): Python
+functions (``PPOTrainer(tools=...)``, called with the model's arguments as keywords) and the classes of verl's
+``multi_turn.tool_config_path`` YAML. Each call runs in a tool process for at most ``multi_turn.tool_timeout_s``;
+a raise or a timeout is error text, or a :class:`ToolFailure` with ``tool_error=fail`` (docs/agents.md, "Tools").
 """
 
 from __future__ import annotations
@@ -149,7 +133,7 @@ class FunctionTool(Tool):
 
 class BaseTool:
     """verl's tool class shape (subclass it, or any class with these methods): one instance per
-    config entry; per call ``create`` -> ``execute`` -> ``release``."""
+    config entry; per call ``create`` -> ``execute`` -> ``release``, each sync or async."""
 
     def __init__(self, config: dict, tool_schema: dict):
         self.config, self.tool_schema = config, tool_schema
@@ -248,7 +232,7 @@ def yaml_entries(key: str, path: str, section: str | None, fields: str) -> list:
 
 
 def load_tool_config(path: str) -> list[Tool]:
-    """The tools of a verl tool-config YAML (see module docstring); raises :class:`ToolConfigError` with
+    """The tools of a verl tool-config YAML (docs/agents.md, "Tools"); raises :class:`ToolConfigError` with
     every problem of the file, one per line, naming the entry."""
     entries = yaml_entries("actor_rollout_ref.rollout.multi_turn.tool_config_path", path, "tools",
                            "class_name, config, tool_schema")
@@ -325,8 +309,8 @@ class ToolOutcome:
 
 
 class ToolExecutor:
-    """Runs a turn's tool calls concurrently in tool processes, each bounded by ``timeout_s`` (see module
-    docstring); :meth:`close` kills the tool processes (also done when it is collected, or its process dies)."""
+    """Runs a turn's tool calls concurrently in tool processes, each bounded by ``timeout_s`` (docs/agents.md,
+    "Tools"); :meth:`close` kills the tool processes (also done when it is collected, or its process dies)."""
 
     def __init__(self, tools: list[Tool], timeout_s: float, max_response_length: int, truncate_side: str,
                  on_error: str = "text", processes: int | None = None):

@@ -1,24 +1,8 @@
 """Loss aggregation: the normalization plan of Contract 1 (docs/contracts.md).
 
-A mini-batch M (what one optimizer step consumes, across all DP ranks) holds trajectories i
-with response masks m_i and n_i = sum_t m_i,t valid tokens. A loss gives per-token values
-l_i,t; the aggregation mode fixes weights w_i,t and the objective is
-
-    L = sum_{i,t} w_i,t * l_i,t
-
-| mode                      | w_i,t                                   |
-|---------------------------|-----------------------------------------|
-| token-mean                | m_i,t / N,          N = sum_{i in M} n_i |
-| token-sum                 | m_i,t                                   |
-| seq-mean-token-sum        | m_i,t / B,          B = |M| (rows)       |
-| seq-mean-token-mean       | m_i,t / (B * n_i)   (0 where n_i = 0)    |
-| seq-mean-token-sum-norm   | m_i,t / (B * H),    H a constant         |
-
-N, B and H are properties of the whole mini-batch: they are computed once (by the controller,
-before dispatch) and frozen in a `NormalizationPlan`. Every other quantity in w_i,t (m_i,t and
-n_i) belongs to row i alone, so for any partition of M into shards whose rows are whole
-trajectories, the shards' contributions sum_{i in shard, t} w_i,t l_i,t add up to L exactly
-(it is the same sum, regrouped). Fully masked rows count in B and contribute nothing.
+L = sum_{i,t} w_i,t l_i,t, w_i,t fixed by ``loss_agg_mode`` from row i's own mask (m_i,t, n_i) and the mini-batch's
+N (valid tokens), B (rows, fully masked ones included) and H. A ``NormalizationPlan`` freezes N, B, H before
+dispatch, so the contributions of any shards of whole rows sum to L (weight table: docs/algorithms.md, section 1).
 """
 
 from __future__ import annotations

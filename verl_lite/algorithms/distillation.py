@@ -1,33 +1,7 @@
-"""On-policy distillation losses (verl's ``distillation.distillation_loss``; per token, aggregated by the caller's
-``NormalizationPlan`` like every other loss, so every aggregation mode, shard and micro-batch split gives the
-mini-batch's value: Contract 1, docs/contracts.md).
-
-The student samples; a frozen teacher scores every sampled token. Per token t of row i (s = the student's
-log-prob of the sampled token, T = the teacher's):
-
-    estimator modes (reverse KL on the sampled token, verl's ``kl_penalty`` estimators):
-        kl / k1          s - T
-        abs              |s - T|
-        mse / k2         (s - T)^2 / 2
-        low_var_kl / k3  e^x - x - 1,  x = T - s  (the clamps of ``kl.kl_penalty``)
-    forward_kl_topk (forward KL on the teacher's top-k tokens v_1..v_K of that position):
-        sum_k p_k (log p_k - log q_k), log p_k = the teacher's, log q_k = log_softmax(student logits)[v_k];
-        not renormalized (verl's rule), so clamped at 0; both log-probs first clamped below at
-        ``log_prob_min_clamp``. ``teacher_mass`` / ``student_mass`` = sum_k p_k, sum_k q_k (before that clamp).
-
-Then every mode's per-token value d is clamped to [-loss_max_clamp, loss_max_clamp]. Two ways to learn from d:
-
-    use_policy_gradient=true   d as a per-token reward: verl's vanilla PPO-clip loss (this section's clip
-                               ratios) with advantage -sg(d), aggregated by the plan
-    use_policy_gradient=false  d itself as a loss (its gradient through s, or q), aggregated by the plan
-
-and with P the actor's objective without distillation (policy loss, KL loss, entropy bonus: verl's ``ppo_loss``),
-the objective is
-
-    use_task_rewards=true    P + distillation_loss_coef * D
-    use_task_rewards=false   D          (P is not used at all)
-
-where D is the distillation term's plan aggregate.
+"""On-policy distillation losses (verl's ``distillation.distillation_loss``): a per-token divergence d between the
+student's log-prob s and the frozen teacher's T of each sampled token (or the teacher's top k), clamped to
++-``loss_max_clamp``, aggregated by the caller's ``NormalizationPlan`` like every loss (Contract 1). Each function
+below states its formula; modes, defaults and refusals: docs/algorithms.md, "Distillation".
 """
 
 from __future__ import annotations
@@ -61,7 +35,8 @@ def teacher_keys(loss_mode: str) -> tuple[str, ...]:
 
 def reverse_kl_estimate(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor,
                         loss_mode: str) -> torch.Tensor:
-    """Per-token reverse-KL estimate on the sampled token (module docstring), by ``kl.kl_penalty``."""
+    """Per-token reverse-KL estimate on the sampled token, ``kl.kl_penalty(s, sg(T), loss_mode)``: k1 s - T, abs
+    |s - T|, k2 (s - T)^2 / 2, k3 e^x - x - 1 with x = T - s (with kl_penalty's clamps)."""
     if loss_mode not in ESTIMATOR_MODES:
         raise ValueError(f"{loss_mode!r} is not a sampled-token estimator; choose one of {list(ESTIMATOR_MODES)}")
     return kl_penalty(student_log_probs, teacher_log_probs.detach(), loss_mode)
@@ -69,8 +44,10 @@ def reverse_kl_estimate(student_log_probs: torch.Tensor, teacher_log_probs: torc
 
 def forward_kl_topk(student_topk_log_probs: torch.Tensor, teacher_topk_log_probs: torch.Tensor,
                     log_prob_min_clamp: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token forward KL on the teacher's top k (module docstring): (loss [b, W] >= 0, student_mass,
-    teacher_mass), from [b, W, K] log-probs at the teacher's top-k ids."""
+    """Per-token forward KL on the teacher's top-k ids v_1..v_K, from [b, W, K] log-probs at those ids:
+    max(0, sum_k p_k (log p_k - log q_k)), p the teacher's, q the student's softmax, both log-probs first clamped
+    below at ``log_prob_min_clamp``; not renormalized (verl's rule), hence the clamp at 0. Returns (loss [b, W],
+    student_mass = sum_k q_k, teacher_mass = sum_k p_k), the masses taken before the clamp."""
     if student_topk_log_probs.shape != teacher_topk_log_probs.shape:
         raise ValueError(f"student top-k log-probs {tuple(student_topk_log_probs.shape)} and teacher top-k "
                          f"log-probs {tuple(teacher_topk_log_probs.shape)} must have the same shape [b, W, K]")
@@ -112,8 +89,9 @@ def per_token_distillation(outputs: dict[str, torch.Tensor], data: dict[str, tor
 def distillation_term(outputs: dict[str, torch.Tensor], data: dict[str, torch.Tensor], plan, cfg,
                       old_log_probs: torch.Tensor, is_weights: torch.Tensor | None = None,
                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """D, this micro-batch's share of the distillation term aggregated by ``plan``, and its metrics (detached
-    scalars that sum across shards). ``old_log_probs`` / ``is_weights``: the policy loss's, for use_policy_gradient."""
+    """D, this micro-batch's share of the distillation term aggregated by ``plan``: with use_policy_gradient the
+    vanilla PPO-clip loss (the section's clip ratios) with advantage -sg(d), else d itself; and its metrics
+    (detached scalars that sum across shards). ``old_log_probs`` / ``is_weights``: the policy loss's."""
     from .policy_loss import get_policy_loss
 
     mask = data["response_mask"]
@@ -132,7 +110,8 @@ def distillation_term(outputs: dict[str, torch.Tensor], data: dict[str, torch.Te
 
 
 def combine_with_task(task_contribution: torch.Tensor, distill_contribution: torch.Tensor, cfg) -> torch.Tensor:
-    """The actor's objective from P (without distillation) and the distillation term D (module docstring)."""
+    """The actor's objective from P (policy loss, KL loss, entropy bonus: verl's ``ppo_loss``) and the distillation
+    term D: P + distillation_loss_coef * D with use_task_rewards, else D alone (P unused)."""
     if not cfg.use_task_rewards:
         return distill_contribution
     return task_contribution + cfg.distillation_loss_coef * distill_contribution

@@ -1,15 +1,7 @@
-"""KL estimators (per token), KL controllers and the in-reward KL penalty.
+"""KL estimators (per token), KL controllers and the in-reward KL penalty (docs/algorithms.md, section 4).
 
-With d = logp - ref_logp (log pi - log pi_ref at the sampled token):
-
-    k1 / kl          d
-    abs              |d|
-    k2 / mse         d^2 / 2
-    k3 / low_var_kl  clamp(exp(-d') + d' - 1, -10, 10),   d' = clamp(d, -20, 20)
-                     (= e^x - x - 1 with x = ref - logp clamped to +-20, Schulman's k3)
-
-`X+` (e.g. `k3+`, `k1+`, `abs+`) is the straight-through variant: the value of X with the
-gradient of k2, i.e.  k2 - sg(k2) + sg(X).  `k2+` / `mse+` equal k2.
+With d = logp - ref_logp: k1 / kl d, abs |d|, k2 / mse d^2 / 2, k3 / low_var_kl clamp(e^x - x - 1, -10, 10) with
+x = clamp(-d, -20, 20). `X+` (e.g. `k3+`) has the value of X and the gradient of k2: k2 - sg(k2) + sg(X).
 """
 
 from __future__ import annotations
@@ -96,11 +88,9 @@ def apply_kl_penalty(
     kl_ctrl,
     kind: str,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """In-reward KL: token_level_rewards = scores - beta * kl(old_logp, ref_logp) * m.
-
-    beta is the controller's value before the update. current_kl = mean over ALL n rows of the
-    row's token-mean KL, a row without valid tokens counting as 0 (verl's masked_mean per row,
-    then the batch mean); the controller is then updated with (current_kl, n_steps = n).
+    """In-reward KL: token_level_rewards = scores - beta * kl(old_logp, ref_logp) * m, beta the controller's value
+    before the update; then the controller is updated with current_kl (the mean over all n rows of each row's
+    token-mean KL, an empty row 0; docs/algorithms.md, section 4) and n_steps = n.
     Returns (token_level_rewards, {"kl", "kl_coef"}).
     """
     m = (response_mask != 0).to(scores.dtype)

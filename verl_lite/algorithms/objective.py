@@ -1,15 +1,10 @@
-"""THE per-micro-batch objectives the engine calls (its `loss_fn`).
+"""THE per-micro-batch objectives the engine calls (its `loss_fn`; docs/algorithms.md, sections 1 and 6).
 
-    actor:  contribution = agg(pg) + kl_loss_coef * agg(kl) - entropy_coeff * agg(H)
-            (with on-policy distillation: combined with the distillation term, algorithms/distillation.py)
+    actor:  contribution = agg(pg) + kl_loss_coef * agg(kl) - entropy_coeff * agg(H)   [+ distillation, if on]
     critic: contribution = agg(0.5 max((v - R)^2, (v_clip - R)^2))
 
-where agg(l) = plan.aggregate(l, mask) = sum_{i,t} w_i,t l_i,t over this micro-batch's rows.
-Contributions of all micro-batches and all DP ranks sum to the mini-batch objective L
-(Contract 1). Every metric is likewise a scalar that sums across shards to the mini-batch
-value: loss terms are reported as plan contributions, per-token statistics as
-sum(x m) / N (token means). Under CP every rank holds full rows (autograd only through its
-own chunks), computes the same contribution, and the engine counts the value once.
+agg(l) = plan.aggregate(l, mask) over this micro-batch's rows; contributions and metrics (loss terms as plan
+contributions, per-token statistics as token means) sum over micro-batches and DP ranks to the mini-batch's value.
 """
 
 from __future__ import annotations
@@ -91,10 +86,9 @@ def actor_loss(
              "ref_log_probs" if use_kl_loss; optional "is_weights"; "cov_mask" for clip_cov / kl_cov;
              "rollout_log_probs" with ``correction``.
     correction: algorithm.rollout_correction's settings when the old log-probs are this forward's or (bypass_mode)
-             the rollout's: IS weights / rejection from this forward against the rollout's log-probs. Bypass:
-             rejected tokens leave the policy loss's mask; loss_type=ppo_clip reports the IS weights only (the
-             ratio pi / pi_rollout already carries them), loss_type=reinforce is verl's REINFORCE -A sg(w) log pi
-             (the gpg loss with the IS weights w).
+             the rollout's: IS weights / rejection from this forward against the rollout's log-probs. Bypass
+             (docs/algorithms.md, "Rollout correction"): rejected tokens leave the policy loss's mask; ppo_clip
+             reports the IS weights only, reinforce is the gpg loss with the IS weights w (-A sg(w) log pi).
     distillation: the ``distillation.distillation_loss`` section when distillation is on: its term is combined
              with this objective by ``distillation.combine_with_task``.
     Returns (contribution scalar, metrics of detached scalars that sum across shards).

@@ -1,18 +1,12 @@
-"""Policy losses, as PER-TOKEN losses (never aggregated here).
-
-Every loss has the signature
+"""Policy losses, as PER-TOKEN losses (never aggregated here), each with the signature
 
     fn(old_log_prob, log_prob, advantages, response_mask, cfg: ActorLossConfig,
        is_weights=None, cov_mask=None) -> (per_token_loss [n, W], metrics: dict[str, Tensor [n, W]])
 
-and is aggregated by the caller through a `NormalizationPlan` (objective.py), so every loss honours every
-aggregation mode and every shard/CP layout; its metrics are detached per-token tensors the caller turns into token
-means. Notation: A = advantages, delta = log_prob - old_log_prob, r = exp(clamp(delta, -20, 20)), eps_lo / eps_hi =
-clip_ratio_low / clip_ratio_high (default clip_ratio), sg = stop-gradient. Sequence quantities (gspo's, geo_mean's)
-are computed from whole rows, which every shard and CP rank holds. IS weights w (optional) multiply the loss.
-
-clip_cov / kl_cov select tokens from statistics of the WHOLE mini-batch (verl's rule), so to stay shard invariant
-`select_cov_tokens` runs once per mini-batch, before dispatch, and its mask travels with the data as `cov_mask`.
+The caller aggregates the loss through a `NormalizationPlan` and the detached metrics as token means
+(objective.py). Notation (docs/algorithms.md, "Notation" and section 2): A = advantages, delta = log_prob -
+old_log_prob, r = exp(clamp(delta, -20, 20)), eps_lo / eps_hi = clip_ratio_low / _high, sg = stop-gradient; IS
+weights multiply the loss. clip_cov / kl_cov read `cov_mask`, selected once per mini-batch by `select_cov_tokens`.
 """
 
 from __future__ import annotations
@@ -183,12 +177,11 @@ def sapo_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights
 
 @register_policy_loss("geo_mean")
 def geo_mean_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None, cov_mask=None):
-    """GMPO (geometric-mean policy optimisation), as a per-token loss.
+    """GMPO (geometric-mean policy optimisation), as a per-token loss (docs/algorithms.md, section 2.6).
 
     Token clip in log space: d_c = sgn(A) min(sgn(A) delta, sgn(A) clamp(delta, -eps_lo, eps_hi)).
     Sequence loss: L_i = -mean_t(A) exp(mean_t d_c)  [x geometric mean of the row's IS weights].
-    Per-token form: l_i,t = L_i on every valid token of row i, so seq-mean-token-mean gives
-    exactly GMPO's (1/B) sum_i L_i, and every other mode weighs L_i by its row's weights.
+    l_i,t = L_i on every valid token of row i (seq-mean-token-mean gives GMPO's (1/B) sum_i L_i).
     """
     delta = log_prob - old_log_prob
     sgn = torch.sign(advantages)
@@ -258,16 +251,12 @@ def select_cov_tokens(
     seed: int = 0,
     log_probs: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The token selection of clip_cov / kl_cov (verl's), computed ONCE over a whole mini-batch.
-
-    ``log_probs`` are the CURRENT policy's log-probs of the mini-batch (the parameters its optimizer
-    step starts from); None = ``old_log_probs`` (on-policy: the first mini-batch of the first epoch).
+    """The token selection of clip_cov / kl_cov (verl's), computed ONCE over a whole mini-batch (docs/algorithms.md,
+    section 2.8). ``log_probs``: the CURRENT policy's (None = ``old_log_probs``, on-policy).
     cov_i,t = (A_i,t - mean A) (logp_i,t - mean logp), means over the mini-batch's N valid tokens.
       kl_cov:   the top max(1, floor(kl_cov_ratio N)) tokens by cov (ties: lower flat index first).
-      clip_cov: the candidates are the valid tokens NOT already clipped by the PPO range
-                (``clipped_by_ppo_range``) with clip_cov_lb < cov < clip_cov_ub; pick
-                min(max(1, floor(clip_cov_ratio N)), #candidates) of them uniformly at random with
-                a torch.Generator seeded by `seed` (deterministic on the controller).
+      clip_cov: of the valid tokens not ``clipped_by_ppo_range`` with clip_cov_lb < cov < clip_cov_ub,
+                min(max(1, floor(clip_cov_ratio N)), #candidates) chosen uniformly, seeded by `seed`.
     Returns a bool mask [n, W]; every shard's `cov_mask` is its rows of this mask.
     """
     if loss_name not in COV_SELECTION_LOSSES:

@@ -1,32 +1,12 @@
 """Off-policy correction between the behaviour policy and the trainer's old policy (verl's
 ``algorithm.rollout_correction``, verl >= 0.8's vocabulary as in verl 0.9.1's ``rollout_corr_helper``).
 
-Per token of a response (mask m_t), with the rollout's log-probs ``b_t = log pi_rollout`` (the policy that
-sampled, possibly some versions old) and the trainer's ``o_t = log pi_old`` (the proximal policy recomputed at
-the update, docs/async.md; in bypass mode the current policy):
-
-    log-ratio      l_t = o_t - b_t                               (verl's log_ratio; clamped to +-20 = SAFETY_BOUND)
-    IS (rollout_is)        token: w_t = exp(l_t); sequence: w_t = exp(sum_s m_s l_s) for every token of the row
-      rollout_is_threshold   a number C: TIS, w = min(w, C); "lower_upper": IcePop, w = 0 outside [lower, upper]
-      rollout_is_batch_normalize   w / mean(w) (token: over valid tokens; sequence: over rows with a valid token)
-    RS (rollout_rs)  comma list of options, a token is kept when every option keeps it:
-      token_k1 / seq_sum_k1 / seq_mean_k1: -l (token, row sum, row mean) in [log lower, log upper], where the
-        bounds are on the ratio pi_rollout / pi_old (the inverse of the IS ratio); one number U = [1/U, U]
-      *_k2 (0.5 l^2) / *_k3 (exp(l) - 1 - l): token value, row sum, row mean or row max <= upper
-      ours (verl <= 0.6's names): token | sequence | geometric with bounds on pi_old / pi_rollout
-        (``rollout_rs_threshold_lower``, default 1 / upper) = token_k1 / seq_sum_k1 / seq_mean_k1 with the
-        bounds inverted
-    KL(behaviour || old) = E_b[b - o] (k1, ``kl``) and E_b[exp(l) - l - 1] (``k3_kl``), token means over m
-
-The IS weights carry no gradient and multiply the per-token policy loss (``is_weights``); ``Correction.keep`` is
-verl's ``modified_response_mask`` (m with the rejected tokens zeroed). Where the rejected tokens leave the
-loss's denominators (verl's rule) or stay in them (ours) is the caller's choice (``rejected_in_denominator``).
-
-Metrics: on the whole step (``num_tokens`` / ``num_seqs`` not given) every metric verl logs, with verl's names and
-formulas (``verl_metrics``), plus ours (``rollout_corr/is_*`` with IS on, ``rollout_corr/rs_*`` with RS on, always
-``rollout_corr/kl``, ``k3_kl`` and ``rollout/logprob_diff_mean`` / ``_max``); on a shard of the step (``num_tokens``
-/ ``num_seqs`` = the mini-batch's N and B) ours only: token means, row shares, maxima and minima that add up over
-shards (``verl_lite.utils.metric_reduce``).
+Per valid token, l = log pi_old - log pi_rollout (clamped to +-SAFETY_BOUND): IS weights (``rollout_is``: exp(l) per
+token, or exp(row sum of l) on the whole row; TIS cap or IcePop bounds; optional batch normalization) multiply the
+per-token policy loss without gradient; rejection (``rollout_rs``) zeroes tokens in ``Correction.keep`` (verl's
+``modified_response_mask``); whether they stay in the loss's denominators is the caller's choice
+(``rejected_in_denominator``). KL(behaviour || old) metrics, token means: ``kl`` = E[-l], ``k3_kl`` =
+E[exp(l) - l - 1]. Every option, bound and metric: docs/algorithms.md, "Rollout correction".
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""The rollout/training pipeline of split placement (verl's one-step-off schedule): a bounded queue of rollout
-batches, each tagged with the policy version that sampled it.
-
-Version v is the policy after v RL steps. Batch b (trained at RL step b + 1) is sampled by version
-``v(b) = max(0, b - k)``, k = ``async_training.staleness_threshold`` (0: synchronous, 1: one-step-off). The
-schedule is fixed, not a race: one generation thread runs batches in order and loads exactly version v(b) before
-batch b, so a run is reproducible at its seeds; at most k + 1 batches are generated ahead. Every wait is bounded;
-a failure in the generation thread is re-raised on the trainer's thread at its next ``next()``::
+"""The rollout/training pipeline of split placement (verl's one-step-off schedule; docs/async.md, "One-step-off"): a
+bounded queue of rollout batches, each tagged with the policy version that sampled it. One generation thread samples
+batch b with version ``v(b) = max(0, b - k)``, k = ``async_training.staleness_threshold``, in order, at most k + 1
+batches ahead. Every wait is bounded; a failure in the generation thread is re-raised on the trainer's thread at its
+next ``next()``::
 
     pipe.start(); item = pipe.next(step_index); pipe.publish(step_index + 1, weights); pipe.close()
 """

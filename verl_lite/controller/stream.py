@@ -1,12 +1,7 @@
 """verl's ``separate_async`` on the rollout pool: prompt groups stream through the rollout workers' trajectory
-streams (``verl_lite.agent.stream``); each RL step trains on complete groups as soon as there are enough. Step s
-(1-based) trains version s - 1, then publishes version s, which every rollout worker loads between its backend
-calls (partial rollouts: each model turn is tagged with the version that generated it).
-
-Schedule (verl's v1 sampler): a group's *age* at step s is ``s - submit_step + 1``. ``(1 + num_warmup_batches) x
-train_batch_size`` groups are kept outstanding; step s takes the ``train_batch_size`` complete groups submitted
-first whose age is at most ``max_off_policy_threshold``; ``drop`` evicts a complete group older than that,
-``wait`` submits no new prompt while an incomplete group has reached the bound. Every wait is bounded.
+streams (``verl_lite.agent.stream``); step s (1-based) trains version s - 1 on the oldest complete groups whose age
+``s - submit_step + 1`` is at most ``max_off_policy_threshold``, then publishes version s (verl's v1 sampler: the
+outstanding groups, ``drop`` and ``wait``: docs/async.md, "Streaming"). Every wait is bounded.
 """
 
 from __future__ import annotations

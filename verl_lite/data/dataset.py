@@ -1,14 +1,6 @@
-"""Prompt datasets: verl's parquet rows or TRL-style rows, chat-templated, with the overlong-prompt filter.
-
-A row (parquet file, list of dicts or HF ``datasets.Dataset``; every key but the prompt is optional):
-
-    prompt:       list[{"role": str, "content": str}]   chat messages: the chat template is applied
-                  | str                                 plain text: tokenized as it is (TRL's "standard" rows)
-    data_source:  str                                   routes the built-in scorer (default "python")
-    reward_model: {"ground_truth": ..., "style": ...}   verl's place for the ground truth, or a column
-    ground_truth: Any                                   of its own (TRL style)
-    extra_info:   dict | None                           passed to the reward function, with every other
-                                                        column merged in (TRL's ``answer`` -> a keyword)
+"""Prompt datasets: verl's parquet rows or TRL-style rows (a chat prompt gets the chat template, a plain-text one is
+tokenized as it is; every other column reaches ``extra_info``), with the overlong-prompt filter
+(docs/python_api.md, "Rows").
 
 Item i of :class:`RLDataset` is {"prompt_ids", "data_source", "ground_truth" (or None), "extra_info", "index"
 (the row's position in the concatenated files), "messages" (the prompt as given)}.
@@ -71,7 +63,7 @@ VERL_ROW_KEYS = ("data_source", "reward_model", "extra_info")
 
 
 def _normalize_row(row: dict, where: str, prompt_key: str, data_source_key: str = "data_source") -> dict:
-    """Any accepted row (see the module docstring) as {"messages" (the prompt), data_source, ground_truth,
+    """Any accepted row (docs/python_api.md, "Rows") as {"messages" (the prompt), data_source, ground_truth,
     extra_info}; the data source (what the reward dispatches on) is read from column ``data_source_key``
     (``data.reward_fn_key``). A bad row raises DataError naming file and row."""
     if not isinstance(row, dict):

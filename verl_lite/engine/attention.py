@@ -1,23 +1,14 @@
 """Core attention for megatron's ``SelfAttention`` (its local one rejects THD and CP): packed THD and bshd,
 GQA, zig-zag context parallelism. RoPE is already applied to q, k (megatron-core 0.16.1).
 
-- THD: q ``[t, np, hn]``, k/v ``[t, ng, hn]`` -> ``[t, np*hn]``; sequence i occupies rows ``cu[i]:cu[i+1]``
-  (``cu_seqlens_q_padded`` if set, else ``cu_seqlens_q``), causal within each padded sequence (padding sits
-  at its end); rows past ``cu[-1]`` produce zeros. bshd: ``[s, b, np, hn]`` -> ``[s, b, np*hn]``, causal or
-  the explicit ``attention_mask`` (True = masked out).
-- Per sequence ``softmax(q k^T * scale + mask) v``, ``scale = softmax_scale`` or ``1/sqrt(hn)``; query head h
-  uses KV group ``h // (np/ng)`` and K/V are never repeated. At CP=1 all sequences of a pack go through ONE
-  causal call on ``[b, max_len]`` (the zero-padded ends hidden by causality); under CP, per sequence.
-- CP (``packing.zigzag_positions``): the local rows of sequence i are ``cu[i]/cp : cu[i+1]/cp`` (``cu`` is
-  GLOBAL); K and V are all-gathered over CP (backward: reduce-scatter); key p_k is visible to query p_q iff
-  p_k <= p_q.
-- Kernels (:func:`select_attention_backend`): flash-attn varlen where it runs, else SDPA, or two matmuls for
-  short sequences on the CPU speed paths. Under CP the flash path hands the kernel each local query chunk as
-  a varlen sequence whose keys are the gathered K/V in position order, cut at the chunk's end (flash's
-  bottom-right causal mask is then ``p_k <= p_q``). bshd always runs on SDPA.
-- Shared prompts (CP = 1, ``engine/packing.py``): q, k, v are gathered into the pack of virtual sequences,
-  attention runs there, and each pack row takes its owning slot's output (a shared key's gradient sums over
-  its readers; a query's comes from its owning slot only).
+- THD: q ``[t, np, hn]``, k/v ``[t, ng, hn]`` -> ``[t, np*hn]``, causal within each padded sequence
+  ``cu[i]:cu[i+1]`` (``cu`` GLOBAL under CP too); rows past ``cu[-1]`` produce zeros. bshd: ``[s, b, np, hn]``
+  -> ``[s, b, np*hn]``, causal or the explicit ``attention_mask`` (True = masked out), always on SDPA.
+- Per sequence ``softmax(q k^T * scale + mask) v``, ``scale = softmax_scale`` or ``1/sqrt(hn)``; K/V never
+  repeated. CP: K and V all-gathered (backward: reduce-scatter), key p_k visible to query p_q iff p_k <= p_q.
+- Kernels (:func:`select_attention_backend`): flash-attn varlen (under CP too), else SDPA, or two matmuls for
+  short sequences on the CPU speed paths.
+(docs/parallelism_attention.md; shared prompts: docs/parallelism.md, "Shared prompts")
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """Batch-invariant forwards: a token's outputs depend on its own sequence only, bit for bit.
 
-A kernel's rounding can depend on the shape it is called with: a matmul picks its blocking (and its reduction
-order) from the number of rows, an elementwise kernel takes a scalar path for the tail of its buffer, whose
-results can differ from the vector path's in the last bit (sigmoid, softplus), and a reduction over a long row
-splits it across threads when the rows are few. So the same token, packed with other sequences or alone (the
-rollout's decode step, the trainer's micro-batch), can get other log-probs in the last bits.
-
 :class:`BatchInvariantMode` (a ``TorchFunctionMode``) calls every token-major kernel whose rounding could depend
 on the batch on blocks of exactly ``ROW_CHUNK`` rows (zero rows pad the last block): matmuls against a 2-D
-weight, the transcendental elementwise functions and the reductions over the last dimension. A block's shape is
-the same in every call, so its kernel, blocking, vector/tail split and thread split are too, and a row's result
-depends on that row only. Exact operations (add, mul, div, max, gathers) and batched matmuls (the attention's,
-called at a fixed key length by ``attention.PackedCoreAttention``) run as they are; fused multiply-adds, which
-round once on the vector path and twice on the scalar one, are not used (:func:`active`). Gradients flow through the
-blocks unchanged (the backward is not itself batch-invariant, and need not be).
-
-The property is proven, not assumed: ``tests/engine/test_batch_invariant.py`` packs the same sequences in other
-batches, orders and micro-batches and asserts bitwise-equal outputs (dense, MoE, LoRA, float32 and bfloat16).
+weight, the transcendental elementwise functions and the reductions over the last dimension. Exact operations
+(add, mul, div, max, gathers) and batched matmuls (the attention's, called at a fixed key length by
+``attention.PackedCoreAttention``) run as they are; fused multiply-adds, which round once on the vector path and
+twice on the scalar one, are not used (:func:`active`). Gradients flow through the blocks unchanged (the backward
+is not itself batch-invariant, and need not be). Why and the evidence: docs/algorithms.md,
+"Consistency mode (`rollout.batch_invariant`)".
 """
 
 from __future__ import annotations

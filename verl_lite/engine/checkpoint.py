@@ -2,13 +2,8 @@
 
 Saved: the chunks' ``sharded_state_dict()`` (global keys: TP/PP/VPP/CP/DP may change between save and load),
 the optimizer state (megatron's fully reshardable format) and the LR schedule; the engine draws no random
-numbers while training, so there is no engine RNG to store.
-
-Nothing in a checkpoint is trusted beyond plain tensors and bounded, validated metadata, all checked by
-:func:`check_dist_dir` before a load: files opened inside the directory without following links and
-size-bounded (``utils.safe_files``); the ``.metadata`` index through the restricted unpickler
-(``compat.torch_dcp``), each storage entry a byte range of a plain file of the directory; ``*.distcp`` and
-``common.pt`` read with ``torch.load(weights_only=True)``; no ShardedObject (pickled blob) requested.
+numbers while training, so there is no engine RNG to store. :func:`check_dist_dir` validates a directory before
+a load: nothing in it is trusted beyond plain tensors and bounded metadata (docs/checkpoints.md, "Safety").
 """
 
 from __future__ import annotations

@@ -8,27 +8,17 @@ token: ``TOKEN_OUTPUTS``) and, for training, hands them to the caller's ``loss_f
 are bit for bit the same in any batch, pack or micro-batch, and :meth:`MegatronEngine.next_token_logits` gives
 what a generator needs to sample tokens whose log-probs the trainer reproduces exactly.
 
-Loss contract. ``loss_fn(outputs, data) -> (contribution, metrics)`` is called once per micro-batch on
-every last-stage rank with full-sequence ``[b, W]`` outputs (under CP every CP rank holds the full rows;
-autograd flows through its own chunks only). The objective is L = sum of contributions over all
-micro-batches and DP ranks; the engine maps it onto megatron so the final gradient is exactly grad L:
+Loss contract. ``loss_fn(outputs, data) -> (contribution, metrics)`` runs once per micro-batch on every
+last-stage rank with full-sequence ``[b, W]`` outputs (under CP autograd flows through the rank's own chunks
+only); the gradient is exactly grad L, L = sum of contributions over micro-batches and DP ranks: the engine
+returns ``contribution * M * DP`` (``calculate_per_token_loss=False``) or ``(contribution * K, k_local)``
+with K = ``global_token_count`` (``True``), and checks the count megatron reduced is K
+(docs/parallelism.md, "The loss contract and megatron's two modes (`engine/engine.py`)";
+docs/contracts.md, Contracts 1-2).
 
-* ``calculate_per_token_loss=False``: megatron multiplies the loss by CP, divides it by the number of
-  micro-batches M and DDP averages over DP x CP; the CP ranks' gradients SUM to grad(contribution). We
-  return ``contribution * M * DP``: sum_{dp,cp,mb} grad_local(c * M * DP) * CP / M / (DP * CP) = grad L.
-* ``calculate_per_token_loss=True``: megatron does not scale the loss, DDP sums over DP x CP, and
-  ``finalize_model_grads`` divides every gradient by the token counts the loss function returns, summed
-  over micro-batches and DP x CP. We return ``(contribution * K, k_local)`` with k_local = real tokens in
-  this rank's chunks and K = ``global_token_count`` (sum of sequence lengths of the whole mini-batch), so
-  the gradient is sum grad(c * K) / K = grad L. The engine checks that the count megatron reduced is K.
-
-No denominator is computed by a collective; loss metrics are returned on output owners only
-(last PP stage, TP rank 0, CP rank 0).
-
-Precision (``megatron.dtype``). float32: the chunks as built. bfloat16: megatron's mixed precision
-(``Float16Module`` chunks with fp32 last-stage output, so outputs and the loss are fp32; DDP reduces
-gradients in fp32; the optimizer keeps fp32 main parameters, sharded with the distributed optimizer).
-``load_hf`` writes the HF weights unrounded into the main parameters; ``export_hf`` streams them.
+Precision (``megatron.dtype``): float32, or bfloat16 with megatron's mixed precision (fp32 outputs, loss,
+gradient reduction and main parameters); ``load_hf`` writes the HF weights unrounded into the main
+parameters, ``export_hf`` streams them (docs/models.md, "Mixed precision (bf16)").
 """
 
 from __future__ import annotations

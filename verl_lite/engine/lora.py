@@ -1,22 +1,11 @@
 """LoRA adapters on megatron's column- and row-parallel linears, PEFT-compatible in and out.
 
-An adapter adds ``delta(x) = scaling * B (A dropout(x))`` (``scaling = alpha / rank``) to the output of one
-HF projection (``config.LORA_TARGETS`` names them); each projection is one (A, B) pair exactly as PEFT builds
-it, so a PEFT adapter loads and exports unchanged. On megatron's fused linears:
-
-- column-parallel (``linear_qkv``: q, k, v; ``linear_fc1``: gate, up): A replicated, B split on its output
-  rows like the base weight; the q/k/v deltas are interleaved per KV group as megatron's (``hf_bridge``).
-  The linear sees the whole input, so ``h = A x`` is whole and the backward sums ``dL/dh`` over TP.
-- row-parallel (``linear_proj``, ``linear_fc2``): A split on its input columns, B replicated; ``h`` is a
-  partial sum, reduced over TP before B.
-- Under sequence parallelism those reductions are the sequence all-gather / reduce-scatter, and the
-  replicated factor is marked ``sequence_parallel`` so ``finalize_model_grads`` sums its gradient over TP.
-- MoE: a pair per projection on every routed expert (``mlp.experts.{e}.*``), whole on the expert's EP rank
-  with the expert weights' attributes (``allreduce=False`` under EP, ``tensor_model_parallel``), and on the
-  shared expert (sharded like the dense MLP). Export gathers them over EP.
-
-The base is frozen before DDP is built, so the optimizer holds the adapters only. With dropout > 0 each
-rank draws its own mask (so TP > 1 requires dropout 0).
+An adapter adds ``delta(x) = scaling * B (A dropout(x))`` (``scaling = alpha / rank``) to the output of one HF
+projection (``config.LORA_TARGETS``), one (A, B) pair per projection exactly as PEFT builds it. Column-parallel
+linears: A replicated, B split on its rows like the base (q/k/v interleaved per KV group); row-parallel: A split
+on its input columns, B replicated; routed experts: whole pairs on the expert's EP rank. The base is frozen
+before DDP is built, so the optimizer holds the adapters only (docs/lora.md, "Adapters on megatron's fused,
+tensor-parallel linears" and "Mixture-of-experts: adapters on the experts").
 """
 
 from __future__ import annotations

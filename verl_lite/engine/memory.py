@@ -1,15 +1,9 @@
 """A per-device memory estimate of one engine, from the model's config.json and the run's layout, before
-anything is built (arithmetic on the config; only ``device_memory`` asks torch or psutil). docs/memory.md
-states the formula and its calibration against measured resident memory.
+anything is built (arithmetic on the config; only ``device_memory`` asks torch or psutil). What is counted, the
+formula and its calibration: docs/memory.md, "The formula (per device, one rank of the layout)", "Calibration".
 
     estimate = estimate_engine(EngineSpec(name="actor", model=config_json_dict, dtype="bfloat16", tp=2, ...))
     device_memory()                         # (bytes, what): a GPU's total memory, or the available RAM
-
-Counted per device (one rank of the layout): the rank's share of the parameters; megatron's fp32 gradient
-buffer and Adam's fp32 moments (plus a bf16 run's fp32 main copy, sharded over DP x CP with the
-distributed optimizer) for what trains, and the optimizer step's fp32 scratch (on gloo with the distributed
-optimizer: the gradient reduce-scatter's full copy) beyond the freed activations; LoRA factors; activations
-(:func:`activation_bytes`); an HF rollout's full model copy in the actor's process. Not counted: the process's runtime (Python, torch, a CUDA context) and fragmentation.
 """
 
 from __future__ import annotations

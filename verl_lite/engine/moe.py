@@ -1,27 +1,16 @@
-"""Mixture-of-experts router losses, normalised as a property of the mini-batch.
-
-The objective (per optimizer step, summed over the model's MoE layers l):
+"""Mixture-of-experts router losses, normalised as a property of the mini-batch, and routing replay.
 
     R = sum_l [ z_coeff * Z_l + aux_coeff * A_l ]
     Z_l = (1/N) * sum over the mini-batch's real tokens t of logsumexp(router_logits_l[t])^2
-    A_l = sum over sequences s of (n_s / N) * a_{l,s},
-          a_{l,s} = E * sum_e f_{s,e} * P_{s,e}     (the Switch load-balancing loss of ONE sequence)
-          f_{s,e} = (tokens of s with e among their top-k) / (k * n_s),  P_{s,e} = mean over s of softmax_e
+    A_l = sum over sequences s of (n_s / N) * E * sum_e f_{s,e} * P_{s,e}   (per-sequence Switch loss; f no gradient)
 
-N = real tokens of the whole mini-batch (all DP ranks), n_s those of sequence s, E experts. Because P is
-linear in the per-token softmax, R is a sum of per-token terms with weight 1/N and a per-sequence constant f
-(no gradient through the top-k counts). Sequences are never split across micro-batches or DP ranks, so R
-depends neither on micro-batching nor on the layout; under CP / sequence parallelism the expert counts of f
-are summed over the TP x CP group.
+N = real tokens of the whole mini-batch (all DP ranks). Megatron's own router losses are off; each router adds its
+local share of R, back-propagated with the engine's ``grad_scale``, inside a train step only
+(docs/contracts.md, "Mixture-of-experts router losses: a property of the mini-batch too").
 
-Megatron's own router losses (with their micro-batch and per-token-mode scalings, verl #6609) are off; each
-router adds its local share of R, back-propagated with the engine's ``grad_scale`` (the factor it applies to
-the policy loss), inside a train step only.
-
-Routing replay (:class:`RoutingReplay`): given the experts each token was routed to (by the rollout: verl's R3),
-every router takes those instead of its own top k, through megatron-core's ``RouterReplay`` (its
-``REPLAY_FORWARD``: the gates are the router's scores at the given experts, so the router still gets its
-gradient). The router losses above keep the router's own top k for f (the choice the loss balances).
+Routing replay (:class:`RoutingReplay`): every router takes the given experts instead of its own top k, through
+megatron-core's ``RouterReplay`` (``REPLAY_FORWARD``); the router losses keep the router's own top k for f
+(docs/algorithms.md, "Routing replay (`actor.router_replay`, MoE)").
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """THD packing of variable-length sequences, the zig-zag split for context parallelism, and the
 way back from packed per-token outputs to right-padded response tensors.
 
-Layout of one micro-batch of b sequences (ids_i of length L_i, the last R_i tokens the response):
-
-1. Each sequence is padded (pad id 0) to P_i = ceil(L_i / m) * m, m = :func:`pad_multiple`.
-2. Labels are computed on the full padded sequence BEFORE any split: label[t] = ids[t+1] for
-   t < L_i - 1, else 0 (never read), so the shift is right across zig-zag chunk boundaries.
-3. ``cu_seqlens`` = [0, P_0, P_0+P_1, ...] (global, padded; int32), ``max_seqlen`` = max P_i.
-4. Zig-zag (CP > 1): CP rank r holds chunks r and 2*CP-1-r of the 2*CP chunks of each padded sequence.
-
-Way back (``unpack_response``): the per-token tensor is all-gathered over CP (only the local shard keeps
-autograd, so each token's gradient counts once), un-zig-zagged and sliced: response token t is scored at
-position L_i - R_i - 1 + t. Result: [b, W] right-padded with 0.
-
-Shared prompts (``share_prompts=True``, CP = 1): sequences with the same prompt are packed with its first
-S = L_i - R_i - 1 tokens ONCE, as a segment of its own, followed by each sequence's own segment ``ids[S:]``.
-A sequence is then a *virtual sequence* (:class:`SharedPrompts`); every row keeps one label and one position,
-the attention and RoPE read the virtual sequences, so every output and gradient is the unshared pack's (to
-float rounding). ``cu_seqlens`` then bounds the segments, ``max_seqlen`` is the longest virtual sequence.
+Each sequence is padded with id 0 to P_i = ceil(L_i / m) * m (m = :func:`pad_multiple`); labels (0 where never
+read) are shifted on the full padded sequence before the split; CP rank r holds chunks r and 2*CP-1-r of each.
+``unpack_response`` reads response token t at position L_i - R_i - 1 + t: ``[b, W]`` right-padded with 0.
+Shared prompts (``share_prompts=True``, CP = 1) pack a prompt's first S = L_i - R_i - 1 tokens once; each
+sequence is then a virtual sequence (:class:`SharedPrompts`) with the unshared pack's outputs and gradients.
+(docs/parallelism.md, "Packing (THD) and the zig-zag split (`engine/packing.py`)", "Shared prompts")
 """
 
 from __future__ import annotations

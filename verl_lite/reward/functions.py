@@ -1,8 +1,5 @@
-"""Reward functions of the Python API: TRL-style, batched, keyword arguments, optionally async.
-
-    def exact(completions, ground_truth, **kwargs) -> list[float]: ...
-    async def judge(prompts, completions, **kwargs) -> list[float]: ...     # a custom reward loop
-    PPOTrainer(cfg, reward_funcs=[exact, judge], reward_weights=[1.0, 0.5])
+"""Reward functions of the Python API: TRL-style, batched, keyword arguments, optionally async
+(docs/python_api.md, "Reward functions").
 
 Each function is called ONCE per batch with the keyword arguments its signature names (a
 ``**kwargs`` parameter receives all of them), each a list with one entry per sample:
@@ -15,11 +12,10 @@ Each function is called ONCE per batch with the keyword arguments its signature 
                   dataset column other than the prompt, data_source and reward_model arrives there,
                   so TRL-style rows' ``answer`` column is the keyword ``answer``
 
-It returns one number per sample (or a dict with ``"score"`` per sample; None: the function does not
-apply to that sample, TRL's meaning, and adds nothing there). Async functions of a batch run
-concurrently. The step's score is sum_k weight_k * f_k; every function's own scores are reported too
-(``reward/<name>/mean`` in the metrics). The whole batch call is bounded by ``reward.timeout_s``; a
-raise, a timeout, a wrong count or a non-finite score is a ``RewardError`` naming the function.
+It returns one number per sample, or a dict with ``"score"`` (None: the sample is not scored by it). Async
+functions of a batch run concurrently. The step's score is sum_k weight_k * f_k (``reward/<name>/mean`` per
+function). The batch call is bounded by ``reward.timeout_s``; a raise, a timeout, a wrong count or a non-finite
+score is a ``RewardError`` naming the function.
 """
 
 from __future__ import annotations

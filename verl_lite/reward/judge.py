@@ -1,16 +1,7 @@
-"""Scores from a generative reward model, an LLM judge (``reward_model.generative=true``; docs/reward_models.md).
-
-The judge runs behind a rollout (``reward_model.rollout.name``) in ONE worker process of its own, never in the
-actor's processes (vLLM allows one in-process engine per process). Per training step (``JudgeReward.score``):
-
-1. every trajectory's judge prompt (``render_prompt``): ``reward_model.judge.prompt_template`` with
-   ``{question}`` (the prompt's last user message), ``{response}`` (decoded, special tokens skipped) and
-   ``{reference}`` (the ground truth) filled in ONE pass, so text in the response that looks like a placeholder
-   is never replaced; with ``judge.apply_chat_template`` it is one user turn of the judge's chat template;
-2. ONE generate call for the step, bounded by ``reward_model.judge.timeout_s`` (past it: :class:`JudgeTimeout`);
-3. each judgement's score (``parse_score``): ``tag`` = the number in the LAST ``<score>x</score>``,
-   ``last_number`` = the last number; none, or one outside [``score_min``, ``score_max``], is unparsable: it
-   scores ``judge.unparsable_score`` and counts in ``reward_model/judge_unparsable_rate``.
+"""Scores from a generative reward model, an LLM judge (``reward_model.generative=true``), in ONE worker process
+of its own. Per step (``JudgeReward.score``): the judge prompts (``render_prompt``, placeholders filled in one pass),
+ONE generate call bounded by ``reward_model.judge.timeout_s`` (past it: :class:`JudgeTimeout`), then each
+judgement's score (``parse_score``; unparsable: ``judge.unparsable_score``) (docs/reward_models.md, "The judge").
 """
 
 from __future__ import annotations
@@ -43,14 +34,17 @@ def template_placeholders(template: str) -> set[str]:
 
 
 def render_prompt(template: str, question: str, response: str, reference: Any = None) -> str:
-    """``template`` with ``{question}``, ``{response}``, ``{reference}`` filled in one pass (module docstring, step 1)."""
+    """``template`` with ``{question}``, ``{response}``, ``{reference}`` filled in ONE pass: text in a value that
+    looks like a placeholder is never replaced."""
     values = {"question": question, "response": response, "reference": "" if reference is None else str(reference)}
     return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
 
 
 def parse_score(text: str, parser: str = "tag", score_min: float | None = None,
                 score_max: float | None = None) -> float | None:
-    """The score in a judgement, or None when it is unparsable (module docstring, step 3)."""
+    """The score in a judgement (``tag``: the number in the LAST ``<score>x</score>``; ``last_number``: the last
+    number), or None (unparsable) when there is none, it is not finite or it is outside [``score_min``,
+    ``score_max``]."""
     if parser not in _PARSERS:
         raise ValueError(f"unknown score parser {parser!r}; choose one of {list(SCORE_PARSERS)}")
     found = _PARSERS[parser].findall(text)

@@ -1,13 +1,7 @@
-"""Scores from a discriminative reward model (``reward_model.*``; docs/reward_models.md), the driver's side of
-the reward-model role (``workers/reward_model.py``):
-
-1. the RM's input per trajectory (``rm_inputs``): the policy's own tokens when the RM reads text as the policy
-   writes it (``renders_alike``); else, as verl does, the decoded response appended to the prompt's messages as
-   the assistant turn and rendered again with the RM's chat template and tokenizer;
-2. one forward over the step's trajectories: score_i = w . h_i[last token] (the one logit of
-   ``AutoModelForSequenceClassification``);
-3. the training score (``combine_scores``): RM score + ``rule_reward_weight`` x the reward function's (weight 0,
-   verl's default: the RM alone). Validation is scored by the reward function.
+"""Scores from a discriminative reward model (``reward_model.*``), the driver's side of the reward-model role
+(``workers/reward_model.py``): the RM's input (``rm_inputs``: the policy's tokens, or re-rendered with the RM's
+template), score_i = w . h_i[last token], and the training score (``combine_scores``): RM + ``rule_reward_weight``
+x rule (docs/reward_models.md, "What is computed").
 """
 
 from __future__ import annotations
@@ -36,7 +30,7 @@ def rerendered(messages, response_text: str, rm_tokenizer) -> list[int]:
 
 def rm_inputs(prompt_ids: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], messages: Sequence[Any] | None,
               policy_tokenizer, rm_tokenizer, rerender: bool) -> list[list[int]]:
-    """The RM's input ids of every trajectory (module docstring, step 1). ``responses``: the valid tokens."""
+    """The RM's input ids of every trajectory (docs/reward_models.md, "The input"). ``responses``: the valid tokens."""
     if not rerender:
         return [list(p) + list(r) for p, r in zip(prompt_ids, responses)]
     if messages is None or any(m is None for m in messages):

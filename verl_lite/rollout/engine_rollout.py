@@ -1,17 +1,10 @@
 """Generation with the trainer's own engine in its batch-invariant mode (``actor_rollout_ref.rollout.batch_invariant``).
 
-The rollout and the trainer are then one program: each decode step is the actor engine's forward over every running
-sequence (``MegatronEngine.next_token_logits``), the token is drawn from those logits by the HF rollout's rules
-(the same hashed uniforms, top-k / top-p / min-p filters and repetition penalty: ``hf_rollout``), and its
-log-prob is ``MegatronEngine.token_log_probs`` of the same logits. The engine is batch-invariant
-(``engine/batch_invariant.py``): a token's logits are bit for bit those of any other forward that holds its
-sequence, so the log-prob reported here is the one the trainer's old-log-prob pass computes at the same weights,
-exactly (``rollout/logprob_diff_max`` = 0.0). No weights are synced: the rollout reads the engine's.
-
-Each step recomputes every running sequence whole (no KV cache): the cost, against the HF rollout, is measured in
-``bench/consistency.py`` and stated in docs/performance.md. With ``record_routing`` (MoE, R3) one recording pass over
-every finished trajectory gives its routing (the engine's routers are batch-invariant too, so it is the routing
-each token took when it was fed).
+Each decode step is the actor engine's forward over every running sequence (``MegatronEngine.next_token_logits``,
+no KV cache), the token is drawn by the HF rollout's rules (``hf_rollout``) and its log-prob is
+``MegatronEngine.token_log_probs`` of the same logits: bit for bit the trainer's (``rollout/logprob_diff_max`` = 0.0).
+No weights are synced. With ``record_routing`` (MoE, R3) one recording pass over every finished trajectory gives
+its routing (docs/algorithms.md, "Consistency mode (`rollout.batch_invariant`)").
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """Generation with an HF transformers causal LM (CPU or one GPU): batched, left-padded, KV-cached.
 
-The output contract is ``verl_lite.rollout.base.Rollout``'s. The prompt forward (prefill) runs once per prompt; its
-n samples start from copies of its KV cache. Sampling is ONE batched call for all prompts x n samples and still
-layout independent: every row draws its token by inverting the CDF of softmax(filtered logits / T)
-(``inverse_cdf_sample``) at a uniform hashed from (its seed, its sample id, the position) (``counter_uniform``; the
-keys: ``base.sample_keys``), so its draws depend on its key and its own logits only. (The logits come from a batched
-forward; batched and single-row kernels agree to ~1e-6, so another batch can flip a draw only where u falls that
-close to a boundary of the row's CDF.) A call leaves the global RNG alone. A sequence stops at EOS (or a stop token
-or string), the batch when every sequence has stopped or max_new_tokens is reached. Decode steps write the KV cache
-in place (``compat.kv_cache``) where transformers allows.
+The output contract is ``verl_lite.rollout.base.Rollout``'s. Each prompt is prefilled once, its n samples start
+from copies of its KV cache; every row draws its token by inverting the CDF of softmax(filtered logits / T)
+(``inverse_cdf_sample``) at a uniform hashed from its key (``counter_uniform``, ``base.sample_keys``) and the
+position, so its draws depend on its key and its own logits only (docs/rollout.md,
+"HF (`verl_lite/rollout/hf_rollout.py`)"). The logits come from a batched forward; batched and single-row kernels
+agree to ~1e-6, so another batch can flip a draw only where u falls that close to a boundary of the row's CDF.
+A call leaves the global RNG alone.
 """
 
 from __future__ import annotations
@@ -161,10 +159,9 @@ class HFRollout(Rollout):
 
     ``record_routing`` (an MoE model: transformers' qwen3_moe / qwen2_moe; ValueError for a model without routers):
     every result of ``generate`` also holds ``routed_experts``, uint8 ``[len(prompt) + len(response),
-    num_hidden_layers, top_k]``: row p the experts (the router's top-k order) the rollout's router chose for the
-    token at position p of prompt + response, in the forward that fed that token to the model (the prefill; the
-    decode step after its draw). ``UNKNOWN_EXPERT`` (255) where the rollout computed none: the last response token
-    (never fed) and decoder layers without experts."""
+    num_hidden_layers, top_k]``, the experts the rollout's router chose for each token in the forward that fed it;
+    ``UNKNOWN_EXPERT`` (255) for the last response token and layers without experts (docs/algorithms.md,
+    "Routing replay (`actor.router_replay`, MoE)")."""
 
     interruptible = True
 

@@ -1,23 +1,11 @@
 """Generation with vLLM (``actor_rollout_ref.rollout.name=vllm``), colocated with the actor.
 
-One in-process vLLM engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) per worker process, next to that rank's megatron
-actor. At rollout TP 1 it holds the full model and ``load_weights`` hands the actor's exported tensors to vLLM's model
-by reference (no restart, no disk, no pickling). At rollout TP > 1 (CPU: vLLM's CPU build runs one worker process
-per TP rank, on its share of this process's cores, ``cpu_bind``) the engine's workers each hold their shard, and
-``load_weights`` sends them the full HF tensors, which vLLM's loaders shard (so any trainer layout syncs into any
-rollout TP). vllm is imported in the constructor only (install: ``VLLM_INSTALL_HINT``).
-
-Output contract: ``verl_lite.rollout.base.Rollout``'s. vLLM's ``processed_logprobs`` are renormalised over the
-top-k / top-p set and its ``raw_logprobs`` are taken before temperature, so for each call the model's logit scale
-(``LogitsProcessor.scale``) is set to base / T: vLLM samples at temperature 1 from logits / T with the requested
-top-k / top-p, and its ``raw_logprobs`` are exactly log_softmax(logits / T) over the full vocabulary. Every sample
-is its own request, seeded by a hash of its ``base.sample_keys`` key: vLLM's draws, so the two backends agree on
-greedy decoding and on log-probs, not on which token a seed samples.
-
-Memory: ``gpu_memory_utilization`` is vLLM's share of the GPU (weights + KV cache). ``free_cache_engine=True``
-(CUDA only) puts the engine to sleep (level 1: weights offloaded, KV cache dropped) after every ``generate``;
-``load_weights`` wakes the weights, ``generate`` the KV cache. On CPU vLLM sizes its KV cache from
-``VLLM_CPU_KVCACHE_SPACE`` (GiB; 1 when unset). Generation and weight loads run outside the CPU adapter
+One in-process vLLM engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) per worker process; ``load_weights`` hands it the
+actor's full HF tensors (by reference at rollout TP 1; vLLM's loaders shard them at TP > 1). Output contract:
+``verl_lite.rollout.base.Rollout``'s, obtained by setting the logit scale to base / T so vLLM's ``raw_logprobs`` are
+log_softmax(logits / T); every sample is its own request seeded from its ``base.sample_keys`` key
+(docs/rollout.md, "Placement" and "vLLM (`verl_lite/rollout/vllm_rollout.py`)"). vllm is imported in the
+constructor only (``VLLM_INSTALL_HINT``). Generation and weight loads run outside the CPU adapter
 (``cpu_adapter.suspended()``): vLLM creates no tensor on a literal "cuda" device.
 
 One engine per process at a time: vLLM's engine shutdown tears down the process's distributed state

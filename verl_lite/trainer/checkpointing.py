@@ -1,12 +1,7 @@
 """Driver-side checkpoints: where they live, atomic writes, retention, resume, and the driver state
-(docs/checkpoints.md: the layout of ``<trainer.default_local_dir>/global_step_K/``, atomicity, integrity).
-
-A checkpoint is written into ``.tmp-global_step_K-<id>/``, fsynced, the ``complete`` marker (with the manifest:
-size and sha256 of every other file) written last, then renamed to ``global_step_K``; resume skips, with a
-message, one without ``complete``. Before anything reads one, :func:`verify_checkpoint` refuses a damaged or
-unsafe one with one :class:`CheckpointRefused` naming the file; nothing falls back on its own. Seeds derive from
-``trainer.seed`` / ``data.seed`` and the step / epoch, so the step and the data position restore them; the
-driver's global RNGs are saved (JSON + safetensors: nothing is unpickled), each worker's per rank.
+(docs/checkpoints.md: the layout, atomicity, integrity). A save writes ``.tmp-global_step_K-<id>/``, fsyncs it,
+writes the ``complete`` marker (the manifest) last and renames it to ``global_step_K``; before anything reads one,
+:func:`verify_checkpoint` refuses a damaged or unsafe one with one :class:`CheckpointRefused` naming the file.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
-"""The PPO-family loop on a single controller (verl's step order).
+"""The PPO-family loop on a single controller (verl's step order; its stages: docs/architecture.md).
 
     trainer = PPOTrainer(cfg)            # validates the config; nothing started yet
     history = trainer.fit()              # starts Ray + role groups, trains, validates, tears down
 
-One RL step (``step``): 1. generate n responses per prompt (a uid per prompt) from the run's rollout source
-(``rollout_sources``; DAPO's dynamic sampling generates until enough prompt groups carry a learning signal);
-2. reward every response (+ DAPO's overlong shaping; remax also scores one greedy response per prompt);
-3. old log-probs, unless they provably equal the current policy's (``update_stage.old_log_probs_from_update``:
-the update takes them from its own forward, ``actor/old_log_prob_recomputed`` = 0); 4. ref log-probs when a KL
-needs them; 5. the critic's values when the estimator needs a critic; 6. the in-reward KL (optional);
-7. advantages on the driver; 8. critic update; 9. actor update (each optimizer step's NormalizationPlan is of the
-WHOLE mini-batch); 10. the rollout source's ``after_update``; 11. metrics, validation every test_freq.
-
-No formula lives here: the math is in ``verl_lite.algorithms``, the data movement in ``verl_lite.controller``
-and the stages beside this module. GRPO, GSPO, DAPO, PPO ... differ only by config.
+One RL step (``step``): the rollout source's scored batch -> old log-probs (unless the update's own forward gives
+them) -> ref / teacher log-probs, values -> in-reward KL -> advantages -> critic update -> actor update -> the
+source's ``after_update`` -> metrics. No formula lives here (``verl_lite.algorithms``); GRPO, GSPO, DAPO, PPO ...
+differ only by config.
 """
 
 from __future__ import annotations

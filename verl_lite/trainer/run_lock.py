@@ -1,10 +1,7 @@
-"""One run at a time per checkpoint directory (two would overwrite and prune each other's ``global_step_K``):
-the driver of a run that saves takes an exclusive, non-blocking ``flock`` on
-``<trainer.default_local_dir>/.verl_lite.lock`` before Ray starts; a second run stops with
-:class:`CheckpointDirInUse` naming the holder's pid and host (JSON in the file). The kernel drops a flock with its
-process, so a SIGKILLed driver never blocks the next run; the descriptor is close-on-exec and closed in forked
-children. The file stays (deleting it would let two runs lock two files); release empties it. It is opened with
-``O_NOFOLLOW`` and must be a regular file: a link or FIFO planted at its name is refused, never followed.
+"""One run at a time per checkpoint directory (docs/checkpoints.md, "One run per directory"): an exclusive,
+non-blocking ``flock`` on ``<trainer.default_local_dir>/.verl_lite.lock``, taken before Ray starts, holding the
+holder's pid and host as JSON; a second run stops with :class:`CheckpointDirInUse`. The descriptor is close-on-exec
+and closed in forked children. The file stays (deleting it would let two runs lock two files); release empties it.
 """
 
 from __future__ import annotations
