@@ -41,13 +41,54 @@ MAX_PROMPT_LENGTH = 48  # '<|system|>tools:calculator(expression);<|user|>3471*8
 MAX_RESPONSE_LENGTH = 144  # call (83 with <eos>) + tool response glue (<= 40) + answer (<= 8): 131 at most
 
 
+def tool_call_text(a: int, b: int) -> str:
+    """The demonstrated model turn that calls the calculator (hermes format, compact JSON as the template renders it)."""
+    from verl_lite.data.tool_task import TOOL_NAME
+
+    call = {"name": TOOL_NAME, "arguments": {"expression": f"{a}*{b}"}}
+    return f"<tool_call>{json.dumps(call, separators=(',', ':'))}</tool_call>"
+
+
+def _digits(rng: random.Random, lo: int, hi: int) -> int:
+    d = rng.randint(lo, hi)
+    return rng.randint(10 ** (d - 1), 10**d - 1)
+
+
+def sample_pairs(n: int, rng: random.Random, exclude: set, a_digits=(2, 4), b_digits=(2, 3)) -> list[tuple[int, int]]:
+    """n distinct (a, b) pairs not in ``exclude``; digit counts drawn uniformly in the given ranges."""
+    pairs, seen = [], set(exclude)
+    while len(pairs) < n:
+        pair = (_digits(rng, *a_digits), _digits(rng, *b_digits))
+        if pair not in seen:
+            seen.add(pair)
+            pairs.append(pair)
+    return pairs
+
+
+def make_rows(pairs: list[tuple[int, int]], split: str, uses_tool: list[bool]) -> list[dict]:
+    """verl rows for the operand pairs (``uses_tool[i]``: row i's demonstration calls the calculator); the user
+    message for a * b is ``a*b=``."""
+    from verl_lite.data.tool_task import DATA_SOURCE
+
+    return [
+        {
+            "data_source": DATA_SOURCE,
+            "prompt": [{"role": "user", "content": f"{a}*{b}="}],
+            "ability": "arithmetic",
+            "reward_model": {"style": "rule", "ground_truth": str(a * b)},
+            "extra_info": {"split": split, "index": i, "a": a, "b": b, "uses_tool": bool(t)},
+        }
+        for i, ((a, b), t) in enumerate(zip(pairs, uses_tool))
+    ]
+
+
 def write_data(data_dir: Path, args) -> dict[str, Path]:
     """The three parquet splits (disjoint pairs; val drawn first) and the tool config YAML."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     import yaml
 
-    from verl_lite.data.tool_task import TOOL_SCHEMA, make_rows, sample_pairs
+    from verl_lite.data.tool_task import TOOL_SCHEMA
 
     rng = random.Random(args.seed)
     taken: set = set()
@@ -103,8 +144,6 @@ def multi_turn_settings(tool_config: Path) -> dict:
 def demonstration(item: dict, tok, glue) -> tuple[list[int], list[int]]:
     """(response ids, loss mask) of a row's demonstration: the tool call, the tool's answer (mask 0) and the
     final answer, each model turn ending in <eos>; or the bare answer when the row answers from memory."""
-    from verl_lite.data.tool_task import tool_call_text
-
     a, b = item["extra_info"]["a"], item["extra_info"]["b"]
     answer = tok.encode(str(a * b), add_special_tokens=False) + [tok.eos_token_id]
     if not item["extra_info"]["uses_tool"]:

@@ -206,11 +206,12 @@ def rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
     masked_log_ratio = torch.where(valid, log_ratio, 0.0)
     metrics: dict = {"rollout/logprob_diff_mean": token_mean(masked_log_ratio.abs()),
                      "rollout/logprob_diff_max": extreme(masked_log_ratio.abs(), True)}
-    is_weights = raw = None
+    is_weights = is_parts = factor = None
     w = torch.ones_like(m)
     if rollout_is is not None:
         upper, lower = parse_is_threshold(rollout_is_threshold)
-        applied, raw, _ = _is_weights(log_ratio, m, rollout_is, upper, lower)
+        applied, raw, metric_log_ratio = _is_weights(log_ratio, m, rollout_is, upper, lower)
+        is_parts = (rollout_is, upper, lower, applied, raw, metric_log_ratio)
         metrics["rollout_corr/is_truncated_fraction"] = token_mean((raw > upper).to(m.dtype))
         metrics["rollout_corr/is_raw_weight_mean"] = token_mean(raw)
         metrics["rollout_corr/is_weight_mean"] = token_mean(applied)
@@ -223,8 +224,9 @@ def rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
         w = is_weights
     keep = m.clone()
     rules = [] if rollout_rs is None else rejection_rules(rollout_rs, rollout_rs_threshold, rollout_rs_threshold_lower)
-    for rule in rules:
-        keep = keep * _rule_statistic(rule, log_ratio, m)[2].to(m.dtype)
+    rule_stats = [(rule, _rule_statistic(rule, log_ratio, m)) for rule in rules]
+    for _, (_, _, keep_bool) in rule_stats:
+        keep = keep * keep_bool.to(m.dtype)
     if rules:
         metrics["rollout_corr/rs_masked_fraction"] = token_mean(m - keep)
         rejected_rows = (keep.sum(-1) == 0) & (m.sum(-1) > 0)
@@ -233,30 +235,27 @@ def rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
     metrics["rollout_corr/kl"] = (-masked_log_ratio).sum() / (n_tok + EPS)
     metrics["rollout_corr/k3_kl"] = _masked_sum(torch.exp(log_ratio) - log_ratio - 1, m) / (n_tok + EPS)
     if whole and valid.any():
-        metrics.update(verl_metrics(old_log_probs, rollout_log_probs, m, rollout_is, rollout_is_threshold,
-                                    rollout_is_batch_normalize, rules))
+        metrics.update(verl_metrics(old_log_probs, rollout_log_probs, m, is_parts, factor, rule_stats))
     weights = w * keep if rollout_is is not None or rules else None
     return Correction(weights=weights, keep=keep, metrics=metrics, is_weights=is_weights)
 
 
 # ------------------------------------------------------------------ verl's metrics (whole step)
-def verl_metrics(old_log_probs, rollout_log_probs, m, rollout_is, rollout_is_threshold, batch_normalize,
-                 rules: list[RejectionRule]) -> dict[str, float]:
+def verl_metrics(old_log_probs, rollout_log_probs, m, is_parts, factor, rule_stats) -> dict[str, float]:
     """Every metric verl 0.9.1's ``compute_rollout_correction_and_rejection_mask`` logs, with its names
-    (``rollout_corr/`` prefix) and formulas, for the whole step's rows (at least one valid token)."""
-    log_ratio = old_log_probs - rollout_log_probs
+    (``rollout_corr/`` prefix) and formulas, for the whole step's rows (at least one valid token), from what
+    ``rollout_correction`` computed: ``is_parts`` = (level, upper, lower, *_is_weights(...)) (None: IS off),
+    ``factor`` = _batch_norm_factor(...) (None: off), ``rule_stats`` = [(rule, _rule_statistic(rule, ...))]."""
     out: dict[str, float] = {}
-    if rollout_is is not None:
-        upper, lower = parse_is_threshold(rollout_is_threshold)
-        applied, raw, metric_log_ratio = _is_weights(log_ratio, m, rollout_is, upper, lower)
-        out.update(_is_metrics(applied, raw, metric_log_ratio, m, rollout_is, upper, lower))
+    if is_parts is not None:
+        level, upper, lower, applied, raw, metric_log_ratio = is_parts
+        out.update(_is_metrics(applied, raw, metric_log_ratio, m, level, upper, lower))
         if lower is not None:
             out["rollout_is_oob_ratio"] = _masked_mean(((raw < lower) | (raw > upper)).float(), m).item()
-        if batch_normalize:
-            factor = _batch_norm_factor(applied, m, rollout_is)
+        if factor is not None:
             out["rollout_is_batch_norm_factor"] = factor.item() if factor > EPS else 1.0
-    if rules:
-        out.update(_rs_metrics(log_ratio, m, rules))
+    if rule_stats:
+        out.update(_rs_metrics(m, rule_stats))
     out.update(_offpolicy_metrics(old_log_probs, rollout_log_probs, m))
     return {f"rollout_corr/{k}": v for k, v in out.items()}
 
@@ -293,13 +292,12 @@ def _is_metrics(w, raw, metric_log_ratio, m, level, upper, lower) -> dict[str, f
     return out
 
 
-def _rs_metrics(log_ratio, m, rules: list[RejectionRule]) -> dict[str, float]:
+def _rs_metrics(m, rule_stats) -> dict[str, float]:
     out: dict[str, float] = {}
     valid = m.bool()
     seq_valid = m.sum(dim=-1) > 0
     combined = torch.ones_like(m)
-    for rule in rules:
-        stat, per_seq, keep_bool = _rule_statistic(rule, log_ratio, m)
+    for rule, (stat, per_seq, keep_bool) in rule_stats:
         k1 = rule.lower is not None
         hi = math.log(rule.upper) if k1 else rule.upper
         lo = math.log(rule.lower) if k1 else 0.0
@@ -321,32 +319,25 @@ def _rs_metrics(log_ratio, m, rules: list[RejectionRule]) -> dict[str, float]:
 def _rs_option_metrics(name, stat, per_seq, m, seq_valid, hi, lo, apply_lower) -> dict[str, float]:
     p = f"rollout_rs_{name}"
     valid = m.bool()
-    seq_values = per_seq if per_seq is not None else _masked_mean(stat, m, axis=-1)
-    seq_valid_values = seq_values[seq_valid]
-    sequence = per_seq is not None and seq_valid_values.numel() > 0
+    v = (per_seq if per_seq is not None else _masked_mean(stat, m, axis=-1))[seq_valid]  # per valid row
+    seq = dict.fromkeys(("seq_mean", "seq_std", "seq_max", "seq_min", "seq_max_deviation", "seq_fraction_high",
+                         "seq_fraction_low"), 0.0)
+    if v.numel() > 0:
+        seq = {"seq_mean": v.mean().item(), "seq_std": v.std().item() if v.numel() > 1 else 0.0,
+               "seq_max": v.max().item(), "seq_min": v.min().item(), "seq_max_deviation": v.abs().max().item(),
+               "seq_fraction_high": (v > hi).float().mean().item()}
+        if apply_lower:
+            seq["seq_fraction_low"] = (v < lo).float().mean().item()
     out = {f"{p}_mean": _masked_mean(stat, m).item()}
-    if sequence:
-        out[f"{p}_max"], out[f"{p}_min"] = seq_valid_values.max().item(), seq_valid_values.min().item()
-        out[f"{p}_fraction_high"] = (seq_valid_values > hi).float().mean().item()
-        out[f"{p}_fraction_low"] = (seq_valid_values < lo).float().mean().item() if apply_lower else 0.0
+    if per_seq is not None and v.numel() > 0:  # a sequence option: its extremes and fractions are the rows'
+        out.update({f"{p}_{k}": seq.get(f"seq_{k}", 0.0) for k in ("max", "min", "fraction_high", "fraction_low")})
     else:
         out[f"{p}_max"] = stat.masked_fill(~valid, float("-inf")).max().item()
         out[f"{p}_min"] = stat.masked_fill(~valid, float("inf")).min().item()
         out[f"{p}_fraction_high"] = _masked_mean((stat > hi).float(), m).item()
         out[f"{p}_fraction_low"] = _masked_mean((stat < lo).float(), m).item() if apply_lower else 0.0
     out[f"{p}_std"] = _clamped_stats(stat, m, lo if apply_lower else 0.0, hi)[2]
-    if seq_valid_values.numel() > 0:
-        v = seq_valid_values
-        out.update({f"{p}_seq_mean": v.mean().item(), f"{p}_seq_std": v.std().item() if v.numel() > 1 else 0.0,
-                    f"{p}_seq_max": v.max().item(), f"{p}_seq_min": v.min().item(),
-                    f"{p}_seq_max_deviation": v.abs().max().item(),
-                    f"{p}_seq_fraction_high": (v > hi).float().mean().item()})
-        if apply_lower:
-            out[f"{p}_seq_fraction_low"] = (v < lo).float().mean().item()
-    else:
-        out.update({f"{p}_{k}": 0.0 for k in ("seq_mean", "seq_std", "seq_max", "seq_min", "seq_max_deviation",
-                                                "seq_fraction_high", "seq_fraction_low")})
-    return out
+    return out | {f"{p}_{k}": x for k, x in seq.items()}
 
 
 def _offpolicy_metrics(old_log_probs, rollout_log_probs, m) -> dict[str, float]:

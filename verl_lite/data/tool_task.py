@@ -1,5 +1,5 @@
 """The shipped tool-use task: multi-digit multiplication with a ``calculator`` tool (``--recipe tool_agent``), in
-verl's parquet row format (:func:`make_rows`).
+verl's parquet row format (built by ``scripts/make_tool_agent_model.py``).
 
 The tiny model cannot multiply a 2-4 digit number by a 2-3 digit one; with the tool it only has to copy::
 
@@ -16,9 +16,7 @@ is also loaded on its own, as a custom reward function: it imports nothing of ve
 from __future__ import annotations
 
 import ast
-import json
 import operator
-import random
 
 DATA_SOURCE = "synthetic/tool_multiplication"
 TOOL_NAME = "calculator"
@@ -36,11 +34,6 @@ TOOL_SCHEMA = {
 }
 RESPONSE_END = "</tool_response>"
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
-
-
-def multiplication_prompt(a: int, b: int) -> str:
-    """The user message for a * b (also the calculator expression a demonstration copies)."""
-    return f"{a}*{b}="
 
 
 def evaluate(expression: str) -> int:
@@ -92,39 +85,3 @@ def final_answer(solution_str: str) -> str:
 def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
     """1.0 when the final answer is the product and nothing else, else 0.0 (verl's custom-reward signature)."""
     return 1.0 if final_answer(solution_str) == str(ground_truth).strip() else 0.0
-
-
-def tool_call_text(a: int, b: int) -> str:
-    """The demonstrated model turn that calls the calculator (hermes format, compact JSON as the template renders it)."""
-    call = {"name": TOOL_NAME, "arguments": {"expression": f"{a}*{b}"}}
-    return f"<tool_call>{json.dumps(call, separators=(',', ':'))}</tool_call>"
-
-
-def _digits(rng: random.Random, lo: int, hi: int) -> int:
-    d = rng.randint(lo, hi)
-    return rng.randint(10 ** (d - 1), 10**d - 1)
-
-
-def sample_pairs(n: int, rng: random.Random, exclude: set, a_digits=(2, 4), b_digits=(2, 3)) -> list[tuple[int, int]]:
-    """n distinct (a, b) pairs not in ``exclude``; digit counts drawn uniformly in the given ranges."""
-    pairs, seen = [], set(exclude)
-    while len(pairs) < n:
-        pair = (_digits(rng, *a_digits), _digits(rng, *b_digits))
-        if pair not in seen:
-            seen.add(pair)
-            pairs.append(pair)
-    return pairs
-
-
-def make_rows(pairs: list[tuple[int, int]], split: str, uses_tool: list[bool]) -> list[dict]:
-    """verl rows for the operand pairs (``uses_tool[i]``: row i's demonstration calls the calculator)."""
-    return [
-        {
-            "data_source": DATA_SOURCE,
-            "prompt": [{"role": "user", "content": multiplication_prompt(a, b)}],
-            "ability": "arithmetic",
-            "reward_model": {"style": "rule", "ground_truth": str(a * b)},
-            "extra_info": {"split": split, "index": i, "a": a, "b": b, "uses_tool": bool(t)},
-        }
-        for i, ((a, b), t) in enumerate(zip(pairs, uses_tool))
-    ]

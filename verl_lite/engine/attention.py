@@ -25,37 +25,15 @@ from verl_lite.engine import speed_paths
 from verl_lite.engine.packing import zigzag_positions
 from verl_lite.engine.regather import gather_rows, invert_index, pad_rows
 
-# torch >= 2.13 renames all_gather_into_tensor / reduce_scatter_tensor to *_single
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class _AllGatherFirstDim(torch.autograd.Function):
-    """y = cat([x_0, ..., x_{n-1}], dim 0) over ``group``; backward: dx_r = sum_j dy_j[r-th block]."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        world = dist.get_world_size(group)
-        x = x.contiguous()
-        out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-        _all_gather_single(out, x, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        world = dist.get_world_size(ctx.group)
-        grad_out = grad_out.contiguous()
-        grad_in = grad_out.new_empty((grad_out.shape[0] // world, *grad_out.shape[1:]))
-        _reduce_scatter_single(grad_in, grad_out, group=ctx.group)
-        return grad_in, None
-
 
 def all_gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
-    """Differentiable all-gather along dim 0 (gradients reduce-scattered back to their owners)."""
+    """Differentiable all-gather along dim 0 over ``group`` (backward: reduce-scatter to the owners); ``x`` itself
+    when ``group`` is None or of size 1 (where megatron's would fall back to the TP group)."""
     if group is None or dist.get_world_size(group) == 1:
         return x
-    return _AllGatherFirstDim.apply(x, group)
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+    return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=group)
 
 
 # Causal attention over short sequences runs as matmuls (``causal_matmul_attention``) on the CPU in float32/float64:

@@ -14,9 +14,9 @@ from pathlib import Path
 from verl_lite.engine import lora as engine_lora
 from verl_lite.engine.hf_bridge import hf_shapes, weight_files
 from verl_lite.engine.config import lora_projections
+from verl_lite.utils.safe_files import read_safetensors_header
 
 VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")  # [vocab_size, hidden] in an HF causal LM
-SAFETENSORS_MAX_HEADER = 100_000_000  # bytes; safetensors' own limit
 
 
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]  # what the engine reads
@@ -155,22 +155,11 @@ def model_config_problems(key: str, model_path: str | None) -> list[str]:
 
 
 def safetensors_header(file: Path) -> dict:
-    """The JSON header of a ``.safetensors`` file: tensor name -> {dtype, shape, data_offsets}. Reads the
-    8-byte header length and the header, never a tensor; ValueError / OSError when it is not one."""
+    """The JSON header of a ``.safetensors`` file: tensor name -> {dtype, shape, data_offsets}
+    (``safe_files.read_safetensors_header``, a symbolic link followed: the HF cache's snapshots are links);
+    ValueError / OSError when it is not one."""
     with open(file, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{len(head)} bytes, shorter than the 8-byte header length")
-        size = int.from_bytes(head, "little")
-        if not 0 < size <= SAFETENSORS_MAX_HEADER:
-            raise ValueError(f"header length {size} is not a safetensors header")
-        raw = f.read(size)
-    if len(raw) < size:
-        raise ValueError(f"the header is truncated ({len(raw)} of {size} bytes)")
-    header = json.loads(raw)
-    if not isinstance(header, dict):
-        raise ValueError("the header is not a JSON object")
-    return header
+        return read_safetensors_header(f)[0]
 
 
 # what a model's output layer is, by the engine that loads it: "lm" (lm_head, or tied to the embedding),

@@ -16,8 +16,7 @@ import torch
 from verl_lite.engine.engine import SequenceBatch
 from verl_lite.protocol import ROUTED_EXPERTS_KEY
 from verl_lite.rollout.base import Rollout, rollout_temperature
-from verl_lite.rollout.hf_rollout import (_filter_top_k_top_p, _penalize_repetition, ends_in_stop_string,
-                                          inverse_cdf_sample, row_keys, uniform_at)
+from verl_lite.rollout.hf_rollout import draw_tokens, ends_in_stop_string, row_keys
 
 
 class EngineRollout(Rollout):
@@ -60,16 +59,12 @@ class EngineRollout(Rollout):
         for t in range(max_new_tokens):
             logits = self.engine.next_token_logits([sequences[i] for i in running], scale, self.max_tokens_per_forward)
             scaled = logits[:, : self.vocab_size].float()  # the draw's rules in float32, as the HF rollout's
+            seen = None
             if repetition_penalty != 1.0:
                 seen = torch.zeros_like(scaled, dtype=torch.bool)
                 for row, i in enumerate(running):
                     seen[row, sequences[i]] = True
-                scaled = _penalize_repetition(scaled, seen, repetition_penalty)
-            if do_sample:
-                tokens = inverse_cdf_sample(_filter_top_k_top_p(scaled, top_k, top_p, min_p),
-                                            uniform_at(hashes[running], t))
-            else:
-                tokens = scaled.argmax(dim=-1)
+            tokens = draw_tokens(scaled, seen, repetition_penalty, do_sample, top_k, top_p, min_p, hashes[running], t)
             reported = self.engine.token_log_probs(logits, tokens)
             still = []
             for row, i in enumerate(running):

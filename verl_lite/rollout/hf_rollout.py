@@ -103,6 +103,18 @@ def inverse_cdf_sample(scaled_logits: torch.Tensor, uniforms: torch.Tensor) -> t
     return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
 
 
+def draw_tokens(scaled: torch.Tensor, seen: torch.Tensor | None, repetition_penalty: float, do_sample: bool,
+                top_k: int, top_p: float, min_p: float, keys: torch.Tensor, position: int) -> torch.Tensor:
+    """Each row's next token from its float32 temperature-scaled logits [b, V]: the repetition penalty on its
+    ``seen`` tokens (bool; None: none), then the inverse-CDF draw of the filtered logits at
+    ``uniform_at(keys, position)``, or the argmax."""
+    if seen is not None:
+        scaled = _penalize_repetition(scaled, seen, repetition_penalty)
+    if do_sample:
+        return inverse_cdf_sample(_filter_top_k_top_p(scaled, top_k, top_p, min_p), uniform_at(keys, position))
+    return scaled.argmax(dim=-1)
+
+
 # Stopped rows leave the batch once at most this fraction of its rows is still generating: a kept stopped row
 # costs less than its share of a decode step (the matmuls read the weights once for all rows), while dropping
 # rows copies every layer's KV cache.
@@ -299,13 +311,8 @@ class HFRollout(Rollout):
         for t in range(max_new_tokens):
             scaled = logits.float() / scale
             logp_full = torch.log_softmax(scaled, dim=-1)
-            if seen is not None:
-                scaled = _penalize_repetition(scaled, seen[rows], repetition_penalty)
-            if do_sample:
-                u = uniform_at(row_hashes[rows], t)
-                nxt = inverse_cdf_sample(_filter_top_k_top_p(scaled, top_k, top_p, min_p), u)
-            else:
-                nxt = scaled.argmax(dim=-1)
+            nxt = draw_tokens(scaled, None if seen is None else seen[rows], repetition_penalty, do_sample, top_k, top_p,
+                              min_p, row_hashes[rows], t)
             nxt = torch.where(alive, nxt, torch.full_like(nxt, self.pad_token_id))
             tokens[rows, t] = nxt
             logps[rows, t] = logp_full.gather(-1, nxt[:, None]).squeeze(-1)

@@ -19,7 +19,7 @@ from pathlib import Path, PurePosixPath
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 JSON_LIMIT = 16 * MIB  # a metadata JSON file of a checkpoint (the largest, the manifest, is ~150 B per file)
-SAFETENSORS_HEADER_LIMIT = 100 * MIB  # the safetensors format's own bound on its JSON header
+SAFETENSORS_HEADER_LIMIT = 100_000_000  # bytes: the safetensors format's own bound on its JSON header
 SAFETENSORS_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
                            "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -105,27 +105,36 @@ def read_json(root: str | os.PathLike, rel: str | os.PathLike, limit: int = JSON
         raise UnsafeFile(f"{Path(root, rel)} is unreadable ({type(e).__name__}: {e})") from None
 
 
+def read_safetensors_header(f) -> tuple[dict, int]:
+    """(header, data bytes after it) of the safetensors file open as ``f`` (binary, at its start): the 8-byte length,
+    bounded by the format and by the file's size, then the JSON object, never a tensor. :class:`UnsafeFile` saying
+    why (the caller names the file)."""
+    size = os.fstat(f.fileno()).st_size
+    head = f.read(8)
+    if len(head) < 8:
+        raise UnsafeFile(f"{size} bytes, too short for a safetensors file")
+    (header_len,) = struct.unpack("<Q", head)
+    if header_len > min(SAFETENSORS_HEADER_LIMIT, size - 8):
+        raise UnsafeFile(f"its header claims {header_len} bytes, more than the file ({size} bytes) or the format's "
+                         f"bound holds")
+    try:
+        header = json.loads(f.read(header_len).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise UnsafeFile(f"its safetensors header is not valid JSON ({type(e).__name__})") from None
+    if not isinstance(header, dict):
+        raise UnsafeFile("its safetensors header is not a JSON object")
+    return header, size - 8 - header_len
+
+
 def check_safetensors(root: str | os.PathLike, rel: str | os.PathLike) -> dict:
     """The header of a safetensors file, checked against the file: bounded JSON, known dtypes, byte ranges of
     shape x dtype-size bytes that cover the data section exactly."""
     where = Path(root, rel)
     with open(open_inside(root, rel), "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        if len(head) < 8:
-            raise UnsafeFile(f"{where}: {size} bytes, too short for a safetensors file")
-        (header_len,) = struct.unpack("<Q", head)
-        if header_len > min(SAFETENSORS_HEADER_LIMIT, size - 8):
-            raise UnsafeFile(f"{where}: its header claims {header_len} bytes, more than the file "
-                             f"({size} bytes) or the format's bound holds")
-        raw = f.read(header_len)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise UnsafeFile(f"{where}: its safetensors header is not valid JSON ({type(e).__name__})") from None
-    if not isinstance(header, dict):
-        raise UnsafeFile(f"{where}: its safetensors header is not a JSON object")
-    data_size = size - 8 - header_len
+        try:
+            header, data_size = read_safetensors_header(f)
+        except UnsafeFile as e:
+            raise UnsafeFile(f"{where}: {e}") from None
     ranges = []
     for name, info in header.items():
         if name == "__metadata__":
