@@ -85,3 +85,20 @@ def test_the_config_rules():
     for size in (0, -1):
         (line,) = CheckpointEngineConfig(update_weights_bucket_megabytes=size).problems(key)
         assert f"{key}.update_weights_bucket_megabytes={size}" in line
+
+
+def test_verl_checkpoint_engine_keys_from_the_cli():
+    """verl's section as a script sets it: the bucket size and an empty engine_kwargs run; another backend, its
+    kwargs or a custom backend module are refused before start, each in a line naming the key."""
+    from verl_lite.config import ConfigError, load_config, validate_config
+
+    key = "actor_rollout_ref.rollout.checkpoint_engine"
+    cfg = load_config([f"{key}.update_weights_bucket_megabytes=4096", f"+{key}.engine_kwargs={{}}"])
+    validate_config(cfg)
+    assert cfg.actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes == 4096
+    for override, named in ((f"{key}.backend=nccl", f"{key}.backend"),
+                            (f"+{key}.engine_kwargs.nccl.rebuild_group=false", f"{key}.engine_kwargs.nccl"),
+                            (f"+{key}.custom_backend_module=my.backend", f"{key}.custom_backend_module")):
+        with pytest.raises(ConfigError) as info:
+            validate_config(load_config([override]))
+        assert any(named in line for line in str(info.value).splitlines()), str(info.value)
