@@ -11,6 +11,8 @@ import inspect
 from dataclasses import dataclass
 from functools import partial
 
+import ray
+
 from verl_lite.agent.loop import AgentRunner
 from verl_lite.algorithms import actor_loss
 from verl_lite.algorithms.distillation import STUDENT_TOPK_LOG_PROBS_KEY, TEACHER_KEYS, TEACHER_TOPK_IDS_KEY, uses_topk
@@ -145,8 +147,6 @@ class ActorRolloutRefWorker(EngineWorker):
     def export_rollout_weights(self, bucket_bytes: int) -> tuple[list, int] | None:
         """Split placement: the actor's weights (LoRA merged) in flat buckets of at most ``bucket_bytes``, each put
         into Ray's object store by rank 0, which returns (the buckets' ObjectRefs, their bytes). Collective."""
-        import ray
-
         with suspended():
             tensors = self.actor.export_merged_hf()
             if self.rank != 0:

@@ -6,6 +6,8 @@ one version, which ``generate`` reports with its outputs (``policy_version``).
 
 from __future__ import annotations
 
+import ray
+
 from verl_lite.agent.loop import AgentRunner, VersionedRollout
 from verl_lite.agent.stream import TrajectoryStream
 from verl_lite.controller.worker_group import Worker
@@ -40,8 +42,6 @@ class RolloutWorker(Worker):
         """The policy of ``version`` (the actor's whole export: ObjectRefs of its ``WeightBucket``s, fetched one at a
         time as the backend loads them), then the version; with a stream running, applied between two of its backend
         calls (``agent.loop.VersionedRollout``)."""
-        import ray
-
         named_tensors = (pair for ref in bucket_refs for pair in bucket_tensors(ray.get(ref)))
         stream = self.stream
         n = stream.runner.rollout.load(named_tensors, version) if stream else self.rollout.load_weights(named_tensors)
