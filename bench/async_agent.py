@@ -14,8 +14,9 @@
 Every side runs ``python -m verl_lite.trainer.main_ppo --recipe tool_agent`` with the recipe's calculator replaced
 by ``bench/slow_tool.py``'s (each call sleeps a lognormal time: median 1 s, sigma 1, capped at 10 s) and
 ``--steps`` RL steps, validating before and after (the held-out set, greedy, the slow tool running). Rounds
-alternate the order of the sides; round r seeds every side with ``trainer.seed=data.seed=r`` (``--same-seed``: 0 in
-every round) so the synchronous side's own spread over seeds is the noise an asynchronous side is judged against.
+alternate the order of the sides; round r seeds every side with ``trainer.seed=data.seed=`` ``--first-seed`` + r
+(``--same-seed``: 0 in every round) so the synchronous side's own spread over seeds is the noise an asynchronous
+side is judged against.
 Printed per side: training wall time (the sum of the steps' ``timing_s/step``),
 the whole process, steps per minute of training, held-out accuracy before and after, held-out points per minute of
 training; then the ratios to ``sync`` (steps per minute also without each run's first step: an asynchronous run's
@@ -99,6 +100,7 @@ def main() -> None:
     p.add_argument("--cap", type=float, default=10.0)
     p.add_argument("--sides", default=",".join(SIDES), help=f"which of {', '.join(SIDES)} (sync always runs)")
     p.add_argument("--same-seed", action="store_true", help="seed 0 in every round (default: round r uses seed r)")
+    p.add_argument("--first-seed", type=int, default=0, help="the seed of the first round (the next ones count up)")
     a = p.parse_args()
     unknown = set(a.sides.split(",")) - set(SIDES)
     if unknown:
@@ -110,9 +112,10 @@ def main() -> None:
     runs: dict[str, list[dict]] = {s: [] for s in sides}
     for r in range(a.rounds):
         for side in sides[r % len(sides):] + sides[:r % len(sides)]:
-            result = run_side(side, root / f"{side}-{r}", a, tool_config, 0 if a.same_seed else r)
+            seed = 0 if a.same_seed else a.first_seed + r
+            result = run_side(side, root / f"{side}-{r}", a, tool_config, seed)
             runs[side].append(result)
-            print(f"round {r + 1}/{a.rounds} (seed {0 if a.same_seed else r}) {side}: training {result['train_s']:.1f} s, "
+            print(f"round {r + 1}/{a.rounds} (seed {seed}) {side}: training {result['train_s']:.1f} s, "
                   f"whole {result['whole_s']:.1f} s, "
                   f"held-out {result['before']:.3f} -> {result['after']:.3f} (load average {os.getloadavg()[0]:.2f})",
                   flush=True)
