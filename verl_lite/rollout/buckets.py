@@ -66,7 +66,7 @@ def bucket_tensors(bucket: WeightBucket) -> Iterator[tuple[str, torch.Tensor]]:
     """A bucket's (hf_name, tensor) pairs: views of its buffer, in the order they were packed."""
     for name, dtype_name, shape, offset in bucket.entries:
         dtype = getattr(torch, dtype_name)
-        raw = bucket.data[offset:offset + math.prod(shape) * torch.empty((), dtype=dtype).element_size()]
+        raw = bucket.data[offset:offset + math.prod(shape) * dtype.itemsize]
         yield name, raw.view(dtype).reshape(shape)
 
 

@@ -153,8 +153,11 @@ class ActorRolloutRefWorker(EngineWorker):
                 for _ in tensors:  # the gathers are collective: every rank takes part
                     pass
                 return None
-            buckets = list(weight_buckets(tensors, bucket_bytes))
-        return [ray.put(wire(b)) for b in buckets], sum(b.data.numel() for b in buckets)
+            refs, nbytes = [], 0
+            for bucket in weight_buckets(tensors, bucket_bytes):  # each into the store as packed: one in memory
+                refs.append(ray.put(wire(bucket)))
+                nbytes += bucket.data.numel()
+        return refs, nbytes
 
     def compute_log_prob(self, piece: Batch, micro_batches: list[list[int]], temperature: float) -> dict | None:
         """Old log-probs and entropy [n, W] of this DP rank's piece (None off the output owner)."""
