@@ -1,8 +1,9 @@
-"""``ray job submit`` as the README documents it: the test starts a Ray head on loopback ports (its
-own temp dir and HOME, so Ray's default token authentication writes its token there), submits a
-3-step job with ``--working-dir`` and no Ray variables exported by hand, waits for SUCCEEDED, finds
-the metrics and the checkpoint under the absolute ``trainer.default_local_dir``, and stops only the
-processes it started (by pid)."""
+"""``ray job submit`` as the README documents it: the test starts the README's loopback Ray head (its
+command read from the README, on free ports, with its own temp dir and HOME, so Ray's default token
+authentication writes its token there), submits a 3-step job with ``--working-dir`` and no Ray
+variables exported by hand, waits for SUCCEEDED, finds the metrics and the checkpoint under the absolute
+``trainer.default_local_dir``, and stops only the processes it started (by a marker in their
+environment), every one of them."""
 
 from __future__ import annotations
 
@@ -12,38 +13,15 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 
 from tests.checkpoint.conftest import metrics, overrides
-from verl_lite.utils.net import free_port
+from tests.faults.conftest import processes_of, readme_loopback_head, stop_marked
 
 BIN = Path(sys.executable).parent
-
-
-def _started_by(marker: str) -> list[psutil.Process]:
-    roots = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if any(marker in a for a in (p.info["cmdline"] or [])):
-                roots.append(p)
-        except psutil.Error:
-            continue
-    procs = {p.pid: p for p in roots}
-    for r in roots:
-        try:
-            procs.update({c.pid: c for c in r.children(recursive=True)})
-        except psutil.Error:
-            pass
-    return list(procs.values())
-
-
-def _stop(procs: list[psutil.Process]) -> None:
-    from verl_lite.utils.processes import kill_and_wait
-
-    kill_and_wait(procs, timeout_s=20)
 
 
 def _submit_when_the_job_agent_is_up(command: list[str], env: dict, cwd: str,
@@ -62,20 +40,13 @@ def _submit_when_the_job_agent_is_up(command: list[str], env: dict, cwd: str,
 @pytest.mark.skipif(shutil.which("ray", path=str(BIN)) is None, reason="the ray CLI is not installed next to python")
 def test_ray_job_submit_loopback_head(tiny_assets, tmp_path):
     home = Path(tempfile.mkdtemp(prefix="vlh", dir="/tmp"))  # short: Ray's socket paths live under it
-    temp = home / "r"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    marker = uuid.uuid4().hex
+    unset_ray = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    argv, env, ports = readme_loopback_head(str(home / "r"), marker, base_env=unset_ray)
     env.update(HOME=str(home), PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", OMP_NUM_THREADS="1")
-    port, dash = free_port(), free_port()
-    started: list[psutil.Process] = []
+    dash = ports["--dashboard-port"]
     try:
-        subprocess.run([str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
-                        "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true",
-                        "--num-cpus=2", f"--temp-dir={temp}", "--disable-usage-stats",
-                        # the job agent's HTTP port (default 52365) and the metrics port are fixed by default: with
-                        # another Ray on this machine (the suite's own) the agent cannot bind and never registers
-                        f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}"],
-                       env=env, check=True, capture_output=True, text=True, timeout=120)
-        started = _started_by(str(temp))
+        subprocess.run(argv, env=env, check=True, capture_output=True, text=True, timeout=120)
         workdir = tmp_path / "job"
         workdir.mkdir()
         shutil.copy(tiny_assets["reward"], workdir / "my_reward.py")  # travels with --working-dir
@@ -99,5 +70,7 @@ def test_ray_job_submit_loopback_head(tiny_assets, tmp_path):
         assert (out / "ckpt" / "global_step_3" / "complete").is_file()
         assert (out / "ckpt" / "global_step_3" / "huggingface" / "model.safetensors").is_file()
     finally:
-        _stop(started + [p for p in _started_by(str(temp)) if p.pid not in {q.pid for q in started}])
+        stop_marked(marker)
+        left = processes_of(marker, str(home))
         shutil.rmtree(home, ignore_errors=True)
+    assert left == [], f"processes of the head still alive after SIGKILL: {left}"

@@ -4,6 +4,7 @@ tags every process of a run with a marker, and the checks that no process of the
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import psutil
 import pytest
 
 from tests.e2e.conftest import tiny_assets, tiny_overrides  # noqa: F401  (fixture re-exported)
+from verl_lite.utils.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 MARK_ENV = "VERL_LITE_FAULT_RUN"
@@ -124,6 +126,70 @@ def alive(pids) -> list[int]:
         except psutil.Error:
             pass
     return out
+
+
+README_HEAD = re.compile(r"^(\S+=\S+ )*ray start --head --node-ip-address=127\.0\.0\.1(?:.*\\\n)*.*$", re.M)
+HEAD_PORT_FLAGS = ("--port", "--dashboard-port")  # the README's fixed ports, replaced by free ones
+HEAD_EXTRA_PORT_FLAGS = ("--dashboard-agent-listen-port", "--ray-client-server-port", "--metrics-export-port")
+
+
+def readme_loopback_head(temp_dir: str, marker: str, base_env: dict | None = None) -> tuple[list[str], dict, dict]:
+    """The README's loopback ``ray start --head`` command as it is written there (continuation lines joined):
+    its variables go into the environment, ``ray`` is this venv's, every port it fixes and Ray's other fixed
+    default ports are free ones (another Ray on this machine, the suite's own, cannot collide), ``--temp-dir``
+    is ``temp_dir`` and ``MARK_ENV=marker`` marks every process of that Ray (``stop_marked``). Returns
+    (argv, env, {flag: port}); ``env`` is ``base_env`` (default: this process's) without ``RAY_ADDRESS``, plus those."""
+    match = README_HEAD.search((REPO / "README.md").read_text())
+    assert match, "the README has no loopback `ray start --head --node-ip-address=127.0.0.1` command"
+    argv = shlex.split(match.group(0).replace("\\\n", " "))
+    env = {k: v for k, v in (os.environ if base_env is None else base_env).items() if k != "RAY_ADDRESS"}
+    while "=" in argv[0]:
+        key, value = argv.pop(0).split("=", 1)
+        env[key] = value
+    assert argv[0] == "ray", argv
+    argv[0] = str(Path(sys.executable).parent / "ray")
+    ports = {flag: free_port() for flag in HEAD_PORT_FLAGS + HEAD_EXTRA_PORT_FLAGS}
+    argv = [a for a in argv if not a.startswith(tuple(f"{flag}=" for flag in ports))]
+    argv += [f"{flag}={port}" for flag, port in ports.items()] + [f"--temp-dir={temp_dir}"]
+    env[MARK_ENV] = marker
+    return argv, env, ports
+
+
+def stop_marked(marker: str, rounds: int = 20) -> list[int]:
+    """SIGKILL every process marked with ``marker`` and every descendant of one (never ``ray stop``: it would stop
+    every Ray on the machine), again while new ones appear; returns those still alive after ``rounds`` rounds.
+    Descendants are taken before anything is killed: Ray's agents retitle themselves (``ray::DashboardAgent``),
+    which overwrites the environment /proc shows, so the marker cannot find them once their raylet is gone."""
+    for _ in range(rounds):
+        procs = {}
+        for pid in marked_pids(marker):
+            try:
+                root = psutil.Process(pid)
+                procs.update({p.pid: p for p in [root, *root.children(recursive=True)]})
+            except psutil.Error:
+                pass
+        if not procs:
+            return []
+        for proc in procs.values():
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(list(procs.values()), timeout=3.0)
+    return marked_pids(marker)
+
+
+def processes_of(marker: str, temp_dir: str) -> list[psutil.Process]:
+    """Live processes marked with ``marker`` or whose command line or open files name ``temp_dir``."""
+    found = set(marked_pids(marker))
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if temp_dir in " ".join(p.info["cmdline"] or []) or any(
+                    f.path.startswith(temp_dir + "/") for f in p.open_files()):
+                found.add(p.pid)
+        except psutil.Error:
+            continue
+    return [psutil.Process(pid) for pid in alive(found)]
 
 
 class CliRun:
