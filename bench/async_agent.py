@@ -10,8 +10,9 @@
 - ``async_w2_is``: two batches ahead with token-level importance weights pi_old / pi_behaviour on the loss
   (``algorithm.rollout_correction.rollout_is=token``, as verl's asynchronous recipes set it): the trajectories
   are 1-4 policy versions old, and without a correction their update is a plain on-policy gradient;
-- ``async_w2_clip``: the same with the behaviour log-probs as the old ones (``rollout_correction.bypass_mode=true,
-  loss_type=ppo_clip``): the PPO ratio pi / pi_behaviour, clipped, bounds each token's step.
+- ``async_w2_clip``: the shipped ``--recipe async`` (``recipes/async.yaml``): ``async_w2_is`` with the behaviour
+  log-probs as the old ones (``rollout_correction.bypass_mode=true, loss_type=ppo_clip``): the PPO ratio
+  pi / pi_behaviour, clipped, bounds each token's step.
 
 Every side runs ``python -m verl_lite.trainer.main_ppo --recipe tool_agent`` with the recipe's calculator replaced
 by ``bench/slow_tool.py``'s (each call sleeps a lognormal time: median 1 s, sigma 1, capped at 10 s) and
@@ -46,10 +47,7 @@ SIDE_KEYS = {"lockstep": ["actor_rollout_ref.rollout.multi_turn.batch_wait_s=nul
              "async_w2": ["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.num_warmup_batches=2"],
              "async_w2_is": ["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.num_warmup_batches=2",
                              "algorithm.rollout_correction.rollout_is=token"],
-             "async_w2_clip": ["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.num_warmup_batches=2",
-                               "algorithm.rollout_correction.rollout_is=token",
-                               "algorithm.rollout_correction.bypass_mode=true",
-                               "algorithm.rollout_correction.loss_type=ppo_clip"]}
+             "async_w2_clip": ["--recipe", "async"]}  # recipes/async.yaml: async_w2_is's keys and the clipped ratio
 TOOL_CONFIG = """tools:
 - class_name: bench.slow_tool.SlowCalculator
   config: {type: native, median_s: %(median)s, sigma: %(sigma)s, cap_s: %(cap)s}

@@ -183,6 +183,8 @@ def test_recipe_trains_from_the_cli(recipe, shipped, tmp_path, shared_ray):
         assert rows[1]["timing_s/teacher_log_prob"] > 0 and "actor/distillation/kl" in rows[1], sorted(rows[1])
     if recipe == "remax":
         assert "remax/baseline_reward/mean" in rows[1]
+    if recipe == "async":  # two batches ahead: step 2 trains groups all sampled by version 0 (a step old)
+        assert [r["training/off_policy/trajectory_staleness/max"] for r in rows[1:]] == [0, 1], rows
     if recipe == "one_step_off":  # batch 2 was sampled by version 1 (one step old), importance-weighted
         assert [r.get("async/staleness") for r in rows[1:]] == [0, 1] and "rollout_corr/is_weight_mean" in rows[2]
 

@@ -122,7 +122,10 @@ def transformer_override_problems(key: str, overrides: dict, dtype: str, cuda: b
     router-loss coefficients; activation recompute only where CUDA runs it (``cuda``)."""
     if not overrides:
         return []
-    from megatron.core.transformer import TransformerConfig
+    from verl_lite.compat.lazy_compile import compile_decorators_deferred
+
+    with compile_decorators_deferred():  # the driver validates, and never compiles: megatron's import, not dynamo's
+        from megatron.core.transformer import TransformerConfig
 
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     out = []
