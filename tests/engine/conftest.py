@@ -1,6 +1,7 @@
-"""Multi-process launcher for engine tests: torch.multiprocessing spawn + gloo on 127.0.0.1.
+"""Multi-process launcher for engine tests: ranks from the preloaded fork server (tests/fork_ranks.py) + gloo on
+127.0.0.1.
 
-``spawn_ranks(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh
+``spawn_ranks(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` in ``world_size``
 processes after ``torch.distributed`` is initialised (gloo, short timeout, 1 thread each) and returns
 the per-rank return values. ``fn`` must be a module-level function. An exception in any rank fails
 the launch (spawn terminates the others). Megatron's model-parallel groups are NOT created here:
@@ -14,8 +15,8 @@ import os
 import tempfile
 
 import torch
-import torch.multiprocessing as mp
 
+from tests.fork_ranks import start_ranks
 from verl_lite.utils.net import free_port
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -37,7 +38,7 @@ def _entry(rank, world_size, port, out_dir, timeout_s, fn, args):
 def spawn_ranks(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_entry, args=(world_size, free_port(), out_dir, timeout_s, fn, args), nprocs=world_size, join=True)
+        start_ranks(_entry, (world_size, free_port(), out_dir, timeout_s, fn, args), nprocs=world_size)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
 
 

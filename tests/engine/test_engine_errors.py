@@ -76,9 +76,9 @@ def model_dir(tmp_path_factory):
 
 
 def test_bad_micro_batches_and_counts_raise_on_every_rank(model_dir, tmp_path):
-    import torch.multiprocessing as mp
+    from tests.fork_ranks import start_ranks
 
-    mp.spawn(_rank, args=(_free_port(), model_dir, str(tmp_path)), nprocs=2, join=True)
+    start_ranks(_rank, (_free_port(), model_dir, str(tmp_path)), nprocs=2)
     outs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for o in outs:
         assert "multiple of pp=2" in o["three_mbs"] and "vpp_multiple=2" in o["three_mbs"]

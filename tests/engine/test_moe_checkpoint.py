@@ -110,7 +110,7 @@ def test_moe_checkpoint_at_tp2_resumes_exactly_and_refuses_tp1(tmp_path):
     """TP2 with sequence parallelism at EP1: the TP ranks route their own tokens, so the experts are reduced over the
     expert-data-parallel group in an optimizer of their own (compat.reduce_replicated_experts); the checkpoint resumes
     bit-exactly at TP2, and a trainable engine at TP1 (experts with the dense weights) refuses it with the reason."""
-    import torch.multiprocessing as mp
+    from tests.fork_ranks import start_ranks
 
     from verl_lite.utils.net import free_port
     from verl_lite.utils.tiny_model import make_tiny_moe_model
@@ -119,13 +119,13 @@ def test_moe_checkpoint_at_tp2_resumes_exactly_and_refuses_tp1(tmp_path):
     out = tmp_path / "out.txt"
     layout = (("tp", 2), ("sequence_parallel", True))
     try:
-        mp.spawn(_worker, args=(2, free_port(), str(model), str(tmp_path / "ckpt"), str(out), layout), nprocs=2)
+        start_ranks(_worker, (2, free_port(), str(model), str(tmp_path / "ckpt"), str(out), layout), nprocs=2)
     except Exception as e:
         raise RuntimeError("\n".join(p.read_text()[-3000:] for p in tmp_path.glob("out.txt.rank*.err"))) from e
     load_diff, resume_diff, step_size = eval(out.read_text())
     assert step_size > 0 and load_diff == 0.0 and resume_diff == 0.0, (load_diff, resume_diff, step_size)
     try:
-        mp.spawn(_ep1_worker, args=(1, free_port(), str(model), str(tmp_path / "ckpt"), str(out)), nprocs=1)
+        start_ranks(_ep1_worker, (1, free_port(), str(model), str(tmp_path / "ckpt"), str(out)), nprocs=1)
     except Exception as e:
         raise RuntimeError("\n".join(p.read_text()[-3000:] for p in tmp_path.glob("out.txt.rank*.err"))) from e
     trainable, forward_only = eval(Path(f"{out}.ep1").read_text())
@@ -135,7 +135,7 @@ def test_moe_checkpoint_at_tp2_resumes_exactly_and_refuses_tp1(tmp_path):
 
 
 def test_moe_checkpoint_resume_is_bit_exact(tmp_path):
-    import torch.multiprocessing as mp
+    from tests.fork_ranks import start_ranks
 
     from verl_lite.utils.net import free_port
     from verl_lite.utils.tiny_model import make_tiny_moe_model
@@ -143,7 +143,7 @@ def test_moe_checkpoint_resume_is_bit_exact(tmp_path):
     model = make_tiny_moe_model(tmp_path / "model", "qwen3_moe")
     out = tmp_path / "out.txt"
     try:
-        mp.spawn(_worker, args=(2, free_port(), str(model), str(tmp_path / "ckpt"), str(out)), nprocs=2)
+        start_ranks(_worker, (2, free_port(), str(model), str(tmp_path / "ckpt"), str(out)), nprocs=2)
     except Exception as e:
         raise RuntimeError("\n".join(p.read_text()[-3000:] for p in tmp_path.glob("out.txt.rank*.err"))) from e
     load_diff, resume_diff, step_size = eval(out.read_text())
@@ -152,7 +152,7 @@ def test_moe_checkpoint_resume_is_bit_exact(tmp_path):
 
     # the same checkpoint at EP1 in one process
     try:
-        mp.spawn(_ep1_worker, args=(1, free_port(), str(model), str(tmp_path / "ckpt"), str(out)), nprocs=1)
+        start_ranks(_ep1_worker, (1, free_port(), str(model), str(tmp_path / "ckpt"), str(out)), nprocs=1)
     except Exception as e:
         raise RuntimeError("\n".join(p.read_text()[-3000:] for p in tmp_path.glob("out.txt.rank*.err"))) from e
     for refusal in eval(Path(f"{out}.ep1").read_text()):

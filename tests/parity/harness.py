@@ -816,15 +816,15 @@ class RankPool:
     """``world`` spawned processes that run parity jobs (see above)."""
 
     def __init__(self, world: int):
-        import multiprocessing as mp
+        from tests.fork_ranks import context, with_launch_env
 
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        ctx = mp.get_context("spawn")
+        ctx = context()  # ranks forked from a server that imported torch and megatron once (tests/fork_ranks.py)
         self.world, self.port, self.launched = world, free_port(), time.perf_counter()
         self.jobs = [ctx.Queue() for _ in range(world)]
         self.replies = ctx.Queue()
-        self.procs = [ctx.Process(target=_pool_main, args=(r, world, self.port, self.jobs[r], self.replies), daemon=True)
-                      for r in range(world)]
+        self.procs = [ctx.Process(target=with_launch_env, daemon=True, args=(
+            r, dict(os.environ), _pool_main, (world, self.port, self.jobs[r], self.replies))) for r in range(world)]
         for proc in self.procs:
             proc.start()
         self.alive = True
