@@ -8,7 +8,6 @@ gradient all-reduce). Rank 0 must raise, and it must do so within timeout_s plus
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.fork_ranks import context, with_launch_env
 from verl_lite.utils.net import free_port as _free_port
 
 TIMEOUT_S = 10.0
@@ -71,9 +72,10 @@ def model_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["raise", "kill"])
 def test_peer_failure_surfaces_within_timeout(kind, model_dir, tmp_path):
-    ctx = mp.get_context("spawn")
+    ctx = context()  # tests/fork_ranks.py
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, model_dir, kind, str(tmp_path))) for r in range(2)]
+    procs = [ctx.Process(target=with_launch_env, args=(r, dict(os.environ), _rank, (port, model_dir, kind, str(tmp_path))))
+             for r in range(2)]
     for p in procs:
         p.start()
     try:
