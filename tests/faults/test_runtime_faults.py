@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.faults.conftest import (CliRun, alive, bad_files, check_clean_exit, tiny_assets,  # noqa: F401
+from tests.faults.conftest import (CliRun, bad_files, check_clean_exit, tiny_assets,  # noqa: F401
                                   tiny_overrides, wait_for_run)
 
 SLACK_S = 30.0  # teardown (workers, Ray) on a loaded 2-core machine, on top of each fault's own bound
@@ -231,17 +231,9 @@ def _session_processes(session_dir: str, marker: str) -> list:
     """Live processes of one Ray session: the session dir on their command line or among their open
     files (their logs: Ray's Python processes overwrite their command line and environment with a
     ``ray::`` title), or the run's marker in their environment."""
-    from tests.faults.conftest import marked_pids
+    from tests.faults.conftest import processes_of
 
-    found = set(marked_pids(marker))
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if session_dir in " ".join(p.info["cmdline"] or []) or any(
-                    f.path.startswith(session_dir + "/") for f in p.open_files()):
-                found.add(p.pid)
-        except psutil.Error:
-            continue
-    return [(pid, " ".join(psutil.Process(pid).cmdline())[:100]) for pid in alive(found)]
+    return [(p.pid, " ".join(p.cmdline())[:100]) for p in processes_of(marker, session_dir)]
 
 
 def test_driver_sigkilled_mid_run_takes_its_ray_down(tiny_assets, tmp_path):  # noqa: F811
