@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import pytest
 
 import tests.e2e.conftest as e2e
 from tests.e2e.conftest import tiny_overrides
+from tests.faults.conftest import MARK_ENV, stop_marked
 
 REPO = Path(__file__).resolve().parents[2]
 TIMING_PREFIX = "timing_s/"
@@ -48,13 +50,15 @@ def overrides(assets: dict, root: Path, **extra) -> list[str]:
 
 
 class Run:
-    """One CLI run in its own session; ``kill()`` SIGKILLs the driver and every process it started."""
+    """One CLI run in its own session; ``kill()`` SIGKILLs the driver and every process of the run (its tree, then
+    every process carrying the run's marker)."""
 
     def __init__(self, args: list[str], log: Path, env: dict | None = None):
         self.log = log
         log.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(log, "w")
-        full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+        self.marker = uuid.uuid4().hex  # in every process of the run, those forked after a tree() snapshot too
+        full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}), **{MARK_ENV: self.marker})
         self.proc = subprocess.Popen([sys.executable, "-m", "verl_lite.trainer.main_ppo", *args], cwd=REPO,
                                      stdout=self._log_file, stderr=subprocess.STDOUT, env=full_env,
                                      start_new_session=True)
@@ -81,6 +85,10 @@ class Run:
             except psutil.NoSuchProcess:
                 pass
         psutil.wait_procs(procs, timeout=20)
+        # and whatever the snapshot missed (a worker's forked checkpoint writers: the reaper that would sweep them
+        # was in the tree), by the run's marker
+        left = stop_marked(self.marker)
+        assert not left, f"processes of the killed run still alive: {left}"
         self.proc.wait(30)
         self._log_file.close()
 
