@@ -2,10 +2,12 @@
 Ray start-up retries, the reward process (time bound, crash, import once), run directories,
 the zero-signal warning."""
 
+import contextlib
 import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -334,3 +336,49 @@ def test_a_reward_function_returning_none_adds_nothing_for_that_sample(capsys):
     assert nothing([[1]] * 2, ["d"] * 2, ["x"] * 2)[0].tolist() == [0.0, 1.0]
     nothing([[1]] * 2, ["d"] * 2, ["x"] * 2)
     assert capsys.readouterr().err.count("returned None for 1 of 2 samples") == 1
+
+
+FORKING_PARENT = """
+import multiprocessing, os, sys, time
+from verl_lite.utils.processes import forked_children_die_with_parent
+
+def child(pid_file):
+    open(pid_file, "w").write(str(os.getpid()))
+    time.sleep(120)
+
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context("fork")  # as megatron forks its checkpoint writers
+    outside = ctx.Process(target=child, args=(sys.argv[1] + ".outside",))
+    outside.start()
+    with forked_children_die_with_parent():
+        inside = ctx.Process(target=child, args=(sys.argv[1] + ".inside",))
+        inside.start()
+        time.sleep(120)  # killed here, while it waits for its child
+"""
+
+
+def test_a_child_forked_inside_the_block_dies_with_its_killed_parent(tmp_path):
+    """``forked_children_die_with_parent`` (around megatron's save, which forks writers and waits for them): SIGKILL
+    of the parent takes the child forked inside the block down; one forked outside it lives on (the control)."""
+    import subprocess
+    import sys
+
+    script, pid_file = tmp_path / "parent.py", tmp_path / "child"
+    script.write_text(FORKING_PARENT)
+    parent = subprocess.Popen([sys.executable, str(script), str(pid_file)])
+    inside, outside = (Path(f"{pid_file}.{where}") for where in ("inside", "outside"))
+    deadline = time.time() + 60
+    while not (inside.exists() and outside.exists() and inside.read_text() and outside.read_text()):
+        assert time.time() < deadline and parent.poll() is None, "the parent never forked its two children"
+        time.sleep(0.05)
+    children = [psutil.Process(int(f.read_text())) for f in (inside, outside)]
+    parent.kill()
+    parent.wait(10)
+    try:
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert [p.pid for p in gone] == [children[0].pid], (gone, alive)
+        assert [p.pid for p in alive] == [children[1].pid]
+    finally:
+        for p in children:
+            with contextlib.suppress(psutil.Error):
+                p.kill()

@@ -24,6 +24,7 @@ from verl_lite.engine.model import unwrap_model
 from verl_lite.engine.config import canonical_dtype
 from verl_lite.engine.vocab_parallel import padded_vocab_size
 from verl_lite.utils import safe_files
+from verl_lite.utils.processes import forked_children_die_with_parent
 
 RestrictedUnpickler = torch_dcp.RestrictedUnpickler  # re-exported
 # Reshardable in TP, PP, VPP, CP and DP, and readable by the regular optimizer.
@@ -247,8 +248,9 @@ def save_engine_state(engine, directory: str | Path) -> None:
     state = _engine_sharded_state_dict(engine, is_loading=False, with_optimizer=engine.optimizer is not None)
     _reject_sharded_objects(state)
     megatron_internals.in_process_save_results()
-    dist_checkpointing.save(state, str(directory), sharded_strategy=("torch_dist", 1),
-                            validate_access_integrity=True, content_metadata=SHARDING_METADATA)
+    with forked_children_die_with_parent():  # megatron forks its shard writers: none outlives a killed rank
+        dist_checkpointing.save(state, str(directory), sharded_strategy=("torch_dist", 1),
+                                validate_access_integrity=True, content_metadata=SHARDING_METADATA)
     if _rank() == 0:
         (directory / FORMAT_FILE).write_text(json.dumps(_describe(engine), indent=1))
     _barrier()

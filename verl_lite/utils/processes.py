@@ -4,6 +4,7 @@ starting user code (a reward file, a tool) as a guarded process tree that cannot
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -15,6 +16,35 @@ import psutil
 
 GUARD = Path(__file__).with_name("process_guard.py")
 GUARD_EXIT_S = 15.0  # the guard's kill loop is bounded by process_guard.KILL_WAIT_S; this waits past it
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_pdeathsig_depth = 0  # > 0 while forked_children_die_with_parent() is active in this process
+
+
+def _die_with_parent_in_child() -> None:
+    """At-fork hook (child side): inside the block below, this child gets SIGKILL when its parent dies."""
+    if _pdeathsig_depth > 0 and sys.platform == "linux":
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+os.register_at_fork(after_in_child=_die_with_parent_in_child)
+
+
+@contextlib.contextmanager
+def forked_children_die_with_parent():
+    """A process forked (``os.fork``, ``multiprocessing``'s fork context) while the block is active gets SIGKILL when
+    the thread that forked it ends (Linux ``PR_SET_PDEATHSIG``; the process's death included), instead of living on
+    as an orphan. For forks whose parent waits for them inside the block: megatron's checkpoint writers, which
+    after their parent was killed block forever on their queue. fork+exec launches (``subprocess``) run no at-fork
+    hook and are not affected."""
+    global _pdeathsig_depth
+    _pdeathsig_depth += 1
+    try:
+        yield
+    finally:
+        _pdeathsig_depth -= 1
 
 
 def kill_and_wait(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
