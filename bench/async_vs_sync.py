@@ -1,5 +1,7 @@
-"""The default job three ways, side by side: verl_lite synchronous (colocated), verl_lite one-step-off
-(``--recipe one_step_off``: a rollout pool of its own, staleness 1) and TRL's GRPOTrainer.
+"""The default job side by side: verl_lite synchronous (colocated), verl_lite one-step-off (``--recipe
+one_step_off``: a rollout pool of its own, staleness 1), verl_lite streamed asynchronous (``--recipe async``:
+``separate_async`` two batches ahead, the ratio to the sampler clipped) and TRL's GRPOTrainer (``--sides``
+picks; sync always runs).
 
 Install TRL once, in a venv of its OWN (as ``bench/rl_step_vs_trl.py`` says):
 
@@ -7,7 +9,7 @@ Install TRL once, in a venv of its OWN (as ``bench/rl_step_vs_trl.py`` says):
 
 Run with the project's interpreter:
 
-    .venv/bin/python bench/async_vs_sync.py [--pairs 2] [--trl-python /tmp/trl-venv/bin/python]
+    .venv/bin/python bench/async_vs_sync.py [--pairs 2] [--sides sync,one_step_off,async,trl] [--trl-python ...]
 
 The same work on every side: the shipped tiny model, the synthetic-addition train split, 60 RL steps of
 16 prompts x 8 samples, up to 12 new tokens, temperature 1, lr 1e-4 constant, AdamW (0.9, 0.99), no
@@ -42,13 +44,13 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "verl_lite" / "assets" / "tiny-addition"
 DATA_DIR = REPO / "verl_lite" / "assets" / "synthetic-addition"
 STEPS, PROMPTS, SAMPLES, NEW_TOKENS, LR = 60, 16, 8, 12, 1e-4
-SIDES = ("sync", "one_step_off", "trl")
+SIDES = ("sync", "one_step_off", "async", "trl")
 
 
 # ====================================================================== the sides
 def verl_command(side: str, out: Path) -> list[str]:
     """The user's command line for a verl_lite side (the default job; validation off; the last step saved)."""
-    recipe = ["--recipe", "one_step_off"] if side == "one_step_off" else []
+    recipe = [] if side == "sync" else ["--recipe", side]
     return [sys.executable, "-m", "verl_lite.trainer.main_ppo", *recipe,
             f"trainer.total_training_steps={STEPS}", "trainer.test_freq=0", "trainer.val_before_train=false",
             f"trainer.save_freq={STEPS}", f"trainer.default_local_dir={out / 'ckpt'}",
@@ -144,27 +146,30 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=2, help="rounds of the three sides, the order rotating")
     p.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON", "/tmp/trl-venv/bin/python"))
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--sides", default="sync,one_step_off,trl", help=f"which of {', '.join(SIDES)} (sync always runs)")
     a = p.parse_args()
     if a.train_trl:
         return train_trl(Path(a.train_trl))
-    if not Path(a.trl_python).exists():
+    sides = ["sync"] + [s for s in SIDES if s != "sync" and s in a.sides.split(",")]
+    if "trl" in sides and not Path(a.trl_python).exists():
         sys.exit(f"no TRL interpreter at {a.trl_python}: install it as the module docstring says, or pass --trl-python")
 
     root = Path(tempfile.mkdtemp(prefix="async-vs-sync-"))
-    runs: dict[str, list[tuple[float, Path]]] = {s: [] for s in SIDES}
+    runs: dict[str, list[tuple[float, Path]]] = {s: [] for s in sides}
     for pair in range(a.pairs):
-        order = SIDES[pair % 3:] + SIDES[:pair % 3]
+        order = sides[pair % len(sides):] + sides[:pair % len(sides)]
         for side in order:
             runs[side].append(run_side(side, a.trl_python, root / f"{side}-{pair}", a.threads))
             print(f"round {pair + 1}/{a.pairs} {side}: {runs[side][-1][0]:.1f} s "
                   f"(load average {os.getloadavg()[0]:.2f})", flush=True)
     base = held_out_accuracy(MODEL_DIR)
-    accuracy = {s: [held_out_accuracy(d) for _, d in runs[s]] for s in SIDES}
+    accuracy = {s: [held_out_accuracy(d) for _, d in runs[s]] for s in sides}
 
-    name = {"sync": "verl_lite sync", "one_step_off": "verl_lite one-step-off", "trl": "TRL GRPOTrainer"}
+    name = {"sync": "verl_lite sync", "one_step_off": "verl_lite one-step-off", "async": "verl_lite --recipe async",
+            "trl": "TRL GRPOTrainer"}
     summary = {}
     print(f"\nheld-out accuracy of the shipped model: {base:.3f} (one evaluator, greedy, {STEPS} steps per run)")
-    for side in SIDES:
+    for side in sides:
         walls = [w for w, _ in runs[side]]
         points_per_min = [100 * (acc - base) / (w / 60) for (w, _), acc in zip(runs[side], accuracy[side])]
         summary[side] = {"steps_per_min": statistics.median(STEPS / (w / 60) for w in walls),
@@ -172,13 +177,12 @@ def main() -> None:
         print(f"{name[side]:>23}: whole process {statistics.median(walls):.1f} s (runs: "
               f"{', '.join(f'{w:.1f}' for w in walls)}), {summary[side]['steps_per_min']:.0f} steps/min, held-out "
               f"{', '.join(f'{x:.3f}' for x in accuracy[side])}, {summary[side]['points_per_min']:.1f} points/min")
-    s, o, t = summary["sync"], summary["one_step_off"], summary["trl"]
-    print(f"\none-step-off / sync: steps per minute {o['steps_per_min'] / s['steps_per_min']:.2f}x, "
-          f"points per minute {o['points_per_min'] / s['points_per_min']:.2f}x")
-    for side in ("sync", "one_step_off"):
-        x = summary[side]
-        print(f"{name[side]} / TRL: steps per minute {x['steps_per_min'] / t['steps_per_min']:.2f}x, "
-              f"points per minute {x['points_per_min'] / t['points_per_min']:.2f}x")
+    print()
+    for ref in ("sync", "trl"):
+        for side in (x for x in sides if x != ref and x != "trl" and ref in summary):
+            x, r = summary[side], summary[ref]
+            print(f"{name[side]} / {name[ref]}: steps per minute {x['steps_per_min'] / r['steps_per_min']:.2f}x, "
+                  f"points per minute {x['points_per_min'] / r['points_per_min']:.2f}x")
 
 
 if __name__ == "__main__":
