@@ -18,6 +18,7 @@ import pytest
 
 from tests.e2e.conftest import tiny_assets, tiny_overrides  # noqa: F401  (fixture re-exported)
 from verl_lite.utils.net import free_port
+from verl_lite.utils.processes import kill_and_wait
 
 REPO = Path(__file__).resolve().parents[2]
 MARK_ENV = "VERL_LITE_FAULT_RUN"
@@ -170,12 +171,7 @@ def stop_marked(marker: str, rounds: int = 20) -> list[int]:
                 pass
         if not procs:
             return []
-        for proc in procs.values():
-            try:
-                proc.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(list(procs.values()), timeout=3.0)
+        kill_and_wait(list(procs.values()), timeout_s=3.0)
     return marked_pids(marker)
 
 

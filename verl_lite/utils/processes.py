@@ -22,14 +22,25 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _pdeathsig_depth = 0  # > 0 while forked_children_die_with_parent() is active in this process
 
 
+_forking_pid = 0  # set in the parent just before each fork; the child reads its copy
+
+
+def _before_fork() -> None:
+    global _forking_pid
+    _forking_pid = os.getpid()
+
+
 def _die_with_parent_in_child() -> None:
-    """At-fork hook (child side): inside the block below, this child gets SIGKILL when its parent dies."""
+    """At-fork hook (child side): inside the block below, this child gets SIGKILL when its parent dies; a parent
+    that died before the prctl took effect (the child already re-parented) ends the child here."""
     if _pdeathsig_depth > 0 and sys.platform == "linux":
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != _forking_pid:
+            os._exit(1)
 
 
-os.register_at_fork(after_in_child=_die_with_parent_in_child)
+os.register_at_fork(before=_before_fork, after_in_child=_die_with_parent_in_child)
 
 
 @contextlib.contextmanager
