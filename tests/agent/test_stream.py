@@ -149,11 +149,26 @@ def test_groups_submitted_later_run_beside_earlier_ones_and_errors_reach_collect
         stream.close()
 
 
-def test_a_load_cuts_a_running_turn_short_and_the_turn_goes_on_with_the_new_weights(model_and_tokenizer):
+def _load(backend, weights, version):
+    """A rollout pool's weight sync (``RolloutWorker.load_weights``)."""
+    backend.load(weights, version)
+
+
+def _pause_load_resume(backend, weights, version):
+    """A colocated worker's update (``ActorRolloutRefWorker.update_actor`` then ``stream_reload``): the stream held
+    while the engine trains, the new weights copied in, the stream let go on as the new version."""
+    backend.pause()
+    backend.rollout.load_weights(weights)
+    backend.resume(version)
+
+
+@pytest.mark.parametrize("land", [_load, _pause_load_resume])
+def test_a_load_cuts_a_running_turn_short_and_the_turn_goes_on_with_the_new_weights(model_and_tokenizer, land):
     """A partial rollout inside one model turn: a load lands while the HF backend is generating; the call stops
     after its next token, the load is applied, and every response still running goes on with version 1 (its
     tokens so far prefilled again). Each token's behaviour log-prob equals the float64 log-prob under the weights
-    of the version that generated it: one turn, two segments, [0, 1]."""
+    of the version that generated it: one turn, two segments, [0, 1]. The same whether the weights come through a
+    pool's load or a colocated worker's pause / load / resume."""
     from verl_lite.rollout import make_rollout
 
     path, tokenizer = model_and_tokenizer
@@ -167,7 +182,7 @@ def test_a_load_cuts_a_running_turn_short_and_the_turn_goes_on_with_the_new_weig
         out = type(model).forward(model, *args, **kwargs)
         calls.append(1)
         if len(calls) == 4:  # the third generated token's forward: a weight sync arrives from another thread
-            threading.Thread(target=backend.load, args=(version_1, 1), daemon=True).start()
+            threading.Thread(target=land, args=(backend, version_1, 1), daemon=True).start()
             _wait(backend.load_waiting.is_set)
         return out
 

@@ -80,12 +80,20 @@ def _fit(assets, tmp_path, callbacks=(), **extra):
     return [r for r in records if r.get("step", 0) >= 1 and "actor/pg_loss" in r]
 
 
-def test_streamed_steps_stay_within_the_bound_and_train_every_prompt_once(tiny_assets, shared_ray, tmp_path):  # noqa: F811
+# colocate_async: the actor's own workers stream, paused while they train; validation (the end of the run) samples
+# on the same rollout, pausing the stream
+MODES = {"separate_async": {}, "colocate_async": {"trainer.v1.trainer_mode": "colocate_async", "trainer.test_freq": STEPS}}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_streamed_steps_stay_within_the_bound_and_train_every_prompt_once(tiny_assets, shared_ray, tmp_path, mode):  # noqa: F811
     """With DAPO's dynamic sampling on: a step takes further complete groups in place of those without spread."""
     prompts = _Prompts()
     records = _fit(tiny_assets, tmp_path, [prompts], **{"algorithm.filter_groups.enable": "true",
-                                                       "algorithm.filter_groups.metric": "score"})
+                                                       "algorithm.filter_groups.metric": "score", **MODES[mode]})
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    if mode == "colocate_async":  # validation sampled beside the paused stream, and the run went on to its end
+        assert 0.0 <= records[-1]["val/accuracy"] <= 1.0
     for r in records:
         assert 0 <= r["training/off_policy/trajectory_staleness_worst/max"] <= THRESHOLD - 1
         assert r["training/off_policy/trajectory_staleness/min"] >= 0
@@ -106,11 +114,14 @@ def test_streamed_steps_stay_within_the_bound_and_train_every_prompt_once(tiny_a
     print("groups dropped per step:", [r["dynamic_sampling/groups_dropped"] for r in records])
 
 
-def test_a_stream_killed_mid_pipeline_resumes_with_no_step_repeated_or_skipped(tiny_assets, shared_ray, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("mode", MODES)
+def test_a_stream_killed_mid_pipeline_resumes_with_no_step_repeated_or_skipped(tiny_assets, shared_ray, tmp_path,  # noqa: F811
+                                                                               mode):
     """The driver is SIGKILLed right after its step-2 checkpoint, while the stream is running (groups outstanding,
     trajectories generating); the resumed run trains steps 3-5: no step repeated or skipped (verl #7933), no
     prompt trained twice, every prompt pulled and not trained before the kill trained after it."""
-    keys = {"trainer.default_local_dir": str(tmp_path / "ckpt"), "trainer.save_freq": 2}
+    keys = {"trainer.default_local_dir": str(tmp_path / "ckpt"), "trainer.save_freq": 2,
+            "trainer.v1.trainer_mode": mode}
     log, marker = tmp_path / "steps.jsonl", tmp_path / "saved"
     # the killed driver starts a local Ray of its own, as the CLI does (its reaper stops it when the driver dies)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -139,9 +150,9 @@ def test_a_stream_killed_mid_pipeline_resumes_with_no_step_repeated_or_skipped(t
     from verl_lite.trainer.checkpointing import CheckpointRefused
 
     with pytest.raises(CheckpointRefused, match="streamed run's prompts"):
-        _fit(tiny_assets, tmp_path / "refused", **keys, **{"trainer.v1.trainer_mode": "sync",
-                                                           "actor_rollout_ref.hybrid_engine": "false",
-                                                           "trainer.resume_mode": "auto"})
+        _fit(tiny_assets, tmp_path / "refused", **{**keys, "trainer.v1.trainer_mode": "sync",
+                                                   "actor_rollout_ref.hybrid_engine": "false",
+                                                   "trainer.resume_mode": "auto"})
     second = _Prompts()
     resumed = _fit(tiny_assets, tmp_path / "second", [second], **keys, **{"trainer.resume_mode": "auto"})
     assert [r["step"] for r in resumed] == [3, 4, 5]

@@ -34,6 +34,12 @@ def test_the_lag_follows_what_the_script_asks_for():
     assert placement("trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.num_warmup_batches=2",
                      "trainer.v1.sampler.max_off_policy_threshold=3", "trainer.v1.sampler.max_off_policy_strategy=wait") \
         == (False, 2)
+    # colocate_async: the actor's own workers stream num_warmup_batches ahead
+    assert placement("trainer.v1.trainer_mode=colocate_async") == (True, 1)
+    assert placement("trainer.v1.trainer_mode=colocate_async", "trainer.v1.colocate_async.num_warmup_batches=0") \
+        == (True, 0)
+    assert placement("trainer.v1.trainer_mode=colocate_async", "trainer.v1.colocate_async.num_warmup_batches=2",
+                     "trainer.v1.separate_async.num_warmup_batches=5") == (True, 2)
 
 
 def test_the_resolved_lag_is_what_the_run_records():
@@ -45,7 +51,12 @@ def test_the_resolved_lag_is_what_the_run_records():
 
 
 @pytest.mark.parametrize("overrides, words", [
-    (["trainer.v1.trainer_mode=colocate_async"], "colocate_async is not built"),
+    (["trainer.v1.trainer_mode=colocate_async", "actor_rollout_ref.rollout.batch_invariant=true"],
+     "colocate_async with actor_rollout_ref.rollout.batch_invariant=true"),
+    (["trainer.v1.trainer_mode=colocate_async", "algorithm.adv_estimator=remax"], "remax with trainer.v1.trainer_mode"),
+    (["trainer.v1.trainer_mode=colocate_async", "trainer.v1.colocate_async.num_warmup_batches=8"],
+     "past trainer.v1.sampler.max_off_policy_threshold=8"),
+    (["trainer.v1.trainer_mode=colocate_async", "async_training.partial_rollout=false"], "partial_rollout=false"),
     (["trainer.v1.trainer_mode=fully_async"], "is unknown"),
     (["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.num_warmup_batches=2",
       "trainer.v1.sampler.max_off_policy_threshold=2"], "past trainer.v1.sampler.max_off_policy_threshold=2"),
@@ -68,7 +79,6 @@ def test_parameter_sync_step_consistent_with_the_batch_is_accepted():
 @pytest.mark.parametrize("key, value", [
     ("trainer.v1.sampler.custom_sampler.path", "my_sampler.py"),
     ("trainer.v1.sampler.sync_refill_failed_groups", "true"),
-    ("trainer.v1.colocate_async.num_warmup_batches", "2"),
     ("trainer.v1.separate_async.hybrid_rollout.enable_switch", "true"),
 ])
 def test_v1_features_not_built_are_refused_by_name(key, value):

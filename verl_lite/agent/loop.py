@@ -9,7 +9,9 @@ turns, :func:`turn_seed` seeds each one, ``@register_agent_loop`` names the loop
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -304,23 +306,50 @@ class VersionedRollout:
         finally:
             self.lock.release()
 
-    def load(self, named_tensors, version: int) -> int:
+    def pause(self) -> None:
+        """Hold the rollout for another thread's use: cuts the running call short, waits for it to return; no
+        call starts until :meth:`resume`."""
         self.load_waiting.set()
+        self.gate.acquire()
+        self.lock.acquire()
+
+    def resume(self, version: int | None = None) -> None:
+        """Let calls run again (on policy ``version`` from now, when given)."""
+        if version is not None:
+            self.version = int(version)
+        self.lock.release()
+        self.gate.release()
+        self.load_waiting.clear()
+
+    def load(self, named_tensors, version: int) -> int:
+        self.pause()
         try:
-            with self.gate, self.lock:
-                loaded = self.rollout.load_weights(named_tensors)
-                self.version = int(version)
-                return loaded
-        finally:
-            self.load_waiting.clear()
+            loaded = self.rollout.load_weights(named_tensors)
+        except BaseException:
+            self.resume()
+            raise
+        self.resume(version)
+        return loaded
+
+
+def _backend_thread_setup(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
 
 
 class _TurnBatcher:
-    """Sends the waiting model turns to the backend (in a thread) as ONE call once every live trajectory waits or
-    the oldest turn has waited ``batch_wait_s`` (None: lockstep) (docs/agents.md, "Batched, without a barrier")."""
+    """Sends the waiting model turns to the backend (on a thread of its own) as ONE call once every live trajectory
+    waits or the oldest turn has waited ``batch_wait_s`` (None: lockstep) (docs/agents.md, "Batched, without a
+    barrier"). That thread computes on half the process's intra-op threads (at least one): a second OpenMP team as
+    large as the main thread's contends with it for the same cores (docs/performance.md)."""
 
     def __init__(self, rollout, sampling: dict, live: int, batch_wait_s: float | None):
+        import torch
+
         self.rollout, self.sampling, self.live, self.batch_wait_s = rollout, sampling, live, batch_wait_s
+        self.backend = ThreadPoolExecutor(1, "rollout-backend", initializer=_backend_thread_setup,
+                                          initargs=(max(1, torch.get_num_threads() // 2),))
         self.waiting: list[tuple[list[int], int, int | None, asyncio.Future]] = []
         self.oldest_since: float | None = None  # when the oldest waiting turn arrived
         self.wake = asyncio.Event()
@@ -344,6 +373,10 @@ class _TurnBatcher:
     def finished(self) -> None:
         self.live -= 1
         self.wake.set()
+
+    def close(self) -> None:
+        """Let the backend thread end (once its running call, if any, returns)."""
+        self.backend.shutdown(wait=False)
 
     def _wait_left(self, now: float) -> float | None:
         """0 when the waiting turns should go now, else how long to wait at most (None: until woken)."""
@@ -379,7 +412,8 @@ class _TurnBatcher:
             kw["seeds"] = seeds
         try:
             prompts = [ids for ids, _, _, _ in batch]
-            outs, version = await asyncio.to_thread(self.rollout.generate_versioned, prompts, **kw)
+            outs, version = await asyncio.get_running_loop().run_in_executor(
+                self.backend, functools.partial(self.rollout.generate_versioned, prompts, **kw))
             self.calls += 1
         except BaseException as e:
             for *_, future in batch:
@@ -507,7 +541,10 @@ class AgentRunner:
         await self.executor.warm()
         tasks = [asyncio.create_task(self.run_one(rows[p], None if seeds is None else seeds[p], k, batcher))
                  for p in range(len(rows)) for k in range(n)]
-        await batcher.serve()
+        try:
+            await batcher.serve()
+        finally:
+            batcher.close()
         results = await asyncio.gather(*tasks, return_exceptions=True)
         if (error := next((r for r in results if isinstance(r, BaseException)), None)) is not None:
             raise error

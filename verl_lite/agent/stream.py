@@ -3,7 +3,7 @@ finished trajectories, while new policy versions are loaded beside them (partial
 
     stream = TrajectoryStream(runner, sampling)      # runner: an AgentRunner over a VersionedRollout
     stream.submit([{"group": 7, "row": row, "seed": 123, "n": 8}, ...])   # returns at once
-    stream.collect() -> [{"group": 7, "sample": k, **trajectory.output()}, ...]   # what finished since
+    stream.collect(wait_s) -> [{"group": 7, "sample": k, **trajectory.output()}, ...]   # what finished since
     runner.rollout.load(weights, version)             # from another thread: cuts the running call short
     stream.close()
 
@@ -29,6 +29,7 @@ class TrajectoryStream:
         self.finished: list[dict] = []
         self.errors: list[BaseException] = []
         self.lock = threading.Lock()
+        self.done = threading.Condition(self.lock)  # notified as a trajectory finishes or fails
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="trajectory-stream", daemon=True)
         self.thread.start()
@@ -56,15 +57,19 @@ class TrajectoryStream:
             traj = await self.runner.run_one(job["row"], job["seed"], sample, self.batcher)
             out = {"group": job["group"], "sample": sample, **traj.output()}
         except BaseException as err:  # noqa: BLE001 - reported by the next collect
-            with self.lock:
+            with self.done:
                 self.errors.append(err)
+                self.done.notify_all()
             return
-        with self.lock:
+        with self.done:
             self.finished.append(out)
+            self.done.notify_all()
 
-    def collect(self) -> list[dict]:
-        """Every trajectory finished since the last call (raises the first trajectory's error, if any)."""
-        with self.lock:
+    def collect(self, wait_s: float = 0.0) -> list[dict]:
+        """Every trajectory finished since the last call, waiting up to ``wait_s`` for one when none has (raises
+        the first trajectory's error, if any)."""
+        with self.done:
+            self.done.wait_for(lambda: self.finished or self.errors, timeout=wait_s)
             if self.errors:
                 raise self.errors[0]
             out, self.finished = self.finished, []
@@ -86,4 +91,5 @@ class TrajectoryStream:
 
         self.loop.call_soon_threadsafe(stop)
         self.thread.join(CLOSE_TIMEOUT_S)
+        self.batcher.close()
         self.runner.executor.close()

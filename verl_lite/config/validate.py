@@ -207,7 +207,7 @@ def _section_problems(cfg: PPOConfig, needs, n: int | None) -> list[str]:
     if tpath and tpath != mpath and not any((Path(tpath) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         p.append(f"actor_rollout_ref.model.tokenizer_path={tpath!r} holds no tokenizer.json/tokenizer_config.json")
     p.extend(cfg.reward.problems(d.max_response_length))
-    p.extend(tr.v1.problems(cfg.data, arr.actor))
+    p.extend(tr.v1.problems(cfg.data, arr.actor, arr.rollout))
     p.extend(cfg.async_training.problems(arr, alg, tr.v1.trainer_mode))
     p.extend(placement_problems(tr.nnodes))
     p.extend(_checkpoint_key_problems(tr))

@@ -9,7 +9,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
-TRAINER_MODES = ("sync", "separate_async")  # verl's trainer.v1.trainer_mode values built here
+TRAINER_MODES = ("sync", "colocate_async", "separate_async")  # verl's trainer.v1.trainer_mode values
+STREAMED_MODES = ("colocate_async", "separate_async")  # the trajectory stream (controller/stream.py) runs
 OFF_POLICY_STRATEGIES = ("drop", "wait")
 
 
@@ -44,20 +45,30 @@ class SeparateAsyncConfig:
 
 
 @dataclass
+class ColocateAsyncConfig:
+    """``trainer.v1.colocate_async``: the actor's own workers stream trajectories ``num_warmup_batches`` ahead,
+    paused while their engine computes (docs/async.md, "Colocated streaming")."""
+
+    num_warmup_batches: int = 1  # batches of prompt groups in flight ahead of the trainer (as separate_async's)
+
+
+@dataclass
 class V1Config:
     """verl's ``trainer.v1`` section: which of the pipeline's settings a verl v1 script asks for."""
 
-    trainer_mode: str = "sync"  # sync (rollout and training take turns) | separate_async (a rollout pool running ahead)
+    trainer_mode: str = "sync"  # sync (rollout and training take turns) | colocate_async (the actor's workers stream ahead, paused while they train) | separate_async (a rollout pool streaming ahead)
     sampler: V1SamplerConfig = field(default_factory=V1SamplerConfig)
+    colocate_async: ColocateAsyncConfig = field(default_factory=ColocateAsyncConfig)
     separate_async: SeparateAsyncConfig = field(default_factory=SeparateAsyncConfig)
 
-    def problems(self, data, actor) -> list[str]:
+    def warmup_batches(self) -> int:
+        """Batches of prompt groups the stream runs ahead of the trainer (0 when it does not stream)."""
+        mode = {"colocate_async": self.colocate_async, "separate_async": self.separate_async}.get(self.trainer_mode)
+        return 0 if mode is None else mode.num_warmup_batches
+
+    def problems(self, data, actor, rollout) -> list[str]:
         K, out = "trainer.v1", []
-        if self.trainer_mode == "colocate_async":
-            out.append(f"{K}.trainer_mode=colocate_async is not built: rollout and training on the same workers take "
-                       f"turns here (no abort/resume of a colocated engine); use {K}.trainer_mode=separate_async with "
-                       f"a rollout pool (actor_rollout_ref.rollout.n_gpus_per_node), or sync")
-        elif self.trainer_mode not in TRAINER_MODES:
+        if self.trainer_mode not in TRAINER_MODES:
             out.append(f"{K}.trainer_mode={self.trainer_mode!r} is unknown; choose one of {list(TRAINER_MODES)}")
         sampler = self.sampler
         if not (isinstance(sampler.max_off_policy_threshold, int) and sampler.max_off_policy_threshold > 0):
@@ -65,9 +76,12 @@ class V1Config:
         if sampler.max_off_policy_strategy not in OFF_POLICY_STRATEGIES:
             out.append(f"{K}.sampler.max_off_policy_strategy={sampler.max_off_policy_strategy!r} is unknown; choose "
                        f"one of {list(OFF_POLICY_STRATEGIES)}")
-        if self.trainer_mode != "separate_async":
+        if self.trainer_mode == "colocate_async" and rollout.batch_invariant:
+            out.append(f"{K}.trainer_mode=colocate_async with actor_rollout_ref.rollout.batch_invariant=true: the "
+                       f"actor's engine would generate beside its own updates, a collective call per rank; use sync")
+        if self.trainer_mode not in STREAMED_MODES:
             return out
-        sa, S = self.separate_async, f"{K}.separate_async"
+        sa, S = getattr(self, self.trainer_mode), f"{K}.{self.trainer_mode}"
         if not (isinstance(sa.num_warmup_batches, int) and sa.num_warmup_batches >= 0):
             out.append(f"{S}.num_warmup_batches={sa.num_warmup_batches} must be an integer >= 0")
         elif isinstance(sampler.max_off_policy_threshold, int) and sa.num_warmup_batches + 1 > sampler.max_off_policy_threshold:
@@ -75,7 +89,7 @@ class V1Config:
                        f"{sa.num_warmup_batches + 1} versions after their prompts were submitted, past "
                        f"{K}.sampler.max_off_policy_threshold={sampler.max_off_policy_threshold}; lower the first or "
                        f"raise the second")
-        step = sa.parameter_sync_step
+        step = getattr(sa, "parameter_sync_step", None)
         if step is not None and data.train_batch_size != step * actor.ppo_mini_batch_size:
             out.append(f"{S}.parameter_sync_step={step}: data.train_batch_size={data.train_batch_size} must equal "
                        f"parameter_sync_step x actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} "
@@ -86,15 +100,16 @@ class V1Config:
 def resolve_placement(cfg) -> None:
     """The placement and the policy lag a config asks for, set in place (idempotent); the one rule for both:
     ``trainer.v1.trainer_mode=separate_async``: rollout workers of their own (``hybrid_engine=false``), lag
-    ``trainer.v1.separate_async.num_warmup_batches``; ``actor_rollout_ref.hybrid_engine=false`` alone: verl's
+    ``trainer.v1.separate_async.num_warmup_batches``; ``colocate_async``: the actor's workers (``hybrid_engine=true``),
+    lag ``trainer.v1.colocate_async.num_warmup_batches``; ``actor_rollout_ref.hybrid_engine=false`` alone: verl's
     one-step-off recipe, lag 1; otherwise colocated and synchronous, lag 0. An explicit
     ``async_training.staleness_threshold`` wins over the derived lag."""
     v1, at = cfg.trainer.v1, cfg.async_training
-    if v1.trainer_mode == "separate_async":
-        cfg.actor_rollout_ref.hybrid_engine = False
+    if v1.trainer_mode in STREAMED_MODES:
+        cfg.actor_rollout_ref.hybrid_engine = v1.trainer_mode == "colocate_async"
     if at.staleness_threshold is None:
-        if v1.trainer_mode == "separate_async":
-            at.staleness_threshold = v1.separate_async.num_warmup_batches
+        if v1.trainer_mode in STREAMED_MODES:
+            at.staleness_threshold = v1.warmup_batches()
         else:
             at.staleness_threshold = 0 if cfg.actor_rollout_ref.hybrid_engine else 1
 
@@ -113,13 +128,13 @@ class AsyncTrainingConfig:
         ``algorithm`` section (what split placement does not build), ``trainer_mode`` = ``trainer.v1.trainer_mode``."""
         R, K = "actor_rollout_ref.rollout", "async_training"
         out: list[str] = []
-        streamed = trainer_mode == "separate_async"
+        streamed = trainer_mode in STREAMED_MODES
         if self.partial_rollout is True and not streamed:
             out.append(f"{K}.partial_rollout=true: the one-step-off schedule generates every batch whole by one policy "
-                       f"version; partial rollouts (weights landing while a trajectory runs) are "
-                       f"trainer.v1.trainer_mode=separate_async's: use that, or drop this key")
+                       f"version; partial rollouts (weights landing while a trajectory runs) are the streamed modes' "
+                       f"(trainer.v1.trainer_mode=colocate_async or separate_async): use one, or drop this key")
         if self.partial_rollout is False and streamed:
-            out.append(f"{K}.partial_rollout=false: streaming (trainer.v1.trainer_mode=separate_async) always continues "
+            out.append(f"{K}.partial_rollout=false: streaming (trainer.v1.trainer_mode={trainer_mode}) always continues "
                        f"running trajectories on the new weights; holding each weight sync until every running "
                        f"trajectory has finished is not built: drop this key")
         if isinstance(self.staleness_threshold, float) and 0 < self.staleness_threshold < 1:
@@ -137,10 +152,14 @@ class AsyncTrainingConfig:
         for key in ("n_gpus_per_node", "nnodes"):
             if not isinstance(getattr(arr.rollout, key), int) or getattr(arr.rollout, key) < 1:
                 out.append(f"{R}.{key}={getattr(arr.rollout, key)} must be an integer >= 1")
+        if trainer_mode == "colocate_async" and alg.adv_estimator == "remax":
+            out.append("algorithm.adv_estimator=remax with trainer.v1.trainer_mode=colocate_async: its greedy baseline "
+                       "must come from the batch's own policy version; use sync")
         if arr.hybrid_engine:
-            if self.staleness_threshold:
+            if self.staleness_threshold and trainer_mode != "colocate_async":
                 out.append(f"{K}.staleness_threshold={self.staleness_threshold} needs rollout workers of their own: "
-                           f"set actor_rollout_ref.hybrid_engine=false (colocated rollout and training cannot overlap)")
+                           f"set actor_rollout_ref.hybrid_engine=false, or stream on the actor's workers "
+                           f"(trainer.v1.trainer_mode=colocate_async)")
             return out
         if arr.rollout.nnodes > 1:
             out.append(f"{R}.nnodes={arr.rollout.nnodes}: a rollout pool spanning nodes is not built; use 1")

@@ -1,7 +1,8 @@
-"""verl's ``separate_async`` on the rollout pool: prompt groups stream through the rollout workers' trajectory
-streams (``verl_lite.agent.stream``); step s (1-based) trains version s - 1 on the oldest complete groups whose age
-``s - submit_step + 1`` is at most ``max_off_policy_threshold``, then publishes version s (verl's v1 sampler: the
-outstanding groups, ``drop`` and ``wait``: docs/async.md, "Streaming"). Every wait is bounded.
+"""verl's streamed modes (``separate_async`` on the rollout pool, ``colocate_async`` on the actor's workers): prompt
+groups stream through the workers' trajectory streams (``verl_lite.agent.stream``); step s (1-based) trains version
+s - 1 on the oldest complete groups whose age ``s - submit_step + 1`` is at most ``max_off_policy_threshold``, then
+publishes version s (verl's v1 sampler: the outstanding groups, ``drop`` and ``wait``: docs/async.md, "Streaming").
+Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, Callable
 from verl_lite.controller.pipeline import STARVING_FIX, WORKER_FAILED_FIX, PipelineError
 from verl_lite.controller.worker_group import WorkerError, WorkerTimeout
 
-POLL_S = 0.05  # how often the driver asks the rollout workers for finished trajectories while it waits
+POLL_S = 0.05  # how long a rollout worker holds the driver's ask for finished trajectories when none has finished
 
 
 @dataclass
@@ -59,7 +60,6 @@ class StreamingPipeline:
                 break
             if time.monotonic() - started > self.queue_timeout_s:
                 raise self._starving(step, count)
-            time.sleep(POLL_S)
         for group in chosen:
             del self.groups[group.gid]
         rows = [g.row for g in chosen]
@@ -120,7 +120,7 @@ class StreamingPipeline:
         """Every worker's finished trajectories; a worker silent past the step's ``queue_timeout_s`` is starving."""
         left = max(1.0, self.queue_timeout_s - (time.monotonic() - started))
         try:
-            answers = self.role.call_all("stream_collect", timeout_s=left)
+            answers = self.role.call_all("stream_collect", POLL_S, timeout_s=left)
         except WorkerTimeout:
             raise self._starving(step, count, "; a rollout worker stopped answering") from None
         except WorkerError as err:

@@ -251,10 +251,11 @@ class HFRollout(Rollout):
         return results
 
     def _prefill(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int):
-        """The prompts' forward, ONE row per prompt, its KV cache rows and last logits then repeated for its n
-        samples (``Cache.batch_repeat_interleave``; a cache without it gets the prompts repeated n times instead).
-        Returns (ids, attention mask, cache, last logits), n rows per prompt; the cache has room for
-        ``max_new_tokens`` more positions where ``compat.kv_cache`` serves the model."""
+        """The forward of each DISTINCT prompt once, its KV cache rows and last logits then selected for each of the
+        call's rows (n per prompt; a prompt given twice, as a stream's samples of one group are, shares its row:
+        ``Cache.batch_select_indices``; a cache without it gets every row's prompt instead). Returns (ids, attention
+        mask, cache, last logits) per row and the rows' index into the forward's (None: one row each); the cache has
+        room for ``max_new_tokens`` more positions where ``compat.kv_cache`` serves the model."""
         def forward(seqs):
             ids, attn = self._left_pad(seqs)
             position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
@@ -263,15 +264,16 @@ class HFRollout(Rollout):
                              **({} if cache is None else {self._cache_kw: cache}))
             return ids, attn, _cache_of(out), out.logits[:, -1, :]
 
-        once = forward([list(p) for p in prompt_ids])
-        ids, attn, past, logits = once
-        if n == 1:
-            return once
-        if not callable(getattr(past, "batch_repeat_interleave", None)):
-            return forward([list(p) for p in prompt_ids for _ in range(n)])
-        past.batch_repeat_interleave(n)
-        return (ids.repeat_interleave(n, dim=0), attn.repeat_interleave(n, dim=0), past,
-                logits.repeat_interleave(n, dim=0))
+        rows = [tuple(p) for p in prompt_ids for _ in range(n)]
+        distinct = {prompt: i for i, prompt in enumerate(dict.fromkeys(rows))}
+        if len(distinct) == len(rows):
+            return (*forward([list(p) for p in rows]), None)
+        ids, attn, past, logits = forward([list(p) for p in distinct])
+        if not callable(getattr(past, "batch_select_indices", None)):
+            return (*forward([list(p) for p in rows]), None)
+        index = torch.tensor([distinct[r] for r in rows], device=self.device)
+        past.batch_select_indices(index)
+        return ids[index], attn[index], past, logits[index], index
 
     def _stopped_by_string(self, tokens: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor,
                            stop: list[str]) -> torch.Tensor:
@@ -288,8 +290,8 @@ class HFRollout(Rollout):
         b = len(prompt_ids) * n
         row_seeds, row_samples = torch.tensor(keys, dtype=torch.int64, device=self.device).unbind(-1)
         row_hashes = row_keys(row_seeds, row_samples)  # counter_uniform's per-row part, hashed once per call
-        ids, attn, past, logits = self._prefill(prompt_ids, n, max_new_tokens)
-        routing = self._prefill_routing(b, ids.shape[1], max_new_tokens)
+        ids, attn, past, logits, index = self._prefill(prompt_ids, n, max_new_tokens)
+        routing = self._prefill_routing(index, ids.shape[1], max_new_tokens)
         position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
         next_pos = position_ids[:, -1:] + 1
 
@@ -342,13 +344,13 @@ class HFRollout(Rollout):
 
         return tokens.cpu(), logps.cpu(), lengths.tolist(), [False] * b, routing
 
-    def _prefill_routing(self, b: int, width: int, max_new_tokens: int) -> torch.Tensor | None:
-        """The routing of ``_prefill``'s (last) forward, ``UNKNOWN_EXPERT`` in the response columns: uint8 [b, width +
-        max_new_tokens, layers, top_k] (None without ``record_routing``). That forward ran once per prompt (its rows
-        then repeated for the n samples) or once per sample: told apart by its token count."""
+    def _prefill_routing(self, index: torch.Tensor | None, width: int, max_new_tokens: int) -> torch.Tensor | None:
+        """The routing of ``_prefill``'s (last) forward, ``UNKNOWN_EXPERT`` in the response columns, per row of the
+        call (``index``: ``_prefill``'s): uint8 [rows, width + max_new_tokens, layers, top_k] (None without
+        ``record_routing``)."""
         if self._router_recorder is None:
             return None
         prefill = self._router_recorder.take().unflatten(0, (-1, width))
         routing = prefill.new_full((prefill.shape[0], width + max_new_tokens, *prefill.shape[2:]), UNKNOWN_EXPERT)
         routing[:, :width] = prefill
-        return routing.repeat_interleave(b // prefill.shape[0], dim=0)
+        return routing if index is None else routing[index.to(routing.device)]

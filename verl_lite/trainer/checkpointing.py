@@ -24,6 +24,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from verl_lite.controller.config import STREAMED_MODES
 from verl_lite.errors import BadInput
 from verl_lite.utils import safe_files
 
@@ -436,11 +437,11 @@ class CheckpointManager:
         if async_state is not None and async_state["policy_version"] != state.global_step:
             raise CheckpointRefused(f"{path / ASYNC_FILE} records policy version {async_state['policy_version']}, "
                                     f"the checkpoint step {state.global_step}", fix)
-        streamed = self.cfg.trainer.v1.trainer_mode == "separate_async"
+        streamed = self.cfg.trainer.v1.trainer_mode in STREAMED_MODES
         if async_state is not None and not streamed and any(i.batch is None for i in async_state["in_flight"]):
             raise CheckpointRefused(f"{path / ASYNC_FILE} holds a streamed run's prompts (trainer.v1.trainer_mode="
-                                    f"separate_async), not generated batches", "resume with "
-                                    "trainer.v1.trainer_mode=separate_async, or start a new run")
+                                    f"colocate_async or separate_async), not generated batches", "resume with "
+                                    "one of those trainer.v1.trainer_mode values, or start a new run")
         digest = _config_digest(self.cfg)
         changed = {k: (v, digest.get(k)) for k, v in state.config_digest.items() if digest.get(k) != v}
         if changed:

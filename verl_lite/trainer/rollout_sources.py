@@ -7,7 +7,8 @@ which one runs (docs/async.md):
     source.close()
 
 ``open_rollout_source`` picks ``ColocatedRollouts`` (synchronous), ``PipelinedRollouts`` (one-step-off, a fixed
-schedule) or ``StreamedRollouts`` (``trainer.v1.trainer_mode=separate_async``, partial rollouts).
+schedule), ``StreamedRollouts`` (``trainer.v1.trainer_mode=separate_async``, partial rollouts) or
+``ColocatedStreamedRollouts`` (``colocate_async``: the same stream on the actor's workers).
 """
 
 from __future__ import annotations
@@ -155,16 +156,25 @@ class StreamedRollouts(_PoolRollouts):
         super().__init__(rollouts)
         cfg = self.cfg
         self.n = cfg.actor_rollout_ref.rollout.n
-        role, v1, a = rollouts.placement.rollout, cfg.trainer.v1, cfg.async_training
-        role.call_all("stream_start", self._spec(), dict(rollouts.training_sampling(), n=self.n))
+        v1, a = cfg.trainer.v1, cfg.async_training
+        self._start_streams(step)
         resubmit = [row for item in (resumed_state or {}).get("in_flight", []) for row in item.rows]
         self.pipeline = StreamingPipeline(
-            role, lambda: agent_rows(next(batches)), self.n, cfg.data.train_batch_size,
-            v1.separate_async.num_warmup_batches, v1.sampler.max_off_policy_threshold,
-            v1.sampler.max_off_policy_strategy, lambda gid: stream_group_seed(cfg.trainer.seed, step, gid),
-            a.queue_timeout_s, self._load, resubmit=resubmit)
+            self.role, lambda: agent_rows(next(batches)), self.n, cfg.data.train_batch_size, v1.warmup_batches(),
+            v1.sampler.max_off_policy_threshold, v1.sampler.max_off_policy_strategy,
+            lambda gid: stream_group_seed(cfg.trainer.seed, step, gid), a.queue_timeout_s, self._load,
+            resubmit=resubmit)
         if step > 0:
-            self._publish(step, step)
+            self._resumed_policy(step)
+
+    def _start_streams(self, step: int) -> None:
+        """The rollout pool's streams (``self.role``)."""
+        self.role = self.placement.rollout
+        self.role.call_all("stream_start", self._spec(), dict(self.rollouts.training_sampling(), n=self.n))
+
+    def _resumed_policy(self, step: int) -> None:
+        """A resumed run's policy (version ``step``) to the pool."""
+        self._publish(step, step)
 
     def _spec(self) -> AgentSpec:
         """The agent spec of a multi-turn run, else the single-turn loop's."""
@@ -197,12 +207,35 @@ class StreamedRollouts(_PoolRollouts):
         return {"policy_version": step, "in_flight": [RolloutItem(step, self.pipeline.outstanding_rows(), step)]}
 
 
+class ColocatedStreamedRollouts(StreamedRollouts):
+    """``trainer.v1.trainer_mode=colocate_async``: :class:`StreamedRollouts` on the actor's own workers. Their
+    streams pause while the engine computes; after an update each worker loads its actor's weights into its
+    rollout and the stream goes on with them (``ActorRolloutRefWorker.stream_reload``): no export, no object
+    store."""
+
+    def _start_streams(self, step: int) -> None:
+        """The actor's streams, on the policy its workers hold (version ``step``: a resumed run loaded it)."""
+        self.role = self.placement.actor
+        self.role.call_all("stream_start", self._spec(), dict(self.rollouts.training_sampling(), n=self.n), step)
+
+    def _resumed_policy(self, step: int) -> None:
+        pass  # the actor's workers loaded it from the checkpoint, their rollouts with it
+
+    def after_update(self, step: int, m: dict) -> None:
+        with M.timer(m, "sync_weights"):
+            self._call(self.role, f"step {step + 1}: loading the updated policy into the actor's rollouts",
+                       "stream_reload", step + 1)
+
+
 def open_rollout_source(rollouts: Rollouts, batches: Iterator[list[dict]], step: int, total_steps: int,
                         resumed_state: dict | None):
-    """The run's rollout source: colocated without a rollout pool; with one, the stream under
-    ``trainer.v1.trainer_mode=separate_async``, else the fixed schedule."""
+    """The run's rollout source by ``trainer.v1.trainer_mode``: the actor's streams (colocate_async), the rollout
+    pool's (separate_async); else without a rollout pool colocated, with one the fixed schedule."""
+    mode = rollouts.cfg.trainer.v1.trainer_mode
+    if mode == "colocate_async":
+        return ColocatedStreamedRollouts(rollouts, batches, step, total_steps, resumed_state)
+    if mode == "separate_async":
+        return StreamedRollouts(rollouts, batches, step, total_steps, resumed_state)
     if rollouts.placement.rollout is None:
         return ColocatedRollouts(rollouts)
-    if rollouts.cfg.trainer.v1.trainer_mode == "separate_async":
-        return StreamedRollouts(rollouts, batches, step, total_steps, resumed_state)
     return PipelinedRollouts(rollouts, batches, step, total_steps, resumed_state)

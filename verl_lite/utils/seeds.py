@@ -31,6 +31,6 @@ def cov_selection_seed(seed: int, step: int, mini_batch: int) -> int:
 
 
 def stream_group_seed(seed: int, first_step: int, group: int) -> int:
-    """Streamed rollouts (``trainer.v1.trainer_mode=separate_async``): the seed of prompt group ``group`` (numbered
+    """Streamed rollouts (``trainer.v1.trainer_mode=colocate_async`` or ``separate_async``): the seed of prompt group ``group`` (numbered
     from 0 in submission order) of a run (or resumed run) that started at RL step ``first_step``."""
     return (rollout_seed(seed, first_step) + group * 7_919) % ROLLOUT_SEED_SPACE

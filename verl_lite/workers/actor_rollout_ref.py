@@ -1,19 +1,24 @@
 """Actor + rollout + reference policy in ONE process per rank (one Ray actor per engine rank): the actor a
 trainable ``MegatronEngine`` shard; the ref a frozen forward-only one on the same process groups (only when a
 KL needs it; with LoRA, the actor with its adapters off); the rollout a full generation model, loaded with the
-actor's weights after an update before it next samples (no call from the controller). Thin shells: the rows,
-micro-batches, normalization plan and token counts come from the controller; no RL math here.
+actor's weights after an update before it next samples (no call from the controller). Under
+``trainer.v1.trainer_mode=colocate_async`` the rollout runs a trajectory stream (``agent.stream``) beside the
+engine: every call that computes on the engine or samples for the controller pauses it, and an update keeps it
+paused until ``stream_reload`` has loaded the new policy. Thin shells: the rows, micro-batches, normalization plan
+and token counts come from the controller; no RL math here.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from functools import partial
 
 import ray
 
-from verl_lite.agent.loop import AgentRunner
+from verl_lite.agent.loop import AgentRunner, VersionedRollout
+from verl_lite.agent.stream import TrajectoryStream
 from verl_lite.algorithms import actor_loss
 from verl_lite.algorithms.distillation import STUDENT_TOPK_LOG_PROBS_KEY, TEACHER_KEYS, TEACHER_TOPK_IDS_KEY, uses_topk
 from verl_lite.compat.cpu_adapter import suspended
@@ -59,7 +64,47 @@ class WorkerConfig(EngineWorkerConfig):
     router_replay: str = "disabled"  # R2: the old-log-prob pass records the routing the update replays; R3: both replay the rollout's
 
 
-class ActorRolloutRefWorker(EngineWorker):
+def stream_paused(method):
+    """``method`` runs with this worker's trajectory stream paused, if one runs (and is not held already)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if self.stream is None or self.stream_held:
+            return method(self, *args, **kwargs)
+        self.stream.runner.rollout.pause()
+        self.stream_held = True
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.stream_held = False
+            self.stream.runner.rollout.resume()
+
+    return run
+
+
+class StreamHost:
+    """A worker's trajectory stream (the streamed modes, ``controller.stream``): ``self.rollout`` driven by agent
+    loops on a thread of its own, fed and drained by the controller."""
+
+    stream = None
+    version = 0  # the policy version the rollout holds
+    stream_held = False  # this worker holds its stream paused (an engine call runs, or an update awaits stream_reload)
+
+    def stream_start(self, spec, sampling: dict, version: int | None = None) -> None:
+        """Start the stream with an agent spec (``verl_lite.agent.AgentSpec``) and the sampling; the rollout holds
+        policy ``version`` (default: the last one loaded)."""
+        self.version = self.version if version is None else int(version)
+        runner = AgentRunner(VersionedRollout(self.rollout, self.version), self.rollout_cfg.tokenizer(), spec)
+        self.stream = TrajectoryStream(runner, sampling)
+
+    def stream_submit(self, jobs: list[dict]) -> None:
+        self.stream.submit(jobs)
+
+    def stream_collect(self, wait_s: float = 0.0) -> list[dict]:
+        """The trajectories finished since the last call, waiting up to ``wait_s`` for one."""
+        return self.stream.collect(wait_s)
+
+
+class ActorRolloutRefWorker(StreamHost, EngineWorker):
     def __init__(self, rank: int, world_size: int, cfg: WorkerConfig):
         super().__init__(rank, world_size, cfg)
         self.rollout_cfg = cfg.rollout
@@ -94,6 +139,7 @@ class ActorRolloutRefWorker(EngineWorker):
         return {"actor": size(self.actor), "ref": size(self.ref),
                 "ref_is_actor_without_adapters": self._ref_is_actor_without_adapters()}
 
+    @stream_paused
     def generate(self, prompt_ids: list[list[int]], seeds: list[int] | None, sampling: dict) -> list[dict]:
         """:meth:`sample` from the actor's current weights (the rollout catches up first)."""
         self._catch_up_rollout()
@@ -118,6 +164,7 @@ class ActorRolloutRefWorker(EngineWorker):
         """Build this worker's agent runner (multi-turn rollouts) from a ``verl_lite.agent.AgentSpec``."""
         self.agent = AgentRunner(self.rollout, self.rollout_cfg.tokenizer(), spec)
 
+    @stream_paused
     def generate_agent(self, rows: list[dict], seeds: list[int] | None, sampling: dict) -> list[dict]:
         """:meth:`_run_agent` from the actor's current weights (the rollout catches up first)."""
         self._catch_up_rollout()
@@ -130,6 +177,7 @@ class ActorRolloutRefWorker(EngineWorker):
             raise RuntimeError("generate_agent: init_agent was not called (multi_turn.enable needs it)")
         return self.agent.run(rows, seeds, sampling) if rows else []
 
+    @stream_paused
     def sync_rollout_weights(self) -> int:
         """Copy the actor's current weights (LoRA: merged into the base) into the rollout model. Collective."""
         self.rollout_behind = False
@@ -138,12 +186,27 @@ class ActorRolloutRefWorker(EngineWorker):
         with suspended():  # reading, gathering and copying tensors: no CUDA->CPU rewriting on the way
             return self.rollout.load_weights(self.actor.export_merged_hf())
 
+    def stream_reload(self, version: int) -> None:
+        """Colocated streaming, after an update: the actor's weights into the stream's rollout, which goes on (its
+        running trajectories too) as policy ``version``. Collective."""
+        rollout = self.stream.runner.rollout
+        if not self.stream_held:
+            rollout.pause()
+            self.stream_held = True
+        try:
+            self._catch_up_rollout()
+        finally:
+            self.stream_held = False
+            rollout.resume(version)
+        self.version = int(version)
+
     def _catch_up_rollout(self) -> None:
         """Load the actor's weights into the rollout if an update came since its last load. Collective: every rank
         receives each generation call (empty pieces included) and took part in the update."""
         if self.rollout_behind:
             self.sync_rollout_weights()
 
+    @stream_paused
     def export_rollout_weights(self, bucket_bytes: int) -> tuple[list, int] | None:
         """Split placement: the actor's weights (LoRA merged) in flat buckets of at most ``bucket_bytes``, each put
         into Ray's object store by rank 0, which returns (the buckets' ObjectRefs, their bytes). Collective."""
@@ -159,12 +222,14 @@ class ActorRolloutRefWorker(EngineWorker):
                 nbytes += bucket.data.numel()
         return refs, nbytes
 
+    @stream_paused
     def compute_log_prob(self, piece: Batch, micro_batches: list[list[int]], temperature: float) -> dict | None:
         """Old log-probs and entropy [n, W] of this DP rank's piece (None off the output owner)."""
         mode = self.cfg.router_replay
         return self.actor.infer(sequence_batch(piece, routing=mode == "R3"), micro_batches, temperature,
                                 outputs=("log_probs", "entropy"), record_routing=mode == "R2")
 
+    @stream_paused
     def compute_ref_log_prob(self, piece: Batch, micro_batches: list[list[int]], temperature: float) -> dict | None:
         """Reference log-probs [n, W]: the reference engine's, or with LoRA the actor's with its adapters off."""
         if self._ref_is_actor_without_adapters():
@@ -182,6 +247,9 @@ class ActorRolloutRefWorker(EngineWorker):
         ``distillation`` (the ``distillation.distillation_loss`` section when on); the LR schedule steps at
         ``end_of_step`` (the RL step's last call)."""
         loss = partial(actor_loss, cfg=loss_cfg, correction=correction, distillation=distillation)
+        if self.stream is not None and not self.stream_held:  # no sampling from here to the new policy's load
+            self.stream.runner.rollout.pause()
+            self.stream_held = True
         self.rollout_behind = self.rollout_behind or bool(jobs)
         outputs = {}
         if distillation is not None and uses_topk(distillation.loss_mode):  # the student at the teacher's top-k ids
@@ -189,6 +257,7 @@ class ActorRolloutRefWorker(EngineWorker):
         return self._train_jobs(jobs, loss, ACTOR_LOSS_KEYS, end_of_step, temperature=temperature, **outputs)
 
     # ------------------------------------------------------------------ checkpoints (dist_checkpointing: on use)
+    @stream_paused
     def save_checkpoint(self, path: str, hf_dir: str | None = None) -> None:
         """The actor's engine state (+ this rank's RNG) into ``path``; with ``hf_dir`` also the policy as an HF
         directory. Collective. The reference policy is the initial model: not saved."""
@@ -198,6 +267,7 @@ class ActorRolloutRefWorker(EngineWorker):
         if hf_dir is not None:
             self.export_hf_dir(hf_dir)
 
+    @stream_paused
     def load_checkpoint(self, path: str) -> dict:
         """Load a :meth:`save_checkpoint` directory (any layout) and refresh the rollout's weights. Collective."""
         from verl_lite.engine.checkpoint import load_role_state
@@ -206,6 +276,7 @@ class ActorRolloutRefWorker(EngineWorker):
         self.sync_rollout_weights()
         return info
 
+    @stream_paused
     def export_hf_dir(self, hf_dir: str) -> None:
         """The current policy as an HF directory (safetensors + config + tokenizer). Collective."""
         from verl_lite.engine.checkpoint import save_hf_pretrained

@@ -8,19 +8,16 @@ from __future__ import annotations
 
 import ray
 
-from verl_lite.agent.loop import AgentRunner, VersionedRollout
-from verl_lite.agent.stream import TrajectoryStream
 from verl_lite.controller.worker_group import Worker
 from verl_lite.rollout.buckets import bucket_tensors
-from verl_lite.workers.actor_rollout_ref import ActorRolloutRefWorker, RolloutWorkerConfig
+from verl_lite.workers.actor_rollout_ref import ActorRolloutRefWorker, RolloutWorkerConfig, StreamHost
 
 
-class RolloutWorker(Worker):
+class RolloutWorker(StreamHost, Worker):
     def __init__(self, rank: int, world_size: int, cfg: RolloutWorkerConfig):
         super().__init__(rank, world_size)
         self.cfg = self.rollout_cfg = cfg
-        self.rollout = self.agent = self.stream = None
-        self.version = 0
+        self.rollout = self.agent = None
 
     def init_model(self) -> None:
         self.rollout = self.cfg.build()
@@ -47,14 +44,3 @@ class RolloutWorker(Worker):
         n = stream.runner.rollout.load(named_tensors, version) if stream else self.rollout.load_weights(named_tensors)
         self.version = int(version)
         return n
-
-    def stream_start(self, spec, sampling: dict) -> None:
-        """Start this worker's trajectory stream (``verl_lite.agent.stream``) with an agent spec and the sampling."""
-        runner = AgentRunner(VersionedRollout(self.rollout, self.version), self.cfg.tokenizer(), spec)
-        self.stream = TrajectoryStream(runner, sampling)
-
-    def stream_submit(self, jobs: list[dict]) -> None:
-        self.stream.submit(jobs)
-
-    def stream_collect(self) -> list[dict]:
-        return self.stream.collect()
