@@ -1,4 +1,4 @@
-"""The tool-agent recipe with a slow, heavy-tailed tool, three ways side by side in one run:
+"""The tool-agent recipe with a slow, heavy-tailed tool, several ways side by side in one run:
 
 - ``lockstep``: synchronous, every model turn waits for every trajectory's tool call
   (``multi_turn.batch_wait_s=null``: the agent loop as it was before the barrier went);
@@ -12,7 +12,10 @@
   are 1-4 policy versions old, and without a correction their update is a plain on-policy gradient;
 - ``async_w2_clip``: the shipped ``--recipe async`` (``recipes/async.yaml``): ``async_w2_is`` with the behaviour
   log-probs as the old ones (``rollout_correction.bypass_mode=true, loss_type=ppo_clip``): the PPO ratio
-  pi / pi_behaviour, clipped, bounds each token's step.
+  pi / pi_behaviour, clipped, bounds each token's step;
+- ``colocate_w2_clip``: ``async_w2_clip`` on the actor's own workers (``trainer.v1.trainer_mode=colocate_async``,
+  two batches ahead): no rollout worker of its own; the stream runs while the step waits and scores, and pauses
+  while the actor computes.
 
 Every side runs ``python -m verl_lite.trainer.main_ppo --recipe tool_agent`` with the recipe's calculator replaced
 by ``bench/slow_tool.py``'s (each call sleeps a lognormal time: median 1 s, sigma 1, capped at 10 s) and
@@ -41,13 +44,15 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SIDES = ("lockstep", "sync", "async", "async_w2", "async_w2_is", "async_w2_clip")
+SIDES = ("lockstep", "sync", "async", "async_w2", "async_w2_is", "async_w2_clip", "colocate_w2_clip")
 SIDE_KEYS = {"lockstep": ["actor_rollout_ref.rollout.multi_turn.batch_wait_s=null"], "sync": [],
              "async": ["trainer.v1.trainer_mode=separate_async"],
              "async_w2": ["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.num_warmup_batches=2"],
              "async_w2_is": ["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.num_warmup_batches=2",
                              "algorithm.rollout_correction.rollout_is=token"],
-             "async_w2_clip": ["--recipe", "async"]}  # recipes/async.yaml: async_w2_is's keys and the clipped ratio
+             "async_w2_clip": ["--recipe", "async"],  # recipes/async.yaml: async_w2_is's keys and the clipped ratio
+             "colocate_w2_clip": ["--recipe", "async", "trainer.v1.trainer_mode=colocate_async",
+                                  "trainer.v1.colocate_async.num_warmup_batches=2"]}
 TOOL_CONFIG = """tools:
 - class_name: bench.slow_tool.SlowCalculator
   config: {type: native, median_s: %(median)s, sigma: %(sigma)s, cap_s: %(cap)s}

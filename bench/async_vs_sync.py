@@ -1,5 +1,6 @@
 """The default job side by side: verl_lite synchronous (colocated), verl_lite one-step-off (``--recipe
-one_step_off``: a rollout pool of its own, staleness 1), verl_lite streamed asynchronous (``--recipe async``:
+one_step_off``: a rollout pool of its own, staleness 1), verl_lite streamed on the actor's own workers
+(``trainer.v1.trainer_mode=colocate_async``, one batch ahead), verl_lite streamed asynchronous (``--recipe async``:
 ``separate_async`` two batches ahead, the ratio to the sampler clipped) and TRL's GRPOTrainer (``--sides``
 picks; sync always runs).
 
@@ -9,7 +10,7 @@ Install TRL once, in a venv of its OWN (as ``bench/rl_step_vs_trl.py`` says):
 
 Run with the project's interpreter:
 
-    .venv/bin/python bench/async_vs_sync.py [--pairs 2] [--sides sync,one_step_off,async,trl] [--trl-python ...]
+    .venv/bin/python bench/async_vs_sync.py [--pairs 2] [--sides sync,one_step_off,async,colocate_async,trl] [--trl-python ...]
 
 The same work on every side: the shipped tiny model, the synthetic-addition train split, 60 RL steps of
 16 prompts x 8 samples, up to 12 new tokens, temperature 1, lr 1e-4 constant, AdamW (0.9, 0.99), no
@@ -44,14 +45,15 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "verl_lite" / "assets" / "tiny-addition"
 DATA_DIR = REPO / "verl_lite" / "assets" / "synthetic-addition"
 STEPS, PROMPTS, SAMPLES, NEW_TOKENS, LR = 60, 16, 8, 12, 1e-4
-SIDES = ("sync", "one_step_off", "async", "trl")
+SIDES = ("sync", "one_step_off", "async", "colocate_async", "trl")
+SIDE_ARGS = {"sync": [], "one_step_off": ["--recipe", "one_step_off"], "async": ["--recipe", "async"],
+             "colocate_async": ["trainer.v1.trainer_mode=colocate_async"]}  # the key alone, as a verl script sets it
 
 
 # ====================================================================== the sides
 def verl_command(side: str, out: Path) -> list[str]:
     """The user's command line for a verl_lite side (the default job; validation off; the last step saved)."""
-    recipe = [] if side == "sync" else ["--recipe", side]
-    return [sys.executable, "-m", "verl_lite.trainer.main_ppo", *recipe,
+    return [sys.executable, "-m", "verl_lite.trainer.main_ppo", *SIDE_ARGS[side],
             f"trainer.total_training_steps={STEPS}", "trainer.test_freq=0", "trainer.val_before_train=false",
             f"trainer.save_freq={STEPS}", f"trainer.default_local_dir={out / 'ckpt'}",
             f"trainer.output_dir={out / 'run'}"]
@@ -166,7 +168,7 @@ def main() -> None:
     accuracy = {s: [held_out_accuracy(d) for _, d in runs[s]] for s in sides}
 
     name = {"sync": "verl_lite sync", "one_step_off": "verl_lite one-step-off", "async": "verl_lite --recipe async",
-            "trl": "TRL GRPOTrainer"}
+            "colocate_async": "verl_lite colocate_async", "trl": "TRL GRPOTrainer"}
     summary = {}
     print(f"\nheld-out accuracy of the shipped model: {base:.3f} (one evaluator, greedy, {STEPS} steps per run)")
     for side in sides:

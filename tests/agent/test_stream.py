@@ -155,8 +155,8 @@ def _load(backend, weights, version):
 
 
 def _pause_load_resume(backend, weights, version):
-    """A colocated worker's update (``ActorRolloutRefWorker.update_actor`` then ``stream_reload``): the stream held
-    while the engine trains, the new weights copied in, the stream let go on as the new version."""
+    """A colocated worker's update (``ActorRolloutRefWorker.update_actor``): the stream held while the engine
+    trains, the new weights copied in, the stream let go on as the new version."""
     backend.pause()
     backend.rollout.load_weights(weights)
     backend.resume(version)

@@ -209,9 +209,9 @@ class StreamedRollouts(_PoolRollouts):
 
 class ColocatedStreamedRollouts(StreamedRollouts):
     """``trainer.v1.trainer_mode=colocate_async``: :class:`StreamedRollouts` on the actor's own workers. Their
-    streams pause while the engine computes; after an update each worker loads its actor's weights into its
-    rollout and the stream goes on with them (``ActorRolloutRefWorker.stream_reload``): no export, no object
-    store."""
+    streams pause while the engine computes; a step's update ends with each worker loading its actor's weights
+    into its rollout as the next version, and the stream goes on with them (``ActorRolloutRefWorker.update_actor``):
+    no export, no object store, nothing to send after the update."""
 
     def _start_streams(self, step: int) -> None:
         """The actor's streams, on the policy its workers hold (version ``step``: a resumed run loaded it)."""
@@ -222,9 +222,7 @@ class ColocatedStreamedRollouts(StreamedRollouts):
         pass  # the actor's workers loaded it from the checkpoint, their rollouts with it
 
     def after_update(self, step: int, m: dict) -> None:
-        with M.timer(m, "sync_weights"):
-            self._call(self.role, f"step {step + 1}: loading the updated policy into the actor's rollouts",
-                       "stream_reload", step + 1)
+        pass
 
 
 def open_rollout_source(rollouts: Rollouts, batches: Iterator[list[dict]], step: int, total_steps: int,

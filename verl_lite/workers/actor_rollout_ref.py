@@ -3,8 +3,8 @@ trainable ``MegatronEngine`` shard; the ref a frozen forward-only one on the sam
 KL needs it; with LoRA, the actor with its adapters off); the rollout a full generation model, loaded with the
 actor's weights after an update before it next samples (no call from the controller). Under
 ``trainer.v1.trainer_mode=colocate_async`` the rollout runs a trajectory stream (``agent.stream``) beside the
-engine: every call that computes on the engine or samples for the controller pauses it, and an update keeps it
-paused until ``stream_reload`` has loaded the new policy. Thin shells: the rows, micro-batches, normalization plan
+engine: every call that computes on the engine or samples for the controller pauses it, and a step's update keeps
+it paused until it has loaded the new policy into the rollout. Thin shells: the rows, micro-batches, normalization plan
 and token counts come from the controller; no RL math here.
 """
 
@@ -87,7 +87,7 @@ class StreamHost:
 
     stream = None
     version = 0  # the policy version the rollout holds
-    stream_held = False  # this worker holds its stream paused (an engine call runs, or an update awaits stream_reload)
+    stream_held = False  # this worker holds its stream paused (an engine call or a step's update runs)
 
     def stream_start(self, spec, sampling: dict, version: int | None = None) -> None:
         """Start the stream with an agent spec (``verl_lite.agent.AgentSpec``) and the sampling; the rollout holds
@@ -186,20 +186,6 @@ class ActorRolloutRefWorker(StreamHost, EngineWorker):
         with suspended():  # reading, gathering and copying tensors: no CUDA->CPU rewriting on the way
             return self.rollout.load_weights(self.actor.export_merged_hf())
 
-    def stream_reload(self, version: int) -> None:
-        """Colocated streaming, after an update: the actor's weights into the stream's rollout, which goes on (its
-        running trajectories too) as policy ``version``. Collective."""
-        rollout = self.stream.runner.rollout
-        if not self.stream_held:
-            rollout.pause()
-            self.stream_held = True
-        try:
-            self._catch_up_rollout()
-        finally:
-            self.stream_held = False
-            rollout.resume(version)
-        self.version = int(version)
-
     def _catch_up_rollout(self) -> None:
         """Load the actor's weights into the rollout if an update came since its last load. Collective: every rank
         receives each generation call (empty pieces included) and took part in the update."""
@@ -245,7 +231,9 @@ class ActorRolloutRefWorker(StreamHost, EngineWorker):
                      correction: dict | None = None, end_of_step: bool = True, distillation=None) -> list[dict]:
         """``_train_jobs`` of ``actor_loss`` with the actor section ``loss_cfg``, ``correction`` and
         ``distillation`` (the ``distillation.distillation_loss`` section when on); the LR schedule steps at
-        ``end_of_step`` (the RL step's last call)."""
+        ``end_of_step`` (the RL step's last call). With a stream running (colocated), it is held from the first
+        call of the step to its end, when the new weights are loaded into its rollout as the next policy version
+        and it goes on. Collective."""
         loss = partial(actor_loss, cfg=loss_cfg, correction=correction, distillation=distillation)
         if self.stream is not None and not self.stream_held:  # no sampling from here to the new policy's load
             self.stream.runner.rollout.pause()
@@ -254,7 +242,15 @@ class ActorRolloutRefWorker(StreamHost, EngineWorker):
         outputs = {}
         if distillation is not None and uses_topk(distillation.loss_mode):  # the student at the teacher's top-k ids
             outputs = {"outputs": ("log_probs", "entropy", STUDENT_TOPK_LOG_PROBS_KEY), "ids_key": TEACHER_TOPK_IDS_KEY}
-        return self._train_jobs(jobs, loss, ACTOR_LOSS_KEYS, end_of_step, temperature=temperature, **outputs)
+        results = self._train_jobs(jobs, loss, ACTOR_LOSS_KEYS, end_of_step, temperature=temperature, **outputs)
+        if self.stream is not None and end_of_step:
+            try:
+                self._catch_up_rollout()
+            finally:
+                self.stream_held = False
+                self.version += 1
+                self.stream.runner.rollout.resume(self.version)
+        return results
 
     # ------------------------------------------------------------------ checkpoints (dist_checkpointing: on use)
     @stream_paused
