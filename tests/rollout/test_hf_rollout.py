@@ -168,11 +168,42 @@ def test_shared_prefill_in_place_cache_and_dropping_stopped_rows_change_no_sampl
     if in_place:
         assert selected and min(selected) < len(prompts) * 4, "stopped rows must have left the batch"
     monkeypatch.setattr(hf_rollout, "reserved_cache", lambda *a: None)
-    monkeypatch.setattr(DynamicCache, "batch_repeat_interleave", None)
     monkeypatch.setattr(DynamicCache, "batch_select_indices", None)
     plain = r.generate(prompts, n=4, seeds=seeds, **kw)
     assert [o["response_ids"] for o in fast] == [o["response_ids"] for o in plain]
     for a, b in zip(fast, plain):
+        torch.testing.assert_close(a["log_probs"], b["log_probs"], atol=1e-5, rtol=0)
+
+
+def test_a_prompt_given_twice_is_prefilled_once_and_samples_as_if_alone(model_dir, tok, monkeypatch):
+    """A stream sends a group's samples as separate prompts (n=1 each): each distinct prompt is prefilled once and
+    its rows take copies of its cache, with the same tokens and log-probs as every row prefilled on its own."""
+    from transformers import DynamicCache
+
+    from verl_lite.rollout import hf_rollout
+
+    r = HFRollout(model_dir, tok)
+    distinct = _varied_prompts(tok)[:3]
+    prompts = [distinct[i % 3] for i in range(9)]  # each three times, interleaved
+    seeds = [11 + 5 * i for i in range(9)]
+    kw = dict(do_sample=True, temperature=1.0, top_k=-1, top_p=1.0, max_new_tokens=10)
+    forward, prefill_rows = r.model.forward, []
+
+    def counting(*args, **kwargs):
+        if kwargs["input_ids"].shape[1] > 1:  # a prefill (a decode step feeds one token per row)
+            prefill_rows.append(kwargs["input_ids"].shape[0])
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(r.model, "forward", counting)
+    shared = r.generate(prompts, n=1, seeds=seeds, **kw)
+    assert prefill_rows == [3]
+    monkeypatch.setattr(hf_rollout, "reserved_cache", lambda *a: None)
+    monkeypatch.setattr(DynamicCache, "batch_select_indices", None)  # a cache that cannot copy rows
+    prefill_rows.clear()
+    alone = r.generate(prompts, n=1, seeds=seeds, **kw)
+    assert prefill_rows[-1] == 9  # every row prefilled on its own
+    assert [o["response_ids"] for o in shared] == [o["response_ids"] for o in alone]
+    for a, b in zip(shared, alone):
         torch.testing.assert_close(a["log_probs"], b["log_probs"], atol=1e-5, rtol=0)
 
 
