@@ -7,7 +7,9 @@ log-probs of every sampled token with its own weights (``rollout_correction.roll
 and ``rollout/logprob_diff_max`` is the largest |vLLM's behaviour log-prob - the trainer's| of the step.
 
 - staleness 0: every batch is sampled by the version the actor trains (``async/staleness`` 0), so the
-  difference stays at float noise on every step (< 1e-3), the same as the colocated vLLM rollout's;
+  difference stays at float noise on every step (< 1e-3), the same as the colocated vLLM rollout's and the colocated
+  stream's (``trainer.v1.trainer_mode=colocate_async``, nothing ahead: the worker loads each update into its own
+  vLLM engine);
   a rollout pool that missed an update (or loaded it wrong) would sample with other weights, and with
   lr 1e-2 an update moves the log-probs by far more than that;
 - staleness 1 (one-step-off): batch b is sampled by version max(0, b - 1); on the steps that train a
@@ -33,6 +35,9 @@ COMMON = {"trainer.total_training_steps": STEPS, "trainer.test_freq": 0, "traine
 # weight syncs in buckets of 256 KiB: about a dozen per policy of the shipped model
 SPLIT = {"actor_rollout_ref.hybrid_engine": "false", "actor_rollout_ref.rollout.n_gpus_per_node": 1,
          "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes": 0.25}
+# the stream on the actor's own workers, nothing generated ahead: each step's groups are sampled after the last
+# update was loaded into the worker's vLLM engine in process
+COLOCATE_ASYNC_0 = {"trainer.v1.trainer_mode": "colocate_async", "trainer.v1.colocate_async.num_warmup_batches": 0}
 NOISE = 1e-3  # |behaviour - trainer| log-prob of one token sampled by the trained version (vLLM CPU vs the engine)
 
 
@@ -49,12 +54,13 @@ def _fit(tmp_path, **extra) -> list[dict]:
 def runs(shared_ray, tmp_path_factory):  # noqa: F811
     out = tmp_path_factory.mktemp("split_vllm")
     return {"colocated": _fit(out / "colocated"),
+            "colocate_async0": _fit(out / "colocate_async0", **COLOCATE_ASYNC_0),
             "split0": _fit(out / "split0", **SPLIT, **{"async_training.staleness_threshold": 0}),
             "split1": _fit(out / "split1", **SPLIT, **{"async_training.staleness_threshold": 1})}
 
 
 def test_staleness_zero_vllm_pool_samples_the_trained_version(runs):
-    for name in ("colocated", "split0"):
+    for name in ("colocated", "colocate_async0", "split0"):
         records = runs[name]
         assert [r["step"] for r in records] == list(range(1, STEPS + 1)), name
         print(name, [(r["rollout/logprob_diff_max"], r["actor/grad_norm"], r["reward/mean"]) for r in records])
@@ -62,6 +68,8 @@ def test_staleness_zero_vllm_pool_samples_the_trained_version(runs):
             assert r["rollout/logprob_diff_max"] < NOISE, (name, r["step"], r["rollout/logprob_diff_max"])
             assert math.isfinite(r["actor/pg_loss"])
         assert records[0]["actor/grad_norm"] > 1e-3, "the check needs a first update that moves the policy"
+    for r in runs["colocate_async0"]:
+        assert r["training/off_policy/trajectory_staleness_worst/max"] == 0, r
     for r in runs["split0"]:
         assert r["async/staleness"] == 0 and r["async/policy_version"] == r["step"] - 1, r
         assert r["perf/weight_sync_bytes"] > 1 << 20 and r["perf/weight_sync_gb_per_s"] > 0, r
