@@ -107,14 +107,15 @@ class StreamingPipeline:
             try:
                 self.role.group.call_per_rank("stream_submit", [[j] for j in jobs])
             except WorkerError as err:
-                raise PipelineError(f"the rollout pool failed: {err}", WORKER_FAILED_FIX) from err
+                raise PipelineError(f"the {self.role.name} workers' trajectory streams failed: {err}",
+                                    WORKER_FAILED_FIX) from err
 
     def _starving(self, step: int, count: int, why: str = "") -> PipelineError:
         complete = sum(len(g.samples) == self.n for g in self.groups.values())
         return PipelineError(
             f"step {step}: {complete} of the {count} prompt groups it needs were complete after "
             f"async_training.queue_timeout_s={self.queue_timeout_s:g}s ({len(self.groups)} outstanding{why})",
-            STARVING_FIX)
+            STARVING_FIX if self.role.name == "rollout" else "raise async_training.queue_timeout_s")
 
     def _collect(self, step: int, started: float, count: int) -> None:
         """Every worker's finished trajectories; a worker silent past the step's ``queue_timeout_s`` is starving."""
@@ -122,9 +123,10 @@ class StreamingPipeline:
         try:
             answers = self.role.call_all("stream_collect", POLL_S, timeout_s=left)
         except WorkerTimeout:
-            raise self._starving(step, count, "; a rollout worker stopped answering") from None
+            raise self._starving(step, count, f"; a {self.role.name} worker stopped answering") from None
         except WorkerError as err:
-            raise PipelineError(f"the rollout pool failed: {err}", WORKER_FAILED_FIX) from err
+            raise PipelineError(f"the {self.role.name} workers' trajectory streams failed: {err}",
+                                    WORKER_FAILED_FIX) from err
         for worker, finished in enumerate(answers):
             for out in finished:
                 self.load[worker] -= 1
