@@ -39,13 +39,15 @@ def reserved_layer_class():
             self.keys = self._key_buffer.narrow(2, 0, self._length)
             self.values = self._value_buffer.narrow(2, 0, self._length)
 
-        def _reserve(self, keys: torch.Tensor, values: torch.Tensor, room: int) -> None:
-            """New buffers of ``room`` positions holding ``keys`` / ``values`` (the filled part)."""
+        def _reserve(self, keys: torch.Tensor, values: torch.Tensor, room: int, repeats: int = 1) -> None:
+            """New buffers of ``room`` positions holding ``keys`` / ``values`` (the filled part), each row repeated
+            ``repeats`` times in place (``batch_repeat_interleave``'s order) by one copy."""
             length = keys.shape[-2]
             for name, states in (("_key_buffer", keys), ("_value_buffer", values)):
                 batch, heads, _, width = states.shape
-                buffer = states.new_empty((batch, heads, room, width))
-                buffer.narrow(2, 0, length).copy_(states)
+                buffer = states.new_empty((batch * repeats, heads, room, width))
+                filled = buffer.narrow(2, 0, length).view(batch, repeats, heads, length, width)
+                filled.copy_(states.unsqueeze(1).expand(batch, repeats, heads, length, width))
                 setattr(self, name, buffer)
             self._length = length
             self._expose()
@@ -91,6 +93,10 @@ def reserved_layer_class():
 
         def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
             self.batch_select_indices(beam_idx)
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            if self._key_buffer is not None:
+                self._reserve(self.keys, self.values, self._key_buffer.shape[-2], repeats)
 
         def reset(self) -> None:
             self._key_buffer = self._value_buffer = None
