@@ -107,8 +107,10 @@ class StreamingPipeline:
             try:
                 self.role.group.call_per_rank("stream_submit", [[j] for j in jobs])
             except WorkerError as err:
-                raise PipelineError(f"the {self.role.name} workers' trajectory streams failed: {err}",
-                                    WORKER_FAILED_FIX) from err
+                raise self._failed(err) from err
+
+    def _failed(self, err: WorkerError) -> PipelineError:
+        return PipelineError(f"the {self.role.name} workers' trajectory streams failed: {err}", WORKER_FAILED_FIX)
 
     def _starving(self, step: int, count: int, why: str = "") -> PipelineError:
         complete = sum(len(g.samples) == self.n for g in self.groups.values())
@@ -125,8 +127,7 @@ class StreamingPipeline:
         except WorkerTimeout:
             raise self._starving(step, count, f"; a {self.role.name} worker stopped answering") from None
         except WorkerError as err:
-            raise PipelineError(f"the {self.role.name} workers' trajectory streams failed: {err}",
-                                    WORKER_FAILED_FIX) from err
+            raise self._failed(err) from err
         for worker, finished in enumerate(answers):
             for out in finished:
                 self.load[worker] -= 1

@@ -68,15 +68,12 @@ def stream_paused(method):
     """``method`` runs with this worker's trajectory stream paused, if one runs (and is not held already)."""
     @functools.wraps(method)
     def run(self, *args, **kwargs):
-        if self.stream is None or self.stream_held:
+        if not self.hold_stream():
             return method(self, *args, **kwargs)
-        self.stream.runner.rollout.pause()
-        self.stream_held = True
         try:
             return method(self, *args, **kwargs)
         finally:
-            self.stream_held = False
-            self.stream.runner.rollout.resume()
+            self.release_stream()
 
     return run
 
@@ -95,6 +92,22 @@ class StreamHost:
         self.version = self.version if version is None else int(version)
         runner = AgentRunner(VersionedRollout(self.rollout, self.version), self.rollout_cfg.tokenizer(), spec)
         self.stream = TrajectoryStream(runner, sampling)
+
+    def hold_stream(self) -> bool:
+        """Pause the stream (its running call cut short, none started) unless none runs or it is held already;
+        True when this call paused it."""
+        if self.stream is None or self.stream_held:
+            return False
+        self.stream.runner.rollout.pause()
+        self.stream_held = True
+        return True
+
+    def release_stream(self, version: int | None = None) -> None:
+        """Let the held stream go on (as policy ``version`` from now, when given)."""
+        if version is not None:
+            self.version = int(version)
+        self.stream_held = False
+        self.stream.runner.rollout.resume(version)
 
     def stream_submit(self, jobs: list[dict]) -> None:
         self.stream.submit(jobs)
@@ -235,9 +248,7 @@ class ActorRolloutRefWorker(StreamHost, EngineWorker):
         call of the step to its end, when the new weights are loaded into its rollout as the next policy version
         and it goes on. Collective."""
         loss = partial(actor_loss, cfg=loss_cfg, correction=correction, distillation=distillation)
-        if self.stream is not None and not self.stream_held:  # no sampling from here to the new policy's load
-            self.stream.runner.rollout.pause()
-            self.stream_held = True
+        self.hold_stream()  # no sampling from here to the new policy's load
         self.rollout_behind = self.rollout_behind or bool(jobs)
         outputs = {}
         if distillation is not None and uses_topk(distillation.loss_mode):  # the student at the teacher's top-k ids
@@ -247,9 +258,7 @@ class ActorRolloutRefWorker(StreamHost, EngineWorker):
             try:
                 self._catch_up_rollout()
             finally:
-                self.stream_held = False
-                self.version += 1
-                self.stream.runner.rollout.resume(self.version)
+                self.release_stream(self.version + 1)
         return results
 
     # ------------------------------------------------------------------ checkpoints (dist_checkpointing: on use)
